@@ -1,0 +1,150 @@
+"""Plan (plan.json) and Schedule (action lists): pure data, no processes."""
+import json
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hapt_hf.planner.plan import Plan, PlanError, StagePlan, StagePrediction
+from hapt_hf.planner.schedule import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
+                                      default_warmups, format_grid, validate_schedule)
+
+
+def _plan(**kw) -> Plan:
+    stages = (
+        StagePlan(0, (0, 5), "v100", "V100-32", (0, 1), 3,
+                  predicted=StagePrediction(0.011, 0.022, 9.1e9)),
+        StagePlan(1, (5, 9), "a100", "A100-40", (2,), 2),
+        StagePlan(2, (9, 14), "a100", "A100-40", (3,), 1, recompute=True),
+    )
+    base = dict(model_name="gpt2", num_layers=14, seq_len=1024, global_batch_size=64,
+                micro_batch_size=2, num_microbatches=32, schedule="h1f1b", stages=stages)
+    base.update(kw)
+    return Plan(**base)
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    plan = _plan(baselines={"uniform": 2.5})
+    path = plan.save(tmp_path / "plan.json")
+    again = Plan.load(path)
+    assert again == plan
+    assert json.loads(path.read_text())["stages"][0]["dp"] == 2
+    assert again.world_size == 4 and again.stage_of_rank(2).index == 1
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(micro_batch_size=3), "global_batch_size"),
+    (dict(schedule="zigzag"), "schedule"),
+    (dict(num_layers=15), "last stage must end"),
+])
+def test_plan_validation_names_the_field(change, words):
+    with pytest.raises(PlanError, match=words):
+        _plan(**change).validate()
+
+
+def test_plan_rejects_gap_overlap_and_empty_stage():
+    p = _plan()
+    gap = replace(p, stages=(p.stages[0], replace(p.stages[1], layers=(6, 9)), p.stages[2]))
+    with pytest.raises(PlanError, match="leaves out"):
+        gap.validate()
+    empty = replace(p, stages=(p.stages[0], replace(p.stages[1], layers=(5, 5)),
+                               replace(p.stages[2], layers=(5, 14))))
+    with pytest.raises(PlanError, match="empty layer range"):
+        empty.validate()
+    with pytest.raises(PlanError, match="started"):
+        p.validate(world_size=3)
+
+
+def test_plan_load_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(bad)
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+    d = _plan().to_dict()
+    del d["stages"][1]["ranks"]
+    with pytest.raises(PlanError, match="'ranks'"):
+        Plan.from_dict(d)
+
+
+def test_with_schedule_sets_default_warmups():
+    p = _plan()
+    assert p.with_schedule("1f1b").warmups() == [3, 2, 1]
+    assert p.with_schedule("gpipe").warmups() == [32, 32, 32]
+
+
+def test_action_string_round_trip():
+    for a in (Action(1, ActionKind.F, 3), Action(12, ActionKind.RECV_B, 40)):
+        assert Action.parse(str(a)) == a
+
+
+def _compute(s: Schedule, stage: int) -> list[str]:
+    return [str(a) for a in s.compute_only(stage)]
+
+
+def test_1f1b_order_matches_the_textbook():
+    s = build_schedule("1f1b", 3, 4)
+    assert _compute(s, 0) == ["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"]
+    assert _compute(s, 2) == ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]
+
+
+def test_gpipe_runs_all_forwards_first():
+    s = build_schedule("gpipe", 2, 3)
+    assert _compute(s, 1) == ["1F0", "1F1", "1F2", "1B0", "1B1", "1B2"]
+
+
+def test_receives_are_posted_one_compute_ahead():
+    s = build_schedule("1f1b", 3, 4)
+    for lst in s.actions:
+        comp_pos = [i for i, a in enumerate(lst) if a.is_compute]
+        for j, i in enumerate(comp_pos[1:], start=1):
+            a = lst[i]
+            want = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B}[a.kind]
+            recv = [k for k, b in enumerate(lst) if b.kind is want and b.microbatch == a.microbatch]
+            if recv:  # the transfer overlaps the compute before it
+                assert recv[0] < comp_pos[j - 1], (lst, a)
+
+
+def test_deadlocking_warmups_fail_with_marked_grid():
+    with pytest.raises(ScheduleError) as e:
+        build_schedule("h1f1b", 3, 4, [1, 2, 1])
+    msg = str(e.value)
+    assert "deadlock" in msg and "[0B0]" in msg and "stage |" in msg
+
+
+def test_static_checks_catch_missing_and_unmatched_actions():
+    good = build_schedule("1f1b", 2, 2)
+    lists = [list(l) for l in good.actions]
+    lists[1] = [a for a in lists[1] if str(a) != "1B1"]
+    with pytest.raises(ScheduleError, match="never runs B of micro-batch 1"):
+        validate_schedule(replace(good, actions=tuple(tuple(l) for l in lists)))
+    lists = [list(l) for l in good.actions]
+    lists[1] = [a for a in lists[1] if str(a) != "1RECV_F0"]
+    with pytest.raises(ScheduleError, match="no matching RECV_F|before its RECV_F"):
+        validate_schedule(replace(good, actions=tuple(tuple(l) for l in lists)))
+
+
+def test_schedule_dict_round_trip():
+    s = build_schedule("h1f1b", 3, 5, [4, 3, 1])
+    assert Schedule.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    assert "0F0" in format_grid(s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), m=st.integers(1, 12), kind=st.sampled_from(["gpipe", "1f1b"]),
+       extra=st.lists(st.integers(0, 3), min_size=6, max_size=6))
+def test_every_nonincreasing_warmup_schedule_is_valid(n, m, kind, extra):
+    warm = default_warmups(kind, n, m)
+    if kind == "1f1b":  # H-1F1B: deeper warm-ups, still non-increasing along the pipeline
+        acc = 0
+        for i in reversed(range(n)):
+            acc += extra[i]
+            warm[i] += acc
+    s = build_schedule("h1f1b" if kind == "1f1b" else kind, n, m, warm)
+    for stage in range(n):
+        comp = s.compute_only(stage)
+        assert sorted(str(a) for a in comp) == sorted(
+            [f"{stage}F{k}" for k in range(m)] + [f"{stage}B{k}" for k in range(m)])
+        first_b = next(i for i, a in enumerate(comp) if a.kind is ActionKind.B)
+        assert first_b == min(s.warmups[stage], m)
