@@ -1,0 +1,261 @@
+"""The readable plan table that ``hapt-hf plan`` and ``hapt-hf simulate`` print.
+
+A :class:`PlanReport` gathers, from a :class:`~hapt_hf.planner.plan.Plan` and the simulator's
+result for it, one row per stage (where it runs, which layers, how long a micro-batch takes, how
+much memory it needs against what its GPUs have) and the whole-iteration figures (iteration
+time, tokens/s, bubble, distance to the physical limit, each baseline's time and the speed-up
+over it). It is plain data: :func:`format_report` turns it into text, :func:`report_to_dict`
+into JSON.
+
+The simulator's result and the baselines are read by attribute only (``iteration_s``,
+``events``, ``plan``, ``sim``, ``reason``...), so this module needs nothing but the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from hapt_hf.planner.plan import Plan
+
+if TYPE_CHECKING:  # only for annotations: the simulator imports nothing of this module
+    from hapt_hf.planner.simulate import SimResult
+
+__all__ = ["StageRow", "BaselineRow", "PlanReport", "build_report", "format_report",
+           "report_to_dict", "format_ranks", "layer_names"]
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One line of the table: a pipeline stage."""
+
+    index: int
+    group: str
+    device: str
+    ranks: tuple[int, ...]
+    layers: tuple[int, int]
+    """Half-open range over the layer sequence."""
+    layer_names: str
+    """The same range in words, e.g. ``emb,b0-b3``."""
+    forward_ms: float
+    """Forward time of one micro-batch on one GPU of the stage."""
+    backward_ms: float
+    peak_memory_gb: float
+    """Peak memory of one GPU of the stage."""
+    capacity_gb: float | None
+    """Memory of one GPU of the stage's group; None when the cluster is not known."""
+    warmup: int
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity_gb is None or self.peak_memory_gb <= self.capacity_gb
+
+
+@dataclass(frozen=True)
+class BaselineRow:
+    """A baseline split scored by the same simulator, or why it could not be scored."""
+
+    name: str
+    iteration_s: float | None
+    """None when the baseline is infeasible (see ``reason``)."""
+    speedup: float | None
+    """Baseline iteration time over the plan's: above 1 means the plan is faster."""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """Everything the table shows, as data."""
+
+    title: str
+    schedule: str
+    micro_batch_size: int
+    num_microbatches: int
+    stages: tuple[StageRow, ...]
+    iteration_s: float
+    tokens_per_s: float
+    bubble_fraction: float
+    feasible: bool
+    reason: str = ""
+    physical_limit_s: float | None = None
+    """Total work over the sum of every GPU's speed; no plan can be faster."""
+    search_time_s: float | None = None
+    baselines: tuple[BaselineRow, ...] = ()
+
+    @property
+    def limit_distance(self) -> float | None:
+        """(iteration - limit) / limit: 0.05 means 5% slower than the physical limit."""
+        if not self.physical_limit_s or self.physical_limit_s <= 0:
+            return None
+        return (self.iteration_s - self.physical_limit_s) / self.physical_limit_s
+
+
+# -- building ---------------------------------------------------------------------------------
+
+def format_ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    """``(0, 1, 2, 3, 6)`` -> ``"0-3,6"``: contiguous runs collapsed."""
+    out: list[str] = []
+    rs = sorted(ranks)
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def layer_names(layers: tuple[int, int], num_layers: int) -> str:
+    """Name a half-open range of ``[embedding, block_0 .. block_{N-1}, head]`` in words."""
+    start, end = layers
+    parts: list[str] = []
+    if start == 0:
+        parts.append("emb")
+    first, last = max(start, 1) - 1, min(end, num_layers - 1) - 2  # block indices, inclusive
+    if last >= first:
+        parts.append(f"b{first}" if first == last else f"b{first}-b{last}")
+    if end == num_layers:
+        parts.append("head")
+    return ",".join(parts)
+
+
+def _event_means(sim: Any, stage: int, kind: str) -> float | None:
+    """Mean duration of one stage's events of one kind, from the simulator's record."""
+    spans = [e.end - e.start for e in getattr(sim, "events", ()) if e.stage == stage
+             and e.kind == kind]
+    return sum(spans) / len(spans) if spans else None
+
+
+def _stage_rows(plan: Plan, sim: Any | None,
+                capacity_gb: Mapping[str, float] | None) -> tuple[StageRow, ...]:
+    rows = []
+    for s in plan.stages:
+        # The simulator's record wins over the plan's own figures: a hand-edited plan's
+        # "predicted" block may be stale, the replay is not.
+        fwd = _event_means(sim, s.index, "F") if sim is not None else None
+        bwd = _event_means(sim, s.index, "B") if sim is not None else None
+        peak = s.predicted.peak_memory_bytes
+        if sim is not None and s.index < len(sim.peak_memory_bytes):
+            peak = sim.peak_memory_bytes[s.index]
+        rows.append(StageRow(
+            index=s.index, group=s.group, device=s.device_type, ranks=tuple(s.ranks),
+            layers=tuple(s.layers), layer_names=layer_names(s.layers, plan.num_layers),
+            forward_ms=1e3 * (s.predicted.forward_s if fwd is None else fwd),
+            backward_ms=1e3 * (s.predicted.backward_s if bwd is None else bwd),
+            peak_memory_gb=peak / _GB,
+            capacity_gb=None if capacity_gb is None else capacity_gb.get(s.group),
+            warmup=s.warmup))
+    return tuple(rows)
+
+
+def _baseline_rows(baselines: Mapping[str, Any] | None,
+                   iteration_s: float) -> tuple[BaselineRow, ...]:
+    rows = []
+    for name, b in (baselines or {}).items():
+        sim = getattr(b, "sim", None)
+        if sim is None or not getattr(sim, "feasible", True) or getattr(b, "plan", 1) is None:
+            why = getattr(b, "reason", "") or (getattr(sim, "reason", "") if sim else "")
+            rows.append(BaselineRow(name, None, None, why or "infeasible"))
+            continue
+        speed = sim.iteration_s / iteration_s if iteration_s > 0 else None
+        rows.append(BaselineRow(name, sim.iteration_s, speed, getattr(b, "reason", "")))
+    return tuple(rows)
+
+
+def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
+                 capacity_gb: Mapping[str, float] | None = None,
+                 physical_limit_s: float | None = None, search_time_s: float | None = None,
+                 baselines: Mapping[str, Any] | None = None) -> PlanReport:
+    """Gather the table's figures; without ``sim`` the plan's own predictions are shown.
+
+    ``capacity_gb`` maps a group name to the memory of one of its GPUs; ``baselines`` maps a
+    name to an object with ``plan``, ``sim`` and ``reason`` (the search's BaselineResult).
+    """
+    if sim is not None:
+        iteration, bubble = sim.iteration_s, sim.bubble_fraction
+        feasible, reason = bool(sim.feasible), str(getattr(sim, "reason", ""))
+    else:
+        iteration, bubble = plan.predicted.iteration_s, plan.predicted.bubble_fraction
+        feasible, reason = True, ""
+    tokens = plan.global_batch_size * plan.seq_len / iteration if iteration > 0 else 0.0
+    return PlanReport(
+        title=title or f"{plan.model_name} on {plan.cluster_name or 'cluster'}",
+        schedule=plan.schedule, micro_batch_size=plan.micro_batch_size,
+        num_microbatches=plan.num_microbatches,
+        stages=_stage_rows(plan, sim, capacity_gb), iteration_s=iteration,
+        tokens_per_s=tokens, bubble_fraction=bubble, feasible=feasible, reason=reason,
+        physical_limit_s=physical_limit_s, search_time_s=search_time_s,
+        baselines=_baseline_rows(baselines, iteration))
+
+
+# -- text ----------------------------------------------------------------------------------
+
+_HEADERS = ("stage", "group", "device", "GPUs (ranks)", "layers", "fwd ms", "bwd ms",
+            "memory GB", "warm-up")
+
+
+def _cells(r: StageRow) -> tuple[str, ...]:
+    mem = f"{r.peak_memory_gb:.1f}"
+    if r.capacity_gb is not None:
+        mem += f" / {r.capacity_gb:.0f}" + ("" if r.fits else " OVER")
+    layers = f"[{r.layers[0]},{r.layers[1]}) {r.layers[1] - r.layers[0]}: {r.layer_names}"
+    return (str(r.index), r.group, r.device, f"{len(r.ranks)} ({format_ranks(r.ranks)})",
+            layers, f"{r.forward_ms:.2f}", f"{r.backward_ms:.2f}", mem, str(r.warmup))
+
+
+def _table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    # numbers right-aligned, words left-aligned, so columns of figures line up
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if c[:1].isdigit() or c[:1] == "-" else c.ljust(w)
+                         for c, w in zip(cells, widths)).rstrip()
+    return [line(headers), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def format_report(rep: PlanReport) -> str:
+    """The table and the figures under it, as printed by the CLI."""
+    out = [f"{rep.title}: {len(rep.stages)} stages, schedule {rep.schedule}, micro-batch "
+           f"{rep.micro_batch_size} x {rep.num_microbatches}", ""]
+    out += _table(_HEADERS, [_cells(r) for r in rep.stages])
+    out.append("")
+    out.append(f"iteration time   {_fmt_s(rep.iteration_s)}")
+    out.append(f"throughput       {rep.tokens_per_s:,.0f} tokens/s")
+    out.append(f"bubble           {100 * rep.bubble_fraction:.1f}%")
+    if rep.limit_distance is not None:
+        out.append(f"physical limit   {_fmt_s(rep.physical_limit_s)} "
+                   f"(plan is {100 * rep.limit_distance:.1f}% above it)")
+    if rep.search_time_s is not None:
+        out.append(f"search time      {rep.search_time_s:.2f} s")
+    over = [r for r in rep.stages if not r.fits]
+    if not rep.feasible or over:
+        why = rep.reason or ", ".join(f"stage {r.index} needs {r.peak_memory_gb:.1f} GB of "
+                                      f"{r.capacity_gb:.0f} GB" for r in over)
+        out.append(f"memory           DOES NOT FIT: {why}")
+    elif any(r.capacity_gb is not None for r in rep.stages):
+        out.append("memory           fits on every GPU")
+    if rep.baselines:
+        out += ["", "baseline                 iteration     plan speed-up"]
+        for b in rep.baselines:
+            if b.iteration_s is None:
+                out.append(f"{b.name:<24} infeasible: {b.reason}")
+            else:
+                out.append(f"{b.name:<24} {_fmt_s(b.iteration_s):>12}  {b.speedup:>8.2f}x")
+    return "\n".join(out)
+
+
+def report_to_dict(rep: PlanReport) -> dict[str, Any]:
+    """JSON-ready form of the report (``hapt-hf plan --json``)."""
+    d = asdict(rep)
+    d["limit_distance"] = rep.limit_distance
+    for row, src in zip(d["stages"], rep.stages):
+        row["fits"] = src.fits
+        row["ranks"] = list(src.ranks)
+        row["layers"] = list(src.layers)
+    return d
