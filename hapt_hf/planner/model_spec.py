@@ -1,14 +1,41 @@
 """ModelSpec: the layer sequence the planner cuts, built from a transformers config (no weights).
 
-SKELETON: fields are the contract; the helper owning this file fills in the bodies.
+The sequence is ``[embedding, block_0 .. block_{N-1}, head]``:
+
+- the embedding owns the token embedding (and learned positions, OPT's ``project_in``);
+- each block owns its norms, attention and MLP;
+- the head owns the final norm (OPT's ``project_out``) and the LM head. With tied embeddings the
+  head owns no copy of the embedding matrix, so ``total_params`` equals the model's parameter
+  count; the head's FLOPs still include the vocabulary projection.
+
+Conventions (per sample = one sequence of ``seq_len`` tokens):
+
+- FLOPs: ``2 * seq_len * (weights of every matmul applied to each token)`` plus, per block,
+  ``4 * seq_len**2 * attention_width`` for the score and context matmuls. The causal half is NOT
+  subtracted: dense kernels compute the whole square. Backward = 2x forward.
+- Activation memory kept for backward: the breakdown of Korthikanti et al., "Reducing Activation
+  Recomputation in Large Transformer Models" (2022), ``34*s*h + 5*a*s**2`` bytes at 16-bit, with
+  each tensor counted at the model's dtype, the MLP at its real width (SwiGLU keeps 4 tensors of
+  the intermediate width) and 1-byte dropout masks only for families that use dropout. The
+  ``5*a*s**2`` score terms are kept only with ``eager_attention=True``: the default SDPA kernels do
+  not keep the score matrix (they keep a per-row fp32 log-sum-exp instead).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
-__all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES"]
+__all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES", "SUPPORTED_FAMILIES",
+           "BUILTIN_MODELS", "model_config"]
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+_DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16",
+                  "float": "fp32"}
+SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "opt")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2")
+_INDEX_BYTES = 8  # token ids are int64
 
 
 class ModelSpecError(ValueError):
@@ -44,6 +71,33 @@ class LayerSpec:
 
 
 @dataclass(frozen=True)
+class _Shape:
+    """What the per-family readers extract from a config: counts, before per-sample figures."""
+
+    family: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    num_blocks: int
+    tied: bool
+    embed_params: int
+    embed_matmul: int
+    """Weights of matmuls in the embedding layer (OPT's project_in), applied per token."""
+    block_params: int
+    block_matmul: int
+    head_params: int
+    head_matmul: int
+    """Includes the vocabulary projection even when tied (its FLOPs are spent either way)."""
+    gated_mlp: bool
+    dropout: bool
+    max_positions: int | None
+    """Learned position table size (gpt2/opt): seq_len may not exceed it; None for RoPE."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     family: str
@@ -55,6 +109,11 @@ class ModelSpec:
     dtype: str
     tied_embeddings: bool
     layers: tuple[LayerSpec, ...]
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    intermediate_size: int = 0
+    profile_name: str | None = None
+    """Name of this model in a measured profile file (e.g. 'OPT-350'), if it has one."""
 
     @property
     def num_layers(self) -> int:
@@ -64,15 +123,326 @@ class ModelSpec:
     def total_params(self) -> int:
         return sum(l.params for l in self.layers)
 
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
     @classmethod
-    def from_config(cls, config, seq_len: int, dtype: str = "fp32", name: str | None = None) -> "ModelSpec":
-        raise NotImplementedError
+    def from_config(cls, config, seq_len: int, dtype: str = "fp32", name: str | None = None,
+                    profile_name: str | None = None, eager_attention: bool = False) -> "ModelSpec":
+        """From a transformers ``PretrainedConfig``; no weights are created."""
+        dtype = _check_dtype(dtype)
+        family = getattr(config, "model_type", None)
+        reader = _READERS.get(family)
+        if reader is None:
+            raise ModelSpecError(
+                f"model family {family!r} is not supported; supported families: "
+                f"{', '.join(SUPPORTED_FAMILIES)}. Pass a config of one of these model types.")
+        shape = reader(config)
+        _check_seq_len(seq_len, shape)
+        layers = _layers(shape, int(seq_len), dtype, eager_attention)
+        return cls(name=name or getattr(config, "name_or_path", "") or family, family=family,
+                   hidden_size=shape.hidden, num_blocks=shape.num_blocks, vocab_size=shape.vocab,
+                   seq_len=int(seq_len), dtype=dtype, tied_embeddings=shape.tied, layers=layers,
+                   num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                   intermediate_size=shape.intermediate, profile_name=profile_name)
 
     @classmethod
     def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32") -> "ModelSpec":
-        raise NotImplementedError
+        """A local config.json / directory holding one, or a built-in name (``BUILTIN_MODELS``)."""
+        return cls.from_config(model_config(name_or_path), seq_len, dtype, name=str(name_or_path))
 
     @classmethod
     def from_job_dict(cls, d: dict, seq_len: int, dtype: str) -> "ModelSpec":
         """From a scenario's ``job: model: {family, hidden_size, num_layers, ...}`` mapping."""
-        raise NotImplementedError
+        config = _config_from_job_dict(d, seq_len)
+        name = d.get("name") or d.get("profile_name") or f"{d['family']}-h{d['hidden_size']}"
+        return cls.from_config(config, seq_len, dtype, name=str(name),
+                               profile_name=d.get("profile_name"))
+
+    @classmethod
+    def from_job_model(cls, model: dict | str, seq_len: int, dtype: str) -> "ModelSpec":
+        """A ``job: model:`` value: a mapping (``from_job_dict``) or a name/path."""
+        if isinstance(model, dict):
+            return cls.from_job_dict(model, seq_len, dtype)
+        if isinstance(model, (str, Path)):
+            return cls.from_name_or_path(str(model), seq_len, dtype)
+        raise ModelSpecError(f"job.model must be a model name, a path or a mapping, "
+                             f"got {type(model).__name__}")
+
+
+# --- per-family readers ---------------------------------------------------------------------
+
+def _linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _gpt2_shape(c) -> _Shape:
+    if getattr(c, "add_cross_attention", False):
+        raise ModelSpecError("gpt2 config with add_cross_attention=True is an encoder-decoder "
+                             "block; set add_cross_attention to false")
+    h, v, inner = c.n_embd, c.vocab_size, c.n_inner or 4 * c.n_embd
+    ln = 2 * h  # LayerNorm weight + bias
+    block_matmul = h * 3 * h + h * h + h * inner + inner * h
+    block = ln + _linear(h, 3 * h, True) + _linear(h, h, True) + ln \
+        + _linear(h, inner, True) + _linear(inner, h, True)
+    tied = _tied(c)
+    return _Shape("gpt2", h, inner, c.n_head, c.n_head, h // c.n_head, v, c.n_layer, tied,
+                  embed_params=v * h + c.n_positions * h, embed_matmul=0,
+                  block_params=block, block_matmul=block_matmul,
+                  head_params=ln + (0 if tied else v * h), head_matmul=v * h,
+                  gated_mlp=False, dropout=True, max_positions=c.n_positions)
+
+
+def _llama_shape(c) -> _Shape:
+    """LLaMA, Mistral and Qwen2 share one block shape; Qwen2 adds q/k/v biases."""
+    h, i, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    hd = getattr(c, "head_dim", None) or h // heads
+    qkv_bias = c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
+    o_bias = c.model_type == "llama" and bool(getattr(c, "attention_bias", False))
+    mlp_bias = c.model_type == "llama" and bool(getattr(c, "mlp_bias", False))
+    attn = (_linear(h, heads * hd, qkv_bias) + 2 * _linear(h, kv * hd, qkv_bias)
+            + _linear(heads * hd, h, o_bias))
+    mlp = 2 * _linear(h, i, mlp_bias) + _linear(i, h, mlp_bias)
+    matmul = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * i
+    tied = _tied(c)
+    return _Shape(c.model_type, h, i, heads, kv, hd, v, c.num_hidden_layers, tied,
+                  embed_params=v * h, embed_matmul=0,
+                  block_params=attn + mlp + 2 * h, block_matmul=matmul,  # 2 RMSNorm weights
+                  head_params=h + (0 if tied else v * h), head_matmul=v * h,
+                  gated_mlp=True, dropout=False, max_positions=None)
+
+
+def _opt_shape(c) -> _Shape:
+    h, f, v, proj = c.hidden_size, c.ffn_dim, c.vocab_size, c.word_embed_proj_dim
+    bias = bool(getattr(c, "enable_bias", True))
+    ln = 2 * h if getattr(c, "layer_norm_elementwise_affine", True) else 0
+    block = 4 * _linear(h, h, bias) + _linear(h, f, bias) + _linear(f, h, bias) + 2 * ln
+    proj_mm = proj * h if proj != h else 0  # project_in / project_out, no bias
+    final_ln = ln if c.do_layer_norm_before and not getattr(c, "_remove_final_layer_norm", False) \
+        else 0
+    tied = _tied(c)
+    # learned positions carry OPT's offset of 2 extra rows
+    embed = v * proj + (c.max_position_embeddings + 2) * h + proj_mm
+    return _Shape("opt", h, f, c.num_attention_heads, c.num_attention_heads,
+                  h // c.num_attention_heads, v, c.num_hidden_layers, tied,
+                  embed_params=embed, embed_matmul=proj_mm,
+                  block_params=block, block_matmul=4 * h * h + 2 * h * f,
+                  head_params=final_ln + proj_mm + (0 if tied else v * proj),
+                  head_matmul=proj_mm + v * proj,
+                  gated_mlp=False, dropout=True, max_positions=c.max_position_embeddings)
+
+
+_READERS = {"gpt2": _gpt2_shape, "llama": _llama_shape, "mistral": _llama_shape,
+            "qwen2": _llama_shape, "opt": _opt_shape}
+
+
+# --- per-sample figures ---------------------------------------------------------------------
+
+def _block_keep_bytes(s: int, x: _Shape, b: int, eager_attention: bool) -> float:
+    """Korthikanti et al.'s per-block breakdown, tensor by tensor, at ``b`` bytes per element."""
+    h, aw, kvw, i = x.hidden, x.heads * x.head_dim, x.kv_heads * x.head_dim, x.intermediate
+    # attention: QKV input, Q, K, V, out-projection input
+    attn = b * s * (h + aw + 2 * kvw + aw)
+    if eager_attention:  # softmax output, its dropout mask (1 B) and dropout output
+        attn += x.heads * s * s * (2 * b + 1)
+    else:  # fused kernels keep the fp32 log-sum-exp per row and head
+        attn += 4 * x.heads * s
+    # MLP: input, then gate/up/act/product (SwiGLU) or fc1 output + activation output (GeLU)
+    mlp = b * s * h + (4 if x.gated_mlp else 2) * b * s * i
+    norms = 2 * b * s * h
+    masks = 2 * s * h if x.dropout else 0  # attention-output and MLP-output dropout masks
+    return float(attn + mlp + norms + masks)
+
+
+def _layers(x: _Shape, s: int, dtype: str, eager_attention: bool) -> tuple[LayerSpec, ...]:
+    b = DTYPE_BYTES[dtype]
+    hidden_bytes = float(b * s * x.hidden)
+    tag = f"h{x.hidden}:s{s}:{dtype}"
+    attn_sig = f"a{x.heads}:kv{x.kv_heads}" + ("" if x.head_dim * x.heads == x.hidden
+                                                 else f":d{x.head_dim}")
+    embed_fwd = 2.0 * s * x.embed_matmul
+    embedding = LayerSpec(0, "embedding", f"{x.family}-embedding:v{x.vocab}:{tag}",
+                          x.embed_params, embed_fwd, 2 * embed_fwd, hidden_bytes,
+                          act_keep_bytes=float(_INDEX_BYTES * s + (b * s * x.hidden if x.embed_matmul else 0)),
+                          act_in_bytes=float(_INDEX_BYTES * s))
+    block_fwd = 2.0 * s * x.block_matmul + 4.0 * s * s * x.heads * x.head_dim
+    block_sig = f"{x.family}:h{x.hidden}:i{x.intermediate}:{attn_sig}:s{s}:{dtype}"
+    keep = _block_keep_bytes(s, x, b, eager_attention)
+    blocks = [LayerSpec(1 + k, "block", block_sig, x.block_params, block_fwd, 2 * block_fwd,
+                        hidden_bytes, keep, hidden_bytes) for k in range(x.num_blocks)]
+    head_fwd = 2.0 * s * x.head_matmul
+    # head keeps the final norm's input and the logits (model dtype + an fp32 copy for softmax)
+    head_keep = hidden_bytes * (2 if x.embed_matmul else 1) + s * x.vocab * (b + 4)
+    head = LayerSpec(1 + x.num_blocks, "head", f"{x.family}-head:v{x.vocab}:{tag}",
+                     x.head_params, head_fwd, 2 * head_fwd, 0.0, float(head_keep), hidden_bytes)
+    return (embedding, *blocks, head)
+
+
+def _check_dtype(dtype: str) -> str:
+    d = _DTYPE_ALIASES.get(str(dtype), str(dtype))
+    if d not in DTYPE_BYTES:
+        raise ModelSpecError(f"dtype {dtype!r} is not known; use one of {', '.join(DTYPE_BYTES)}")
+    return d
+
+
+def _check_seq_len(seq_len, x: _Shape) -> None:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ModelSpecError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if x.max_positions is not None and seq_len > x.max_positions:
+        raise ModelSpecError(
+            f"seq_len {seq_len} exceeds the {x.family} model's learned position table "
+            f"({x.max_positions} positions); lower seq_len or raise max_position_embeddings")
+
+
+# --- configs: built-in names, local paths, scenario mappings -------------------------------
+
+_TINY_LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                   max_position_embeddings=256)
+BUILTIN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    # GPT-2 sizes as published by OpenAI; "gpt2" is transformers.GPT2Config()'s defaults
+    "gpt2": ("gpt2", {}),
+    "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16)),
+    "gpt2-large": ("gpt2", dict(n_embd=1280, n_layer=36, n_head=20)),
+    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25)),
+    "opt-125m": ("opt", dict(hidden_size=768, ffn_dim=3072, num_hidden_layers=12,
+                             num_attention_heads=12, vocab_size=50272,
+                             max_position_embeddings=2048, word_embed_proj_dim=768)),
+    "opt-350m": ("opt", dict(hidden_size=1024, ffn_dim=4096, num_hidden_layers=24,
+                             num_attention_heads=16, vocab_size=50272,
+                             max_position_embeddings=2048, word_embed_proj_dim=512,
+                             do_layer_norm_before=False)),
+    "tinyllama-1.1b": ("llama", dict(hidden_size=2048, intermediate_size=5632,
+                                     num_hidden_layers=22, num_attention_heads=32,
+                                     num_key_value_heads=4, vocab_size=32000,
+                                     max_position_embeddings=2048)),
+    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=32,
+                                 vocab_size=32000, max_position_embeddings=4096)),
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8,
+                                 vocab_size=128256, max_position_embeddings=8192)),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, vocab_size=32000)),
+    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2,
+                                 vocab_size=151936, tie_word_embeddings=True)),
+    # tiny models for CPU tests and demos
+    "gpt2-tiny": ("gpt2", dict(n_embd=64, n_layer=4, n_head=4, vocab_size=1000, n_positions=256,
+                               bos_token_id=0, eos_token_id=0)),
+    "llama-tiny": ("llama", dict(_TINY_LLAMA, tie_word_embeddings=False)),
+    "mistral-tiny": ("mistral", dict(_TINY_LLAMA)),
+    "qwen2-tiny": ("qwen2", dict(_TINY_LLAMA)),
+    "opt-tiny": ("opt", dict(hidden_size=64, ffn_dim=256, num_hidden_layers=4,
+                             num_attention_heads=4, vocab_size=1000, max_position_embeddings=256,
+                             word_embed_proj_dim=32, bos_token_id=0, eos_token_id=0,
+                             pad_token_id=1)),
+}
+_HUB_ALIASES = {"openai-community/gpt2": "gpt2", "openai-community/gpt2-medium": "gpt2-medium",
+                "openai-community/gpt2-large": "gpt2-large", "openai-community/gpt2-xl": "gpt2-xl",
+                "facebook/opt-125m": "opt-125m", "facebook/opt-350m": "opt-350m",
+                "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": "tinyllama-1.1b",
+                "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Meta-Llama-3-8B": "llama-3-8b",
+                "mistralai/Mistral-7B-v0.1": "mistral-7b", "Qwen/Qwen2-0.5B": "qwen2-0.5b"}
+
+
+def _config_class(family: str):
+    import transformers
+
+    classes = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig,
+               "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+               "opt": transformers.OPTConfig}
+    if family not in classes:
+        raise ModelSpecError(f"model family {family!r} is not supported; supported families: "
+                             f"{', '.join(SUPPORTED_FAMILIES)}")
+    return classes[family]
+
+
+def model_config(name_or_path: str | Path):
+    """A transformers config for a local config.json (or a directory holding one) or a built-in
+    name; never downloads. Built-in names: ``BUILTIN_MODELS`` (plus a few hub aliases)."""
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file():
+        return _config_from_json(path)
+    key = _HUB_ALIASES.get(str(name_or_path), str(name_or_path))
+    if key in BUILTIN_MODELS:
+        family, kwargs = BUILTIN_MODELS[key]
+        return _config_class(family)(**kwargs)
+    raise ModelSpecError(
+        f"model {str(name_or_path)!r} is neither a local config nor a built-in model; pass a local "
+        f"directory holding config.json (no downloads are made), or one of: "
+        f"{', '.join(BUILTIN_MODELS)}")
+
+
+def _config_from_json(path: Path):
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelSpecError(f"model config {path} is not readable JSON ({e}); "
+                             f"pass a Hugging Face config.json") from None
+    if not isinstance(d, dict) or "model_type" not in d:
+        raise ModelSpecError(f"model config {path} has no 'model_type'; pass a Hugging Face "
+                             f"config.json (model_type one of {', '.join(SUPPORTED_FAMILIES)})")
+    family = d.pop("model_type")
+    return _config_class(family)(**d)
+
+
+_JOB_KEYS = {"family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
+             "intermediate_size", "max_position_embeddings", "tie_word_embeddings",
+             "word_embed_proj_dim", "head_dim", "profile_name", "name"}
+_JOB_REQUIRED = ("family", "hidden_size", "num_layers", "num_heads", "vocab_size")
+
+
+def _config_from_job_dict(d: dict, seq_len: int):
+    if not isinstance(d, dict):
+        raise ModelSpecError(f"job.model must be a mapping, got {type(d).__name__}")
+    unknown = sorted(set(d) - _JOB_KEYS)
+    if unknown:
+        raise ModelSpecError(f"job.model has unknown key(s) {unknown}; known keys: "
+                             f"{', '.join(sorted(_JOB_KEYS))}")
+    missing = [k for k in _JOB_REQUIRED if k not in d]
+    if missing:
+        raise ModelSpecError(f"job.model is missing {missing}; add them (required: "
+                             f"{', '.join(_JOB_REQUIRED)})")
+    for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "intermediate_size",
+              "num_kv_heads", "max_position_embeddings", "word_embed_proj_dim", "head_dim"):
+        if k in d and (not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 1):
+            raise ModelSpecError(f"job.model.{k} must be a positive integer, got {d[k]!r}")
+    family, h = d["family"], d["hidden_size"]
+    if h % d["num_heads"] and "head_dim" not in d:
+        raise ModelSpecError(f"job.model.hidden_size {h} is not divisible by num_heads "
+                             f"{d['num_heads']}; fix one of them or give head_dim")
+    cls = _config_class(family)
+    positions = d.get("max_position_embeddings", seq_len)
+    if family == "gpt2":
+        return cls(n_embd=h, n_layer=d["num_layers"], n_head=d["num_heads"],
+                   vocab_size=d["vocab_size"], n_positions=positions,
+                   n_inner=d.get("intermediate_size"),
+                   tie_word_embeddings=d.get("tie_word_embeddings", True))
+    if family == "opt":
+        return cls(hidden_size=h, ffn_dim=d.get("intermediate_size", 4 * h),
+                   num_hidden_layers=d["num_layers"], num_attention_heads=d["num_heads"],
+                   vocab_size=d["vocab_size"], max_position_embeddings=positions,
+                   word_embed_proj_dim=d.get("word_embed_proj_dim", h),
+                   tie_word_embeddings=d.get("tie_word_embeddings", True))
+    # LLaMA's SwiGLU width rule when none is given: 2/3 of 4h, rounded up to a multiple of 256
+    inter = d.get("intermediate_size", -(-(8 * h // 3) // 256) * 256)
+    extra = {"head_dim": d["head_dim"]} if "head_dim" in d else {}
+    return cls(hidden_size=h, intermediate_size=inter, num_hidden_layers=d["num_layers"],
+               num_attention_heads=d["num_heads"],
+               num_key_value_heads=d.get("num_kv_heads", d["num_heads"]),
+               vocab_size=d["vocab_size"], max_position_embeddings=positions,
+               tie_word_embeddings=d.get("tie_word_embeddings", False), **extra)
