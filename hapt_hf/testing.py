@@ -1,0 +1,202 @@
+"""Run a function on N local Gloo processes (127.0.0.1, a free port) and collect what each returns.
+
+Multi-process tests need the same few things every time: a free port chosen at run time,
+``OMP_NUM_THREADS=1`` so that N ranks do not thrash a small machine, the process group set up
+from the environment as ``torchrun``/``accelerate launch`` would set it, every rank's result or
+traceback brought back, and a rank that dies (killed, ``os._exit``) reported with its exit code
+and the end of its stderr instead of a hang.
+
+    def work(rank: int, world_size: int, n: int) -> int:
+        return rank * n
+
+    outcomes = run_ranks(work, 2, 10)          # [RankOutcome(rank=0, value=0), ...]
+    values = [o.value for o in outcomes]
+
+``fn`` is found again in the child by its source file and qualified name, so test modules
+imported by pytest's ``importlib`` mode can define their workers at module level.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import inspect
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["RankOutcome", "DistributedRunError", "free_port", "run_ranks"]
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """What one rank left behind."""
+
+    rank: int
+    value: Any = None
+    """What ``fn`` returned (None if it raised or the process died)."""
+    error: str | None = None
+    """Traceback text if ``fn`` raised, or why no result came back."""
+    exitcode: int | None = None
+    """The process's exit status (negative: killed by that signal)."""
+    stderr_tail: str = ""
+    """The last lines the process wrote to stderr (useful when it died without a result)."""
+    elapsed_s: float = 0.0
+    """Seconds from the start of ``fn`` to its result or error (0 if the process died)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class DistributedRunError(RuntimeError):
+    """One or more ranks failed; the message holds every failed rank's error."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class _FnRef:
+    """A picklable pointer to a module-level function: module name, source file, name."""
+
+    module: str
+    path: str
+    qualname: str
+
+    @classmethod
+    def of(cls, fn: Callable) -> "_FnRef":
+        if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+            raise ValueError(f"run_ranks needs a module-level function, got {fn.__qualname__!r}; "
+                             "define the worker at the top level of its module")
+        return cls(fn.__module__, inspect.getsourcefile(fn) or "", fn.__qualname__)
+
+    def load(self) -> Callable:
+        try:
+            mod = importlib.import_module(self.module)
+        except ImportError:
+            # pytest's importlib mode gives test modules names that are not importable
+            spec = importlib.util.spec_from_file_location(f"_ranks_{Path(self.path).stem}",
+                                                          self.path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+        obj: Any = mod
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _child(ref: _FnRef, rank: int, world_size: int, port: int, args: tuple, env: dict,
+           init_pg: bool, pg_timeout_s: float, stderr_path: str, results: Any) -> None:
+    # stderr goes to a file so that a rank that dies still leaves its last words
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **env})
+    start = time.monotonic()
+    try:
+        import torch
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if init_pg:
+            import torch.distributed as dist
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=pg_timeout_s))
+        value = ref.load()(rank, world_size, *args)
+        results.put((rank, True, value, time.monotonic() - start))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc(), time.monotonic() - start))
+    results.close()
+    results.join_thread()
+    sys.stderr.flush()
+    # skip interpreter teardown: destroying a process group whose peers are gone can block
+    os._exit(0)
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+              init_process_group: bool = True, pg_timeout_s: float = 60.0,
+              env: dict[str, str] | None = None, check: bool = True) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    Args:
+        fn: a module-level function; its return value must be picklable.
+        timeout_s: wall-clock bound for the whole run; ranks still running then are killed and
+            reported as such.
+        init_process_group: set up the default Gloo process group before calling ``fn``.
+        pg_timeout_s: the process group's own timeout (bounds any collective that never ends).
+        env: extra environment variables for every rank.
+        check: raise DistributedRunError if any rank failed; otherwise return the outcomes.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ref = _FnRef.of(fn)
+    tmp = tempfile.mkdtemp(prefix="ranks_")
+    paths = [os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)]
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(ref, r, world_size, port, args, dict(env or {}),
+                               init_process_group, pg_timeout_s, paths[r], results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any, float]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, payload, took = results.get(timeout=0.2)
+            got[rank] = (ok, payload, took)
+        except queue.Empty:
+            # a process that died without a result will never send one
+            if all(not p.is_alive() or r in got for r, p in enumerate(procs)):
+                try:
+                    while True:
+                        rank, ok, payload, took = results.get(timeout=0.5)
+                        got[rank] = (ok, payload, took)
+                except queue.Empty:
+                    break
+    killed: set[int] = set()
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        if p.is_alive():
+            killed.add(r)
+            p.kill()
+            p.join(timeout=5)
+    outcomes = []
+    for r, p in enumerate(procs):
+        tail = _tail(paths[r])
+        if r in got:
+            ok, payload, took = got[r]
+            outcomes.append(RankOutcome(r, payload if ok else None, None if ok else payload,
+                                        p.exitcode, tail, took))
+        else:
+            why = (f"rank {r} was still running after {timeout_s:.0f} s and was killed"
+                   if r in killed else f"rank {r} died with exit code {p.exitcode} "
+                   "before returning a result")
+            outcomes.append(RankOutcome(r, None, why, p.exitcode, tail))
+    if check and any(not o.ok for o in outcomes):
+        raise DistributedRunError("\n\n".join(
+            f"--- rank {o.rank} (exit {o.exitcode}) ---\n{o.error}\n{o.stderr_tail}"
+            for o in outcomes if not o.ok))
+    return outcomes
