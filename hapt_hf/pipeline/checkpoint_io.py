@@ -1,0 +1,132 @@
+"""Per-stage safetensors I/O: read only a stage's tensors, write a loadable full checkpoint.
+
+A rank never reads the whole model: `safe_open` reads the file header, then `get_tensor` reads
+only the keys asked for. Checkpoints are the Hugging Face layout: `model.safetensors`, or shards
+listed by `model.safetensors.index.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+__all__ = [
+    "CheckpointError",
+    "checkpoint_key_files",
+    "copy_into",
+    "gather_state_dicts",
+    "read_tensors",
+    "save_full_checkpoint",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot serve a stage (missing files or keys)."""
+
+
+def checkpoint_key_files(checkpoint_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor key of a checkpoint directory to the safetensors file holding it.
+
+    Reads only the index (sharded) or the file header (single file), never tensor data.
+    """
+    root = Path(checkpoint_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: root / name for key, name in weight_map.items()}
+    single = root / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt", device="cpu") as handle:
+            return {key: single for key in handle.keys()}
+    raise CheckpointError(
+        f"checkpoint_dir {str(root)!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}; "
+        "point it at a directory written by save_pretrained(safe_serialization=True)"
+    )
+
+
+def read_tensors(
+    checkpoint_dir: str | Path, keys: Iterable[str], aliases: Mapping[str, str] | None = None
+) -> dict[str, Tensor]:
+    """Read exactly `keys` from the checkpoint (on CPU), opening each shard once.
+
+    `aliases` maps a key the checkpoint may lack to the key that holds the same tensor (a tied
+    LM head saved only as the input embedding).
+    """
+    key_files = checkpoint_key_files(checkpoint_dir)
+    source = {key: _source_key(key, key_files, aliases or {}, checkpoint_dir) for key in keys}
+    by_file: dict[Path, list[str]] = {}
+    for key, stored in source.items():
+        by_file.setdefault(key_files[stored], []).append(key)
+    tensors: dict[str, Tensor] = {}
+    for path, wanted in by_file.items():
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for key in wanted:
+                tensors[key] = handle.get_tensor(source[key])
+    return tensors
+
+
+def _source_key(key: str, key_files: Mapping[str, Path], aliases: Mapping[str, str],
+                checkpoint_dir: str | Path) -> str:
+    if key in key_files:
+        return key
+    alias = aliases.get(key)
+    if alias is not None and alias in key_files:
+        return alias
+    raise CheckpointError(
+        f"checkpoint_dir {str(checkpoint_dir)!r} has no tensor {key!r}; it must be a checkpoint of "
+        "the same model architecture and config as the one the stage is built from"
+    )
+
+
+def gather_state_dicts(stage_dicts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Merge every stage's `hf_state_dict()` into the full model's state dict.
+
+    Stages own disjoint layers, so a key seen twice means overlapping layer ranges.
+    """
+    full: dict[str, Tensor] = {}
+    for index, part in enumerate(stage_dicts):
+        for key, value in part.items():
+            if key in full:
+                raise CheckpointError(
+                    f"key {key!r} appears in two stages (second: stage {index}); stages must own "
+                    "disjoint layer ranges"
+                )
+            full[key] = value
+    return full
+
+
+def save_full_checkpoint(
+    state_dict: Mapping[str, Tensor], config, out_dir: str | Path, tied_keys: Iterable[str] = ()
+) -> Path:
+    """Write `state_dict` and `config` as a directory `from_pretrained` loads.
+
+    `tied_keys` are dropped from the file (as save_pretrained does for a tied LM head): safetensors
+    refuses tensors that share memory, and loading ties them again.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(tied_keys)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k not in skip}
+    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    return out
+
+
+def copy_into(target: Tensor, value: Tensor, key: str) -> None:
+    """Copy a checkpoint tensor into a stage tensor, naming the key on a shape mismatch."""
+    if tuple(target.shape) != tuple(value.shape):
+        raise CheckpointError(
+            f"checkpoint tensor {key!r} has shape {tuple(value.shape)} but the stage expects "
+            f"{tuple(target.shape)}; the checkpoint's config does not match the one given"
+        )
+    with torch.no_grad():
+        target.copy_(value)

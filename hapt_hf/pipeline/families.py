@@ -1,0 +1,185 @@
+"""Family adapters: where each causal-LM family shape keeps its layers and how a stage runs them.
+
+One adapter per family SHAPE, not per model: "gpt2" (GPT2LMHeadModel) and "llama"
+(LlamaForCausalLM and the models laid out like it: Mistral, Qwen2). An adapter names the module
+paths of the layer sequence `[embedding, block_0 .. block_{N-1}, head]` inside the full Hugging Face
+model, and runs the family's own transformers modules exactly as the full model's forward does
+(same causal mask builder, same position ids, same rotary embedding), so a chain of stages
+reproduces the full model's numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+__all__ = [
+    "BlockInputs", "FamilyAdapter", "adapter_for", "causal_position_ids", "num_blocks",
+    "supported_families", "supported_model_types",
+]
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What every block of a stage needs besides the hidden states, computed once per forward.
+
+    Args:
+        position_ids: [1 or b, s] positions, as the full model derives them.
+        masks: attention mask per attention kind ("full_attention", "sliding_attention"), in the
+            form the configured attention implementation expects (None where it needs none).
+        position_embeddings: (cos, sin) from the rotary module, or None for families without RoPE.
+    """
+
+    position_ids: Tensor
+    masks: dict[str, Tensor | None]
+    position_embeddings: tuple[Tensor, Tensor] | None
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """Where a family keeps its layers inside the full model, and how to call them.
+
+    Args:
+        name: the family shape ("gpt2", "llama").
+        model_types: the `config.model_type` values built with this shape.
+        embedding_paths: modules the first stage owns (token and position embeddings, dropout).
+        blocks_path: the ModuleList of transformer blocks.
+        head_paths: modules the last stage owns (final norm, LM head).
+        rotary_path: the rotary embedding module every block stage needs, or None.
+        input_embedding_key / output_embedding_key: state_dict keys of the two ends that
+            `tie_word_embeddings` ties.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    embedding_paths: tuple[str, ...]
+    blocks_path: str
+    head_paths: tuple[str, ...]
+    rotary_path: str | None
+    input_embedding_key: str
+    output_embedding_key: str
+
+    def embed(self, root: nn.Module, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """The first stage's embedding, as the full model's forward computes it."""
+        if self.name == "gpt2":
+            wte, wpe, drop = (_module(root, p) for p in self.embedding_paths)
+            hidden = wte(input_ids)
+            hidden = hidden + wpe(position_ids).to(hidden.device)
+            return drop(hidden)
+        return _module(root, self.embedding_paths[0])(input_ids)
+
+    def block_inputs(
+        self,
+        root: nn.Module,
+        config: PretrainedConfig,
+        hidden: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor,
+        block_indices: range,
+    ) -> BlockInputs:
+        """Masks and rotary embeddings for this stage's blocks (the same calls the full model makes)."""
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(hidden.shape[0], -1)
+        kinds = {self.attention_kind(config, i) for i in block_indices}
+        masks = {kind: _mask_builder(kind)(config=config, inputs_embeds=hidden,
+                                           attention_mask=attention_mask, past_key_values=None,
+                                           position_ids=position_ids) for kind in kinds}
+        rope = None
+        if self.rotary_path is not None:
+            rope = _module(root, self.rotary_path)(hidden, position_ids=position_ids)
+        return BlockInputs(position_ids=position_ids, masks=masks, position_embeddings=rope)
+
+    def attention_kind(self, config: PretrainedConfig, block_index: int) -> str:
+        """Which mask block `block_index` attends with, following the full model's own rule."""
+        if self.name == "gpt2":
+            return "full_attention"
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:  # Qwen2: per-layer kinds
+            return layer_types[block_index]
+        # Mistral: one sliding window for every layer when the config sets one; LLaMA: none.
+        return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+    def run_block(self, block: nn.Module, hidden: Tensor, inputs: BlockInputs, mask_kind: str) -> Tensor:
+        """One block's forward with the arguments the full model passes it (no KV cache)."""
+        kwargs: dict[str, Any] = {"attention_mask": inputs.masks[mask_kind],
+                                  "position_ids": inputs.position_ids,
+                                  "past_key_values": None, "use_cache": False}
+        if inputs.position_embeddings is not None:
+            kwargs["position_embeddings"] = inputs.position_embeddings
+        return block(hidden, **kwargs)
+
+    def head(self, root: nn.Module, hidden: Tensor) -> Tensor:
+        """Final norm then LM head: the logits."""
+        norm, lm_head = (_module(root, p) for p in self.head_paths)
+        return lm_head(norm(hidden))
+
+
+_GPT2 = FamilyAdapter(
+    name="gpt2",
+    model_types=("gpt2",),
+    embedding_paths=("transformer.wte", "transformer.wpe", "transformer.drop"),
+    blocks_path="transformer.h",
+    head_paths=("transformer.ln_f", "lm_head"),
+    rotary_path=None,
+    input_embedding_key="transformer.wte.weight",
+    output_embedding_key="lm_head.weight",
+)
+
+_LLAMA = FamilyAdapter(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2"),
+    embedding_paths=("model.embed_tokens",),
+    blocks_path="model.layers",
+    head_paths=("model.norm", "lm_head"),
+    rotary_path="model.rotary_emb",
+    input_embedding_key="model.embed_tokens.weight",
+    output_embedding_key="lm_head.weight",
+)
+
+_ADAPTERS: tuple[FamilyAdapter, ...] = (_GPT2, _LLAMA)
+
+
+def supported_families() -> list[str]:
+    """The family shapes a stage can be built for."""
+    return [a.name for a in _ADAPTERS]
+
+
+def supported_model_types() -> list[str]:
+    """Every `config.model_type` that one of the family shapes covers."""
+    return [t for a in _ADAPTERS for t in a.model_types]
+
+
+def adapter_for(model_type: str) -> FamilyAdapter | None:
+    """The adapter whose family covers `model_type`, or None (the caller raises with the fix)."""
+    for adapter in _ADAPTERS:
+        if model_type in adapter.model_types:
+            return adapter
+    return None
+
+
+def _module(root: nn.Module, path: str) -> nn.Module:
+    return root.get_submodule(path)
+
+
+def _mask_builder(kind: str):
+    return create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+
+
+def num_blocks(config: PretrainedConfig) -> int:
+    """Number of transformer blocks (the layer sequence has two more: embedding and head)."""
+    return int(config.num_hidden_layers)
+
+
+def causal_position_ids(batch_size: int, seq_len: int, device: torch.device) -> Tensor:
+    """Position ids as the full models derive them without a cache: 0..s-1 for every sample.
+
+    Both GPT2Model and LlamaModel use a plain arange here (padding does not shift positions), so
+    a stage does the same to stay equal to the full model.
+    """
+    del batch_size  # broadcast over the batch, as the full model does
+    return torch.arange(seq_len, device=device).unsqueeze(0)

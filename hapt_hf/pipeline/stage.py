@@ -1,0 +1,267 @@
+"""One rank's pipeline stage of a Hugging Face causal LM.
+
+The layer sequence is `[embedding, block_0 .. block_{N-1}, head]`; a stage owns the half-open
+range `layer_range` of it. The stage holds the full model's own modules (GPT2Block,
+LlamaDecoderLayer, the rotary module, final norm, LM head) under the full model's module paths, so
+its `state_dict()` keys are the full model's keys and its numerics are the full model's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.pipeline.families import (
+    FamilyAdapter,
+    adapter_for,
+    causal_position_ids,
+    num_blocks,
+    supported_families,
+    supported_model_types,
+)
+
+__all__ = ["PipelineStage", "StageBuildError", "StageInputError", "build_stage", "supported_families"]
+
+
+class StageBuildError(ValueError):
+    """A stage that cannot be built from what the user gave (family, layer range, checkpoint)."""
+
+
+class StageInputError(ValueError):
+    """A forward call whose inputs do not fit the stage (token ids vs hidden states)."""
+
+
+class PipelineStage(nn.Module):
+    """The modules of one layer range, run exactly as the full model runs them.
+
+    Attributes:
+        layer_range: half-open range over [embedding, block_0 .. block_{N-1}, head].
+        is_first: owns the embedding (its input is token ids).
+        is_last: owns the final norm and LM head (it returns the summed loss, or logits).
+        block_indices: indices of the transformer blocks this stage runs.
+    """
+
+    def __init__(self, config: PretrainedConfig, adapter: FamilyAdapter, layer_range: tuple[int, int],
+                 modules: list[tuple[str, nn.Module]], recompute: bool = False) -> None:
+        super().__init__()
+        n = num_blocks(config)
+        self.config = config
+        self.adapter = adapter
+        self.layer_range = layer_range
+        self.is_first = layer_range[0] == 0
+        self.is_last = layer_range[1] == n + 2
+        self.block_indices = range(max(layer_range[0], 1) - 1, min(layer_range[1], n + 1) - 1)
+        self.recompute = recompute
+        for path, module in modules:
+            _attach(self, path, module)
+
+    def forward(self, x: Tensor, *, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+        """Run this stage.
+
+        First stage: `x` is input_ids [b, s]; otherwise hidden states [b, s, h]. A non-last stage
+        returns hidden states [b, s, h]. The last stage returns the SUM of the per-token
+        cross-entropy over tokens whose shifted label is not -100 (0-dim), so the caller divides by
+        the token count of the whole global batch; `labels` are un-shifted (HF convention). Without
+        labels the last stage returns the logits [b, s, vocab]. `attention_mask` is the [b, s]
+        padding mask; `position_ids` default to what the full model derives (0..s-1).
+        """
+        self._check_input(x)
+        if position_ids is None:
+            position_ids = causal_position_ids(x.shape[0], x.shape[1], x.device)
+        hidden = self.adapter.embed(self, x, position_ids) if self.is_first else x
+        if len(self.block_indices) > 0:
+            inputs = self.adapter.block_inputs(self, self.config, hidden, attention_mask, position_ids,
+                                               self.block_indices)
+            for index in self.block_indices:
+                hidden = self._run_block(index, hidden, inputs)
+        if not self.is_last:
+            return hidden
+        logits = self.adapter.head(self, hidden)
+        if labels is None:
+            return logits
+        # num_items_in_batch=1 makes transformers' own loss a plain sum (divided by 1, exactly).
+        return ForCausalLMLoss(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=1)
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """Parameters tied across the first and last stage, when they sit on different stages.
+
+        The runtime sums their gradients between those two stages; [] when the embeddings are not
+        tied, or when this stage holds neither end or both ends (then they are one Parameter).
+        """
+        if not getattr(self.config, "tie_word_embeddings", False) or self.is_first == self.is_last:
+            return []
+        key = self.adapter.input_embedding_key if self.is_first else self.adapter.output_embedding_key
+        return [self.get_parameter(key)]
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """This stage's weights under the full model's state_dict keys (tied LM head included)."""
+        return dict(self.state_dict())
+
+    def _run_block(self, index: int, hidden: Tensor, inputs) -> Tensor:
+        block = self.get_submodule(f"{self.adapter.blocks_path}.{index}")
+        kind = self.adapter.attention_kind(self.config, index)
+        if self.recompute and torch.is_grad_enabled():
+            # Keep only the block's input; recompute its inside during backward.
+            return checkpoint(self.adapter.run_block, block, hidden, inputs, kind, use_reentrant=False)
+        return self.adapter.run_block(block, hidden, inputs, kind)
+
+    def _check_input(self, x: Tensor) -> None:
+        if self.is_first and (x.ndim != 2 or x.is_floating_point()):
+            raise StageInputError(
+                f"stage {self.layer_range} is the first stage: x must be input_ids, an integer "
+                f"tensor [batch, seq]; got dtype {x.dtype} with shape {tuple(x.shape)}"
+            )
+        if not self.is_first and (x.ndim != 3 or not x.is_floating_point()):
+            raise StageInputError(
+                f"stage {self.layer_range} is not the first stage: x must be hidden states, a float "
+                f"tensor [batch, seq, hidden]; got dtype {x.dtype} with shape {tuple(x.shape)}"
+            )
+
+
+def build_stage(
+    config: PretrainedConfig,
+    layer_range: tuple[int, int],
+    *,
+    seed: int | None = 0,
+    checkpoint_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    recompute: bool = False,
+    attn_implementation: str = "eager",
+) -> PipelineStage:
+    """Build one rank's stage: built on meta, pruned to the stage, then materialised.
+
+    With `checkpoint_dir`, only the stage's tensors are read from the safetensors checkpoint.
+    Otherwise the stage's weights equal, bit for bit, the same layers of
+    `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)` (seed None: the current
+    RNG state is used as is). `attn_implementation` must match the reference the stage is compared
+    with ("eager" by default).
+    """
+    adapter = _adapter(config)
+    span = _check_range(layer_range, config)
+    config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
+    full = _meta_model(config, attn_implementation)
+    stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span), recompute)
+    if checkpoint_dir is not None:
+        _materialise(stage)
+        _load_checkpoint(stage, checkpoint_dir)
+    else:
+        _seeded_init(stage, seed)
+    del full
+    return stage.to(device=device, dtype=dtype)
+
+
+def _adapter(config: PretrainedConfig) -> FamilyAdapter:
+    model_type = getattr(config, "model_type", None)
+    adapter = adapter_for(model_type) if model_type else None
+    if adapter is None:
+        raise StageBuildError(
+            f"config.model_type {model_type!r} is not supported; supported model types: "
+            f"{', '.join(supported_model_types())} (family shapes: {', '.join(supported_families())})"
+        )
+    return adapter
+
+
+def _check_range(layer_range: tuple[int, int], config: PretrainedConfig) -> tuple[int, int]:
+    n = num_blocks(config)
+    try:
+        start, end = (int(v) for v in layer_range)
+    except (TypeError, ValueError):
+        start, end = -1, -1
+    if not 0 <= start < end <= n + 2:
+        raise StageBuildError(
+            f"layer_range {layer_range!r} is invalid for a model of {n} blocks: give (start, end) "
+            f"with 0 <= start < end <= {n + 2} over [embedding=0, blocks 1..{n}, head={n + 1}]"
+        )
+    return (start, end)
+
+
+def _meta_model(config: PretrainedConfig, attn_implementation: str) -> nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int]) -> list[tuple[str, nn.Module]]:
+    """The full model's modules this stage keeps, by their paths in the full model."""
+    n = num_blocks(full.config)
+    paths: list[str] = list(adapter.embedding_paths) if span[0] == 0 else []
+    blocks = range(max(span[0], 1) - 1, min(span[1], n + 1) - 1)
+    paths += [f"{adapter.blocks_path}.{i}" for i in blocks]
+    if len(blocks) > 0 and adapter.rotary_path is not None:
+        paths.append(adapter.rotary_path)
+    if span[1] == n + 2:
+        paths += list(adapter.head_paths)
+    return [(p, full.get_submodule(p)) for p in paths]
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Place `module` at `path` under `root`, creating containers, so state_dict keys match."""
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        if name not in node._modules:
+            node.add_module(name, nn.ModuleDict())
+        node = node._modules[name]
+    node.add_module(leaf, module)
+
+
+def _materialise(stage: PipelineStage) -> None:
+    """Allocate the stage's tensors on CPU (uninitialised), keeping the tie and rotary buffers."""
+    stage.to_empty(device="cpu")
+    _retie(stage)
+    _rebuild_rotary(stage)
+
+
+def _retie(stage: PipelineStage) -> None:
+    """to_empty gives each module its own tensor; re-share a tied LM head held on this stage."""
+    if getattr(stage.config, "tie_word_embeddings", False) and stage.is_first and stage.is_last:
+        head_path, _, name = stage.adapter.output_embedding_key.rpartition(".")
+        setattr(stage.get_submodule(head_path), name, stage.get_parameter(stage.adapter.input_embedding_key))
+
+
+def _rebuild_rotary(stage: PipelineStage) -> None:
+    """Rotary buffers are computed, not stored: construct the module again on CPU."""
+    path = stage.adapter.rotary_path
+    if path is None or len(stage.block_indices) == 0:
+        return
+    meta_rotary = stage.get_submodule(path)
+    _attach(stage, path, type(meta_rotary)(config=stage.config))
+
+
+def _load_checkpoint(stage: PipelineStage, checkpoint_dir: str | Path) -> None:
+    """Read only this stage's tensors from the checkpoint and copy them in."""
+    adapter = stage.adapter
+    # A tied LM head is saved only as the input embedding.
+    aliases = {adapter.output_embedding_key: adapter.input_embedding_key}
+    targets = stage.state_dict(keep_vars=True)
+    try:
+        tensors = checkpoint_io.read_tensors(checkpoint_dir, targets.keys(), aliases)
+    except checkpoint_io.CheckpointError as err:
+        raise StageBuildError(str(err)) from None
+    try:
+        for key, target in targets.items():
+            checkpoint_io.copy_into(target, tensors[key], key)
+    except checkpoint_io.CheckpointError as err:
+        raise StageBuildError(str(err)) from None
+
+
+def _seeded_init(stage: PipelineStage, seed: int | None) -> None:
+    """Weights equal to the same layers of a full model built under `seed`.
+
+    This path builds the full model on CPU once and keeps only the stage's tensors, so it holds
+    the whole model transiently; the checkpoint path never does.
+    """
+    _materialise(stage)
+    if seed is not None:
+        torch.manual_seed(seed)
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(stage.config)).state_dict()
+    for key, target in stage.state_dict(keep_vars=True).items():
+        checkpoint_io.copy_into(target, reference[key], key)
