@@ -1,0 +1,91 @@
+"""Compute slow-down per rank: a cgroup v1 CPU quota, or a delay hook as the fallback.
+
+cgroup (preferred): each rank runs in its own ``cpu`` cgroup with ``cfs_quota_us / cfs_period_us``
+= cores allowed. It slows every instruction the process runs, whatever the framework. It needs
+root and a writable cgroup v1 ``cpu`` controller (``/sys/fs/cgroup/cpu``). The period is short
+(10 ms) so that a layer of a few milliseconds sees the average speed, not bursts of full speed
+followed by throttling.
+
+hook (fallback): ``benchmarks/testbed/site/sitecustomize.py`` is put first on ``PYTHONPATH``;
+with ``HAPT_TESTBED_SLOWDOWN`` set it adds, after each leaf ``nn.Module``'s forward and backward,
+a sleep of ``(factor - 1) x`` the time that module took. It applies to any PyTorch framework, but
+not to compute outside modules (e.g. the loss function call, optimizer steps).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CPU_CGROUP_ROOT", "CgroupQuotas", "cgroup_available", "hook_env", "SITE_DIR"]
+
+CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
+SITE_DIR = Path(__file__).resolve().parent / "site"
+PERIOD_US = 10_000
+
+
+def cgroup_available() -> tuple[bool, str]:
+    """Whether per-rank CPU quotas can be made here, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "not root (cgroup quotas need root)"
+    if not (CPU_CGROUP_ROOT / "cpu.cfs_quota_us").exists():
+        return False, f"no cgroup v1 cpu controller at {CPU_CGROUP_ROOT}"
+    if not os.access(CPU_CGROUP_ROOT, os.W_OK):
+        return False, f"{CPU_CGROUP_ROOT} is not writable"
+    return True, "cgroup v1 cpu quota"
+
+
+@dataclass
+class CgroupQuotas:
+    """One parent cgroup per testbed (unique ``tag``), one child per rank."""
+
+    tag: str
+
+    @property
+    def parent(self) -> Path:
+        return CPU_CGROUP_ROOT / f"hapt_tb_{self.tag}"
+
+    def rank_dir(self, rank: int) -> Path:
+        return self.parent / f"rank{rank}"
+
+    def create(self, rank: int, cores: float) -> Path:
+        d = self.rank_dir(rank)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        # the kernel refuses quotas under 1 ms
+        (d / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * PERIOD_US))))
+        return d
+
+    def join(self, rank: int, pid: int | None = None) -> None:
+        """Move ``pid`` (default: the calling process, as a Popen preexec_fn does) in."""
+        (self.rank_dir(rank) / "cgroup.procs").write_text(str(pid or os.getpid()))
+
+    def cleanup(self) -> None:
+        """Move any process still inside back to the root cgroup, then remove the cgroups."""
+        if not self.parent.exists():
+            return
+        children = sorted(p for p in self.parent.iterdir() if p.is_dir())
+        for d in children + [self.parent]:
+            for pid in _read_pids(d):
+                try:
+                    (CPU_CGROUP_ROOT / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass  # the process ended in between
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def _read_pids(d: Path) -> list[str]:
+    try:
+        return (d / "cgroup.procs").read_text().split()
+    except OSError:
+        return []
+
+
+def hook_env(factor: float) -> dict[str, str]:
+    """Environment that makes the sitecustomize delay hook slow a process by ``factor``."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"HAPT_TESTBED_SLOWDOWN": f"{factor:g}",
+            "PYTHONPATH": str(SITE_DIR) + (os.pathsep + path if path else "")}

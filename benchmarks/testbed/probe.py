@@ -1,0 +1,56 @@
+"""Smoke probe run on every rank of a testbed: compute speed and a cross-group transfer.
+
+Prints one JSON line: {"rank", "group", "compute_s", "send_s" (rank 0 only), "bytes"}.
+Used by tests/test_testbed.py to check that the slow-downs and links take effect.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _compute_s(model: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
+    # a window of many short layers spans many 10 ms quota periods, so it sees the average speed
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        model(x).sum().backward()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> int:
+    nbytes = int(sys.argv[1]) if len(sys.argv) > 1 else 4_000_000
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    x = torch.randn(64, 256)
+    _compute_s(model, x, 3)
+    compute = _compute_s(model, x, 20)
+    dist.barrier()
+    out = {"rank": rank, "group": os.environ.get("HAPT_TESTBED_GROUP", ""),
+           "compute_s": compute, "bytes": nbytes}
+    buf = torch.zeros(nbytes // 4)
+    peer = world - 1  # the last rank sits in the last group
+    if rank in (0, peer) and peer != 0:
+        for i in range(2):  # the first transfer also sets the connection up
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf[:1], peer)  # ack: the data has arrived
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf[:1], 0)
+            out["send_s"] = time.perf_counter() - t0
+    dist.barrier()
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
