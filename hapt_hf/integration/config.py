@@ -1,0 +1,144 @@
+"""The hapt config (``hapt.yaml``) and the Accelerate-style plugin that reads it.
+
+A user writes one small YAML file next to their accelerate config::
+
+    cluster: ../../hapt_hf/data/clusters/cpu_demo_4.yaml   # or `plan: plan.json`
+    schedule: h1f1b
+    global_batch_size: 8
+    planner: {}            # extra PlannerOptions fields, passed through
+
+Relative paths are resolved against the directory of the hapt config, so the file can be moved
+together with the files it names. What the user asks for lives here; what is derived from it
+(the plan) lives in :class:`hapt_hf.planner.plan.Plan`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hapt_hf.planner.plan import SCHEDULES
+
+__all__ = ["HaptConfigError", "HaptPlugin", "HAPT_CONFIG_ENV", "resolve_hapt_config_path"]
+
+HAPT_CONFIG_ENV = "HAPT_CONFIG"
+_DTYPES = ("fp32", "fp16", "bf16")
+
+
+class HaptConfigError(ValueError):
+    """A hapt config that cannot be used; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class HaptPlugin:
+    """What a user asks of hapt_hf for one training job (the contents of ``hapt.yaml``).
+
+    Args:
+        cluster: Cluster file (groups of alike GPUs and their links). Rank 0 plans from it.
+        plan: A ready ``plan.json``. With ``cluster`` too, the two must describe the same
+            world size and the plan must name the cluster's groups.
+        schedule: Pipeline schedule: ``gpipe``, ``1f1b`` or ``h1f1b``.
+        global_batch_size: Samples per optimizer step (the whole pipeline's batch).
+        seq_len: Tokens per sample; the recipes' ``--seq_len`` overrides it.
+        dtype: Dtype the planner assumes for memory and speed (``fp32`` on CPU).
+        planner: Extra fields of ``PlannerOptions``, passed through unchanged.
+        timeout_s: How long a rank waits for the others before the job ends with a message.
+        source: Where this config was read from (for messages); not a YAML key.
+    """
+
+    cluster: Path | None = field(default=None, metadata={"help": "Cluster YAML file to plan on."})
+    plan: Path | None = field(default=None, metadata={"help": "Ready plan.json to run as is."})
+    schedule: str = field(default="h1f1b", metadata={"help": f"One of {SCHEDULES}."})
+    global_batch_size: int = field(default=8, metadata={"help": "Samples per optimizer step."})
+    seq_len: int | None = field(default=None, metadata={"help": "Tokens per sample."})
+    dtype: str = field(default="fp32", metadata={"help": f"One of {_DTYPES}."})
+    planner: dict[str, Any] = field(default_factory=dict,
+                                    metadata={"help": "Extra PlannerOptions fields."})
+    timeout_s: float = field(default=300.0, metadata={"help": "Seconds before a stuck job ends."})
+    source: str = field(default="<arguments>", metadata={"help": "Where the config came from."})
+
+    def __post_init__(self) -> None:
+        where = self.source
+        if self.cluster is None and self.plan is None:
+            raise HaptConfigError(f"{where}: give 'cluster' (a cluster YAML to plan on) or 'plan' "
+                                  "(a ready plan.json); neither is set")
+        for name in ("cluster", "plan"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise HaptConfigError(f"{where}: '{name}' names {str(path)!r}, which does not "
+                                      "exist; fix the path (relative paths are read from the "
+                                      "hapt config's directory)")
+        if self.schedule not in SCHEDULES:
+            raise HaptConfigError(f"{where}: 'schedule' is {self.schedule!r}; use one of "
+                                  f"{', '.join(SCHEDULES)}")
+        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
+            raise HaptConfigError(f"{where}: 'global_batch_size' is {self.global_batch_size!r}; "
+                                  "it must be a positive integer")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
+            raise HaptConfigError(f"{where}: 'seq_len' is {self.seq_len!r}; it must be an "
+                                  "integer >= 2")
+        if self.dtype not in _DTYPES:
+            raise HaptConfigError(f"{where}: 'dtype' is {self.dtype!r}; use one of "
+                                  f"{', '.join(_DTYPES)}")
+        if not isinstance(self.planner, dict):
+            raise HaptConfigError(f"{where}: 'planner' must be a mapping of PlannerOptions "
+                                  f"fields, got {type(self.planner).__name__}")
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise HaptConfigError(f"{where}: 'timeout_s' is {self.timeout_s!r}; it must be a "
+                                  "positive number of seconds")
+
+    # -- reading ------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any, base_dir: Path | None = None,
+                  source: str = "<dict>") -> "HaptPlugin":
+        """Build from a parsed YAML mapping; paths are resolved against ``base_dir``."""
+        if not isinstance(data, dict):
+            raise HaptConfigError(f"{source}: a hapt config is a YAML mapping with keys such as "
+                                  "'cluster' or 'plan' and 'schedule'; got "
+                                  f"{type(data).__name__}")
+        known = {f.name for f in fields(cls)} - {"source"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise HaptConfigError(f"{source}: unknown key(s) {unknown}; the keys are "
+                                  f"{sorted(known)}")
+        kwargs = dict(data)
+        for name in ("cluster", "plan"):
+            if kwargs.get(name) is not None:
+                path = Path(os.path.expanduser(str(kwargs[name])))
+                if not path.is_absolute() and base_dir is not None:
+                    path = base_dir / path
+                kwargs[name] = path
+        return cls(**kwargs, source=source)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "HaptPlugin":
+        path = Path(path)
+        if not path.is_file():
+            raise HaptConfigError(f"hapt config {str(path)!r} does not exist; pass an existing "
+                                  f"file with --hapt_config or the {HAPT_CONFIG_ENV} variable "
+                                  "(see recipes/configs/hapt_cpu_demo.yaml)")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark is not None else ""
+            raise HaptConfigError(f"hapt config {str(path)!r} is not valid YAML{at}: "
+                                  f"{getattr(e, 'problem', e)}") from None
+        return cls.from_dict(data, base_dir=path.resolve().parent, source=str(path))
+
+    @classmethod
+    def from_args_or_env(cls, path: str | None = None) -> "HaptPlugin":
+        """The plugin from ``--hapt_config`` if given, else from the ``HAPT_CONFIG`` variable."""
+        return cls.from_yaml(resolve_hapt_config_path(path))
+
+
+def resolve_hapt_config_path(path: str | None = None) -> Path:
+    """The hapt config path: the argument first, then ``$HAPT_CONFIG``; an error if neither."""
+    chosen = path or os.environ.get(HAPT_CONFIG_ENV)
+    if not chosen:
+        raise HaptConfigError(f"no hapt config given; pass --hapt_config hapt.yaml or set "
+                              f"{HAPT_CONFIG_ENV} (see recipes/configs/hapt_cpu_demo.yaml)")
+    return Path(chosen)

@@ -1,0 +1,218 @@
+"""The launch path: the one place that reads what ``accelerate launch`` / ``torchrun`` set.
+
+``accelerate launch`` on a CPU-only machine has traps: a ``MULTI_CPU`` config without
+``mpirun`` starts ONE process (it sets MASTER_ADDR/MASTER_PORT but no RANK/WORLD_SIZE), so a
+script that trusted ``torch.distributed`` defaults would train alone and think it was done.
+:func:`read_launch_env` refuses that case with the fix; the shipped
+``recipes/configs/accelerate_cpu.yaml`` uses ``distributed_type: MULTI_GPU`` with
+``use_cpu: true``, which makes accelerate start N processes through torchrun, on CPUs.
+
+Planning: with a cluster file rank 0 plans and broadcasts the plan (or its error, so a bad
+input ends every rank with the same message instead of a hang); every rank then checks the plan
+against the world it found.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from hapt_hf.integration.config import HaptPlugin
+from hapt_hf.planner.plan import Plan, PlanError
+
+__all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group",
+           "resolve_plan", "check_model_matches_plan", "format_plan", "SUPPORTED_MODEL_TYPES",
+           "check_model_family"]
+
+# Families the stage builder handles (GPT-2 shape, LLaMA shape).
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+
+
+class LaunchError(ValueError):
+    """The processes that were started do not form the job asked for; the message says why."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str
+    """'torchrun' (accelerate's multi-process path), 'mpirun', or 'single'."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        if env.get(name, "") != "":
+            return int(env[name])
+    return None
+
+
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank and world size from the variables torchrun or mpirun set; refuse half-launches."""
+    env = os.environ if env is None else env
+    rank = _int(env, "RANK")
+    world = _int(env, "WORLD_SIZE")
+    if rank is not None and world is not None:
+        local = _int(env, "LOCAL_RANK") or 0
+        return LaunchEnv(rank, world, local, "torchrun")
+    mpi_rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    mpi_world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if mpi_rank is not None and mpi_world is not None:
+        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID") or 0
+        return LaunchEnv(mpi_rank, mpi_world, local, "mpirun")
+    if env.get("MASTER_ADDR") and env.get("ACCELERATE_MIXED_PRECISION") is not None:
+        # accelerate's simple launcher sets MASTER_ADDR only when asked for >1 process, then
+        # starts exactly one: the MULTI_CPU-without-mpirun path.
+        raise LaunchError(
+            "accelerate started a single process for a multi-process run (a MULTI_CPU config "
+            "without mpirun does that): no RANK/WORLD_SIZE reached this process. Use "
+            "recipes/configs/accelerate_cpu.yaml (distributed_type: MULTI_GPU, use_cpu: true), "
+            "which starts every rank through torchrun, or launch with torchrun --nproc_per_node N")
+    return LaunchEnv(0, 1, 0, "single")
+
+
+def init_process_group(launch: LaunchEnv, timeout_s: float = 300.0) -> None:
+    """Join the job's process group (Gloo on CPU, NCCL on GPUs) unless already joined."""
+    if launch.world_size == 1 or dist.is_initialized():
+        return
+    if launch.launcher == "mpirun":
+        # env:// reads these names; mpirun sets its own.
+        os.environ.setdefault("RANK", str(launch.rank))
+        os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
+        os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(launch.local_rank)
+    dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def check_model_family(model_config: Any) -> None:
+    """Refuse model families the stage builder cannot cut, naming the ones it can."""
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise LaunchError(f"model type {model_type!r} is not supported by the pipeline stage "
+                          f"builder; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> None:
+    """A plan made for another model or sequence length would cut the wrong layers."""
+    blocks = int(getattr(model_config, "num_hidden_layers", getattr(model_config, "n_layer", 0)))
+    if plan.num_layers != blocks + 2:
+        raise PlanError(f"the plan cuts {plan.num_layers} layers but the model has {blocks} "
+                        f"blocks (+ embedding and head = {blocks + 2}); re-plan for this model")
+    if plan.seq_len != seq_len:
+        raise PlanError(f"the plan was made for seq_len {plan.seq_len} but the run uses "
+                        f"{seq_len}; pass --seq_len {plan.seq_len} or re-plan")
+
+
+def _check_plan_against_cluster(plan: Plan, plugin: HaptPlugin) -> None:
+    from hapt_hf.planner.cluster import Cluster  # the cluster file is only read when given
+
+    cluster = Cluster.load(plugin.cluster)
+    if cluster.world_size != plan.world_size:
+        raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} uses {plan.world_size} "
+                        f"ranks but the cluster {str(plugin.cluster)!r} has "
+                        f"{cluster.world_size}; give only one of 'plan' and 'cluster', or "
+                        "re-plan on this cluster")
+    groups = {g.name for g in cluster.groups}
+    foreign = sorted({s.group for s in plan.stages if s.group and s.group not in groups})
+    if foreign or (plan.cluster_name and plan.cluster_name != cluster.name):
+        raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} was made for cluster "
+                        f"{plan.cluster_name!r} (groups {foreign or 'as named'}) but the "
+                        f"cluster file is {cluster.name!r} with groups {sorted(groups)}; give "
+                        "only one of 'plan' and 'cluster', or re-plan on this cluster")
+
+
+def _plan_from_cluster(plugin: HaptPlugin, model_config: Any, seq_len: int) -> Plan:
+    from hapt_hf.planner.cluster import Cluster
+    from hapt_hf.planner.model_spec import ModelSpec
+    from hapt_hf.planner.search import PlannerOptions, plan_job
+
+    spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=plugin.dtype)
+    cluster = Cluster.load(plugin.cluster)
+    try:
+        options = PlannerOptions(**{"schedule": plugin.schedule, **plugin.planner})
+    except TypeError as e:
+        raise PlanError(f"{plugin.source}: 'planner' has an option PlannerOptions does not "
+                        f"take ({e}); remove it") from None
+    return plan_job(spec, cluster, plugin.global_batch_size, profile=None, options=options).plan
+
+
+def _plan_on_rank0(plugin: HaptPlugin, model_config: Any, seq_len: int) -> dict[str, Any]:
+    """The plan as a dict, or {'error': message} so every rank can raise the same error."""
+    try:
+        if plugin.plan is not None:
+            plan = Plan.load(plugin.plan)
+            if plugin.cluster is not None:
+                _check_plan_against_cluster(plan, plugin)
+        else:
+            plan = _plan_from_cluster(plugin, model_config, seq_len)
+        return plan.to_dict()
+    except ValueError as e:  # every user-input error of hapt_hf is a ValueError subclass
+        return {"error": str(e)}
+
+
+def resolve_plan(plugin: HaptPlugin, model_config: Any, seq_len: int,
+                 launch: LaunchEnv) -> Plan:
+    """The same validated plan on every rank: rank 0 loads or plans, then broadcasts."""
+    payload = [_plan_on_rank0(plugin, model_config, seq_len) if launch.is_main else None]
+    if launch.world_size > 1:
+        dist.broadcast_object_list(payload, src=0)
+    data = payload[0]
+    if "error" in data:
+        raise PlanError(data["error"])
+    plan = Plan.from_dict(data)
+    if plugin.plan is not None and plan.schedule != plugin.schedule:
+        # The plan's warm-ups were chosen for its own schedule; a different one is re-derived.
+        plan = plan.with_schedule(plugin.schedule)
+    check_model_matches_plan(plan, model_config, seq_len)
+    plan.validate(world_size=launch.world_size)
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    """A short table of the plan for the console (rank 0 prints it)."""
+    lines = [f"hapt_hf plan: {plan.model_name or 'model'} | {plan.num_stages} stages on "
+             f"{plan.world_size} ranks | schedule {plan.schedule} | global batch "
+             f"{plan.global_batch_size} = {plan.num_microbatches} micro-batches x "
+             f"{plan.micro_batch_size} | seq_len {plan.seq_len}"]
+    last = plan.num_layers - 1
+    for s in plan.stages:
+        names = []
+        for i in range(*s.layers):
+            names.append("emb" if i == 0 else "head" if i == last else f"b{i - 1}")
+        lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) "
+                     f"{' '.join(names):<28} ranks {list(s.ranks)} group {s.group or '-'} "
+                     f"warmup {s.warmup}")
+    if plan.predicted.iteration_s:
+        lines.append(f"  predicted: {plan.predicted.iteration_s:.3f} s/iteration, bubble "
+                     f"{plan.predicted.bubble_fraction:.0%}")
+    return "\n".join(lines)
+
+
+def print_main(launch: LaunchEnv, text: str) -> None:
+    if launch.is_main:
+        print(text, file=sys.stdout, flush=True)
+
+
+def write_plan(plan: Plan, output_dir: str | os.PathLike, launch: LaunchEnv) -> Path | None:
+    """Rank 0 writes output_dir/plan.json (atomically, through Plan.save)."""
+    if not launch.is_main:
+        return None
+    return plan.save(Path(output_dir) / "plan.json")
