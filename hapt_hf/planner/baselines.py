@@ -1,0 +1,197 @@
+"""The splits other systems make, built in the same code and scored by the same simulator.
+
+* ``uniform`` (Megatron-LM / torchtitan default): the blocks split evenly over the stages, the
+  embedding on the first stage and the head on the last;
+* ``param_balanced`` (DeepSpeed ``partition_method="parameters"``): stages with as equal
+  parameter counts as contiguous ranges allow;
+* ``speed_proportional`` (Whale-like): each stage's share of the forward + backward FLOPs in
+  proportion to its GPUs' speed;
+* ``hapt`` (HAPT's recipe): the groups in file order (a fixed chain), stages of a power-of-two
+  number of GPUs inside one node, layers by the min-max partition under memory, the
+  configuration chosen by HAPT's pipeline formula, and H-1F1B warm-ups from its 1/2/3
+  thresholds.
+
+The first three run plain 1F1B with the same data-parallel width on every stage (what those
+frameworks require: world = pipeline x data parallel), the groups in file order; each gets the
+width and micro-batch size its own estimate likes best (the two best are replayed and the
+faster kept), and recompute on the stages that do not fit without it.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from bisect import bisect_left
+
+from .cluster import Cluster
+from .cost_model import CostModel
+from .model_spec import ModelSpec
+from .profile import Profile
+from .search import (BaselineResult, Layout, PlannerOptions, _balanced_step_s, _cuts,
+                     _divisors, _in_flight,
+                     _simulate, estimate_s, hapt_warmups, layout_to_plan, micro_batch_options,
+                     partition_layers, shapes_for)
+
+__all__ = ["BASELINES", "baseline_plans"]
+
+BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt")
+
+
+def _uniform(cm: CostModel, shapes, mbs: int) -> list[int] | None:
+    """Cut points: blocks split evenly, embedding first, head last."""
+    n, L = len(shapes), cm.model.num_layers
+    blocks = L - 2
+    if n > blocks:
+        return None
+    q, r = divmod(blocks, n)
+    cuts, at = [], 1
+    for i in range(n - 1):
+        at += q + (1 if i < r else 0)
+        cuts.append(at)
+    return cuts
+
+
+def _balanced_by(prefix: list[float], n: int) -> list[int] | None:
+    """Cut points of the min-max contiguous partition of weights (given as prefix sums)."""
+    L = len(prefix) - 1
+    if n > L:
+        return None
+
+    def greedy(cap: float):
+        cuts, a = [], 0
+        for i in range(n - 1):
+            b = a + 1
+            while b < L - (n - i - 2) - 1 and prefix[b + 1] - prefix[a] <= cap:
+                b += 1
+            cuts.append(b)
+            a = b
+        return cuts if prefix[L] - prefix[a] <= cap else None
+
+    lo, hi = 0.0, prefix[L]
+    best = greedy(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        g = greedy(mid)
+        if g is None:
+            lo = mid
+        else:
+            hi, best = mid, g
+    return best
+
+
+def _param_balanced(cm: CostModel, shapes, mbs: int) -> list[int] | None:
+    return _balanced_by(list(cm.params), len(shapes))
+
+
+def _speed_proportional(cm: CostModel, shapes, mbs: int) -> list[int] | None:
+    n, L = len(shapes), cm.model.num_layers
+    if n > L:
+        return None
+    flops = [0.0]
+    for l in cm.model.layers:
+        flops.append(flops[-1] + l.fwd_flops + l.bwd_flops)
+    speed = [sh.width / cm.sample_time_s(sh.group, mbs // sh.width) for sh in shapes]
+    total, acc, cuts, prev = sum(speed), 0.0, [], 0
+    for i in range(n - 1):
+        acc += speed[i]
+        target = flops[-1] * acc / total
+        b = bisect_left(flops, target)
+        if b > 0 and target - flops[b - 1] < flops[b] - target:
+            b -= 1
+        b = max(prev + 1, min(b, L - (n - 1 - i)))
+        cuts.append(b)
+        prev = b
+    return cuts
+
+
+_SPLITS = {"uniform": _uniform, "param_balanced": _param_balanced,
+           "speed_proportional": _speed_proportional}
+
+
+def _with_memory(cm: CostModel, shapes, cuts: list[int], mbs: int, warm, allow_rc: bool):
+    """Bounds and recompute flags (on only where needed), or None if a stage cannot fit."""
+    L = cm.model.num_layers
+    edges = [0, *cuts, L]
+    bounds = tuple(zip(edges, edges[1:]))
+    rcs = []
+    for sh, (a, b), w in zip(shapes, bounds, warm):
+        s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
+        if cm.memory_bytes(s, a, b, w, False) <= cap:
+            rcs.append(False)
+        elif allow_rc and cm.memory_bytes(s, a, b, w, True) <= cap:
+            rcs.append(True)
+        else:
+            return None
+    return bounds, tuple(rcs)
+
+
+def _framework_layouts(cm: CostModel, name: str, gbs: int, options: PlannerOptions):
+    groups = cm.cluster.groups
+    common = math.gcd(*(g.size for g in groups))
+    for w in _divisors(common):
+        if gbs % w:
+            continue
+        widths = {g.name: (w,) * (g.size // w) for g in groups}
+        shapes = shapes_for(groups, widths)
+        for mbs in micro_batch_options(gbs, [w], options.micro_batch_sizes):
+            m = gbs // mbs
+            cuts = _SPLITS[name](cm, shapes, mbs)
+            if cuts is None:
+                continue
+            warm = hapt_warmups(shapes, [0.0] * (len(shapes) - 1), 1.0, m, "1f1b")
+            got = _with_memory(cm, shapes, cuts, mbs, warm, options.allow_recompute)
+            if got is not None:
+                yield Layout(shapes, got[0], got[1], mbs, warm, "1f1b")
+
+
+def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
+    groups = cm.cluster.groups
+    per_group = []
+    for g in groups:
+        ws = [w for w in (1 << k for k in range(12)) if w <= g.gpus_per_node
+              and g.gpus_per_node % w == 0 and gbs % w == 0]
+        per_group.append(ws)
+    for combo in itertools.product(*per_group):
+        widths = {g.name: (w,) * (g.size // w) for g, w in zip(groups, combo)}
+        shapes = shapes_for(groups, widths)
+        for mbs in micro_batch_options(gbs, list(combo), options.micro_batch_sizes):
+            m = gbs // mbs
+            inflight = _in_flight(shapes, mbs, m, "h1f1b", cm, _balanced_step_s(cm, shapes, mbs))
+            part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute)
+            if part is None:
+                continue
+            warm = hapt_warmups(shapes, _cuts(cm, shapes, part.bounds, mbs), part.cap_s, m,
+                                "h1f1b")
+            yield Layout(shapes, part.bounds, part.recompute, mbs, warm, "h1f1b")
+
+
+def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
+    ranked = sorted(((estimate_s(cm, l, gbs // l.micro_batch_size), i, l)
+                     for i, l in enumerate(layouts)), key=lambda x: (x[0], x[1]))
+    if not ranked:
+        return BaselineResult(name, None, None, "no configuration of this split fits the "
+                              "GPUs' memory (or the global batch allows no common width)")
+    # HAPT picks by its formula alone; the framework baselines get the better of their two best
+    keep = ranked[:1] if name == "hapt" else ranked[:2]
+    best = None
+    for _, _, lay in keep:
+        r = _simulate(cm, lay, gbs // lay.micro_batch_size, exact=True)
+        if best is None or (r.feasible, -r.iteration_s) > (best[0].feasible, -best[0].iteration_s):
+            best = (r, lay)
+    r, lay = best
+    if not r.feasible:
+        return BaselineResult(name, None, r, r.reason)
+    return BaselineResult(name, layout_to_plan(cm, lay, gbs, r), r)
+
+
+def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
+                   profile: Profile | None = None, options: PlannerOptions = PlannerOptions(),
+                   cost_model: CostModel | None = None) -> dict[str, BaselineResult]:
+    """Every baseline's plan for this job, scored by the simulator (exact replay)."""
+    cm = cost_model or CostModel(model, cluster, profile, options.efficiency,
+                                 options.memory_headroom)
+    out = {}
+    for name in BASELINES:
+        layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt"
+                   else list(_framework_layouts(cm, name, global_batch_size, options)))
+        out[name] = _best(cm, global_batch_size, layouts, name)
+    return out

@@ -1,0 +1,347 @@
+"""Cost model: what one stage costs per micro-batch (time, transfers, all-reduce, memory).
+
+Times come from a measured :class:`Profile` when it has entries for a group's device type, and
+otherwise from the catalogue: ``flops / (peak TFLOP/s * efficiency)`` with
+:data:`DEFAULT_EFFICIENCY` (0.4: large dense transformer layers reach 35-50% of the datasheet peak
+in mixed precision, so 0.4 is the usual middle figure).
+
+Conventions:
+
+* A stage of ``width`` replicas splits every micro-batch of ``mbs`` samples evenly, so each
+  replica computes ``mbs // width`` samples and its times are for that many samples.
+* A cut between stages of different groups crosses the group link of the cluster file, which is
+  one shared pipe: the whole micro-batch's activations cross it (``mbs * act_out``). A cut inside
+  a group uses the GPU-to-GPU links (intra-node, or inter-node if the stages sit on different
+  nodes); every rank sends only the samples the next stage's rank needs, in parallel, so the
+  time is set by the busiest rank: ``max(mbs/w_left, mbs/w_right)`` samples.
+* Data-parallel gradients are all-reduced with a ring: ``2(d-1)/d * bytes / bw + 2(d-1) * lat``,
+  over the inter-node link when the stage spans nodes.
+* Memory per GPU: weights, gradients and Adam state take :data:`STATE_BYTES_PER_PARAM` bytes per
+  parameter, plus the activations kept for every micro-batch in flight, plus one layer's working
+  set. Recompute keeps only the blocks' inputs and pays one more forward in the backward.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from itertools import accumulate
+
+from .cluster import Cluster, GpuGroup, LinkSpec
+from .model_spec import DTYPE_BYTES, ModelSpec
+from .plan import Plan
+from .profile import Profile
+
+__all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "CostModelError", "StageShape",
+           "StageCost", "StageCosts", "CostModel"]
+
+DEFAULT_EFFICIENCY = 0.4
+"""Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
+
+STATE_BYTES_PER_PARAM = {"fp16": 16, "bf16": 16, "fp32": 16}
+"""Training state per parameter with Adam. Mixed precision (fp16/bf16): 2 (half weights) + 2
+(half gradients) + 4 (fp32 master weights) + 8 (fp32 Adam moments) = 16. Pure fp32: 4 (weights)
++ 4 (gradients) + 8 (Adam moments) = 16. Both are 16, as in the ZeRO paper's accounting."""
+
+UPDATE_BYTES_PER_PARAM = 32
+"""Bytes the Adam step reads and writes per parameter (weights, grads, master, moments)."""
+
+FLOPS_PER_MEMORY_BYTE = 150.0
+"""Peak FLOP/s over memory bandwidth of current data-centre GPUs (V100 ~140, A100 ~200): the
+optimizer step is memory-bound, so its time is estimated from memory traffic at this ratio when
+no profile measured it."""
+
+
+class CostModelError(ValueError):
+    """A plan the cost model cannot price (unknown group, stages on unlinked groups)."""
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """Where a stage sits: a slice of ``width`` consecutive GPUs of one group."""
+
+    group: GpuGroup
+    width: int
+    offset: int = 0
+    """Index of the stage's first GPU inside its group (nodes are filled in order)."""
+
+    @property
+    def first_node(self) -> int:
+        return self.offset // self.group.gpus_per_node
+
+    @property
+    def last_node(self) -> int:
+        return (self.offset + self.width - 1) // self.group.gpus_per_node
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.first_node != self.last_node
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage, per micro-batch, on one of its GPUs."""
+
+    forward_s: float
+    backward_s: float
+    """Includes the recomputed forward when ``recompute`` is set."""
+    send_forward_s: float
+    """Moving this stage's output activations to the next stage (0 on the last stage)."""
+    send_backward_s: float
+    """Moving the gradient of this stage's input to the previous stage (0 on the first)."""
+    allreduce_s: float
+    update_s: float
+    static_bytes: float
+    """Weights, gradients and optimizer state on one GPU."""
+    activation_bytes: float
+    """Activations one GPU keeps per micro-batch in flight."""
+    working_bytes: float
+    capacity_bytes: float
+    """Usable memory of one GPU (after the planner's headroom)."""
+    recompute: bool = False
+
+    def memory_bytes(self, in_flight: int) -> float:
+        return self.static_bytes + self.activation_bytes * in_flight + self.working_bytes
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    stages: tuple[StageCost, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+@dataclass(frozen=True)
+class _LayerTable:
+    """Prefix sums over the layer sequence for one device type and per-replica batch."""
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    upd: tuple[float, ...]
+    block_fwd: tuple[float, ...]
+    """Forward time of block layers only (what recompute repeats)."""
+    measured_update: bool
+    fb: tuple[float, ...] = ()
+    """Forward + backward prefix sums."""
+    fb_rc: tuple[float, ...] = ()
+    """Forward + backward + recomputed block forwards."""
+
+
+def _prefix(values) -> tuple[float, ...]:
+    return (0.0, *accumulate(values))
+
+
+class CostModel:
+    """Prices stages of one model on one cluster; caches per (device, samples) tables."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, profile: Profile | None = None,
+                 efficiency: float = DEFAULT_EFFICIENCY, memory_headroom: float = 0.9):
+        if not 0 < efficiency <= 1:
+            raise CostModelError(f"efficiency {efficiency} must be in (0, 1]")
+        if not 0 < memory_headroom <= 1:
+            raise CostModelError(f"memory_headroom {memory_headroom} must be in (0, 1]; it is "
+                                 "the fraction of GPU memory the plan may use")
+        self.model = model
+        self.cluster = cluster
+        self.profile = profile
+        self.efficiency = efficiency
+        self.memory_headroom = memory_headroom
+        self._groups = {g.name: g for g in cluster.groups}
+        self._tables: dict[tuple[str, float, int], _LayerTable] = {}
+        layers = model.layers
+        self._is_block = tuple(l.kind == "block" for l in layers)
+        self.params = _prefix(l.params for l in layers)
+        self.keep = _prefix(l.act_keep_bytes for l in layers)
+        self.keep_rc = _prefix(l.act_in_bytes if b else l.act_keep_bytes
+                               for l, b in zip(layers, self._is_block))
+        # running maximum of act_keep from each start layer: one layer's working set in O(1)
+        self._keep_max = []
+        for a in range(len(layers)):
+            run, row = 0.0, []
+            for l in layers[a:]:
+                run = max(run, l.act_keep_bytes)
+                row.append(run)
+            self._keep_max.append(row)
+        self.grad_dtype_bytes = DTYPE_BYTES.get(model.dtype, 4)
+        self.state_bytes = STATE_BYTES_PER_PARAM.get(model.dtype, 16)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def group(self, name: str) -> GpuGroup:
+        try:
+            return self._groups[name]
+        except KeyError:
+            raise CostModelError(f"group {name!r} is not in cluster {self.cluster.name!r}; "
+                                 f"its groups are {sorted(self._groups)}") from None
+
+    def group_link(self, a: str, b: str) -> LinkSpec | None:
+        for l in self.cluster.links:
+            if {l.a, l.b} == {a, b}:
+                return l.link
+        return None
+
+    def capacity_bytes(self, group: GpuGroup) -> float:
+        return group.gpu.memory_gb * 1e9 * self.memory_headroom
+
+    def table(self, group: GpuGroup, samples: int) -> _LayerTable:
+        """Per-layer times of one replica computing ``samples`` samples on ``group``'s GPUs."""
+        key = (group.gpu.name, group.gpu.tflops, samples)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._build_table(group, samples)
+            self._tables[key] = t
+        return t
+
+    def _build_table(self, group: GpuGroup, samples: int) -> _LayerTable:
+        m = self.model
+        speed = group.gpu.tflops * 1e12 * self.efficiency
+        mem_bw = group.gpu.tflops * 1e12 / FLOPS_PER_MEMORY_BYTE
+        fwd, bwd, upd = [], [], []
+        measured = self.profile is not None
+        for layer in m.layers:
+            hit = None
+            if self.profile is not None:
+                hit = self.profile.lookup(group.gpu.name, layer.signature, samples, m.seq_len,
+                                          m.dtype)
+            if hit is not None:
+                fwd.append(hit.forward_s)
+                bwd.append(hit.backward_s)
+                upd.append(hit.update_s if hit.update_s > 0
+                           else layer.params * UPDATE_BYTES_PER_PARAM / mem_bw)
+            else:
+                measured = False
+                fwd.append(samples * layer.fwd_flops / speed)
+                bwd.append(samples * layer.bwd_flops / speed)
+                upd.append(layer.params * UPDATE_BYTES_PER_PARAM / mem_bw)
+        block_fwd = [f if b else 0.0 for f, b in zip(fwd, self._is_block)]
+        fb = [f + b for f, b in zip(fwd, bwd)]
+        return _LayerTable(_prefix(fwd), _prefix(bwd), _prefix(upd), _prefix(block_fwd),
+                           measured, _prefix(fb),
+                           _prefix(x + r for x, r in zip(fb, block_fwd)))
+
+    # -- per stage -------------------------------------------------------------------------
+    def compute_s(self, group: GpuGroup, samples: int, a: int, b: int,
+                  recompute: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds of layers [a, b) for one replica's ``samples``."""
+        t = self.table(group, samples)
+        f = t.fwd[b] - t.fwd[a]
+        bw = t.bwd[b] - t.bwd[a]
+        if recompute:
+            bw += t.block_fwd[b] - t.block_fwd[a]
+        return f, bw
+
+    def static_bytes(self, a: int, b: int) -> float:
+        return (self.params[b] - self.params[a]) * self.state_bytes
+
+    def activation_bytes(self, samples: int, a: int, b: int, recompute: bool = False) -> float:
+        pre = self.keep_rc if recompute else self.keep
+        return samples * (pre[b] - pre[a])
+
+    def working_bytes(self, samples: int, a: int, b: int) -> float:
+        return samples * self._keep_max[a][b - a - 1]
+
+    def memory_bytes(self, samples: int, a: int, b: int, in_flight: int,
+                     recompute: bool = False) -> float:
+        return (self.static_bytes(a, b) + in_flight * self.activation_bytes(samples, a, b, recompute)
+                + self.working_bytes(samples, a, b))
+
+    def allreduce_s(self, shape: StageShape, a: int, b: int) -> float:
+        d = shape.width
+        if d <= 1:
+            return 0.0
+        link = shape.group.inter_node if shape.spans_nodes else shape.group.intra_node
+        nbytes = (self.params[b] - self.params[a]) * self.grad_dtype_bytes
+        bw = link.bandwidth_gbps * 1e9 / 8
+        return 2 * (d - 1) / d * nbytes / bw + 2 * (d - 1) * link.latency_us * 1e-6
+
+    def update_s(self, group: GpuGroup, samples: int, a: int, b: int) -> float:
+        t = self.table(group, samples)
+        return t.upd[b] - t.upd[a]
+
+    def cut_s(self, left: StageShape, right: StageShape, last_layer: int, mbs: int) -> float:
+        """Seconds to move one micro-batch's activations (or their gradients) across the cut
+        after layer ``last_layer`` between two neighbouring stages."""
+        per_sample = self.model.layers[last_layer].act_out_bytes
+        if left.group.name != right.group.name:
+            link = self.group_link(left.group.name, right.group.name)
+            if link is None:
+                raise CostModelError(
+                    f"groups {left.group.name!r} and {right.group.name!r} are neighbours in the "
+                    "pipeline but the cluster has no link between them; add one under 'links:' "
+                    "or order the stages so that neighbours are linked")
+            return link.transfer_s(mbs * per_sample)
+        g = left.group
+        same_node = (left.first_node == left.last_node == right.first_node == right.last_node)
+        link = g.intra_node if same_node else g.inter_node
+        samples = max(mbs // left.width, mbs // right.width)
+        return link.transfer_s(samples * per_sample)
+
+    # -- whole plans -----------------------------------------------------------------------
+    def shapes_of(self, plan: Plan) -> list[StageShape]:
+        """Each stage's group slice, from its ranks (numbered group by group in file order)."""
+        first_rank, start = {}, 0
+        for g in self.cluster.groups:
+            first_rank[g.name] = start
+            start += g.size
+        shapes = []
+        for s in plan.stages:
+            g = self.group(s.group)
+            off = min(s.ranks) - first_rank[g.name]
+            if off < 0 or max(s.ranks) - first_rank[g.name] >= g.size:
+                raise CostModelError(
+                    f"stage {s.index} lists ranks {list(s.ranks)} but group {g.name!r} holds "
+                    f"ranks {first_rank[g.name]}..{first_rank[g.name] + g.size - 1}; give the "
+                    "stage ranks of its own group")
+            shapes.append(StageShape(g, s.dp, off))
+        return shapes
+
+    def stage_costs(self, shapes: list[StageShape], bounds: list[tuple[int, int]], mbs: int,
+                    recompute: list[bool] | tuple[bool, ...]) -> StageCosts:
+        """Costs of a pipeline given its stage shapes, layer ranges and micro-batch size."""
+        n = len(shapes)
+        if self.model.num_layers and bounds and bounds[-1][1] > self.model.num_layers:
+            raise CostModelError(f"the stages reach layer {bounds[-1][1]} but the model has "
+                                 f"{self.model.num_layers} layers")
+        cuts = [self.cut_s(shapes[i], shapes[i + 1], bounds[i][1] - 1, mbs)
+                for i in range(n - 1)]
+        out = []
+        for i, (sh, (a, b), rc) in enumerate(zip(shapes, bounds, recompute)):
+            samples = mbs // sh.width
+            f, bw = self.compute_s(sh.group, samples, a, b, rc)
+            out.append(StageCost(
+                forward_s=f, backward_s=bw,
+                send_forward_s=cuts[i] if i < n - 1 else 0.0,
+                send_backward_s=cuts[i - 1] if i > 0 else 0.0,
+                allreduce_s=self.allreduce_s(sh, a, b),
+                update_s=self.update_s(sh.group, samples, a, b),
+                static_bytes=self.static_bytes(a, b),
+                activation_bytes=self.activation_bytes(samples, a, b, rc),
+                working_bytes=self.working_bytes(samples, a, b),
+                capacity_bytes=self.capacity_bytes(sh.group),
+                recompute=rc))
+        return StageCosts(tuple(out))
+
+    def plan_costs(self, plan: Plan) -> StageCosts:
+        shapes = self.shapes_of(plan)
+        for s, sh in zip(plan.stages, shapes):
+            if plan.micro_batch_size % sh.width:
+                raise CostModelError(f"stage {s.index} has {sh.width} replicas but "
+                                     f"micro_batch_size is {plan.micro_batch_size}; make it a "
+                                     "multiple of every stage's width")
+        return self.stage_costs(shapes, [s.layers for s in plan.stages], plan.micro_batch_size,
+                                [s.recompute for s in plan.stages])
+
+    def sample_time_s(self, group: GpuGroup, samples: int) -> float:
+        """Forward + backward seconds per sample of the whole model on one GPU of ``group``,
+        when it computes ``samples`` samples at a time."""
+        t = self.table(group, samples)
+        return (t.fwd[-1] + t.bwd[-1]) / samples
+
+    def best_sample_time_s(self, group: GpuGroup, batch_sizes: list[int]) -> float:
+        """The GPU's best per-sample time over the given per-replica batch sizes (its speed in
+        the profile-or-analytic sense, used for the physical limit)."""
+        return min(self.sample_time_s(group, s) for s in batch_sizes)
+
+    def max_layers_fitting(self, pre: tuple[float, ...], a: int, limit: float) -> int:
+        """Largest b with pre[b] - pre[a] <= limit (prefix sums are non-decreasing)."""
+        return bisect_right(pre, pre[a] + limit) - 1

@@ -1,0 +1,184 @@
+"""Event-driven replay of a pipeline schedule: iteration time, bubbles, memory, deadlock.
+
+Rules of the replay (the same ones the runtime follows):
+
+* each stage runs its compute actions (``F``, ``B``) one after another in list order;
+* a forward waits for its activation to arrive from the previous stage, a backward for its
+  gradient from the next stage;
+* a ``SEND`` starts when the stage reaches it in its list and the link direction is free: sends
+  are eager (the receiver buffers), they overlap compute, and the transfers of one direction of
+  one cut go one at a time, in the order they were posted. ``RECV`` actions only post buffers
+  and cost nothing;
+* after its last backward, a stage all-reduces its gradients among its replicas and then runs
+  the optimizer step; the iteration ends when the last stage finishes its step.
+
+A stage whose next action waits for something no stage will ever produce is a deadlock; the
+result is then infeasible and ``reason`` says where every stage is stuck.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .cost_model import CostModel, StageCosts
+from .model_spec import ModelSpec
+from .plan import Plan
+from .profile import Profile
+from .schedule import ActionKind, Schedule, build_schedule
+
+__all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan"]
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    stage: int
+    kind: str
+    """'F', 'B', 'SEND_F', 'SEND_B', 'ALLREDUCE' or 'UPDATE'."""
+    microbatch: int
+    """-1 for ALLREDUCE and UPDATE."""
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    iteration_s: float
+    bubble_fraction: float
+    stage_busy_s: tuple[float, ...]
+    """Forward + backward compute seconds of each stage (one replica)."""
+    peak_memory_bytes: tuple[float, ...]
+    """Per stage, one GPU."""
+    events: tuple[SimEvent, ...]
+    feasible: bool
+    reason: str = ""
+    """Why the plan cannot run (deadlock, memory), empty when feasible."""
+    peak_in_flight: tuple[int, ...] = ()
+    """Most micro-batches whose activations a stage held at once."""
+
+
+_F, _B, _SF, _SB, _RECV = 0, 1, 2, 3, 4
+_CODE = {ActionKind.F: _F, ActionKind.B: _B, ActionKind.SEND_F: _SF, ActionKind.SEND_B: _SB,
+         ActionKind.RECV_F: _RECV, ActionKind.RECV_B: _RECV}
+_NAME = {_F: "F", _B: "B", _SF: "SEND_F", _SB: "SEND_B"}
+
+
+def _encode(schedule: Schedule) -> list[list[tuple[int, int]]]:
+    return [[(_CODE[a.kind], a.microbatch) for a in lst] for lst in schedule.actions]
+
+
+def simulate_schedule(schedule: Schedule, costs: StageCosts,
+                      record_events: bool = True) -> SimResult:
+    """Replay ``schedule`` with the durations of ``costs`` (one StageCost per stage)."""
+    n = schedule.num_stages
+    if costs.num_stages != n:
+        raise ValueError(f"the schedule has {n} stages but {costs.num_stages} stage costs were "
+                         "given; give one per stage")
+    st = costs.stages
+    lists = _encode(schedule)
+    pos = [0] * n
+    clock = [0.0] * n
+    busy = [0.0] * n
+    in_flight = [0] * n
+    peak = [0] * n
+    act_arr: list[dict[int, float]] = [{} for _ in range(n)]   # activation arrived at stage s
+    grad_arr: list[dict[int, float]] = [{} for _ in range(n)]  # gradient arrived at stage s
+    fwd_free = [0.0] * n   # link direction s -> s+1 free from
+    bwd_free = [0.0] * n   # link direction s -> s-1 free from
+    events: list[SimEvent] = []
+    remaining = sum(len(l) for l in lists)
+    while remaining:
+        progressed = False
+        for s in range(n):
+            lst, p, c = lists[s], pos[s], st[s]
+            t = clock[s]
+            while p < len(lst):
+                code, mb = lst[p]
+                if code == _F or code == _B:
+                    if code == _F:
+                        ready = act_arr[s].get(mb) if s > 0 else 0.0
+                        dur = c.forward_s
+                    else:
+                        ready = grad_arr[s].get(mb) if s < n - 1 else 0.0
+                        dur = c.backward_s
+                    if ready is None:
+                        break
+                    start = t if t > ready else ready
+                    t = start + dur
+                    busy[s] += dur
+                    if code == _F:
+                        in_flight[s] += 1
+                        if in_flight[s] > peak[s]:
+                            peak[s] = in_flight[s]
+                    else:
+                        in_flight[s] -= 1
+                    if record_events:
+                        events.append(SimEvent(s, _NAME[code], mb, start, t))
+                elif code == _SF:
+                    start = t if t > fwd_free[s] else fwd_free[s]
+                    end = start + c.send_forward_s
+                    fwd_free[s] = end
+                    act_arr[s + 1][mb] = end
+                    if record_events:
+                        events.append(SimEvent(s, "SEND_F", mb, start, end))
+                elif code == _SB:
+                    start = t if t > bwd_free[s] else bwd_free[s]
+                    end = start + c.send_backward_s
+                    bwd_free[s] = end
+                    grad_arr[s - 1][mb] = end
+                    if record_events:
+                        events.append(SimEvent(s, "SEND_B", mb, start, end))
+                p += 1
+            if p != pos[s]:
+                remaining -= p - pos[s]
+                pos[s] = p
+                clock[s] = t
+                progressed = True
+        if not progressed:
+            stuck = "; ".join(f"stage {s} waits at {schedule.actions[s][pos[s]]}"
+                              for s in range(n) if pos[s] < len(lists[s]))
+            return SimResult(float("inf"), 1.0, tuple(busy), _peaks(st, peak), tuple(events),
+                             False, f"deadlock: {stuck}; give every stage a warm-up depth "
+                             "no smaller than the next stage's", tuple(peak))
+    ends = []
+    for s in range(n):
+        c = st[s]
+        t0 = clock[s]
+        t1 = t0 + c.allreduce_s
+        t2 = t1 + c.update_s
+        if record_events:
+            events.append(SimEvent(s, "ALLREDUCE", -1, t0, t1))
+            events.append(SimEvent(s, "UPDATE", -1, t1, t2))
+        ends.append(max(t2, fwd_free[s], bwd_free[s]))
+    iteration = max(ends)
+    bubble = 1.0 - (sum(busy) / n) / iteration if iteration > 0 else 0.0
+    peaks = _peaks(st, peak)
+    reason = _memory_reason(st, peaks)
+    return SimResult(iteration, bubble, tuple(busy), peaks, tuple(events), not reason, reason,
+                     tuple(peak))
+
+
+def _peaks(st, peak: list[int]) -> tuple[float, ...]:
+    return tuple(c.memory_bytes(k) for c, k in zip(st, peak))
+
+
+def _memory_reason(st, peaks: tuple[float, ...]) -> str:
+    over = [(i, p, c.capacity_bytes) for i, (c, p) in enumerate(zip(st, peaks))
+            if c.capacity_bytes > 0 and p > c.capacity_bytes]
+    if not over:
+        return ""
+    return "; ".join(f"stage {i} needs {p / 1e9:.2f} GB per GPU but {cap / 1e9:.2f} GB are usable"
+                     for i, p, cap in over)
+
+
+def simulate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, profile: Profile | None = None,
+                  record_events: bool = True, memory_headroom: float = 0.9,
+                  cost_model: CostModel | None = None) -> SimResult:
+    """Price ``plan`` with the cost model and replay its schedule."""
+    cm = cost_model or CostModel(model, cluster, profile, memory_headroom=memory_headroom)
+    if plan.num_layers != model.num_layers:
+        raise ValueError(f"the plan covers {plan.num_layers} layers but model {model.name!r} has "
+                         f"{model.num_layers}; plan again for this model")
+    costs = cm.plan_costs(plan)
+    sched = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
+                           plan.warmups(), validate=False)
+    return simulate_schedule(sched, costs, record_events)
