@@ -1,12 +1,27 @@
 """Profile: measured per-layer times, per device type; the cost model prefers it to the catalogue.
 
-SKELETON: fields are the contract; the helper owning this file fills in the bodies.
+A profile is plain data: ``ProfileKey -> LayerTiming`` plus measured links. It is saved as
+readable JSON (one record per timing) and can be built from our profiler or from published
+measurements (:func:`load_sailor_profiles`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
-__all__ = ["ProfileKey", "LayerTiming", "LinkMeasurement", "Profile"]
+from .catalogue import device_names
+from .model_spec import ModelSpec
+
+__all__ = ["ProfileKey", "LayerTiming", "LinkMeasurement", "Profile", "ProfileError",
+           "load_sailor_profiles"]
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file or data set that cannot be used; the message says what to fix."""
 
 
 @dataclass(frozen=True, order=True)
@@ -49,11 +64,193 @@ class Profile:
     def lookup(self, device: str, layer_signature: str, micro_batch: int, seq_len: int,
                dtype: str) -> LayerTiming | None:
         """Exact entry, or one interpolated/extrapolated linearly in micro_batch from the
-        entries of the same (device, signature, seq_len, dtype); None if there are none."""
-        raise NotImplementedError
+        entries of the same (device, signature, seq_len, dtype); None if there are none.
+
+        ``device`` may be any name of the device (catalogue name, alias or profile name, e.g.
+        'GH200' finds entries stored as 'GH-96')."""
+        for name in device_names(device):
+            points = sorted((k.micro_batch, t) for k, t in self.timings.items()
+                            if k.device == name and k.layer_signature == layer_signature
+                            and k.seq_len == seq_len and k.dtype == dtype)
+            if points:
+                return _estimate(points, micro_batch)
+        return None
 
     def devices(self) -> set[str]:
         return {k.device for k in self.timings}
 
     def micro_batches(self, device: str) -> list[int]:
         return sorted({k.micro_batch for k in self.timings if k.device == device})
+
+    def merge(self, other: "Profile") -> "Profile":
+        """A new profile with both sets of entries; ``other`` wins where both measured."""
+        links = {(l.a, l.b): l for l in self.links}
+        links.update({(l.a, l.b): l for l in other.links})
+        source = " + ".join(s for s in (self.source, other.source) if s)
+        return Profile({**self.timings, **other.timings}, list(links.values()), source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, "source": self.source,
+                "timings": [{**asdict(k), **asdict(t)} for k, t in sorted(self.timings.items())],
+                "links": [asdict(l) for l in self.links]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        if not isinstance(d, dict) or "timings" not in d:
+            raise ProfileError("a profile must be a mapping with 'timings' (and 'links')")
+        if d.get("version", PROFILE_VERSION) != PROFILE_VERSION:
+            raise ProfileError(f"profile version {d.get('version')!r} is not supported; "
+                               f"re-measure or convert it to version {PROFILE_VERSION}")
+        timings = {}
+        for i, rec in enumerate(d["timings"]):
+            key, timing = _record(rec, f"timings[{i}]")
+            timings[key] = timing
+        try:
+            links = [LinkMeasurement(str(l["a"]), str(l["b"]), float(l["bandwidth_gbps"]),
+                                     float(l["latency_us"])) for l in d.get("links", [])]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"links: each entry needs a, b, bandwidth_gbps, latency_us "
+                               f"({e!r})") from None
+        return cls(timings, links, str(d.get("source", "")))
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path) -> "Profile":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProfileError(f"profile file {path} cannot be read as JSON ({e})") from None
+        return cls.from_dict(d)
+
+
+_KEY_FIELDS = tuple(f.name for f in fields(ProfileKey))
+_TIMING_FIELDS = tuple(f.name for f in fields(LayerTiming))
+
+
+def _record(rec: dict, where: str) -> tuple[ProfileKey, LayerTiming]:
+    if not isinstance(rec, dict):
+        raise ProfileError(f"{where} must be a mapping")
+    missing = [k for k in (*_KEY_FIELDS, "forward_s", "backward_s") if k not in rec]
+    if missing:
+        raise ProfileError(f"{where} is missing {missing}")
+    try:
+        key = ProfileKey(str(rec["device"]), str(rec["layer_signature"]),
+                         int(rec["micro_batch"]), int(rec["seq_len"]), str(rec["dtype"]))
+        timing = LayerTiming(**{k: float(rec[k]) for k in _TIMING_FIELDS if k in rec})
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{where} has a value of the wrong type ({e})") from None
+    if timing.forward_s < 0 or timing.backward_s < 0:
+        raise ProfileError(f"{where}: forward_s/backward_s must be >= 0")
+    return key, timing
+
+
+def _scale(t: LayerTiming, f: float) -> LayerTiming:
+    # the optimizer step touches the same parameters whatever the micro-batch
+    return LayerTiming(t.forward_s * f, t.backward_s * f, t.update_s, t.peak_memory_bytes * f,
+                       t.spread)
+
+
+def _line(mb: int, p: tuple[int, LayerTiming], q: tuple[int, LayerTiming]) -> LayerTiming:
+    (m0, a), (m1, b) = p, q
+    w = (mb - m0) / (m1 - m0)
+
+    def at(x: float, y: float) -> float:
+        return x + w * (y - x)
+
+    return LayerTiming(at(a.forward_s, b.forward_s), at(a.backward_s, b.backward_s),
+                       at(a.update_s, b.update_s),
+                       at(a.peak_memory_bytes, b.peak_memory_bytes), max(a.spread, b.spread))
+
+
+def _floor(t: LayerTiming, low: LayerTiming) -> LayerTiming:
+    return LayerTiming(*(max(x, y) for x, y in zip(
+        (t.forward_s, t.backward_s, t.update_s, t.peak_memory_bytes),
+        (low.forward_s, low.backward_s, low.update_s, low.peak_memory_bytes))), spread=t.spread)
+
+
+def _estimate(points: list[tuple[int, LayerTiming]], mb: int) -> LayerTiming:
+    """Exact point, linear between the two neighbours, or extrapolated from the nearest two.
+
+    Below the smallest measured size a straight line can reach zero or less, so the result is
+    kept at least at the per-sample share of the smallest point (a smaller batch is never more
+    efficient per sample); above the largest it is kept at least at the largest point's time.
+    """
+    for m, t in points:
+        if m == mb:
+            return t
+    if len(points) == 1:
+        m, t = points[0]
+        return _scale(t, mb / m)
+    if mb < points[0][0]:
+        return _floor(_line(mb, points[0], points[1]), _scale(points[0][1], mb / points[0][0]))
+    if mb > points[-1][0]:
+        return _floor(_line(mb, points[-2], points[-1]), points[-1][1])
+    hi = next(i for i, (m, _) in enumerate(points) if m > mb)
+    return _line(mb, points[hi - 1], points[hi])
+
+
+# --- published measurements --------------------------------------------------------------------
+
+_SAILOR_SEQ_LEN = 2048  # the data's README: all models were measured at sequence length 2048
+
+
+def _sailor_seq_len(directory: Path, model_name: str) -> int:
+    """Sequence length from a ``model_*.json`` training config naming this model, if any."""
+    for p in sorted(directory.glob("model_*.json")):
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if cfg.get("model") == model_name and "sequence_length" in cfg:
+            return int(cfg["sequence_length"])
+    return _SAILOR_SEQ_LEN
+
+
+def load_sailor_profiles(directory, model: ModelSpec) -> Profile:
+    """Per-layer times measured by the Sailor planner's authors (``layer_times.json``:
+    model -> gpu -> micro-batch -> tensor-parallel degree -> layer -> [fwd, bwd, update]).
+
+    Only tensor-parallel degree 1 is used (stages here are data-parallel only). Profile layer
+    ``i`` is ``model.layers[i]``; layers sharing a signature (the blocks) get the mean of their
+    measured times. Devices keep the file's names ('A100-40', 'V100-16', 'GH-96', ...).
+    """
+    directory = Path(directory)
+    path = directory / "layer_times.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProfileError(f"cannot read {path} ({e}); give the directory holding the Sailor "
+                           f"profiles' layer_times.json") from None
+    name = model.profile_name or model.name
+    if name not in data:
+        raise ProfileError(f"{path} has no model {name!r}; it has {', '.join(sorted(data))}. "
+                           f"Set the job model's profile_name to one of them")
+    seq = _sailor_seq_len(directory, name)
+    if model.seq_len != seq:
+        raise ProfileError(f"{name} was profiled at sequence length {seq}, the job asks for "
+                           f"{model.seq_len}; set job.seq_len to {seq} or drop profiles:")
+    timings: dict[ProfileKey, LayerTiming] = {}
+    for gpu, by_mb in sorted(data[name].items()):
+        for mb, by_tp in sorted(by_mb.items(), key=lambda kv: int(kv[0])):
+            if "1" in by_tp:
+                timings.update(_sailor_layers(by_tp["1"], model, gpu, int(mb)))
+    return Profile(timings, [], source=f"sailor:{path}")
+
+
+def _sailor_layers(layers: dict[str, list[float]], model: ModelSpec, gpu: str,
+                   mb: int) -> dict[ProfileKey, LayerTiming]:
+    if len(layers) != model.num_layers:
+        raise ProfileError(
+            f"the profile of {model.profile_name or model.name} on {gpu} has {len(layers)} layers "
+            f"(embedding + blocks + head) but the model has {model.num_layers}; check the job "
+            f"model's num_layers against the profiled model")
+    by_sig: dict[str, list[list[float]]] = {}
+    for i, spec in enumerate(model.layers):
+        by_sig.setdefault(spec.signature, []).append(layers[str(i)])
+    out = {}
+    for sig, rows in by_sig.items():
+        fwd, bwd, upd = (sum(r[j] for r in rows) / len(rows) for j in range(3))
+        out[ProfileKey(gpu, sig, mb, model.seq_len, model.dtype)] = LayerTiming(fwd, bwd, upd)
+    return out
