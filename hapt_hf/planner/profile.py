@@ -80,7 +80,9 @@ class Profile:
         return {k.device for k in self.timings}
 
     def micro_batches(self, device: str) -> list[int]:
-        return sorted({k.micro_batch for k in self.timings if k.device == device})
+        """Measured micro-batch sizes of a device, under any of its names (as ``lookup``)."""
+        names = set(device_names(device))
+        return sorted({k.micro_batch for k in self.timings if k.device in names})
 
     def merge(self, other: "Profile") -> "Profile":
         """A new profile with both sets of entries; ``other`` wins where both measured."""

@@ -63,6 +63,7 @@ def test_no_entry_for_other_device_signature_seq_or_dtype():
 def test_lookup_by_catalogue_name_finds_profile_name():
     p = Profile({_key(1, device="GH-96"): LayerTiming(1.0, 2.0)})
     assert p.lookup("GH200", "blk", 1, 1024, "fp16") == LayerTiming(1.0, 2.0)
+    assert p.micro_batches("GH200") == p.micro_batches("GH-96") == [1]
 
 
 def test_json_round_trip(tmp_path):
