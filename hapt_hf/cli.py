@@ -1,0 +1,286 @@
+"""The ``hapt-hf`` command: plan a cluster, replay a plan, profile GPUs.
+
+    hapt-hf plan [--cluster FILE_OR_BUILTIN] [--model NAME_OR_PATH] [-o plan.json] [--timeline p.png]
+    hapt-hf simulate plan.json --cluster FILE [--timeline p.png]
+    hapt-hf profile ...
+
+A user mistake (a wrong cluster file, an unknown model, a hand-edited plan that does not add up,
+a model that fits nowhere) ends with one line ``hapt-hf: error: <message>`` on stderr and exit
+code 2; nothing is written unless planning succeeded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "JobInputs", "resolve_job", "load_cluster", "UsageError"]
+
+DEMO_CLUSTER = "v100x8_a100x4"
+DEMO_MODEL = "gpt2"
+DEMO_SEQ_LEN = 1024
+DEMO_GLOBAL_BATCH = 64
+DEFAULT_DTYPE = "fp16"  # what GPUs train in; a job may say fp32 or bf16
+
+
+class UsageError(ValueError):
+    """A command line that cannot be carried out; the message says which flag to give."""
+
+
+@dataclass(frozen=True)
+class JobInputs:
+    """Everything the planner needs, resolved from the flags and the cluster file's ``job:``."""
+
+    cluster: Any
+    """hapt_hf.planner.cluster.Cluster"""
+    model: Any
+    """hapt_hf.planner.model_spec.ModelSpec"""
+    profile: Any | None
+    """hapt_hf.planner.profile.Profile from the cluster file's ``profiles:``, or None."""
+    global_batch_size: int
+    cluster_source: str
+    """The file the cluster came from, or ``built-in <name>``."""
+
+
+# -- resolving the inputs ----------------------------------------------------------------------
+
+def load_cluster(name_or_path: str | None) -> tuple[Any, str]:
+    """A cluster file, or the name of a built-in one (default: the demo cluster)."""
+    from hapt_hf.planner.cluster import Cluster, builtin_cluster_names, builtin_cluster_path
+
+    name = name_or_path or DEMO_CLUSTER
+    path = Path(name)
+    if path.is_file():
+        return Cluster.load(path), str(path)
+    if path.suffix in (".yaml", ".yml", ".json") or "/" in name:
+        raise UsageError(f"--cluster: file {name!r} does not exist; give a cluster file or a "
+                         f"built-in name ({', '.join(builtin_cluster_names())})")
+    if name.removesuffix(".yaml") not in builtin_cluster_names():
+        raise UsageError(f"--cluster: {name!r} is neither a file nor a built-in cluster; "
+                         f"built-ins: {', '.join(builtin_cluster_names())}")
+    return Cluster.load(builtin_cluster_path(name)), f"built-in {name}"
+
+
+def _model_spec(model: Any, seq_len: int, dtype: str, where: str) -> Any:
+    from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
+
+    if isinstance(model, dict):
+        return ModelSpec.from_job_dict(model, seq_len=seq_len, dtype=dtype)
+    if isinstance(model, str) and model:
+        return ModelSpec.from_name_or_path(model, seq_len=seq_len, dtype=dtype)
+    raise ModelSpecError(f"no model given: pass --model NAME_OR_PATH or set job.model in {where}")
+
+
+def _load_profile(cluster: Any, model: Any) -> Any | None:
+    """Measured layer times named by the cluster file's ``profiles:`` (None without one)."""
+    from hapt_hf.planner.search import cluster_profile
+    return cluster_profile(cluster, model)
+
+
+def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: int | None = None,
+                global_batch: int | None = None, dtype: str | None = None) -> JobInputs:
+    """Flags first, then the cluster file's ``job:``; with no cluster at all, the demo job."""
+    cluster, source = load_cluster(cluster_arg)
+    job = cluster.job
+    demo = cluster_arg is None
+    model_arg = model or job.model or (DEMO_MODEL if demo else None)
+    seq = seq_len or job.seq_len or (DEMO_SEQ_LEN if demo else None)
+    gbs = global_batch or job.global_batch_size or (DEMO_GLOBAL_BATCH if demo else None)
+    if seq is None:
+        raise UsageError(f"no sequence length: pass --seq-len N or set job.seq_len in {source}")
+    if gbs is None:
+        raise UsageError(f"no global batch: pass --global-batch N or set "
+                         f"job.global_batch_size in {source}")
+    for flag, value in (("--seq-len", seq), ("--global-batch", gbs)):
+        if int(value) < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
+    dt = dtype or job.dtype or DEFAULT_DTYPE
+    spec = _model_spec(model_arg, int(seq), dt, source)
+    return JobInputs(cluster, spec, _load_profile(cluster, spec), int(gbs), source)
+
+
+def capacities_gb(cluster: Any) -> dict[str, float]:
+    """Memory of one GPU of each group, for the table's 'memory GB' column."""
+    return {g.name: float(g.gpu.memory_gb) for g in cluster.groups}
+
+
+def stage_labels(plan: Any) -> list[str]:
+    return [f"{s.index} {s.group} x{s.dp}" for s in plan.stages]
+
+
+# -- subcommands ------------------------------------------------------------------------------
+
+def _emit(report: Any, plan: Any, as_json: bool) -> None:
+    from hapt_hf.planner.report import format_report, report_to_dict
+    if as_json:
+        print(json.dumps({"report": report_to_dict(report), "plan": plan.to_dict()}, indent=2))
+    else:
+        print(format_report(report))
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hapt_hf.planner.report import build_report
+    from hapt_hf.planner.search import PlannerOptions, plan_job
+
+    job = resolve_job(args.cluster, model=args.model, seq_len=args.seq_len,
+                      global_batch=args.global_batch, dtype=args.dtype)
+    note = sys.stderr if args.json else sys.stdout
+    if args.cluster is None:
+        print(f"no --cluster given: planning {job.model.name} on the {job.cluster_source} "
+              "cluster", file=note)
+    options = PlannerOptions(
+        schedule=args.schedule,
+        micro_batch_sizes=(args.micro_batch,) if args.micro_batch else None)
+    result = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
+                      options=options)
+    plan = result.plan.validate()
+    report = build_report(plan, result.sim, title=f"{job.model.name} on {job.cluster.name}",
+                          capacity_gb=capacities_gb(job.cluster),
+                          physical_limit_s=result.physical_limit_s,
+                          search_time_s=result.search_time_s, baselines=result.baselines)
+    # outputs only now that planning succeeded; each is written atomically
+    if args.timeline:
+        from hapt_hf.planner.timeline import draw_timeline
+        draw_timeline(result.sim, args.timeline, title=report.title,
+                      stage_labels=stage_labels(plan))
+    if args.output:
+        plan.save(args.output)
+    _emit(report, plan, args.json)
+    written = [str(p) for p in (args.output, args.timeline) if p]
+    if written:
+        print(f"wrote {', '.join(written)}", file=note)
+    return 0
+
+
+def _physical_limit(plan: Any, job: JobInputs) -> float:
+    """No plan of this job can beat this: total work over the sum of every GPU's speed."""
+    from hapt_hf.planner.cost_model import CostModel
+    from hapt_hf.planner.search import physical_limit_s
+    return physical_limit_s(CostModel(job.model, job.cluster, job.profile), plan.global_batch_size)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from hapt_hf.planner.plan import Plan, PlanError
+    from hapt_hf.planner.report import build_report
+    from hapt_hf.planner.simulate import simulate_plan
+
+    plan = Plan.load(args.plan).validate()
+    job = resolve_job(args.cluster, model=args.model, seq_len=plan.seq_len,
+                      global_batch=plan.global_batch_size, dtype=plan.dtype)
+    if job.model.num_layers != plan.num_layers:
+        raise PlanError(f"model.num_layers is {plan.num_layers} in {args.plan} but "
+                        f"{job.model.name} has {job.model.num_layers} layers (blocks + 2); "
+                        "re-plan for this model or pass the model the plan was made for")
+    sim = simulate_plan(plan, job.model, job.cluster, job.profile, record_events=True)
+    report = build_report(plan, sim, title=f"{args.plan} on {job.cluster.name}",
+                          capacity_gb=capacities_gb(job.cluster),
+                          physical_limit_s=_physical_limit(plan, job))
+    if args.timeline:
+        from hapt_hf.planner.timeline import draw_timeline
+        draw_timeline(sim, args.timeline, title=report.title, stage_labels=stage_labels(plan))
+    _emit(report, plan, args.json)
+    return 0 if sim.feasible else 1
+
+
+def _cmd_profile(argv: list[str]) -> int:
+    try:
+        from hapt_hf.planner.profiler import cli_main
+    except ImportError:
+        print("hapt-hf: error: the profiler is not installed in this hapt_hf "
+              "(hapt_hf.planner.profiler is missing)", file=sys.stderr)
+        return 2
+    return int(cli_main(argv) or 0)
+
+
+# -- argument parsing --------------------------------------------------------------------------
+
+def _job_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="a model name (gpt2, meta-llama/Llama-2-7b-hf...) or a config.json "
+                        "path; default: the cluster file's job.model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hapt-hf",
+        description="Heterogeneity-aware pipeline planning for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", metavar="{plan,simulate,profile}")
+
+    p = sub.add_parser(
+        "plan", help="find the fastest pipeline plan for a cluster and a model",
+        description="Search the pipeline plan (group order, stages, layer ranges, micro-batch, "
+                    "warm-ups) with the lowest simulated iteration time, print it beside the "
+                    "baseline splits, and optionally write plan.json and a timeline PNG. "
+                    f"Without --cluster: the built-in {DEMO_CLUSTER} cluster and {DEMO_MODEL}.")
+    p.add_argument("--cluster", metavar="FILE_OR_BUILTIN",
+                   help=f"cluster file (YAML) or built-in cluster name; default {DEMO_CLUSTER}")
+    _job_flags(p)
+    p.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample; default job.seq_len")
+    p.add_argument("--global-batch", type=int, metavar="N",
+                   help="samples per optimizer step; default job.global_batch_size")
+    p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"),
+                   help=f"training precision; default job.dtype or {DEFAULT_DTYPE}")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "h1f1b"), default="h1f1b",
+                   help="pipeline schedule (default h1f1b: 1F1B with per-stage warm-ups)")
+    p.add_argument("--micro-batch", type=int, metavar="N",
+                   help="fix the micro-batch size instead of searching it")
+    p.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan here")
+    p.add_argument("--timeline", metavar="PNG", help="draw the simulated iteration here")
+    p.add_argument("--json", action="store_true", help="print the report and plan as JSON")
+    p.set_defaults(run=_cmd_plan)
+
+    s = sub.add_parser(
+        "simulate", help="replay a plan (also one edited by hand) on a cluster",
+        description="Validate PLAN_JSON, replay it in the event simulator on the cluster and "
+                    "print the simulated per-stage times, memory against each GPU's capacity, "
+                    "iteration time and bubble. Exit 1 if the plan does not fit in memory.")
+    s.add_argument("plan", metavar="PLAN_JSON", help="plan file written by `hapt-hf plan -o`")
+    s.add_argument("--cluster", metavar="FILE_OR_BUILTIN", required=True,
+                   help="cluster file (YAML) or built-in cluster name")
+    _job_flags(s)
+    s.add_argument("--timeline", metavar="PNG", help="draw the simulated iteration here")
+    s.add_argument("--json", action="store_true", help="print the report and plan as JSON")
+    s.set_defaults(run=_cmd_simulate)
+
+    sub.add_parser("profile", add_help=False,
+                   help="measure per-layer times and link speeds (see `hapt-hf profile --help`)")
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean the input is wrong, not the program."""
+    from hapt_hf.planner.cluster import ClusterError
+    from hapt_hf.planner.model_spec import ModelSpecError
+    from hapt_hf.planner.plan import PlanError
+    from hapt_hf.planner.schedule import ScheduleError
+    from hapt_hf.planner.cost_model import CostModelError
+    from hapt_hf.planner.profile import ProfileError
+    from hapt_hf.planner.search import PlanningError
+    return (UsageError, ClusterError, ModelSpecError, PlanError, ScheduleError, PlanningError,
+            CostModelError, ProfileError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hapt-hf`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["profile"]:
+        return _cmd_profile(argv[1:])  # the profiler parses its own flags
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    errors = _user_errors()
+    try:
+        return args.run(args)
+    except errors as e:
+        msg = e.strerror + f": {e.filename}" if isinstance(e, OSError) and e.filename else e
+        print(f"hapt-hf: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The ``hapt-hf`` command end to end, and the plan table it prints."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hapt_hf.cli import main
+from hapt_hf.planner.plan import Plan, PlanPrediction, StagePlan, StagePrediction
+from hapt_hf.planner.report import build_report, format_ranks, format_report, layer_names
+from hapt_hf.planner.simulate import SimEvent, SimResult, simulate_plan
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIOS = REPO.parent / "shared" / "scenarios"
+
+SMALL_CLUSTER = """\
+name: small
+groups:
+  - {name: v100, gpu: V100-32, nodes: 1, gpus_per_node: 2}
+  - {name: a100, gpu: A100-40, nodes: 1, gpus_per_node: 1}
+links:
+  - {between: [v100, a100], bandwidth_gbps: 5, latency_us: 1000}
+job:
+  model: {family: gpt2, hidden_size: 256, num_layers: 4, num_heads: 4, vocab_size: 1000}
+  seq_len: 128
+  global_batch_size: 16
+  dtype: fp32
+"""
+
+
+def _run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+def test_plan_writes_a_plan_that_reloads_and_a_timeline(tmp_path, capsys):
+    cluster = _write(tmp_path, SMALL_CLUSTER)
+    out_json, png = tmp_path / "out" / "plan.json", tmp_path / "plan.png"
+    code, out, err = _run(["plan", "--cluster", cluster, "-o", out_json, "--timeline", png],
+                          capsys)
+    assert code == 0, err
+    plan = Plan.load(out_json).validate(world_size=3)
+    assert plan.num_layers == 6 and plan.seq_len == 128 and plan.global_batch_size == 16
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
+    for s in plan.stages:  # one table row per stage, starting with its index and group
+        assert any(line.split()[:2] == [str(s.index), s.group] for line in out.splitlines())
+    assert "iteration time" in out and "tokens/s" in out and "physical limit" in out
+    assert "speed-up" in out
+
+
+def test_plan_flags_override_the_job_section(tmp_path, capsys):
+    cluster = _write(tmp_path, SMALL_CLUSTER)
+    code, out, err = _run(["plan", "--cluster", cluster, "--global-batch", "8", "--seq-len",
+                           "64", "--micro-batch", "2", "--schedule", "1f1b", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)  # --json prints JSON only
+    assert data["plan"]["global_batch_size"] == 8 and data["plan"]["seq_len"] == 64
+    assert data["plan"]["micro_batch_size"] == 2 and data["plan"]["schedule"] == "1f1b"
+    assert data["report"]["iteration_s"] > 0
+    assert len(data["report"]["stages"]) == len(data["plan"]["stages"])
+
+
+def test_plan_without_cluster_uses_the_builtin_demo(capsys):
+    code, out, err = _run(["plan"], capsys)
+    assert code == 0, err
+    assert "built-in v100x8_a100x4" in out and "gpt2" in out
+    assert "stage" in out and "iteration time" in out
+
+
+@pytest.mark.parametrize("scenario", ["harp_v100x2_a100x1", "sailor_a100x8_v100x8_opt350"])
+def test_plan_on_shared_scenarios(scenario, tmp_path, capsys):
+    path = SCENARIOS / f"{scenario}.yaml"
+    if not path.is_file():
+        pytest.skip(f"{path} is not present beside the repository")
+    out_json = tmp_path / "plan.json"
+    code, out, err = _run(["plan", "--cluster", path, "-o", out_json, "--timeline",
+                           tmp_path / "t.png"], capsys)
+    assert code == 0, err
+    plan = Plan.load(out_json).validate()
+    assert plan.stages and (tmp_path / "t.png").stat().st_size > 5_000
+    assert all(f"[{s.layers[0]},{s.layers[1]})" in out for s in plan.stages)
+
+
+# -- simulate -----------------------------------------------------------------------------------
+
+def _planned(tmp_path, capsys) -> tuple[Path, Path]:
+    cluster = _write(tmp_path, SMALL_CLUSTER)
+    plan_path = tmp_path / "plan.json"
+    code, _, err = _run(["plan", "--cluster", cluster, "--schedule", "1f1b", "-o", plan_path],
+                        capsys)
+    assert code == 0, err
+    return cluster, plan_path
+
+
+def test_simulate_replays_a_hand_edited_plan(tmp_path, capsys):
+    cluster, plan_path = _planned(tmp_path, capsys)
+    d = json.loads(plan_path.read_text())
+    # put everything on one stage of one V100 replica: an edit a person could make by hand
+    d["stages"] = [{"index": 0, "layers": [0, d["model"]["num_layers"]], "group": "v100",
+                    "device_type": "V100-32", "ranks": [0], "warmup": 1}]
+    d["micro_batch_size"], d["num_microbatches"] = 4, 4
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(d))
+    png = tmp_path / "edited.png"
+    code, out, err = _run(["simulate", edited, "--cluster", cluster, "--timeline", png, "--json"],
+                          capsys)
+    assert code == 0, err
+    rep = json.loads(out)["report"]
+    assert [r["layers"] for r in rep["stages"]] == [[0, 6]]
+    assert rep["stages"][0]["fits"] and rep["feasible"]
+    # the figures are the simulator's on the edited plan, not the planner's old predictions
+    from hapt_hf.cli import resolve_job
+    job = resolve_job(str(cluster))
+    sim = simulate_plan(Plan.load(edited), job.model, job.cluster, job.profile)
+    assert rep["iteration_s"] == pytest.approx(sim.iteration_s)
+    assert png.stat().st_size > 5_000
+
+
+def test_simulate_reports_a_plan_that_does_not_fit(tmp_path, capsys):
+    tiny_gpu = SMALL_CLUSTER.replace("gpu: A100-40,", "gpu: A100-40, memory_gb: 0.01,")
+    cluster = _write(tmp_path, tiny_gpu)
+    plan = Plan("gpt2", 6, 128, 4, 4, 1, "1f1b", (
+        StagePlan(0, (0, 3), "v100", "V100-32", (0, 1), 2),
+        StagePlan(1, (3, 6), "a100", "A100-40", (2,), 1)))
+    path = plan.save(tmp_path / "p.json")
+    code, out, err = _run(["simulate", path, "--cluster", cluster], capsys)
+    assert code == 1, err
+    assert "DOES NOT FIT" in out and "stage 1" in out
+
+
+# -- user errors: exit 2, one line naming the field, nothing written --------------------------
+
+_BAD_CLUSTERS = {
+    "unknown_gpu": (SMALL_CLUSTER.replace("gpu: V100-32", "gpu: Z9000"), "Z9000"),
+    "group_without_link": (SMALL_CLUSTER.replace(
+        "  - {name: a100,", "  - {name: t4, gpu: T4, nodes: 1, gpus_per_node: 1}\n"
+        "  - {name: a100,"), "t4"),
+    "negative_bandwidth": (SMALL_CLUSTER.replace("bandwidth_gbps: 5", "bandwidth_gbps: -5"),
+                           "bandwidth_gbps"),
+    "fits_nowhere": (SMALL_CLUSTER.replace(
+        "{family: gpt2, hidden_size: 256, num_layers: 4, num_heads: 4, vocab_size: 1000}",
+        "{family: llama, hidden_size: 8192, intermediate_size: 28672, num_layers: 80, "
+        "num_heads: 64, num_kv_heads: 8, vocab_size: 128256}"), "memory"),
+}
+
+
+def _assert_user_error(code, out, err, field):
+    assert code == 2
+    assert err.startswith("hapt-hf: error: ") and "Traceback" not in err
+    assert field.lower() in err.lower(), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_CLUSTERS))
+def test_bad_cluster_is_one_line_and_writes_nothing(case, tmp_path, capsys):
+    text, field = _BAD_CLUSTERS[case]
+    cluster = _write(tmp_path, text)
+    outputs = [tmp_path / "plan.json", tmp_path / "plan.png"]
+    code, out, err = _run(["plan", "--cluster", cluster, "-o", outputs[0], "--timeline",
+                           outputs[1]], capsys)
+    _assert_user_error(code, out, err, field)
+    assert not any(p.exists() for p in outputs)
+
+
+def test_malformed_plan_is_one_line(tmp_path, capsys):
+    cluster, plan_path = _planned(tmp_path, capsys)
+    d = json.loads(plan_path.read_text())
+    d["stages"][-1]["layers"][1] -= 1  # the last stage stops short of the head
+    plan_path.write_text(json.dumps(d))
+    png = tmp_path / "t.png"
+    code, out, err = _run(["simulate", plan_path, "--cluster", cluster, "--timeline", png],
+                          capsys)
+    _assert_user_error(code, out, err, "layers")
+    assert not png.exists()
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["plan", "--cluster", "no_such_builtin"], "built-in"),
+    (["plan", "--cluster", "missing/cluster.yaml"], "does not exist"),
+    (["simulate", "missing.json", "--cluster", "v100x8_a100x4"], "does not exist"),
+])
+def test_missing_inputs_are_one_line(argv, field, capsys):
+    _assert_user_error(*_run(argv, capsys), field)
+
+
+def test_console_entry_in_a_fresh_process(tmp_path):
+    cluster = _write(tmp_path, _BAD_CLUSTERS["negative_bandwidth"][0])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-m", "hapt_hf.cli", "plan", "--cluster", str(cluster)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("hapt-hf: error:") and "bandwidth_gbps" in res.stderr
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("plan", "simulate", "profile"))
+
+
+def test_profile_forwards_its_arguments(monkeypatch, capsys):
+    seen = []
+    fake = types.ModuleType("hapt_hf.planner.profiler")
+    fake.cli_main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "hapt_hf.planner.profiler", fake)
+    assert main(["profile", "--device", "cpu", "--help-me"]) == 0
+    assert seen == [["--device", "cpu", "--help-me"]]
+
+
+def test_profile_without_the_profiler_says_so(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "hapt_hf.planner.profiler", None)  # import fails
+    code, out, err = _run(["profile"], capsys)
+    assert code == 2 and "profiler is not installed" in err
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+def test_rank_and_layer_wording():
+    assert format_ranks((0, 1, 2, 3, 6, 8, 9)) == "0-3,6,8-9"
+    assert layer_names((0, 5), 14) == "emb,b0-b3"
+    assert layer_names((5, 14), 14) == "b4-b11,head"
+    assert layer_names((13, 14), 14) == "head"
+    assert layer_names((0, 1), 14) == "emb"
+    assert layer_names((3, 4), 14) == "b2"
+
+
+class _Baseline(types.SimpleNamespace):
+    pass
+
+
+def test_report_uses_the_simulated_figures_and_baselines():
+    plan = Plan("gpt2", 14, 1024, 8, 2, 4, "h1f1b", (
+        StagePlan(0, (0, 5), "v100", "V100-32", (0, 1), 3, predicted=StagePrediction(9, 9, 9)),
+        StagePlan(1, (5, 14), "a100", "A100-40", (2, 3), 1)),
+        predicted=PlanPrediction(9.0, 9.0, 0.9))
+    ev = (SimEvent(0, "F", 0, 0.0, 0.010), SimEvent(0, "F", 1, 0.010, 0.030),
+          SimEvent(0, "B", 0, 0.05, 0.09), SimEvent(1, "F", 0, 0.03, 0.04),
+          SimEvent(1, "B", 0, 0.04, 0.05))
+    sim = SimResult(0.5, 0.25, (0.1, 0.1), (30e9, 45e9), ev, feasible=False,
+                    reason="stage 1 needs 45.00 GB per GPU but 36.00 GB are usable")
+    base = {"uniform": _Baseline(plan=plan, sim=SimResult(1.0, 0.1, (), (), (), True), reason=""),
+            "speed": _Baseline(plan=None, sim=None, reason="stage 0 does not fit")}
+    rep = build_report(plan, sim, capacity_gb={"v100": 32.0, "a100": 40.0},
+                       physical_limit_s=0.4, baselines=base)
+    s0, s1 = rep.stages
+    assert s0.forward_ms == pytest.approx(15.0) and s0.backward_ms == pytest.approx(40.0)
+    assert s0.peak_memory_gb == pytest.approx(30.0) and s0.fits and not s1.fits
+    assert rep.tokens_per_s == pytest.approx(8 * 1024 / 0.5)
+    assert rep.limit_distance == pytest.approx(0.25)
+    assert rep.baselines[0].speedup == pytest.approx(2.0)
+    assert rep.baselines[1].iteration_s is None
+    text = format_report(rep)
+    assert "45.0 / 40 OVER" in text and "DOES NOT FIT: stage 1 needs 45.00 GB" in text
+    assert "2.00x" in text and "infeasible: stage 0 does not fit" in text
+    assert "25.0% above it" in text and "2 (0-1)" in text and "emb,b0-b3" in text
