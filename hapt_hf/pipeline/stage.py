@@ -9,10 +9,14 @@ its `state_dict()` keys are the full model's keys and its numerics are the full 
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -26,6 +30,8 @@ from hapt_hf.pipeline.families import (
     supported_families,
     supported_model_types,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PipelineStage", "StageBuildError", "StageInputError", "build_stage", "supported_families"]
 
@@ -254,14 +260,162 @@ def _load_checkpoint(stage: PipelineStage, checkpoint_dir: str | Path) -> None:
 
 
 def _seeded_init(stage: PipelineStage, seed: int | None) -> None:
-    """Weights equal to the same layers of a full model built under `seed`.
+    """Weights equal, bit for bit, to the same layers of a full model built under `seed`.
 
-    This path builds the full model on CPU once and keeps only the stage's tensors, so it holds
-    the whole model transiently; the checkpoint path never does.
+    Replays the full model's construction and initialisation RNG stream on the meta device and
+    keeps only the stage's tensors (see `_InitReplay`). Should the model's initialisation do
+    something the replay cannot follow, it falls back to building the full model on CPU once
+    and keeping the stage's tensors: that fallback holds the whole model transiently.
     """
     _materialise(stage)
-    if seed is not None:
-        torch.manual_seed(seed)
-    reference = AutoModelForCausalLM.from_config(copy.deepcopy(stage.config)).state_dict()
+    state = torch.get_rng_state()
+    try:
+        values = _replayed_init(stage.config, set(stage.state_dict().keys()), seed, state)
+    except _ReplayUnsupported as why:
+        logger.warning("initialisation replay unsupported (%s); building the full model on CPU once", why)
+        values = _full_model_init(stage.config, seed, state)
     for key, target in stage.state_dict(keep_vars=True).items():
-        checkpoint_io.copy_into(target, reference[key], key)
+        checkpoint_io.copy_into(target, values[key], key)
+
+
+def _full_model_init(config: PretrainedConfig, seed: int | None, state: Tensor) -> dict[str, Tensor]:
+    _reseed(seed, state)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config)).state_dict()
+
+
+def _replayed_init(config: PretrainedConfig, keys: set[str], seed: int | None,
+                   state: Tensor) -> dict[str, Tensor]:
+    """Two passes over the full model's construction, all of it on meta.
+
+    The first pass records which in-place op writes which storage, so that once the model exists
+    the ops writing the stage's tensors are known by position. The second pass, under the same
+    seed, runs those ops on CPU shadows of the stage's tensors and every other random op on a
+    throw-away tensor of the same shape, which consumes the generator exactly as the real build.
+    """
+    trace = _InitReplay(owned_ops=None)
+    model = _construct(config, trace)
+    owned = {_storage_key(model.state_dict(keep_vars=True)[k]) for k in keys}
+    replay = _InitReplay(owned_ops={i for i, k in enumerate(trace.targets) if k in owned})
+    _reseed(seed, state)
+    model = _construct(config, replay)
+    tensors = model.state_dict(keep_vars=True)
+    return {k: replay.value_of(tensors[k], k) for k in keys}
+
+
+def _reseed(seed: int | None, state: Tensor) -> None:
+    if seed is None:
+        torch.set_rng_state(state)
+    else:
+        torch.manual_seed(seed)
+
+
+def _construct(config: PretrainedConfig, replay: "_InitReplay") -> nn.Module:
+    with _MetaFactories(), replay:
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+
+
+class _ReplayUnsupported(RuntimeError):
+    """The model's initialisation did something the meta replay cannot reproduce exactly."""
+
+
+# Constructors that carry data stay on CPU: transformers probes the device with torch.tensor([])
+# and skips weight initialisation under a meta device context, which would hide its RNG draws.
+_DATA_CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
+_FACTORIES = frozenset(f for f in _device_constructors() if f not in _DATA_CONSTRUCTORS)
+_RNG_INPLACE = frozenset({
+    torch.ops.aten.normal_, torch.ops.aten.uniform_, torch.ops.aten.random_,
+    torch.ops.aten.exponential_, torch.ops.aten.bernoulli_, torch.ops.aten.cauchy_,
+    torch.ops.aten.log_normal_, torch.ops.aten.geometric_,
+})
+_RNG_FACTORIES = frozenset({
+    torch.ops.aten.rand, torch.ops.aten.randn, torch.ops.aten.randint, torch.ops.aten.randperm,
+    torch.ops.aten.normal, torch.ops.aten.bernoulli, torch.ops.aten.multinomial,
+    torch.ops.aten.rand_like, torch.ops.aten.randn_like, torch.ops.aten.randint_like,
+})
+
+
+class _MetaFactories(TorchFunctionMode):
+    """Tensor factories default to the meta device, like `torch.device("meta")`, except torch.tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and kwargs.get("device") is None:
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+class _InitReplay(TorchDispatchMode):
+    """Numbers the in-place ops on meta tensors; replays the owned ones on CPU shadows."""
+
+    def __init__(self, owned_ops: set[int] | None) -> None:
+        super().__init__()
+        self.owned_ops = owned_ops
+        self.targets: list[int] = []
+        self._keep_alive: list[Tensor] = []  # storage keys are addresses: keep them unique
+        self._shadows: dict[int, Tensor] = {}
+        self._count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = _written_meta_arg(func, args)
+        if target is not None:
+            self._on_write(func, args, kwargs, target)
+            if func.overloadpacket in _RNG_INPLACE:
+                return args[0]  # on meta it changes nothing; skipping its slow decomposition
+        out = func(*args, **kwargs)
+        if func.overloadpacket in _RNG_FACTORIES and _is_meta(out):
+            # A fresh random tensor on meta drew nothing; its real twin would have.
+            raise _ReplayUnsupported(f"random factory {func} on the meta device")
+        return out
+
+    def _on_write(self, func, args, kwargs, target: Tensor) -> None:
+        index, self._count = self._count, self._count + 1
+        self._keep_alive.append(target)
+        if self.owned_ops is None:
+            self.targets.append(_storage_key(target))
+        elif index in self.owned_ops:
+            func(*self._on_shadows(args), **kwargs)
+        elif func.overloadpacket in _RNG_INPLACE:
+            scratch = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype)
+            func(scratch, *args[1:], **kwargs)
+
+    def _on_shadows(self, args: tuple) -> list:
+        out = []
+        for arg in args:
+            if isinstance(arg, Tensor) and arg.is_meta:
+                key = _storage_key(arg)
+                if key not in self._shadows and arg is not args[0]:
+                    raise _ReplayUnsupported("an owned tensor is computed from a non-owned one")
+                arg = self._shadow(arg, key)
+            out.append(arg)
+        return out
+
+    def _shadow(self, tensor: Tensor, key: int) -> Tensor:
+        if key not in self._shadows:
+            numel = tensor.untyped_storage().nbytes() // tensor.element_size()
+            self._shadows[key] = torch.empty(numel, dtype=tensor.dtype)
+        return self._shadows[key].as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def value_of(self, tensor: Tensor, name: str) -> Tensor:
+        """The replayed value of a final model tensor (it must have been written)."""
+        key = _storage_key(tensor)
+        if key not in self._shadows:
+            raise _ReplayUnsupported(f"{name} is never written during initialisation")
+        return self._shadow(tensor, key)
+
+
+def _written_meta_arg(func, args: tuple) -> Tensor | None:
+    """The meta tensor an in-place op writes (its first mutated argument), if any."""
+    for schema_arg, arg in zip(func._schema.arguments, args):
+        info = schema_arg.alias_info
+        if info is not None and info.is_write and isinstance(arg, Tensor) and arg.is_meta:
+            return arg
+    return None
+
+
+def _is_meta(out) -> bool:
+    return isinstance(out, Tensor) and out.is_meta
+
+
+def _storage_key(tensor: Tensor) -> int:
+    return tensor.untyped_storage()._cdata
