@@ -1,0 +1,437 @@
+"""Run a plan's schedule over torch.distributed: one rank, one stage replica, one action list.
+
+Every rank holds the whole global batch (it is small: token ids), builds only its own stage, and
+executes its stage's action list from :func:`hapt_hf.planner.schedule.build_schedule`. Receives
+are posted where the list posts them and waited for at the compute that needs them; sends are
+posted right after the compute that produced them. The loss is the mean over the non-ignored
+tokens of the WHOLE global batch: the last stage returns per-micro-batch token sums, each is
+divided by the global token count (counted from the full batch every rank has) before backward,
+so that replica and micro-batch gradients simply add up.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import PretrainedConfig
+
+from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer
+from hapt_hf.pipeline.schedule import Piece, RankWork, max_in_flight, rank_work, replica_slice
+from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
+
+__all__ = ["Batch", "RuntimeConfig", "StepResult", "RuntimeSetupError", "BatchError",
+           "PipelineFailure", "init_distributed", "PipelineRuntime"]
+
+_runtime_ids = itertools.count()
+
+
+class RuntimeSetupError(ValueError):
+    """The runtime cannot start as asked (no process group, wrong world size, bad setting)."""
+
+
+class BatchError(ValueError):
+    """A batch that does not fit the plan; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The whole global batch; every rank gets the same one."""
+
+    input_ids: Tensor
+    """[global_batch, seq] token ids."""
+    labels: Tensor | None = None
+    """[global_batch, seq] un-shifted labels, -100 ignored; None: the input ids."""
+    attention_mask: Tensor | None = None
+    """[global_batch, seq] padding mask (1 = token, 0 = padding); None: no padding."""
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    timeout_s: float = 300.0
+    """Bound on any wait for another rank; past it the run fails with a message naming the rank."""
+    seed: int = 0
+    """Weights equal the same layers of a full model built with this seed (no checkpoint)."""
+    checkpoint_dir: str | None = None
+    """Local Hugging Face checkpoint (safetensors) to load this stage's weights from."""
+    autocast_dtype: torch.dtype | None = None
+    """bf16 / fp16 autocast for the forward on GPUs (ignored on CPU)."""
+    device: str | None = None
+    """Default: cuda:LOCAL_RANK if CUDA is available, else cpu."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise RuntimeSetupError(f"RuntimeConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise RuntimeSetupError(f"RuntimeConfig.autocast_dtype must be torch.bfloat16, "
+                                    f"torch.float16 or None, got {self.autocast_dtype}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    """Mean loss over the non-ignored tokens of the global batch (same on every rank)."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when not clipped)."""
+
+
+def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
+    """Set up the default process group from the environment torchrun/accelerate set.
+
+    Gloo on CPU, NCCL on CUDA. Returns (rank, world_size); a no-op if already initialised.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise RuntimeSetupError(f"environment variable(s) {missing} are not set; start the "
+                                "script with `torchrun` or `accelerate launch`, which set them")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class _MicroBatch:
+    """State of one micro-batch on this rank between its forward and its backward."""
+
+    recv: list[Transfer]
+    inputs: Tensor | None = None
+    output: Tensor | None = None
+    grad_recv: list[Transfer] | None = None
+
+
+class PipelineRuntime:
+    """Executes the plan's schedule for this rank. See the module docstring."""
+
+    def __init__(self, plan: Plan, model_config: PretrainedConfig,
+                 config: RuntimeConfig = RuntimeConfig()) -> None:
+        if not dist.is_initialized():
+            raise RuntimeSetupError("torch.distributed is not initialised; call "
+                                    "hapt_hf.pipeline.init_distributed() first")
+        plan.validate(world_size=dist.get_world_size())
+        from hapt_hf.pipeline.stage import build_stage
+        self.plan = plan
+        self.config = config
+        self.rank = dist.get_rank()
+        self.schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
+                                       plan.warmups())
+        self.work: RankWork = rank_work(plan, self.rank, self.schedule)
+        self.stage_plan: StagePlan = self.work.stage
+        self.device = torch.device(config.device or _default_device())
+        self.stage = build_stage(model_config, self.stage_plan.layers, seed=config.seed,
+                                 checkpoint_dir=config.checkpoint_dir, device=self.device,
+                                 recompute=self.stage_plan.recompute)
+        self.hidden_size = int(model_config.hidden_size)
+        self._tied = list(self.stage.tied_parameters())
+        self._dp_group, self._tied_group = self._make_groups(model_config)
+        self.channel = FailureChannel(f"rt{next(_runtime_ids)}", self.rank, config.timeout_s)
+        self.in_flight_limit = max_in_flight(self.work.actions)
+        """Forwards the schedule lets this stage hold before their backward (its warm-up)."""
+        self.max_live_activations = 0
+        """Most micro-batches whose forward state this rank kept at once (measured)."""
+        self._live = 0
+
+    # -- setup -----------------------------------------------------------------------------
+    def _make_groups(self, model_config: PretrainedConfig):
+        # new_group is collective over the default group: every rank creates every group, in
+        # the same order, and keeps the ones it belongs to.
+        mine = None
+        for st in self.plan.stages:
+            if st.dp > 1:
+                g = dist.new_group(list(st.ranks))
+                if self.rank in st.ranks:
+                    mine = g
+        tied = None
+        if getattr(model_config, "tie_word_embeddings", False) and self.plan.num_stages > 1:
+            g = dist.new_group(list(self.work.tied_ranks))
+            if self.rank in self.work.tied_ranks:
+                tied = g
+        return mine, tied
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.stage.parameters())
+
+    # -- public steps ----------------------------------------------------------------------
+    def forward_backward(self, batch: Batch) -> float:
+        """One iteration's forwards and backwards; gradients added to ``.grad`` of every rank."""
+        ids, labels, mask = self._check_batch(batch)
+        stash = self._stash_grads()
+        tokens = max(1, int((labels[:, 1:] != -100).sum()))
+        loss_sum = self._run(self.work.actions, ids, labels, mask, tokens, backward=True)
+        self._sync_grads()
+        self._restore_grads(stash)
+        return self._global_loss(loss_sum, tokens)
+
+    def evaluate(self, batch: Batch) -> float:
+        """Forward only; the same loss definition as :meth:`forward_backward`."""
+        ids, labels, mask = self._check_batch(batch)
+        tokens = max(1, int((labels[:, 1:] != -100).sum()))
+        forwards = tuple(a for a in self.work.actions
+                         if a.kind in (ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F))
+        with torch.no_grad():
+            loss_sum = self._run(forwards, ids, labels, mask, tokens, backward=False)
+        return self._global_loss(loss_sum, tokens)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every gradient so that the global norm (each parameter once) is <= max_norm."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.work.replica == 0:  # replicas hold the same gradients after the all-reduce
+            tied = {id(p) for p in self._tied} if self.work.is_last else set()
+            for p in self.parameters():
+                if p.grad is not None and id(p) not in tied:
+                    sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = math.sqrt(sq.item())
+        coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def train_step(self, batch: Batch, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+                   max_grad_norm: float | None = None) -> StepResult:
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward(batch)
+        norm = self.clip_grad_norm_(max_grad_norm) if max_grad_norm is not None else None
+        optimizer.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        return StepResult(loss, norm)
+
+    def predict_logits(self, batch: Batch) -> Tensor | None:
+        """Full logits [G, s, V] on rank 0 (None elsewhere), forward only."""
+        ids, _, mask = self._check_batch(batch)
+        forwards = tuple(a for a in self.work.actions
+                         if a.kind in (ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F))
+        with torch.no_grad():
+            outs = self._run(forwards, ids, None, mask, 1, backward=False, keep_logits=True)
+        return self._gather_logits(outs, ids.shape)
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, Tensor] | None:
+        """The full model's state dict (Hugging Face keys) on rank ``dst``, None elsewhere."""
+        mine = ({k: v.detach().cpu() for k, v in self.stage.hf_state_dict().items()}
+                if self.work.replica == 0 else None)
+        parts: list[Any] | None = [None] * dist.get_world_size() if self.rank == dst else None
+        dist.gather_object(mine, parts, dst=dst)
+        if parts is None:
+            return None
+        full: dict[str, Tensor] = {}
+        for p in parts:
+            full.update(p or {})
+        return full
+
+    def shutdown(self) -> None:
+        self.channel.close()
+        for g in (self._dp_group, self._tied_group):
+            if g is not None:
+                dist.destroy_process_group(g)
+        self._dp_group = self._tied_group = None
+
+    # -- the action loop -------------------------------------------------------------------
+    def _run(self, actions: tuple[Action, ...], ids: Tensor, labels: Tensor | None,
+             mask: Tensor | None, tokens: int, *, backward: bool,
+             keep_logits: bool = False) -> Any:
+        mbs: dict[int, _MicroBatch] = {}
+        sends: list[Transfer] = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        logits: dict[int, Tensor] = {}
+        seq = ids.shape[1]
+        s = self.stage_plan.index
+        for a in actions:
+            k = a.microbatch
+            try:
+                if a.kind is ActionKind.RECV_F:
+                    mbs[k] = _MicroBatch(self._post_recv(self.work.upstream, k, seq, "RECV_F"))
+                elif a.kind is ActionKind.F:
+                    m = mbs.setdefault(k, _MicroBatch([]))
+                    out = self._forward(m, k, ids, labels, mask, tokens, backward)
+                    if self.work.is_last and keep_logits:
+                        logits[k] = out
+                    elif self.work.is_last:
+                        loss_sum += out.detach().double().cpu()
+                elif a.kind is ActionKind.SEND_F:
+                    sends += self._post_send(self.work.downstream, k, mbs[k].output, "SEND_F")
+                    if not backward:
+                        mbs[k].output = None
+                elif a.kind is ActionKind.RECV_B:
+                    mbs[k].grad_recv = self._post_recv(self.work.downstream, k, seq, "RECV_B")
+                elif a.kind is ActionKind.B:
+                    self._backward(mbs[k])
+                elif a.kind is ActionKind.SEND_B:
+                    m = mbs.pop(k)
+                    sends += self._post_send(self.work.upstream, k, m.inputs.grad, "SEND_B")
+            except PipelineFailure:
+                raise
+            except Exception as e:  # noqa: BLE001 - recorded for every rank, then re-raised
+                msg = (f"rank {self.rank} failed during {a.kind.value} (stage {s}, micro-batch "
+                       f"{k}): {type(e).__name__}: {e}")
+                raise PipelineFailure(self.channel.record(msg)) from e
+            if a.kind is ActionKind.B and self.work.is_first:
+                mbs.pop(k, None)
+        self.channel.wait(sends, s)
+        return logits if keep_logits else loss_sum
+
+    def _forward(self, m: _MicroBatch, k: int, ids: Tensor, labels: Tensor | None,
+                 mask: Tensor | None, tokens: int, backward: bool) -> Tensor:
+        rows = self._rows(k)
+        if self.work.is_first:
+            x = ids[rows].to(self.device)
+        else:
+            self.channel.wait(m.recv, self.stage_plan.index)
+            x = torch.cat([t.buffer for t in m.recv]) if len(m.recv) > 1 else m.recv[0].buffer
+            x.requires_grad_(backward)
+        m.recv = []
+        kwargs: dict[str, Any] = {}
+        if mask is not None:
+            kwargs["attention_mask"] = mask[rows].to(self.device)
+        if self.work.is_last and labels is not None:
+            kwargs["labels"] = labels[rows].to(self.device)
+        with self._autocast():
+            out = self.stage(x, **kwargs)
+        kept = out
+        if self.work.is_last and labels is not None:
+            kept = out / tokens  # the global mean: micro-batch and replica gradients just add
+        if backward:
+            m.inputs, m.output = (None if self.work.is_first else x), kept
+            self._live += 1
+            self.max_live_activations = max(self.max_live_activations, self._live)
+        else:
+            m.output = kept
+        return out
+
+    def _backward(self, m: _MicroBatch) -> None:
+        if self.work.is_last:
+            m.output.backward()
+        else:
+            self.channel.wait(m.grad_recv, self.stage_plan.index)
+            bufs = [t.buffer for t in m.grad_recv]
+            grad = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
+            torch.autograd.backward(m.output, grad.to(m.output.dtype))
+        m.output, m.grad_recv = None, None
+        self._live -= 1
+
+    def _post_recv(self, pieces: tuple[Piece, ...], k: int, seq: int, kind: str) -> list[Transfer]:
+        dtype = next(self.stage.parameters()).dtype
+        out = []
+        for p in pieces:
+            buf = torch.empty((p.size, seq, self.hidden_size), dtype=dtype, device=self.device)
+            what = (f"{kind} of micro-batch {k} from rank {p.peer} "
+                    f"(stage {self.plan.stage_of_rank(p.peer).index})")
+            out.append(Transfer(dist.irecv(buf, p.peer, tag=k), p.peer, what, buf))
+        return out
+
+    def _post_send(self, pieces: tuple[Piece, ...], k: int, t: Tensor, kind: str) -> list[Transfer]:
+        dtype = next(self.stage.parameters()).dtype
+        t = t.detach().to(dtype)
+        out = []
+        for p in pieces:
+            buf = t[p.start:p.stop].contiguous()
+            what = f"{kind} of micro-batch {k} to rank {p.peer}"
+            out.append(Transfer(dist.isend(buf, p.peer, tag=k), p.peer, what, buf))
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _rows(self, k: int) -> slice:
+        base = k * self.plan.micro_batch_size
+        lo, hi = self.work.samples
+        return slice(base + lo, base + hi)
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.config.autocast_dtype is not None:
+            return torch.autocast("cuda", dtype=self.config.autocast_dtype)
+        return contextlib.nullcontext()
+
+    def _check_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor | None]:
+        ids = batch.input_ids
+        g = self.plan.global_batch_size
+        if ids.ndim != 2 or ids.shape[0] != g or ids.is_floating_point():
+            raise BatchError(f"Batch.input_ids must be integer token ids of shape "
+                             f"[global_batch_size={g}, seq], got {ids.dtype} "
+                             f"{tuple(ids.shape)}; pass the whole global batch on every rank")
+        for name in ("labels", "attention_mask"):
+            t = getattr(batch, name)
+            if t is not None and tuple(t.shape) != tuple(ids.shape):
+                raise BatchError(f"Batch.{name} has shape {tuple(t.shape)} but input_ids has "
+                                 f"{tuple(ids.shape)}; give them the same shape")
+        labels = batch.labels if batch.labels is not None else ids
+        return ids, labels, batch.attention_mask
+
+    def _stash_grads(self) -> list[Tensor | None]:
+        # grads already there (accumulation) must not be all-reduced a second time
+        stash = [p.grad for p in self.parameters()]
+        for p in self.parameters():
+            p.grad = None
+        return stash
+
+    def _restore_grads(self, stash: list[Tensor | None]) -> None:
+        for p, old in zip(self.parameters(), stash):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+
+    def _sync_grads(self) -> None:
+        for p in self.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        tied = {id(p) for p in self._tied}
+        if self._tied_group is not None and self._tied:
+            _all_reduce_flat([p.grad for p in self._tied], self._tied_group)
+        if self._dp_group is not None:
+            _all_reduce_flat([p.grad for p in self.parameters() if id(p) not in tied],
+                             self._dp_group)
+
+    def _global_loss(self, loss_sum: Tensor, tokens: int) -> float:
+        t = loss_sum.to(self.device)  # zero except on the last stage's replicas
+        dist.all_reduce(t)
+        return float(t.item() / tokens)
+
+    def _gather_logits(self, outs: dict[int, Tensor], shape: torch.Size) -> Tensor | None:
+        mbs = self.plan.micro_batch_size
+        full = None
+        last = self.plan.stages[-1]
+        if self.rank == 0:
+            vocab = self.stage.config.vocab_size
+            full = torch.empty((shape[0], shape[1], vocab), dtype=torch.float32)
+        for k in range(self.plan.num_microbatches):
+            for r, peer in enumerate(last.ranks):
+                lo, hi = (k * mbs + x for x in replica_slice(mbs, last.dp, r))
+                if peer == self.rank == 0:
+                    full[lo:hi] = outs[k].float().cpu()
+                elif peer == self.rank:
+                    dist.send(outs[k].float().contiguous(), 0, tag=k)
+                elif self.rank == 0:
+                    buf = torch.empty_like(full[lo:hi], device=self.device)
+                    dist.recv(buf, peer, tag=k)
+                    full[lo:hi] = buf.cpu()
+        return full
+
+
+def _all_reduce_flat(grads: list[Tensor], group) -> None:
+    """One all-reduce (SUM) over the concatenation of ``grads`` instead of one per tensor."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
+
+
+def _default_device() -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"

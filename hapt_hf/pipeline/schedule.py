@@ -1,0 +1,114 @@
+"""Execution side of a schedule: what one rank does with the plan's per-stage action lists.
+
+The action lists themselves are built and validated by :mod:`hapt_hf.planner.schedule`; every
+replica of a stage runs its stage's list. What this module adds is the mapping onto ranks when
+stages have several replicas and neighbouring stages differ in width (8 GPUs then 4, 2 then 3):
+
+* micro-batch ``k`` is samples ``[k*mbs, (k+1)*mbs)`` of the global batch;
+* replica ``r`` of a stage of width ``d`` owns the contiguous slice ``r`` of it,
+  ``[r*mbs/d, (r+1)*mbs/d)`` (the plan requires ``mbs`` to be a multiple of every width);
+* a rank exchanges with each rank of a neighbouring stage exactly the samples their two slices
+  share: activations downstream, gradients back upstream over the same pieces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.schedule import Action, ActionKind, Schedule, build_schedule
+
+__all__ = ["Piece", "RankWork", "replica_slice", "pieces_between", "rank_work", "max_in_flight"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Samples of a micro-batch that this rank exchanges with one rank of a neighbouring stage."""
+
+    peer: int
+    """Global rank of the neighbour."""
+    start: int
+    """First sample, counted from the start of this rank's own slice."""
+    stop: int
+    """One past the last sample, counted from the start of this rank's own slice."""
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """Everything one rank needs to run its part of an iteration."""
+
+    rank: int
+    stage: StagePlan
+    num_stages: int
+    replica: int
+    """Position of this rank among its stage's replicas."""
+    samples: tuple[int, int]
+    """This rank's slice of every micro-batch, ``[lo, hi)`` relative to the micro-batch."""
+    upstream: tuple[Piece, ...]
+    """Where activations come from and gradients go back to (empty on the first stage)."""
+    downstream: tuple[Piece, ...]
+    """Where activations go and gradients come from (empty on the last stage)."""
+    actions: tuple[Action, ...]
+    tied_ranks: tuple[int, ...]
+    """Ranks of the first and last stage (tied embeddings sum their gradients across them)."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.index == self.num_stages - 1
+
+
+def replica_slice(micro_batch_size: int, width: int, replica: int) -> tuple[int, int]:
+    """Samples ``[lo, hi)`` of a micro-batch owned by ``replica`` of a stage of ``width``."""
+    if micro_batch_size % width:
+        raise ValueError(f"micro_batch_size {micro_batch_size} is not a multiple of the stage "
+                         f"width {width}; choose a micro-batch size every width divides")
+    share = micro_batch_size // width
+    return replica * share, (replica + 1) * share
+
+
+def pieces_between(micro_batch_size: int, mine: tuple[int, int],
+                   neighbour: StagePlan) -> tuple[Piece, ...]:
+    """The overlaps of my slice ``mine`` with each replica of ``neighbour``, in sample order."""
+    out = []
+    for r, peer in enumerate(neighbour.ranks):
+        lo, hi = replica_slice(micro_batch_size, neighbour.dp, r)
+        a, b = max(lo, mine[0]), min(hi, mine[1])
+        if a < b:
+            out.append(Piece(peer, a - mine[0], b - mine[0]))
+    return tuple(out)
+
+
+def rank_work(plan: Plan, rank: int, schedule: Schedule | None = None) -> RankWork:
+    """This rank's stage, slice, neighbours and action list under ``plan``."""
+    if schedule is None:
+        schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
+                                  plan.warmups())
+    stage = plan.stage_of_rank(rank)
+    replica = stage.ranks.index(rank)
+    mbs = plan.micro_batch_size
+    mine = replica_slice(mbs, stage.dp, replica)
+    s = stage.index
+    up = pieces_between(mbs, mine, plan.stages[s - 1]) if s > 0 else ()
+    down = pieces_between(mbs, mine, plan.stages[s + 1]) if s < plan.num_stages - 1 else ()
+    tied = tuple(sorted(set(plan.stages[0].ranks) | set(plan.stages[-1].ranks)))
+    return RankWork(rank, stage, plan.num_stages, replica, mine, up, down,
+                    schedule.actions[s], tied)
+
+
+def max_in_flight(actions: tuple[Action, ...] | list[Action]) -> int:
+    """Most forwards whose backward has not run yet, at any point of an action list."""
+    live = peak = 0
+    for a in actions:
+        if a.kind is ActionKind.F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind is ActionKind.B:
+            live -= 1
+    return peak
