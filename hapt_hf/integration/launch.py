@@ -28,7 +28,7 @@ from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group",
            "resolve_plan", "check_model_matches_plan", "format_plan", "SUPPORTED_MODEL_TYPES",
-           "check_model_family"]
+           "check_model_family", "print_main", "write_plan"]
 
 # Families the stage builder handles (GPT-2 shape, LLaMA shape).
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
@@ -144,10 +144,13 @@ def _plan_from_cluster(plugin: HaptPlugin, model_config: Any, seq_len: int) -> P
     from hapt_hf.planner.model_spec import ModelSpec
     from hapt_hf.planner.search import PlannerOptions, plan_job
 
-    spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=plugin.dtype)
+    name = Path(str(getattr(model_config, "_name_or_path", "") or model_config.model_type)).name
+    spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=plugin.dtype, name=name)
     cluster = Cluster.load(plugin.cluster)
     try:
-        options = PlannerOptions(**{"schedule": plugin.schedule, **plugin.planner})
+        # YAML gives lists where PlannerOptions keeps tuples (it is frozen and hashable).
+        extra = {k: tuple(v) if isinstance(v, list) else v for k, v in plugin.planner.items()}
+        options = PlannerOptions(**{"schedule": plugin.schedule, **extra})
     except TypeError as e:
         raise PlanError(f"{plugin.source}: 'planner' has an option PlannerOptions does not "
                         f"take ({e}); remove it") from None

@@ -1,0 +1,160 @@
+"""Atomic, per-stage training checkpoints for :class:`~hapt_hf.integration.trainer.HaptTrainer`.
+
+A checkpoint directory ``checkpoint-N`` holds:
+
+* ``config.json`` + ``model.safetensors``: the whole model gathered from every stage, a standard
+  Hugging Face checkpoint (``from_pretrained`` loads it; a tied LM head is stored once);
+* ``hapt_rank{r}.pt``: rank r's optimizer and LR-scheduler state and RNG states (each stage's
+  optimizer state stays with the stage that owns the parameters);
+* ``plan.json``, ``trainer_state.json``, ``training_args.bin``.
+
+Atomicity: every rank writes into ``.tmp-checkpoint-N`` and fsyncs its files; after a barrier
+rank 0 renames the directory to ``checkpoint-N`` and fsyncs the parent. A rename is atomic, and
+only names matching ``checkpoint-N`` are ever resumed from, so a crash mid-save leaves at most a
+``.tmp-`` directory, which the next save removes. On resume each rank reads only its own
+tensors from ``model.safetensors`` (the stage's layer range) and its own ``hapt_rank{r}.pt``.
+This assumes the output directory is one filesystem every rank sees (one machine, or a shared
+mount across machines).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.planner.plan import Plan
+
+__all__ = ["CheckpointError", "rank_state_file", "begin_checkpoint", "commit_checkpoint",
+           "save_rank_state", "load_rank_state", "save_hf_model", "load_stage_weights",
+           "check_resumable", "barrier"]
+
+RANK_STATE = "hapt_rank{rank}.pt"
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says what is wrong with it."""
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def rank_state_file(ckpt: Path, rank: int) -> Path:
+    return Path(ckpt) / RANK_STATE.format(rank=rank)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            _fsync_path(path)
+    _fsync_path(root)
+
+
+def begin_checkpoint(run_dir: Path, name: str, rank: int) -> Path:
+    """The temporary directory every rank writes into (made empty by rank 0)."""
+    tmp = Path(run_dir) / f"{TMP_PREFIX}{name}"
+    if rank == 0:
+        for stale in Path(run_dir).glob(f"{TMP_PREFIX}checkpoint-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crashed save
+        tmp.mkdir(parents=True)
+    barrier()
+    return tmp
+
+
+def commit_checkpoint(tmp: Path, final: Path, rank: int) -> None:
+    """Make the checkpoint visible under its final name, all files on disk first."""
+    barrier()  # every rank has written and fsynced its own files
+    if rank == 0:
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(final.parent)
+    barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rank_state(tmp: Path, rank: int, optimizer, scheduler) -> None:
+    path = rank_state_file(tmp, rank)
+    torch.save({"optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": _rng_state()}, path)
+    _fsync_path(path)
+
+
+def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler) -> None:
+    # Our own file, written by save_rank_state: it holds Python RNG tuples, hence weights_only=False.
+    state = torch.load(rank_state_file(ckpt, rank), map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+
+
+def save_hf_model(state_dict: dict, config, out_dir: Path, tied_keys: list[str]) -> None:
+    """Write config.json + model.safetensors into ``out_dir`` (rank 0, full state dict)."""
+    checkpoint_io.save_full_checkpoint(state_dict, config, out_dir, tied_keys=tied_keys)
+
+
+def load_stage_weights(stage: torch.nn.Module, ckpt: Path) -> None:
+    """Copy this stage's own tensors from the checkpoint's model.safetensors into the stage."""
+    adapter = stage.adapter
+    aliases = {adapter.output_embedding_key: adapter.input_embedding_key}
+    targets = stage.state_dict(keep_vars=True)
+    try:
+        tensors = checkpoint_io.read_tensors(ckpt, targets.keys(), aliases)
+        for key, target in targets.items():
+            checkpoint_io.copy_into(target, tensors[key], key)
+    except checkpoint_io.CheckpointError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
+    """Refuse a checkpoint that is incomplete or was written under another plan."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint {str(ckpt)!r} is not a directory")
+    needed = ["trainer_state.json", "plan.json", "model.safetensors"]
+    needed += [RANK_STATE.format(rank=r) for r in range(world_size)]
+    missing = [n for n in needed if not (ckpt / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {missing}; it was not written "
+                              f"by a {world_size}-rank HaptTrainer run (or is damaged)")
+    saved = Plan.load(ckpt / "plan.json")
+    if [(s.layers, s.ranks) for s in saved.stages] != [(s.layers, s.ranks) for s in plan.stages]:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} was written under another plan (stages "
+                              f"{[list(s.layers) for s in saved.stages]}) than this run's "
+                              f"({[list(s.layers) for s in plan.stages]}); resume with the same "
+                              "plan (pass the checkpoint's plan.json as 'plan' in the hapt config)")

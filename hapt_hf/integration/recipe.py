@@ -1,0 +1,231 @@
+"""The fine-tuning recipe shared by ``recipes/finetune_gpt2.py`` and ``recipes/finetune_llama.py``.
+
+Order matters for bad input: everything a user can get wrong (hapt config, model family, data
+file and column, launch, plan vs world size) is checked before anything is written, so a
+refused run leaves the output directory as it found it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hapt_hf.integration import checkpoint as ckpt_io
+from hapt_hf.integration.config import HaptConfigError, HaptPlugin
+from hapt_hf.integration.data import DataError, TextDataConfig, load_text_dataset
+from hapt_hf.integration.launch import (LaunchEnv, LaunchError, check_model_family, format_plan,
+                                        init_process_group, read_launch_env, resolve_plan,
+                                        write_plan)
+from hapt_hf.planner.plan import PlanError
+
+__all__ = ["RecipeDefaults", "build_parser", "main"]
+
+
+@dataclass(frozen=True)
+class RecipeDefaults:
+    """What a recipe uses when the user names no model or data."""
+
+    family: str
+    """Model family the recipe is written for ('gpt2' or 'llama'); others are refused."""
+    model_dir: Path
+    """Directory with the built-in small model's config.json."""
+    data_file: Path
+    tokenizer_dir: Path
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from hapt_hf.integration.trainer import BatchMappingError
+    from hapt_hf.pipeline.runtime import BatchError, RuntimeSetupError
+    from hapt_hf.pipeline.stage import StageBuildError
+    from hapt_hf.planner.cluster import ClusterError
+    from hapt_hf.planner.model_spec import ModelSpecError
+    from hapt_hf.planner.search import PlanningError
+    return (HaptConfigError, DataError, LaunchError, PlanError, ClusterError, ModelSpecError,
+            PlanningError, StageBuildError, RuntimeSetupError, BatchError, BatchMappingError,
+            ckpt_io.CheckpointError)
+
+
+def build_parser(defaults: RecipeDefaults) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=f"Fine-tune a {defaults.family} model with hapt_hf "
+                                "pipeline parallelism (run it under `accelerate launch`).")
+    p.add_argument("--hapt_config", help="hapt.yaml (default: $HAPT_CONFIG)")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--model_name_or_path", help="local directory or hub name (default: the "
+                   f"built-in small model {defaults.model_dir.name})")
+    p.add_argument("--tokenizer_name", help="default: the model's, else the shipped tokenizer")
+    p.add_argument("--train_file", help="local .json/.jsonl/.txt (default: the shipped corpus)")
+    p.add_argument("--validation_file")
+    p.add_argument("--text_column", default="text")
+    p.add_argument("--seq_len", type=int, help="default: the hapt config's, else 64")
+    p.add_argument("--max_steps", type=int, default=-1)
+    p.add_argument("--num_train_epochs", type=float, default=1.0)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--warmup_steps", type=int, default=0)
+    p.add_argument("--lr_scheduler_type", default="linear")
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--logging_steps", type=float, default=1)
+    p.add_argument("--save_steps", type=float, default=0, help="0: save only at the end")
+    p.add_argument("--save_total_limit", type=int)
+    p.add_argument("--eval_steps", type=float, default=0, help="0: evaluate only at the end")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report_to", default="none", help="e.g. tensorboard")
+    p.add_argument("--resume_from_checkpoint", help="a checkpoint-N directory, or 'last'")
+    p.add_argument("--disable_tqdm", action="store_true")
+    p.add_argument("--verify_checkpoint", action="store_true",
+                   help="after saving, reload the model with from_pretrained on rank 0 and check "
+                        "its logits equal the pipeline's on one batch")
+    if defaults.family == "llama":
+        p.add_argument("--lora_r", type=int, default=0, help="LoRA rank through peft (0: off)")
+    return p
+
+
+def _model_dir(args, defaults: RecipeDefaults, launch: LaunchEnv) -> tuple[Path, bool]:
+    """(directory with config.json, whether it holds weights) for a local dir or a hub name."""
+    name = args.model_name_or_path
+    if name is None:
+        return defaults.model_dir, False
+    path = Path(name)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors",
+                                                            "tokenizer*"]))
+    if not (path / "config.json").is_file():
+        raise LaunchError(f"--model_name_or_path {name!r} has no config.json; give a directory "
+                          "written by save_pretrained or a hub model name")
+    weights = any(path.glob("*.safetensors"))
+    return path, weights
+
+
+def _tokenizer(args, model_dir: Path, defaults: RecipeDefaults):
+    from transformers import AutoTokenizer
+
+    if args.tokenizer_name:
+        return AutoTokenizer.from_pretrained(args.tokenizer_name)
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(defaults.tokenizer_dir))
+
+
+def _check_family(config, defaults: RecipeDefaults) -> None:
+    check_model_family(config)
+    llama_shaped = ("llama", "mistral", "qwen2")
+    fits = config.model_type == "gpt2" if defaults.family == "gpt2" \
+        else config.model_type in llama_shaped
+    if not fits:
+        other = "finetune_llama.py" if config.model_type in llama_shaped else "finetune_gpt2.py"
+        raise LaunchError(f"model type {config.model_type!r} is not a {defaults.family} model; "
+                          f"use recipes/{other}")
+
+
+def _training_args(args, plan, output_dir: str):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.num_microbatches, max_steps=args.max_steps,
+        num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler_type, max_grad_norm=args.max_grad_norm,
+        logging_steps=args.logging_steps, logging_first_step=True,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or None,
+        save_total_limit=args.save_total_limit,
+        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+        seed=args.seed, report_to=[] if args.report_to == "none" else args.report_to.split(","),
+        disable_tqdm=args.disable_tqdm, use_cpu=not torch.cuda.is_available())
+
+
+def _verify(trainer, runtime, rows: torch.Tensor, output_dir: Path, rank: int) -> None:
+    from hapt_hf.pipeline.runtime import Batch
+
+    batch = rows[: trainer.plan.global_batch_size]
+    logits = runtime.predict_logits(Batch(input_ids=batch))
+    if rank != 0:
+        return
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(output_dir), attn_implementation="eager")
+    with torch.no_grad():
+        ref = model(input_ids=batch).logits.float()
+    diff = (ref - logits).abs().max().item()
+    torch.save({"input_ids": batch, "pipeline_logits": logits}, output_dir / "verify_logits.pt")
+    ok = torch.allclose(ref, logits, rtol=1e-5, atol=4e-5)
+    print(f"verify_checkpoint: from_pretrained logits vs pipeline logits max |diff| = {diff:.3e} "
+          f"({'OK' if ok else 'MISMATCH'})", flush=True)
+    if not ok:
+        raise RuntimeError("the saved checkpoint's logits differ from the pipeline's")
+
+
+def _run(args, defaults: RecipeDefaults) -> None:
+    from transformers import AutoConfig
+
+    plugin = HaptPlugin.from_args_or_env(args.hapt_config)
+    launch = read_launch_env()
+    model_dir, has_weights = _model_dir(args, defaults, launch)
+    model_config = AutoConfig.from_pretrained(str(model_dir))
+    _check_family(model_config, defaults)
+    tokenizer = _tokenizer(args, model_dir, defaults)
+    if len(tokenizer) > model_config.vocab_size:
+        raise LaunchError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size "
+                          f"is {model_config.vocab_size}; use the model's own tokenizer")
+    seq_len = args.seq_len or plugin.seq_len or 64
+    data = TextDataConfig(Path(args.train_file or defaults.data_file), args.text_column, seq_len,
+                          Path(args.validation_file) if args.validation_file else None)
+    train_rows, eval_rows = load_text_dataset(data, tokenizer)
+    init_process_group(launch, plugin.timeout_s)
+    plan = resolve_plan(plugin, model_config, seq_len, launch)
+    if launch.is_main:
+        print(format_plan(plan), flush=True)
+    _train(args, defaults, plugin, launch, plan, model_config, model_dir if has_weights else None,
+           tokenizer, train_rows, eval_rows)
+
+
+def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, tokenizer,
+           train_rows, eval_rows) -> None:
+    from hapt_hf.integration.trainer import HaptTrainer
+    from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+
+    training_args = _training_args(args, plan, args.output_dir)
+    runtime = PipelineRuntime(plan, model_config, RuntimeConfig(
+        timeout_s=plugin.timeout_s, seed=args.seed,
+        checkpoint_dir=str(weights_dir) if weights_dir else None))
+    if getattr(args, "lora_r", 0):
+        from hapt_hf.integration.lora import apply_lora
+        apply_lora(runtime.stage, args.lora_r)
+    # Everything is checked: from here on the output directory is written.
+    write_plan(plan, args.output_dir, launch)
+    trainer = HaptTrainer(runtime, plan, training_args, train_dataset=train_rows,
+                          eval_dataset=eval_rows if len(eval_rows) else None,
+                          processing_class=tokenizer)
+    resume = args.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
+    if len(eval_rows) >= plan.global_batch_size:
+        trainer.evaluate()
+    if getattr(args, "lora_r", 0):
+        from hapt_hf.integration.lora import merge_lora
+        merge_lora(runtime.stage)
+    trainer.save_model()
+    trainer.save_state()
+    if args.verify_checkpoint:
+        _verify(trainer, runtime, eval_rows if len(eval_rows) >= plan.global_batch_size
+                else train_rows, Path(args.output_dir), launch.rank)
+    runtime.shutdown()
+
+
+def main(defaults: RecipeDefaults, argv: list[str] | None = None) -> int:
+    args = build_parser(defaults).parse_args(argv)
+    try:
+        _run(args, defaults)
+    except _user_errors() as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
