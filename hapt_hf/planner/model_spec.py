@@ -153,7 +153,9 @@ class ModelSpec:
     @classmethod
     def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32") -> "ModelSpec":
         """A local config.json / directory holding one, or a built-in name (``BUILTIN_MODELS``)."""
-        return cls.from_config(model_config(name_or_path), seq_len, dtype, name=str(name_or_path))
+        key = _HUB_ALIASES.get(str(name_or_path), str(name_or_path))
+        return cls.from_config(model_config(name_or_path), seq_len, dtype, name=str(name_or_path),
+                               profile_name=_PROFILE_NAMES.get(key))
 
     @classmethod
     def from_job_dict(cls, d: dict, seq_len: int, dtype: str) -> "ModelSpec":
@@ -355,6 +357,9 @@ _HUB_ALIASES = {"openai-community/gpt2": "gpt2", "openai-community/gpt2-medium":
                 "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": "tinyllama-1.1b",
                 "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Meta-Llama-3-8B": "llama-3-8b",
                 "mistralai/Mistral-7B-v0.1": "mistral-7b", "Qwen/Qwen2-0.5B": "qwen2-0.5b"}
+
+# built-in models that published measurements (shared/data/gpu-profiles) know by another name
+_PROFILE_NAMES = {"opt-350m": "OPT-350"}
 
 
 def _config_class(family: str):

@@ -117,6 +117,9 @@ def test_sailor_opt350_figures_as_in_file():
             assert (get(block).forward_s, get(block).backward_s, get(block).update_s) == \
                 pytest.approx(mean)
     assert raw["A100-40"]["1"]["1"]["0"] == [0.0004, 3e-06, 0.002938]
+    # the built-in opt-350m is the same layer sequence, known to the data as OPT-350
+    builtin = ModelSpec.from_name_or_path("facebook/opt-350m", 2048, "fp16")
+    assert load_sailor_profiles(SAILOR, builtin).timings == prof.timings
 
 
 @needs_sailor
