@@ -1,0 +1,209 @@
+"""hapt config, launch environment, plan resolution and data: no processes started."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from hapt_hf.integration import checkpoint as ckpt_io
+from hapt_hf.integration.config import HaptConfigError, HaptPlugin, resolve_hapt_config_path
+from hapt_hf.integration.data import (DataError, TextDataConfig, epoch_order, load_text_dataset,
+                                      pack_tokens)
+from hapt_hf.integration.launch import (LaunchEnv, LaunchError, check_model_family,
+                                        format_plan, read_launch_env, resolve_plan)
+from hapt_hf.planner.plan import Plan, PlanError, StagePlan
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+CLUSTER = ROOT / "hapt_hf" / "data" / "clusters" / "cpu_demo_4.yaml"
+GPT2 = RECIPES / "models" / "gpt2-tiny"
+SINGLE = LaunchEnv(rank=0, world_size=1, local_rank=0, launcher="single")
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _two_stage_plan(seq_len: int = 32, blocks: int = 6) -> Plan:
+    return Plan(model_name="gpt2-tiny", num_layers=blocks + 2, seq_len=seq_len,
+                global_batch_size=4, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                stages=(StagePlan(0, (0, 5), "fast", "cpu", (0,), 2),
+                        StagePlan(1, (5, blocks + 2), "slow", "cpu", (1,), 1)))
+
+
+# -- hapt config -------------------------------------------------------------------------------
+def test_demo_configs_load_and_resolve_paths():
+    for name in ("hapt_cpu_demo.yaml", "hapt_cpu_demo_llama.yaml"):
+        plugin = HaptPlugin.from_yaml(RECIPES / "configs" / name)
+        assert plugin.cluster is not None and plugin.cluster.resolve() == CLUSTER.resolve()
+        assert plugin.plan is None and plugin.schedule == "h1f1b"
+
+
+@pytest.mark.parametrize("text, field", [
+    ("schedule: h1f1b\n", "'cluster'"),
+    (f"cluster: {CLUSTER}\nschedule: zigzag\n", "'schedule'"),
+    (f"cluster: {CLUSTER}\nglobal_batch_size: 0\n", "'global_batch_size'"),
+    (f"cluster: {CLUSTER}\ndtype: fp64\n", "'dtype'"),
+    (f"cluster: {CLUSTER}\nclustre: x\n", "unknown key(s) ['clustre']"),
+    ("cluster: nowhere.yaml\n", "'cluster' names"),
+    ("- just\n- a list\n", "YAML mapping"),
+    ("cluster: [unclosed\n", "not valid YAML at line"),
+])
+def test_bad_hapt_config_names_the_field(tmp_path, text, field):
+    path = _write(tmp_path / "hapt.yaml", text)
+    with pytest.raises(HaptConfigError) as err:
+        HaptPlugin.from_yaml(path)
+    assert field in str(err.value)
+
+
+def test_hapt_config_path_from_argument_then_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("HAPT_CONFIG", raising=False)
+    with pytest.raises(HaptConfigError, match="--hapt_config"):
+        resolve_hapt_config_path(None)
+    monkeypatch.setenv("HAPT_CONFIG", str(tmp_path / "env.yaml"))
+    assert resolve_hapt_config_path(None) == tmp_path / "env.yaml"
+    assert resolve_hapt_config_path("arg.yaml") == Path("arg.yaml")
+    with pytest.raises(HaptConfigError, match="does not exist"):
+        HaptPlugin.from_args_or_env(None)
+
+
+# -- launch environment ------------------------------------------------------------------------
+def test_launch_env_from_torchrun_variables():
+    env = read_launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    assert env == LaunchEnv(3, 4, 3, "torchrun") and not env.is_main
+
+
+def test_launch_env_from_mpirun_variables():
+    env = read_launch_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    assert (env.rank, env.world_size, env.launcher) == (1, 2, "mpirun")
+
+
+def test_multi_cpu_single_process_launch_is_refused():
+    # What accelerate's simple launcher gives a MULTI_CPU run without mpirun: one process,
+    # MASTER_ADDR set, no RANK/WORLD_SIZE.
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+           "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "True"}
+    with pytest.raises(LaunchError, match="single process.*accelerate_cpu.yaml"):
+        read_launch_env(env)
+    assert read_launch_env({}) == SINGLE
+
+
+def test_accelerate_config_uses_the_multi_process_launcher():
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    cfg = load_config_from_file(str(RECIPES / "configs" / "accelerate_cpu.yaml"))
+    # MULTI_GPU is what makes `accelerate launch` go through torchrun; use_cpu keeps it on CPUs.
+    assert cfg.distributed_type == DistributedType.MULTI_GPU and cfg.use_cpu
+    assert yaml.safe_load((RECIPES / "configs" / "accelerate_cpu.yaml").read_text())["use_cpu"]
+
+
+# -- plans -------------------------------------------------------------------------------------
+def test_rank0_plans_from_cluster_with_uneven_split():
+    plugin = HaptPlugin.from_yaml(RECIPES / "configs" / "hapt_cpu_demo.yaml")
+    config = AutoConfig.from_pretrained(GPT2)
+    with pytest.raises(PlanError, match=r"needs 4 processes but 1 were started"):
+        resolve_plan(plugin, config, 64, SINGLE)
+    # The same plan, checked for the 4 ranks the cluster has.
+    four = LaunchEnv(0, 4, 0, "single")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("torch.distributed.broadcast_object_list", lambda objs, src: None)
+        plan = resolve_plan(plugin, config, 64, four)
+    assert plan.world_size == 4 and plan.num_layers == 8 and plan.seq_len == 64
+    sizes = {s.num_layers for s in plan.stages}
+    assert len(sizes) > 1, f"expected an uneven plan on the fast/slow cluster: {format_plan(plan)}"
+    assert "stage 0: layers [0," in format_plan(plan)
+
+
+def test_plan_and_cluster_that_disagree_are_refused(tmp_path):
+    plan_path = _two_stage_plan(seq_len=64).save(tmp_path / "plan.json")
+    hapt = _write(tmp_path / "hapt.yaml", f"cluster: {CLUSTER}\nplan: plan.json\n")
+    plugin = HaptPlugin.from_yaml(hapt)
+    assert plugin.plan == plan_path
+    with pytest.raises(PlanError, match=r"uses 2 ranks but the cluster .* has 4"):
+        resolve_plan(plugin, AutoConfig.from_pretrained(GPT2), 64, SINGLE)
+
+
+def test_plan_file_checked_against_model_and_world(tmp_path):
+    _two_stage_plan(seq_len=32).save(tmp_path / "plan.json")
+    plugin = HaptPlugin.from_yaml(_write(tmp_path / "hapt.yaml", "plan: plan.json\n"
+                                         "schedule: 1f1b\n"))
+    config = AutoConfig.from_pretrained(GPT2)
+    with pytest.raises(PlanError, match="seq_len 32 but the run uses 64"):
+        resolve_plan(plugin, config, 64, SINGLE)
+    with pytest.raises(PlanError, match="2 processes but 1 were started"):
+        resolve_plan(plugin, config, 32, SINGLE)
+    config.n_layer = 4
+    with pytest.raises(PlanError, match="cuts 8 layers but the model has 4 blocks"):
+        resolve_plan(plugin, config, 32, SINGLE)
+
+
+def test_unsupported_model_family_lists_supported():
+    from transformers import BertConfig
+
+    with pytest.raises(LaunchError, match="'bert'.*supported: gpt2, llama, mistral, qwen2"):
+        check_model_family(BertConfig())
+
+
+# -- data --------------------------------------------------------------------------------------
+def test_shipped_tokenizer_and_data_pack_to_seq_len():
+    tok = AutoTokenizer.from_pretrained(RECIPES / "data" / "tokenizer")
+    assert len(tok) <= AutoConfig.from_pretrained(GPT2).vocab_size
+    train, held = load_text_dataset(TextDataConfig(RECIPES / "data" / "tiny_corpus.jsonl",
+                                                   seq_len=32), tok)
+    assert train.shape[1] == held.shape[1] == 32 and len(train) > 8 * len(held) > 0
+    text = "The cat sleeps on the windowsill."
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_packing_joins_with_eos_and_drops_tail():
+    tok = AutoTokenizer.from_pretrained(RECIPES / "data" / "tokenizer")
+    texts = ["one two three", "four five six seven"]
+    flat = [i for t in texts for i in tok(t)["input_ids"] + [tok.eos_token_id]]
+    rows = pack_tokens(texts, tok, 4)
+    assert rows.flatten().tolist() == flat[: len(flat) // 4 * 4]
+    with pytest.raises(DataError, match="fewer than one sample"):
+        pack_tokens(["hi"], tok, 1000)
+
+
+def test_missing_column_and_bad_file_are_named(tmp_path):
+    tok = AutoTokenizer.from_pretrained(RECIPES / "data" / "tokenizer")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"body": f"sample {i} text"}) for i in range(5)))
+    with pytest.raises(DataError, match=r"no column 'text'; its columns are \['body'\]"):
+        load_text_dataset(TextDataConfig(data), tok)
+    with pytest.raises(DataError, match="does not exist"):
+        load_text_dataset(TextDataConfig(tmp_path / "none.jsonl"), tok)
+    with pytest.raises(DataError, match="suffix '.csv'"):
+        load_text_dataset(TextDataConfig(_write(tmp_path / "d.csv", "a,b\n")), tok)
+
+
+def test_epoch_order_depends_only_on_seed_and_epoch():
+    a = epoch_order(50, seed=3, epoch=1)
+    assert torch.equal(a, epoch_order(50, seed=3, epoch=1))
+    assert sorted(a.tolist()) == list(range(50))
+    assert not torch.equal(a, epoch_order(50, seed=3, epoch=2))
+
+
+# -- checkpoint atomicity ----------------------------------------------------------------------
+def test_crash_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    tmp = ckpt_io.begin_checkpoint(tmp_path, "checkpoint-4", rank=0)
+    (tmp / "model.safetensors").write_bytes(b"partial")
+    # The process dies here, before commit_checkpoint: nothing named checkpoint-N exists.
+    assert get_last_checkpoint(str(tmp_path)) is None
+    tmp2 = ckpt_io.begin_checkpoint(tmp_path, "checkpoint-6", rank=0)
+    assert not tmp.exists(), "a later save removes the debris of a crashed one"
+    (tmp2 / "trainer_state.json").write_text("{}")
+    ckpt_io.commit_checkpoint(tmp2, tmp_path / "checkpoint-6", rank=0)
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-6")
+    assert not tmp2.exists() and (tmp_path / "checkpoint-6" / "trainer_state.json").is_file()
+    with pytest.raises(ckpt_io.CheckpointError, match="lacks"):
+        ckpt_io.check_resumable(tmp_path / "checkpoint-6", _two_stage_plan(), 2)
