@@ -1,0 +1,492 @@
+"""Zero-redundant profiler: measure one layer of each distinct shape, once per device type.
+
+Every block of a model has the same shape, so only ONE block is timed, with the embedding and
+the head, for each micro-batch size the search will try: forward and backward time (median of
+repeated windows, CUDA events on GPUs, wall clock on CPUs), the optimizer step of the layer's
+parameters, and the activation memory one micro-batch keeps. Between groups, point-to-point
+transfers of a few sizes are timed and fitted as ``latency + bytes / bandwidth``.
+
+Results live in a readable JSON profile store keyed by (device name, layer signature,
+micro-batch, sequence length, dtype); a second profile of the same thing reads the store.
+
+The layers are built with ``hapt_hf.pipeline.stage.build_stage``, imported lazily inside the
+functions that run on a device, so that the planner package imports nothing of the pipeline
+package at import time and profiles exactly the modules the runtime runs.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from .cluster import Cluster, GroupLink, LinkSpec
+from .model_spec import LayerSpec, ModelSpec, model_config
+from .profile import LayerTiming, LinkMeasurement, Profile, ProfileKey
+
+__all__ = ["ProfilerError", "ProfilerOptions", "ProfileStore", "profile_model", "time_layer",
+           "measure_link", "fit_link", "profile_group_leaders", "cluster_with_links", "cli_main"]
+
+STORE_VERSION = 1
+_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class ProfilerError(ValueError):
+    """Bad profiler input (micro-batch sizes, store file...); the message says the fix."""
+
+
+@dataclass(frozen=True)
+class ProfilerOptions:
+    """How to measure.
+
+    Args:
+        micro_batches: samples per forward on one device; one entry per size in the store.
+        warmup: untimed forward+backward passes before timing (allocator, kernel caches); the
+            first also counts the activation memory, the last sizes the timing windows.
+        repeats: timed windows; the median is reported, the spread is (p75 - p25) / median.
+        min_window_s: each window repeats the pass until it lasts this long, so a CPU quota's
+            10 ms throttling periods average out instead of landing in a single sample.
+        attn_implementation: as the runtime builds its stages ("eager" or "sdpa").
+    """
+
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    warmup: int = 1
+    repeats: int = 5
+    min_window_s: float = 0.05
+    attn_implementation: str = "eager"
+    budget_s: float = 4.0
+    """Timed seconds one entry aims at: slow layers get fewer windows (never under 3)."""
+
+    def __post_init__(self) -> None:
+        if not self.micro_batches or any(not isinstance(b, int) or b < 1
+                                         for b in self.micro_batches):
+            raise ProfilerError(f"micro_batches {self.micro_batches!r} must be positive "
+                                "integers, e.g. --micro-batches 1,2,4")
+        if self.repeats < 1 or self.warmup < 1:
+            raise ProfilerError(f"repeats ({self.repeats}) and warmup ({self.warmup}) must be "
+                                ">= 1")
+        if self.min_window_s < 0:
+            raise ProfilerError(f"min_window_s ({self.min_window_s}) must be >= 0")
+
+
+# -- the store -------------------------------------------------------------------------------
+
+@dataclass
+class ProfileStore:
+    """A JSON file of measured layer timings and links; created on first save."""
+
+    path: Path
+    timings: dict[ProfileKey, LayerTiming] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkMeasurement] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "ProfileStore":
+        store = cls(Path(path))
+        if store.path.exists():
+            store._read()
+        return store
+
+    def _read(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("version") != STORE_VERSION:
+                raise ProfilerError(f"profile store {self.path} has version "
+                                    f"{data.get('version')!r}, expected {STORE_VERSION}; "
+                                    "delete it or pass another --store")
+            for e in data.get("timings", []):
+                key = ProfileKey(e["device"], e["layer_signature"], int(e["micro_batch"]),
+                                 int(e["seq_len"]), e["dtype"])
+                self.timings[key] = LayerTiming(**{k: float(v) for k, v in e.items()
+                                                   if k in LayerTiming.__dataclass_fields__})
+            for e in data.get("links", []):
+                m = LinkMeasurement(e["a"], e["b"], float(e["bandwidth_gbps"]),
+                                    float(e["latency_us"]))
+                self.links[_pair(m.a, m.b)] = m
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ProfilerError(f"profile store {self.path} is not readable ({e!r}); "
+                                "delete it or pass another --store") from None
+
+    def get(self, key: ProfileKey) -> LayerTiming | None:
+        return self.timings.get(key)
+
+    def put(self, key: ProfileKey, timing: LayerTiming) -> None:
+        self.timings[key] = timing
+
+    def put_link(self, m: LinkMeasurement) -> None:
+        self.links[_pair(m.a, m.b)] = m
+
+    def save(self) -> None:
+        """Write atomically (a reader never sees half a file), sorted so diffs stay readable."""
+        data = {"version": STORE_VERSION,
+                "timings": [{**asdict(k), **asdict(t)} for k, t in sorted(self.timings.items())],
+                "links": [asdict(m) for _, m in sorted(self.links.items())]}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)
+
+    def to_profile(self) -> Profile:
+        return Profile(timings=dict(self.timings), links=list(self.links.values()),
+                       source=str(self.path))
+
+
+def _pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
+
+
+# -- timing one layer ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _LayerRun:
+    """What to run for one layer: a built stage and a micro-batch's inputs."""
+
+    stage: object
+    inputs: tuple
+    out_grad: object | None
+    """Gradient fed to a non-scalar output's backward (None: the output is the loss)."""
+
+
+class _Clock:
+    """Elapsed seconds of a region: CUDA events on a GPU (kernels are asynchronous), else wall."""
+
+    def __init__(self, device) -> None:
+        import torch
+        self.cuda = torch.device(device).type == "cuda"
+        self.torch = torch
+
+    def measure(self, fn: Callable[[], object]) -> tuple[float, object]:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            out = fn()
+            return time.perf_counter() - t0, out
+        start, end = (self.torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, out
+
+
+def time_layer(run: _LayerRun, options: ProfilerOptions, device: str) -> LayerTiming:
+    """Median forward/backward seconds of one micro-batch through ``run.stage``, and the
+    activation bytes it keeps (``update_s`` is left 0: it does not depend on the micro-batch)."""
+    clock = _Clock(device)
+
+    def one_pass() -> tuple[float, float]:
+        tf, out = clock.measure(lambda: run.stage(run.inputs[0], **run.inputs[1]))
+        tb, _ = clock.measure(lambda: out.backward(run.out_grad))
+        return tf, tb
+
+    t0 = time.perf_counter()
+    memory = _activation_bytes(run, device)  # the first warm-up pass
+    first = time.perf_counter() - t0
+    for _ in range(options.warmup - 1):
+        first = sum(one_pass())
+    per_window = max(1, math.ceil(options.min_window_s / max(first, 1e-6)))
+    # a layer of seconds per pass (an LM head on CPU) gets fewer windows, never under 3
+    repeats = max(min(3, options.repeats),
+                  min(options.repeats, int(options.budget_s / (first * per_window))))
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        passes = [one_pass() for _ in range(per_window)]
+        fwd.append(sum(p[0] for p in passes) / per_window)
+        bwd.append(sum(p[1] for p in passes) / per_window)
+    totals = sorted(f + b for f, b in zip(fwd, bwd))
+    return LayerTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
+                       peak_memory_bytes=memory, spread=_spread(totals))
+
+
+def _spread(sorted_values: list[float]) -> float:
+    if len(sorted_values) < 2:
+        return 0.0
+    q = statistics.quantiles(sorted_values, n=4, method="inclusive")
+    return (q[2] - q[0]) / statistics.median(sorted_values)
+
+
+def _update_s(stage, clock: _Clock) -> float:
+    """Adam step over the layer's parameters (their gradients exist after the passes)."""
+    import torch
+    params = [p for p in stage.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    opt = torch.optim.AdamW(params, lr=1e-6)
+    opt.step()  # creates the state: the first step is not what training repeats
+    times = [clock.measure(opt.step)[0] for _ in range(3)]
+    for p in params:
+        p.grad = None
+    return statistics.median(times)
+
+
+def _activation_bytes(run: _LayerRun, device: str) -> float:
+    """Memory one micro-batch's forward keeps until its backward, weights excluded.
+
+    GPU: the allocator's peak over forward+backward above what was allocated before. CPU: the
+    tensors autograd saves for backward (counted once per storage, parameters excluded), plus
+    the output.
+    """
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = run.stage(run.inputs[0], **run.inputs[1])
+        out.backward(run.out_grad)
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - base)
+    weights = {p.untyped_storage().data_ptr() for p in run.stage.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run.stage(run.inputs[0], **run.inputs[1])
+    total = sum(seen.values()) + (0 if out.untyped_storage().data_ptr() in seen
+                                  else out.untyped_storage().nbytes())
+    out.backward(run.out_grad)
+    return float(total)
+
+
+# -- which layers, built how -----------------------------------------------------------------
+
+def _representatives(spec: ModelSpec) -> list[LayerSpec]:
+    """The first layer of each distinct signature: all others copy its figures."""
+    seen: dict[str, LayerSpec] = {}
+    for layer in spec.layers:
+        seen.setdefault(layer.signature, layer)
+    return list(seen.values())
+
+
+def _build_layer(config, layer: LayerSpec, dtype: str, device: str, options: ProfilerOptions):
+    """The one-layer stage the runtime would run for ``layer``, from a model cut short."""
+    import torch
+    from hapt_hf.pipeline.stage import build_stage  # lazy: see the module docstring
+
+    # Build a model of as few blocks as reach this layer, not the whole model.
+    nblocks = max(layer.index, 1) if layer.kind == "block" else 1
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = nblocks
+    if isinstance(getattr(small, "layer_types", None), list):
+        small.layer_types = small.layer_types[:nblocks]
+    index = {"embedding": 0, "block": layer.index, "head": nblocks + 1}[layer.kind]
+    stage = build_stage(small, (index, index + 1), seed=0, dtype=_torch_dtype(dtype),
+                        device=device, attn_implementation=options.attn_implementation)
+    return stage.train()
+
+
+def _torch_dtype(dtype: str):
+    import torch
+    return getattr(torch, _TORCH_DTYPES[dtype])
+
+
+def _layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: str,
+               device: str) -> _LayerRun:
+    """One micro-batch's inputs for a layer of ``kind`` (fixed seed: same data every time)."""
+    import torch
+    tdtype = _torch_dtype(dtype)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=gen)
+    hidden = torch.randn(micro_batch, seq_len, config.hidden_size, generator=gen)
+    if kind == "embedding":
+        return _LayerRun(stage, (ids.to(device), {}), hidden.to(device, tdtype))
+    x = hidden.to(device, tdtype).requires_grad_(True)  # a pipeline stage also sends dX back
+    if kind == "head":
+        return _LayerRun(stage, (x, {"labels": ids.to(device)}), None)
+    return _LayerRun(stage, (x, {}), torch.randn(x.shape, generator=gen).to(device, tdtype))
+
+
+def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32",
+                  options: ProfilerOptions = ProfilerOptions(), store: ProfileStore | None = None,
+                  device: str = "cpu", log: Callable[[str], None] | None = None) -> Profile:
+    """Time each distinct layer of ``config`` for every micro-batch size; reuse stored entries.
+
+    Returns a Profile of exactly the entries this model needs on ``device_name``; the store (if
+    given) gains what was measured and is saved.
+    """
+    spec = ModelSpec.from_config(config, seq_len, dtype)
+    timings: dict[ProfileKey, LayerTiming] = {}
+    for layer in _representatives(spec):
+        stage, update_s = None, 0.0
+        for mb in options.micro_batches:
+            key = ProfileKey(device_name, layer.signature, mb, seq_len, spec.dtype)
+            hit = store.get(key) if store is not None else None
+            if hit is None:
+                if stage is None:
+                    stage = _build_layer(config, layer, spec.dtype, device, options)
+                run = _layer_run(stage, config, layer.kind, mb, seq_len, spec.dtype, device)
+                hit = time_layer(run, options, device)
+                if not update_s:  # the optimizer step does not depend on the micro-batch
+                    update_s = _update_s(stage, _Clock(device))
+                hit = replace(hit, update_s=update_s)
+                if store is not None:
+                    store.put(key, hit)
+                if log:
+                    log(f"{device_name} {layer.kind:9s} mb={mb}: fwd {hit.forward_s * 1e3:.2f} ms"
+                        f" bwd {hit.backward_s * 1e3:.2f} ms spread {hit.spread:.2f}")
+            timings[key] = hit
+    if store is not None:
+        store.save()
+    return Profile(timings=timings, links=list(store.links.values()) if store else [],
+                   source=str(store.path) if store else "")
+
+
+# -- links -----------------------------------------------------------------------------------
+
+def fit_link(sizes_bytes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares fit of ``t = latency + bytes / bandwidth``: (bandwidth_gbps, latency_us)."""
+    n = len(sizes_bytes)
+    if n < 2 or len(set(sizes_bytes)) < 2:
+        raise ProfilerError("a link fit needs at least two distinct message sizes")
+    mx, my = sum(sizes_bytes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes_bytes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes_bytes, seconds)) / sxx
+    slope = max(slope, 1e-15)  # a link faster than we can resolve: cap, never negative
+    latency = max(my - slope * mx, 0.0)
+    return 8.0 / slope / 1e9, latency * 1e6
+
+
+def measure_link(peer: int, sender: bool, a: str, b: str,
+                 sizes_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22),
+                 repeats: int = 3) -> LinkMeasurement:
+    """Time one-way transfers to ``peer`` (both ranks call it, one with ``sender=True``).
+
+    Each transfer is a send of the message and a one-element reply, so the receiver's clock is
+    never needed; the reply's own latency is removed by halving the fitted intercept.
+    """
+    import torch
+    import torch.distributed as dist
+    xs, ys = [], []
+    for size in sizes_bytes:
+        buf, ack = torch.zeros(max(size // 4, 1)), torch.zeros(1)
+        for i in range(repeats + 1):  # the first also opens the connection: not counted
+            t0 = time.perf_counter()
+            if sender:
+                dist.send(buf, peer)
+                dist.recv(ack, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(ack, peer)
+            if i:
+                xs.append(buf.numel() * 4)
+                ys.append(time.perf_counter() - t0)
+    bw, lat_both = fit_link(xs, ys)
+    return LinkMeasurement(a, b, bw, lat_both / 2)
+
+
+def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names: dict[str, str],
+                          seq_len: int, dtype: str = "fp32",
+                          options: ProfilerOptions = ProfilerOptions(),
+                          store_path: str | Path | None = None) -> Profile:
+    """Collective over an initialised process group: the first rank of each group profiles its
+    device type (all groups at once, each under its own conditions), then the leaders time
+    every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
+
+    ``groups``: group name -> global ranks; ``device_names``: group name -> device type name.
+    """
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    leaders = {g: ranks[0] for g, ranks in groups.items()}
+    store = ProfileStore.open(store_path) if store_path else None
+    mine: dict[ProfileKey, LayerTiming] = {}
+    for g, leader in leaders.items():
+        # one leader per device type: a second group of the same type would only repeat it
+        if rank == leader and list(device_names.values()).index(device_names[g]) == \
+                list(device_names).index(g):
+            local = ProfileStore(Path(os.devnull), dict(store.timings) if store else {})
+            mine = profile_model(config, device_name=device_names[g], seq_len=seq_len,
+                                 dtype=dtype, options=options,
+                                 store=local if store else None).timings
+    dist.barrier()
+    links = []
+    names = list(leaders)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if rank in (leaders[a], leaders[b]):
+                sender = rank == leaders[a]
+                links.append(measure_link(leaders[b] if sender else leaders[a], sender, a, b))
+            dist.barrier()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, [m for m in links if rank == leaders[m.a]]))
+    profile = Profile(source=str(store_path or ""))
+    for timings, measured in gathered:
+        profile.timings.update(timings)
+        profile.links.extend(measured)
+    if rank == 0 and store is not None:
+        for k, t in profile.timings.items():
+            store.put(k, t)
+        for m in profile.links:
+            store.put_link(m)
+        store.save()
+    return profile
+
+
+def cluster_with_links(cluster: Cluster, profile: Profile) -> Cluster:
+    """The cluster with each measured link replacing the figures the file gave for it."""
+    measured = {_pair(m.a, m.b): LinkSpec(m.bandwidth_gbps, m.latency_us)
+                for m in profile.links}
+    links = tuple(GroupLink(l.a, l.b, measured.get(_pair(l.a, l.b), l.link))
+                  for l in cluster.links)
+    return Cluster(cluster.name, cluster.groups, links, cluster.job, cluster.profiles)
+
+
+# -- command line ----------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hapt-hf profile", description=(
+        "Time one layer of each distinct shape of a model (forward, backward, update, memory) "
+        "on this machine's device and store the figures for the planner."))
+    p.add_argument("--model", required=True, help="built-in name or local config.json / dir")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batches", default="1,2,4", help="comma-separated, e.g. 1,2,4")
+    p.add_argument("--device-name", required=True,
+                   help="device type name as the cluster file names it, e.g. A100-40")
+    p.add_argument("--store", required=True, help="profile store JSON (created if absent)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(_TORCH_DTYPES))
+    p.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
+    return p
+
+
+def _micro_batches(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ProfilerError(f"--micro-batches {text!r} must be comma-separated integers, "
+                            "e.g. 1,2,4") from None
+
+
+def cli_main(argv: list[str]) -> int:
+    """``hapt-hf profile``: returns the exit status; user mistakes print one line, status 2."""
+    args = _parser().parse_args(argv)
+    try:
+        import torch
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        options = ProfilerOptions(micro_batches=_micro_batches(args.micro_batches),
+                                  repeats=args.repeats,
+                                  attn_implementation=args.attn_implementation)
+        config = model_config(args.model)
+        store = ProfileStore.open(args.store)
+        before = len(store.timings)
+        t0 = time.perf_counter()
+        profile = profile_model(config, device_name=args.device_name, seq_len=args.seq_len,
+                                dtype=args.dtype, options=options, store=store, device=device,
+                                log=print)
+    except ValueError as e:  # ProfilerError, ModelSpecError, StageBuildError: user input
+        print(f"hapt-hf profile: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(profile.timings)} entries ({len(store.timings) - before} measured, the rest "
+          f"from the store) in {time.perf_counter() - t0:.1f} s -> {args.store}")
+    return 0
