@@ -99,19 +99,28 @@ class _Shape:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model as the planner sees it: a sequence of layers with per-sample costs."""
+
     name: str
+    """The name or path it was built from (shown in plans and tables)."""
     family: str
     """'gpt2' | 'llama' | 'mistral' | 'qwen2' | 'opt' (LLaMA-shaped families share code)."""
     hidden_size: int
     num_blocks: int
+    """Transformer blocks; the layer sequence has ``num_blocks + 2`` entries."""
     vocab_size: int
     seq_len: int
+    """Tokens per sample the per-layer figures assume."""
     dtype: str
+    """'fp32' | 'fp16' | 'bf16': bytes per activation element and per parameter."""
     tied_embeddings: bool
+    """Input embedding and LM head share one matrix (owned by the embedding layer)."""
     layers: tuple[LayerSpec, ...]
     num_heads: int = 0
     num_kv_heads: int = 0
+    """Key/value heads (fewer than num_heads with grouped-query attention)."""
     intermediate_size: int = 0
+    """MLP width (SwiGLU's gate/up width for LLaMA-shaped families)."""
     profile_name: str | None = None
     """Name of this model in a measured profile file (e.g. 'OPT-350'), if it has one."""
 
@@ -133,7 +142,11 @@ class ModelSpec:
     @classmethod
     def from_config(cls, config, seq_len: int, dtype: str = "fp32", name: str | None = None,
                     profile_name: str | None = None, eager_attention: bool = False) -> "ModelSpec":
-        """From a transformers ``PretrainedConfig``; no weights are created."""
+        """From a transformers ``PretrainedConfig`` (or a config path / built-in name, as
+        :func:`model_config` reads them); no weights are created."""
+        if isinstance(config, (str, Path)):
+            name = name or str(config)
+            config = model_config(config)
         dtype = _check_dtype(dtype)
         family = getattr(config, "model_type", None)
         reader = _READERS.get(family)

@@ -6,6 +6,8 @@ import glob
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hapt_hf.planner.catalogue import CATALOGUE, device_names, find_gpu
 from hapt_hf.planner.cluster import (DEFAULT_INTER_NODE, DEFAULT_INTRA_NODE, Cluster,
@@ -156,3 +158,47 @@ def test_single_group_needs_no_link(tmp_path):
     d = {"groups": [{"name": "solo", "gpu": "cpu", "gpus_per_node": 2}]}
     c = Cluster.from_dict(d)
     assert c.world_size == 2 and c.links == () and c.name == "cluster"
+
+
+def test_from_config_accepts_builtin_name_via_model_spec():
+    # cluster job sections may name a built-in model; ModelSpec resolves the same names
+    from hapt_hf.planner.model_spec import ModelSpec
+
+    demo = Cluster.load("cpu_demo_4")
+    spec = ModelSpec.from_job_model(demo.job.model, demo.job.seq_len, demo.job.dtype)
+    assert spec.name == "gpt2-tiny" and spec.num_layers == spec.num_blocks + 2
+
+
+_names = st.sampled_from(sorted(CATALOGUE))
+_link = st.fixed_dictionaries({"bandwidth_gbps": st.floats(0.01, 1e4),
+                               "latency_us": st.floats(0, 1e4)})
+
+
+@st.composite
+def _clusters(draw):
+    n = draw(st.integers(1, 5))
+    groups = [{"name": f"g{i}", "gpu": draw(_names), "nodes": draw(st.integers(1, 4)),
+               "gpus_per_node": draw(st.integers(1, 8)), "intra_node": draw(_link)}
+              for i in range(n)]
+    if draw(st.booleans()):
+        groups[0]["tflops"] = draw(st.floats(0.01, 2000))
+    # a chain keeps every group linked; extra links are drawn among the remaining pairs
+    links = [{"between": [f"g{i}", f"g{i + 1}"], **draw(_link)} for i in range(n - 1)]
+    for i in range(n):
+        for j in range(i + 2, n):
+            if draw(st.booleans()):
+                links.append({"between": [f"g{j}", f"g{i}"], **draw(_link)})
+    return {"name": "random", "groups": groups, "links": links}
+
+
+@settings(max_examples=40, deadline=None)
+@given(_clusters())
+def test_random_clusters_round_trip_and_number_ranks(d):
+    c = Cluster.from_dict(d)
+    assert Cluster.from_dict(c.to_dict()) == c
+    ranks = [r for g in c.groups for r in c.ranks_of(g.name)]
+    assert ranks == list(range(c.world_size))
+    g = c.graph()
+    assert g.number_of_edges() == len(d["links"])
+    for l in d["links"]:
+        assert c.link(*l["between"]) == c.link(*reversed(l["between"])) is not None

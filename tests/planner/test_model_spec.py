@@ -184,3 +184,7 @@ def test_bad_local_config(tmp_path):
     bad.write_text(json.dumps({"hidden_size": 3}))
     with pytest.raises(ModelSpecError, match="model_type"):
         ModelSpec.from_name_or_path(str(bad), 16)
+
+
+def test_from_config_takes_a_name_too():
+    assert ModelSpec.from_config("llama-tiny", 16) == ModelSpec.from_name_or_path("llama-tiny", 16)

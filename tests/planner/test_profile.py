@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.profile import (LayerTiming, LinkMeasurement, Profile, ProfileError,
@@ -143,3 +145,24 @@ def test_sailor_missing_directory(tmp_path):
     model = ModelSpec.from_name_or_path("opt-tiny", 64)
     with pytest.raises(ProfileError, match="layer_times.json"):
         load_sailor_profiles(tmp_path, model)
+
+
+_times = st.floats(1e-6, 10.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.integers(1, 64), st.tuples(_times, _times), min_size=2, max_size=5),
+       st.integers(1, 128))
+def test_lookup_between_measured_sizes_stays_between_them(points, mb):
+    p = Profile({_key(m): LayerTiming(f, b) for m, (f, b) in points.items()})
+    t = p.lookup("A100-40", "blk", mb, 1024, "fp16")
+    sizes = sorted(points)
+    assert t.forward_s >= 0 and t.backward_s >= 0
+    if mb in points:
+        assert (t.forward_s, t.backward_s) == points[mb]
+    elif sizes[0] < mb < sizes[-1]:
+        lo = max(m for m in sizes if m < mb)
+        hi = min(m for m in sizes if m > mb)
+        for j, got in enumerate((t.forward_s, t.backward_s)):
+            a, b = points[lo][j], points[hi][j]
+            assert min(a, b) - 1e-12 <= got <= max(a, b) + 1e-12
