@@ -32,12 +32,12 @@ from .cluster import Cluster, GpuGroup
 from .cost_model import DEFAULT_EFFICIENCY, CostModel, StageShape
 from .model_spec import ModelSpec
 from .plan import SCHEDULES, Plan, PlanPrediction, StagePlan, StagePrediction
-from .profile import Profile
+from .profile import Profile, load_sailor_profiles
 from .schedule import build_schedule
 from .simulate import SimResult, simulate_schedule
 
 __all__ = ["PlanningError", "PlannerOptions", "BaselineResult", "PlanResult", "Layout",
-           "plan_job", "physical_limit_s"]
+           "plan_job", "physical_limit_s", "cluster_profile"]
 
 
 class PlanningError(ValueError):
@@ -386,6 +386,13 @@ def physical_limit_s(cm: CostModel, global_batch: int) -> float:
     return global_batch / rate
 
 
+def cluster_profile(cluster: Cluster, model: ModelSpec) -> Profile | None:
+    """The measured profiles a cluster file names (``profiles:``), or None."""
+    if cluster.profiles is None:
+        return None
+    return load_sailor_profiles(cluster.profiles, model)
+
+
 # -- the search ------------------------------------------------------------------------------
 
 @dataclass(order=True)
@@ -560,6 +567,7 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
         raise PlanningError(f"global_batch_size {global_batch_size} must be >= 1")
     if not cluster.groups:
         raise PlanningError(f"cluster {cluster.name!r} has no groups; list at least one")
+    profile = profile if profile is not None else cluster_profile(cluster, model)
     cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
     top, tried = _search_layouts(cm, global_batch_size, options)
     scored: list[tuple[SimResult, Layout]] = []

@@ -23,7 +23,7 @@ from .cluster import Cluster
 from .cost_model import CostModel, StageCosts
 from .model_spec import ModelSpec
 from .plan import Plan
-from .profile import Profile
+from .profile import Profile, load_sailor_profiles
 from .schedule import ActionKind, Schedule, build_schedule
 
 __all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan"]
@@ -174,6 +174,8 @@ def simulate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, profile: Profi
                   record_events: bool = True, memory_headroom: float = 0.9,
                   cost_model: CostModel | None = None) -> SimResult:
     """Price ``plan`` with the cost model and replay its schedule."""
+    if cost_model is None and profile is None and cluster.profiles is not None:
+        profile = load_sailor_profiles(cluster.profiles, model)
     cm = cost_model or CostModel(model, cluster, profile, memory_headroom=memory_headroom)
     if plan.num_layers != model.num_layers:
         raise ValueError(f"the plan covers {plan.num_layers} layers but model {model.name!r} has "
