@@ -286,9 +286,11 @@ def _layers(x: _Shape, s: int, dtype: str, eager_attention: bool) -> tuple[Layer
     attn_sig = f"a{x.heads}:kv{x.kv_heads}" + ("" if x.head_dim * x.heads == x.hidden
                                                  else f":d{x.head_dim}")
     embed_fwd = 2.0 * s * x.embed_matmul
+    # backward of a lookup needs only the token ids; OPT's project_in also keeps its input
+    proj_in_bytes = b * s * (x.embed_matmul // x.hidden)
     embedding = LayerSpec(0, "embedding", f"{x.family}-embedding:v{x.vocab}:{tag}",
                           x.embed_params, embed_fwd, 2 * embed_fwd, hidden_bytes,
-                          act_keep_bytes=float(_INDEX_BYTES * s + (b * s * x.hidden if x.embed_matmul else 0)),
+                          act_keep_bytes=float(_INDEX_BYTES * s + proj_in_bytes),
                           act_in_bytes=float(_INDEX_BYTES * s))
     block_fwd = 2.0 * s * x.block_matmul + 4.0 * s * s * x.heads * x.head_dim
     block_sig = f"{x.family}:h{x.hidden}:i{x.intermediate}:{attn_sig}:s{s}:{dtype}"
@@ -296,8 +298,10 @@ def _layers(x: _Shape, s: int, dtype: str, eager_attention: bool) -> tuple[Layer
     blocks = [LayerSpec(1 + k, "block", block_sig, x.block_params, block_fwd, 2 * block_fwd,
                         hidden_bytes, keep, hidden_bytes) for k in range(x.num_blocks)]
     head_fwd = 2.0 * s * x.head_matmul
-    # head keeps the final norm's input and the logits (model dtype + an fp32 copy for softmax)
-    head_keep = hidden_bytes * (2 if x.embed_matmul else 1) + s * x.vocab * (b + 4)
+    # head keeps the final norm's input, OPT's project_out input, the LM head's input and the
+    # logits (model dtype + an fp32 copy for the softmax of the loss)
+    lm_in_bytes = b * s * (x.embed_matmul // x.hidden or x.hidden)
+    head_keep = hidden_bytes * (2 if x.embed_matmul else 1) + lm_in_bytes + s * x.vocab * (b + 4)
     head = LayerSpec(1 + x.num_blocks, "head", f"{x.family}-head:v{x.vocab}:{tag}",
                      x.head_params, head_fwd, 2 * head_fwd, 0.0, float(head_keep), hidden_bytes)
     return (embedding, *blocks, head)
@@ -368,7 +372,8 @@ _HUB_ALIASES = {"openai-community/gpt2": "gpt2", "openai-community/gpt2-medium":
                 "openai-community/gpt2-large": "gpt2-large", "openai-community/gpt2-xl": "gpt2-xl",
                 "facebook/opt-125m": "opt-125m", "facebook/opt-350m": "opt-350m",
                 "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": "tinyllama-1.1b",
-                "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Meta-Llama-3-8B": "llama-3-8b",
+                "meta-llama/Llama-2-7b-hf": "llama-2-7b",
+                "meta-llama/Meta-Llama-3-8B": "llama-3-8b",
                 "mistralai/Mistral-7B-v0.1": "mistral-7b", "Qwen/Qwen2-0.5B": "qwen2-0.5b"}
 
 # built-in models that published measurements (shared/data/gpu-profiles) know by another name
