@@ -154,14 +154,19 @@ def build_stage(
     adapter = _adapter(config)
     span = _check_range(layer_range, config)
     config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
-    full = _meta_model(config, attn_implementation)
-    stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span), recompute)
+    config._attn_implementation = attn_implementation
     if checkpoint_dir is not None:
+        full = _meta_model(config)
+        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span), recompute)
         _materialise(stage)
         _load_checkpoint(stage, checkpoint_dir)
     else:
-        _seeded_init(stage, seed)
-    del full
+        rng_state = torch.get_rng_state()
+        trace = _InitReplay(owned_ops=None)
+        full = _construct(config, trace)  # the meta model the stage keeps its modules from
+        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span), recompute)
+        _seeded_init(stage, full, trace, seed, rng_state)
+    del full  # only the stage's modules stay referenced
     return stage.to(device=device, dtype=dtype)
 
 
@@ -190,9 +195,9 @@ def _check_range(layer_range: tuple[int, int], config: PretrainedConfig) -> tupl
     return (start, end)
 
 
-def _meta_model(config: PretrainedConfig, attn_implementation: str) -> nn.Module:
+def _meta_model(config: PretrainedConfig) -> nn.Module:
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_config(config)
 
 
 def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int]) -> list[tuple[str, nn.Module]]:
@@ -259,21 +264,31 @@ def _load_checkpoint(stage: PipelineStage, checkpoint_dir: str | Path) -> None:
         raise StageBuildError(str(err)) from None
 
 
-def _seeded_init(stage: PipelineStage, seed: int | None) -> None:
+def _seeded_init(stage: PipelineStage, traced: nn.Module, trace: "_InitReplay", seed: int | None,
+                 rng_state: Tensor) -> None:
     """Weights equal, bit for bit, to the same layers of a full model built under `seed`.
 
-    Replays the full model's construction and initialisation RNG stream on the meta device and
-    keeps only the stage's tensors (see `_InitReplay`). Should the model's initialisation do
-    something the replay cannot follow, it falls back to building the full model on CPU once
-    and keeping the stage's tensors: that fallback holds the whole model transiently.
+    `traced` is the full model built on meta under `trace`, which numbered every in-place op by
+    the storage it writes; once the model exists, the ops that write the stage's tensors are
+    known by position. A second construction under the seed runs those ops on CPU shadows of the
+    stage's tensors, and every other random op on a throw-away tensor of the same shape, which
+    consumes the generator exactly as the real build does (see `_InitReplay`). Should the model's
+    initialisation do something the replay cannot follow, it falls back to building the full
+    model on CPU once and keeping the stage's tensors: that fallback holds the whole model
+    transiently (a warning says so).
     """
+    keys = set(stage.state_dict().keys())
+    # Storage keys of the meta tensors, read before materialising replaces them.
+    owned = {_storage_key(traced.state_dict(keep_vars=True)[k]) for k in keys}
     _materialise(stage)
-    state = torch.get_rng_state()
     try:
-        values = _replayed_init(stage.config, set(stage.state_dict().keys()), seed, state)
+        replay = _InitReplay(owned_ops={i for i, k in enumerate(trace.targets) if k in owned})
+        _reseed(seed, rng_state)
+        tensors = _construct(stage.config, replay).state_dict(keep_vars=True)
+        values = {k: replay.value_of(tensors[k], k) for k in keys}
     except _ReplayUnsupported as why:
         logger.warning("initialisation replay unsupported (%s); building the full model on CPU once", why)
-        values = _full_model_init(stage.config, seed, state)
+        values = _full_model_init(stage.config, seed, rng_state)
     for key, target in stage.state_dict(keep_vars=True).items():
         checkpoint_io.copy_into(target, values[key], key)
 
@@ -281,25 +296,6 @@ def _seeded_init(stage: PipelineStage, seed: int | None) -> None:
 def _full_model_init(config: PretrainedConfig, seed: int | None, state: Tensor) -> dict[str, Tensor]:
     _reseed(seed, state)
     return AutoModelForCausalLM.from_config(copy.deepcopy(config)).state_dict()
-
-
-def _replayed_init(config: PretrainedConfig, keys: set[str], seed: int | None,
-                   state: Tensor) -> dict[str, Tensor]:
-    """Two passes over the full model's construction, all of it on meta.
-
-    The first pass records which in-place op writes which storage, so that once the model exists
-    the ops writing the stage's tensors are known by position. The second pass, under the same
-    seed, runs those ops on CPU shadows of the stage's tensors and every other random op on a
-    throw-away tensor of the same shape, which consumes the generator exactly as the real build.
-    """
-    trace = _InitReplay(owned_ops=None)
-    model = _construct(config, trace)
-    owned = {_storage_key(model.state_dict(keep_vars=True)[k]) for k in keys}
-    replay = _InitReplay(owned_ops={i for i, k in enumerate(trace.targets) if k in owned})
-    _reseed(seed, state)
-    model = _construct(config, replay)
-    tensors = model.state_dict(keep_vars=True)
-    return {k: replay.value_of(tensors[k], k) for k in keys}
 
 
 def _reseed(seed: int | None, state: Tensor) -> None:
