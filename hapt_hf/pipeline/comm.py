@@ -65,7 +65,7 @@ class FailureChannel:
     """Failure records and heartbeats in the rendezvous store, plus the watchdog thread."""
 
     def __init__(self, namespace: str, rank: int, timeout_s: float,
-                 store: dist.Store | None = None, grace_s: float = 2.0) -> None:
+                 store: dist.Store | None = None, grace_s: float = 0.5) -> None:
         self.rank = rank
         self.timeout_s = float(timeout_s)
         self.grace_s = min(grace_s, self.timeout_s / 2)
@@ -121,13 +121,17 @@ class FailureChannel:
             self._wait = None
 
     def _lost_peer(self, t: Transfer, stage: int, error: Exception) -> PipelineFailure:
-        # the peer that failed normally recorded why before its process ended
+        # A rank that fails records why before its process ends (and its sockets close), so a
+        # record, if any, is already there; otherwise the peer died without a word.
         first = self.first_failure(wait_s=self.grace_s)
+        mine = f"rank {self.rank} (stage {stage}) was waiting for {t.what}"
         if first is None:
             reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-            first = self.record(f"rank {t.peer} stopped answering ({reason}) while rank "
-                                f"{self.rank} (stage {stage}) was waiting for {t.what}")
-        return PipelineFailure(first)
+            own = f"rank {t.peer} stopped answering ({reason}) while {mine}"
+            first = self.record(own)
+            if first == own:
+                return PipelineFailure(own)
+        return PipelineFailure(f"{first}; {mine}")
 
     # -- watchdog --------------------------------------------------------------------------
     def _watch(self) -> None:
