@@ -30,12 +30,11 @@ from typing import Callable
 
 from .cluster import Cluster, GroupLink, LinkSpec
 from .model_spec import LayerSpec, ModelSpec, model_config
-from .profile import LayerTiming, LinkMeasurement, Profile, ProfileKey
+from .profile import LayerTiming, LinkMeasurement, Profile, ProfileError, ProfileKey
 
 __all__ = ["ProfilerError", "ProfilerOptions", "ProfileStore", "profile_model", "time_layer",
            "measure_link", "fit_link", "profile_group_leaders", "cluster_with_links", "cli_main"]
 
-STORE_VERSION = 1
 _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -96,23 +95,13 @@ class ProfileStore:
 
     def _read(self) -> None:
         try:
-            data = json.loads(self.path.read_text())
-            if data.get("version") != STORE_VERSION:
-                raise ProfilerError(f"profile store {self.path} has version "
-                                    f"{data.get('version')!r}, expected {STORE_VERSION}; "
-                                    "delete it or pass another --store")
-            for e in data.get("timings", []):
-                key = ProfileKey(e["device"], e["layer_signature"], int(e["micro_batch"]),
-                                 int(e["seq_len"]), e["dtype"])
-                self.timings[key] = LayerTiming(**{k: float(v) for k, v in e.items()
-                                                   if k in LayerTiming.__dataclass_fields__})
-            for e in data.get("links", []):
-                m = LinkMeasurement(e["a"], e["b"], float(e["bandwidth_gbps"]),
-                                    float(e["latency_us"]))
-                self.links[_pair(m.a, m.b)] = m
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ProfilerError(f"profile store {self.path} is not readable ({e!r}); "
-                                "delete it or pass another --store") from None
+            profile = Profile.load(self.path)  # one file format with Profile.save
+        except ProfileError as e:
+            raise ProfilerError(f"profile store {self.path}: {e}; delete it or pass another "
+                                "--store") from None
+        self.timings.update(profile.timings)
+        for m in profile.links:
+            self.links[_pair(m.a, m.b)] = m
 
     def get(self, key: ProfileKey) -> LayerTiming | None:
         return self.timings.get(key)
@@ -125,9 +114,7 @@ class ProfileStore:
 
     def save(self) -> None:
         """Write atomically (a reader never sees half a file), sorted so diffs stay readable."""
-        data = {"version": STORE_VERSION,
-                "timings": [{**asdict(k), **asdict(t)} for k, t in sorted(self.timings.items())],
-                "links": [asdict(m) for _, m in sorted(self.links.items())]}
+        data = self.to_profile().to_dict()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -135,7 +122,8 @@ class ProfileStore:
         os.replace(tmp, self.path)
 
     def to_profile(self) -> Profile:
-        return Profile(timings=dict(self.timings), links=list(self.links.values()),
+        return Profile(timings=dict(sorted(self.timings.items())),
+                       links=[m for _, m in sorted(self.links.items())],
                        source=str(self.path))
 
 
