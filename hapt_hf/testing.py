@@ -100,6 +100,8 @@ class _FnRef:
 
     def load(self) -> Callable:
         try:
+            if self.module == "__main__":  # a script: its __main__ is not the child's
+                raise ImportError(self.module)
             mod = importlib.import_module(self.module)
         except ImportError:
             # pytest's importlib mode gives test modules names that are not importable
