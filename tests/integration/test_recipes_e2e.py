@@ -1,0 +1,131 @@
+"""The recipes end to end under `accelerate launch`, with 2 and 4 CPU processes (Gloo).
+
+Kept tiny (6-block models, seq 32-64, 10 steps): each launch pays the import of torch and
+transformers in every rank, which dominates on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from hapt_hf.integration.data import TextDataConfig, epoch_order, load_text_dataset
+from hapt_hf.planner.plan import Plan, StagePlan
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "recipes"
+ACCELERATE_CFG = RECIPES / "configs" / "accelerate_cpu.yaml"
+LLAMA = RECIPES / "models" / "llama-tiny"
+SEQ, STEPS, LR = 32, 10, 3e-3
+
+
+def _launch(nproc: int, script: str, hapt: Path, out: Path, *extra: str) -> str:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ACCELERATE_CFG), "--num_processes", str(nproc), str(RECIPES / script),
+           "--hapt_config", str(hapt), "--output_dir", str(out), "--disable_tqdm", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def _losses(out: Path) -> list[float]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def _check_checkpoint(out: Path) -> AutoModelForCausalLM:
+    """from_pretrained on one process; its logits equal the pipeline's on the same batch."""
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    saved = torch.load(out / "verify_logits.pt")
+    with torch.no_grad():
+        logits = model(input_ids=saved["input_ids"]).logits
+    torch.testing.assert_close(logits, saved["pipeline_logits"], rtol=1e-5, atol=4e-5)
+    return model
+
+
+def _falls(losses: list[float]) -> bool:
+    return sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.05
+
+
+def test_readme_demo_gpt2_four_processes_uneven_plan(tmp_path):
+    out = tmp_path / "out"
+    log = _launch(4, "finetune_gpt2.py", RECIPES / "configs" / "hapt_cpu_demo.yaml", out,
+                  "--max_steps", str(STEPS), "--verify_checkpoint")
+    plan = Plan.load(out / "plan.json")
+    assert plan.world_size == 4 and f"{plan.num_stages} stages on 4 ranks" in log
+    assert len({s.num_layers for s in plan.stages}) > 1, "the demo plan should be uneven"
+    losses = _losses(out)
+    assert len(losses) == STEPS and _falls(losses), losses
+    model = _check_checkpoint(out)
+    # Tied input/output embeddings survive the gather from the first and last stage.
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+
+
+def _llama_plan(tmp_path: Path) -> Path:
+    """An uneven 2-rank plan written by hand: 4 blocks + embedding | 2 blocks + head."""
+    plan = Plan(model_name="llama-tiny", num_layers=8, seq_len=SEQ, global_batch_size=4,
+                micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                stages=(StagePlan(0, (0, 5), "a", "cpu", (0,), 2),
+                        StagePlan(1, (5, 8), "b", "cpu", (1,), 1)))
+    plan.save(tmp_path / "plan.json")
+    hapt = tmp_path / "hapt.yaml"
+    hapt.write_text(f"plan: plan.json\nschedule: 1f1b\nglobal_batch_size: 4\nseq_len: {SEQ}\n"
+                    "timeout_s: 120\n")
+    return hapt
+
+
+def _reference_losses(steps: int) -> list[float]:
+    """One process, the full model, the same batches and optimizer: the losses to expect."""
+    from transformers import Trainer, TrainingArguments, get_scheduler
+
+    config = AutoConfig.from_pretrained(LLAMA)
+    torch.manual_seed(0)  # the stages' weights equal this model's (RuntimeConfig.seed = 0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(RECIPES / "data" / "tokenizer")
+    rows, _ = load_text_dataset(TextDataConfig(RECIPES / "data" / "tiny_corpus.jsonl",
+                                               seq_len=SEQ), tok)
+    args = TrainingArguments(output_dir="unused", learning_rate=LR, use_cpu=True, report_to=[])
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    opt = cls(model.parameters(), **kwargs)
+    sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
+    per_epoch, losses = len(rows) // 4, []
+    for step in range(steps):
+        epoch, k = divmod(step, per_epoch)
+        batch = rows[epoch_order(len(rows), 0, epoch)[k * 4:(k + 1) * 4]]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_llama_two_processes_equals_one_process_and_resumes_exactly(tmp_path):
+    hapt = _llama_plan(tmp_path)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["--max_steps", str(STEPS), "--learning_rate", str(LR), "--seq_len", str(SEQ)]
+    _launch(2, "finetune_llama.py", hapt, full, *common, "--save_steps", "5",
+            "--verify_checkpoint", "--report_to", "tensorboard")
+    losses = _losses(full)
+    assert len(losses) == STEPS and _falls(losses), losses
+    # The logged loss is the global batch's: what one process training the whole model logs.
+    torch.testing.assert_close(losses, _reference_losses(STEPS), rtol=1e-5, atol=4e-5)
+    _check_checkpoint(full)
+    assert (full / "checkpoint-5" / "hapt_rank1.pt").is_file()
+    assert any((full / "runs").rglob("events.out.tfevents.*")), "no TensorBoard events written"
+
+    _launch(2, "finetune_llama.py", hapt, resumed, *common,
+            "--resume_from_checkpoint", str(full / "checkpoint-5"))
+    assert _losses(resumed) == losses  # steps 1-5 from the checkpoint, 6-10 recomputed
