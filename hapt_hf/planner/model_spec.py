@@ -16,9 +16,11 @@ Conventions (per sample = one sequence of ``seq_len`` tokens):
 - Activation memory kept for backward: the breakdown of Korthikanti et al., "Reducing Activation
   Recomputation in Large Transformer Models" (2022), ``34*s*h + 5*a*s**2`` bytes at 16-bit, with
   each tensor counted at the model's dtype, the MLP at its real width (SwiGLU keeps 4 tensors of
-  the intermediate width) and 1-byte dropout masks only for families that use dropout. The
-  ``5*a*s**2`` score terms are kept only with ``eager_attention=True``: the default SDPA kernels do
-  not keep the score matrix (they keep a per-row fp32 log-sum-exp instead).
+  the intermediate width), what transformers' modules keep beyond the paper's fused kernels
+  (RMSNorm's normalised copy, the Python-written ``gelu_new``), and 1-byte dropout masks only
+  where the config's dropout is on. The ``5*a*s**2`` score terms are kept only with
+  ``eager_attention=True``: SDPA's fused kernels keep a per-row fp32 log-sum-exp instead. The
+  tests hold the estimate to within 10% of what autograd saves for a block on CPU.
 """
 from __future__ import annotations
 
@@ -92,7 +94,12 @@ class _Shape:
     head_matmul: int
     """Includes the vocabulary projection even when tied (its FLOPs are spent either way)."""
     gated_mlp: bool
-    dropout: bool
+    attn_dropout: bool
+    """Dropout on the attention probabilities (keeps a mask and a copy of the s x s scores)."""
+    resid_dropout: bool
+    """Dropout on the attention and MLP outputs (two 1-byte masks)."""
+    act_extra: int
+    """Tensors of the MLP width the activation keeps beyond its input (HF's gelu_new: 3)."""
     max_positions: int | None
     """Learned position table size (gpt2/opt): seq_len may not exceed it; None for RoPE."""
 
@@ -195,6 +202,13 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
     return n_in * n_out + (n_out if bias else 0)
 
 
+def _act_extra(name: str) -> int:
+    # transformers' "gelu_new" is written as Python ops (x, x**3, tanh...) and autograd keeps
+    # three more tensors than a fused activation; the others are single fused kernels
+    # ReLU's saved output is the very tensor the next matmul keeps, so it adds one less
+    return {"gelu_new": 3, "relu": -1}.get(name, 0)
+
+
 def _tied(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
@@ -213,7 +227,8 @@ def _gpt2_shape(c) -> _Shape:
                   embed_params=v * h + c.n_positions * h, embed_matmul=0,
                   block_params=block, block_matmul=block_matmul,
                   head_params=ln + (0 if tied else v * h), head_matmul=v * h,
-                  gated_mlp=False, dropout=True, max_positions=c.n_positions)
+                  gated_mlp=False, attn_dropout=c.attn_pdrop > 0, resid_dropout=c.resid_pdrop > 0,
+                  act_extra=_act_extra(c.activation_function), max_positions=c.n_positions)
 
 
 def _llama_shape(c) -> _Shape:
@@ -234,7 +249,8 @@ def _llama_shape(c) -> _Shape:
                   embed_params=v * h, embed_matmul=0,
                   block_params=attn + mlp + 2 * h, block_matmul=matmul,  # 2 RMSNorm weights
                   head_params=h + (0 if tied else v * h), head_matmul=v * h,
-                  gated_mlp=True, dropout=False, max_positions=None)
+                  gated_mlp=True, attn_dropout=getattr(c, "attention_dropout", 0) > 0,
+                  resid_dropout=False, act_extra=_act_extra(c.hidden_act), max_positions=None)
 
 
 def _opt_shape(c) -> _Shape:
@@ -254,7 +270,9 @@ def _opt_shape(c) -> _Shape:
                   block_params=block, block_matmul=4 * h * h + 2 * h * f,
                   head_params=final_ln + proj_mm + (0 if tied else v * proj),
                   head_matmul=proj_mm + v * proj,
-                  gated_mlp=False, dropout=True, max_positions=c.max_position_embeddings)
+                  gated_mlp=False, attn_dropout=c.attention_dropout > 0,
+                  resid_dropout=c.dropout > 0, act_extra=_act_extra(c.activation_function),
+                  max_positions=c.max_position_embeddings)
 
 
 _READERS = {"gpt2": _gpt2_shape, "llama": _llama_shape, "mistral": _llama_shape,
@@ -268,14 +286,16 @@ def _block_keep_bytes(s: int, x: _Shape, b: int, eager_attention: bool) -> float
     h, aw, kvw, i = x.hidden, x.heads * x.head_dim, x.kv_heads * x.head_dim, x.intermediate
     # attention: QKV input, Q, K, V, out-projection input
     attn = b * s * (h + aw + 2 * kvw + aw)
-    if eager_attention:  # softmax output, its dropout mask (1 B) and dropout output
-        attn += x.heads * s * s * (2 * b + 1)
+    if eager_attention:  # softmax output, plus its dropout mask (1 B) and dropout output
+        attn += x.heads * s * s * ((2 * b + 1) if x.attn_dropout else b)
+        attn += 2 * b * s * (aw - kvw)  # grouped K/V are copied to every head before matmul
     else:  # fused kernels keep the fp32 log-sum-exp per row and head
         attn += 4 * x.heads * s
     # MLP: input, then gate/up/act/product (SwiGLU) or fc1 output + activation output (GeLU)
-    mlp = b * s * h + (4 if x.gated_mlp else 2) * b * s * i
-    norms = 2 * b * s * h
-    masks = 2 * s * h if x.dropout else 0  # attention-output and MLP-output dropout masks
+    mlp = b * s * h + ((4 if x.gated_mlp else 2) + x.act_extra) * b * s * i
+    # LayerNorm keeps its input; transformers' RMSNorm keeps its input and the normalised copy
+    norms = (4 if x.gated_mlp else 2) * b * s * h
+    masks = 2 * s * h if x.resid_dropout else 0  # attention-output and MLP-output dropout masks
     return float(attn + mlp + norms + masks)
 
 
