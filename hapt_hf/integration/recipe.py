@@ -44,7 +44,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from hapt_hf.planner.cluster import ClusterError
     from hapt_hf.planner.model_spec import ModelSpecError
     from hapt_hf.planner.search import PlanningError
-    return (HaptConfigError, DataError, LaunchError, PlanError, ClusterError, ModelSpecError,
+    from hapt_hf.integration.lora import LoraSetupError
+    return (HaptConfigError, DataError, LoraSetupError, LaunchError, PlanError, ClusterError, ModelSpecError,
             PlanningError, StageBuildError, RuntimeSetupError, BatchError, BatchMappingError,
             ckpt_io.CheckpointError)
 
