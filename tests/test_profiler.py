@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
@@ -121,17 +119,13 @@ def test_bad_input_is_one_clear_message(tmp_path, capsys):
         ProfileStore.open(bad)
 
 
-def _profile_in_subprocess(store: Path, device: str, config_dir: Path, slowdown: float) -> None:
-    """Profile in a fresh process, slowed by the testbed's delay hook when slowdown > 1."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks/testbed/site"), str(ROOT)]))
-    if slowdown > 1:
-        env["HAPT_TESTBED_SLOWDOWN"] = str(slowdown)
-    code = ("import sys; from hapt_hf.planner.profiler import cli_main; "
-            "sys.exit(cli_main(sys.argv[1:]))")
-    subprocess.run([sys.executable, "-c", code, "--model", str(config_dir), "--seq-len", str(SEQ),
-                    "--micro-batches", "2,8", "--device-name", device, "--store", str(store),
-                    "--repeats", "3"], env=env, check=True, capture_output=True, timeout=120)
+def _slowdown_hook(factor: float) -> list:
+    """The testbed's delay hook (benchmarks/testbed/site), installed in this process."""
+    path = ROOT / "benchmarks/testbed/site/testbed_hooks.py"
+    spec = importlib.util.spec_from_file_location("testbed_hooks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.install_slowdown(factor)
 
 
 def _blocks_on(plan, group: str) -> int:
@@ -142,17 +136,18 @@ def _blocks_on(plan, group: str) -> int:
 def test_planner_fed_a_profile_follows_a_slowed_group(measured, tmp_path):
     search = pytest.importorskip("hapt_hf.planner.search",
                                  reason="the planner's search module is not importable yet")
-    store_a, prof_a = measured
-    config_dir = tmp_path / "model"
-    config_dir.mkdir()
-    config_dir.joinpath("config.json").write_text(json.dumps({"model_type": "gpt2", **CONFIG}))
-    slowed = tmp_path / "slowed.json"
-    _profile_in_subprocess(slowed, "tb-b", config_dir, slowdown=3.0)
+    _, prof_a = measured
+    handles = _slowdown_hook(3.0)
+    try:
+        slowed = profile_model(_config(), device_name="tb-b", seq_len=SEQ, options=FAST)
+    finally:
+        for h in handles:
+            h.remove()
     # "alike": group b is the same machine as a, so it gets a's own measurements
     alike = Profile(dict(prof_a.timings))
     alike.timings.update({replace(k, device="tb-b"): t for k, t in prof_a.timings.items()})
     unlike = Profile(dict(prof_a.timings))
-    unlike.timings.update(ProfileStore.open(slowed).to_profile().timings)
+    unlike.timings.update(slowed.timings)
     assert {"tb-a", "tb-b"} <= unlike.devices()
     # both groups claim the same speed: only the profile can tell them apart
     cluster = Cluster.from_dict({

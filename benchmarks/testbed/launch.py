@@ -56,6 +56,8 @@ def free_port() -> int:
 class Testbed:
     """An emulated cluster of CPU processes. Use as a context manager."""
 
+    __test__ = False  # not a pytest test class despite the name
+
     def __init__(self, spec: TestbedSpec, tag: str | None = None) -> None:
         self.spec = spec
         self.tag = tag or secrets.token_hex(2)

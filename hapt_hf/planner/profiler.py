@@ -444,6 +444,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=sorted(_TORCH_DTYPES))
     p.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=4.0,
+                   help="timed seconds per entry; slow layers get fewer repeats (at least 3)")
     p.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
     return p
 
@@ -463,7 +465,7 @@ def cli_main(argv: list[str]) -> int:
         import torch
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         options = ProfilerOptions(micro_batches=_micro_batches(args.micro_batches),
-                                  repeats=args.repeats,
+                                  repeats=args.repeats, budget_s=args.budget_s,
                                   attn_implementation=args.attn_implementation)
         config = model_config(args.model)
         store = ProfileStore.open(args.store)

@@ -40,7 +40,8 @@ class _Delay(torch.autograd.Function):
         return g, None, None
 
 
-def _install_slowdown(factor: float) -> None:
+def install_slowdown(factor: float) -> list:
+    """Slow every leaf module down by ``factor``; returns the hook handles (``.remove()``)."""
     def is_leaf(m):
         return next(m.children(), None) is None
 
@@ -63,11 +64,11 @@ def _install_slowdown(factor: float) -> None:
             return _Mark.apply(out, module._tb_box)
         return None
 
-    torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    torch.nn.modules.module.register_module_forward_hook(post)
+    return [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post)]
 
 
-def _install_shim(cfg: dict) -> None:
+def install_shim(cfg: dict) -> None:
     """Hold back each send to another group by latency + bytes / bandwidth.
 
     Patched on ProcessGroup.send, which dist.send, dist.isend and batch_isend_irecv all reach,
@@ -97,6 +98,6 @@ def _install_shim(cfg: dict) -> None:
 if os.environ.get("HAPT_TESTBED_SLOWDOWN"):
     _f = float(os.environ["HAPT_TESTBED_SLOWDOWN"])
     if _f > 1.0:
-        _install_slowdown(_f)
+        install_slowdown(_f)
 if os.environ.get("HAPT_TESTBED_SHIM"):
-    _install_shim(json.loads(os.environ["HAPT_TESTBED_SHIM"]))
+    install_shim(json.loads(os.environ["HAPT_TESTBED_SHIM"]))

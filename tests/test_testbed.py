@@ -1,0 +1,105 @@
+"""The emulated testbed: its file format, and a smoke run that shows slow-downs and links bite."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks/ is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.testbed import Testbed, TestbedError, TestbedSpec, load_testbed  # noqa: E402
+from benchmarks.testbed.cpu import CPU_CGROUP_ROOT, cgroup_available  # noqa: E402
+from benchmarks.testbed.net import netns_available  # noqa: E402
+
+TWO_GROUPS = {"name": "smoke", "cpu_per_rank": 0.9,
+              "groups": [{"name": "fast", "ranks": 1}, {"name": "slow", "ranks": 1,
+                                                          "slowdown": 2.5}],
+              "links": [{"between": ["fast", "slow"], "bandwidth_mbps": 100, "latency_ms": 40}]}
+
+
+def test_file_format_and_rank_numbering(tmp_path):
+    f = tmp_path / "tb.yaml"
+    f.write_text("name: t\ngroups:\n  - {name: a, ranks: 2}\n  - {name: b, ranks: 3, slowdown: 2}\n"
+                 "links:\n  - {between: [a, b], bandwidth_mbps: 50}\n")
+    spec = load_testbed(f)
+    assert spec.world_size == 5 and spec.ranks_of("b") == [2, 3, 4]
+    assert spec.group_of_rank(1).name == "a" and spec.link("b", "a").bandwidth_mbps == 50
+    assert spec.cpu_quota(spec.groups[1]) == pytest.approx(spec.cpu_per_rank / 2)
+    assert TestbedSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"groups": [{"name": "a", "ranks": 0}]}, "groups[0].ranks"),
+    ({"groups": [{"name": "a", "slowdown": 0.5}]}, "groups[0].slowdown"),
+    ({"links": [{"between": ["fast", "nope"], "bandwidth_mbps": 1}]}, "links[0].between"),
+    ({"links": [{"between": ["fast", "slow"], "bandwidth_mbps": -1}]}, "links[0].bandwidth_mbps"),
+    ({"slowdown": "magic"}, "slowdown"),
+])
+def test_bad_file_names_the_field(change, field):
+    with pytest.raises(TestbedError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        TestbedSpec.from_dict({**TWO_GROUPS, **change})
+
+
+def _leftovers(tag: str) -> list[str]:
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left = [line for line in netns.splitlines() if f"hapt_tb_{tag}" in line]
+    return left + ([str(CPU_CGROUP_ROOT / f"hapt_tb_{tag}")]
+                   if (CPU_CGROUP_ROOT / f"hapt_tb_{tag}").exists() else [])
+
+
+@pytest.mark.multiproc
+def test_smoke_slowdown_and_shaped_link():
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(f"this machine cannot make network namespaces: {why}")
+    # the delay hook: a slow-down relative to the rank's own speed, steady on a busy machine
+    spec = TestbedSpec.from_dict({**TWO_GROUPS, "slowdown": "hook", "network": "netns"})
+    with Testbed(spec) as tb:
+        tag = tb.tag
+        assert tb.mechanisms.network == "netns" and tb.mechanisms.slowdown == "hook"
+        results = tb.run([sys.executable, "-m", "benchmarks.testbed.probe", "4000000"],
+                         timeout_s=240, cwd=ROOT)
+    assert all(r.returncode == 0 for r in results), [r.output[-2000:] for r in results]
+    out = [json.loads(r.output.strip().splitlines()[-1]) for r in results]
+    assert out[1]["compute_s"] > 1.5 * out[0]["compute_s"]
+    # 4 MB at 100 Mbit/s is 0.32 s (loopback: milliseconds); + 40 ms each way for the reply
+    assert 0.32 + 0.08 <= out[0]["send_s"] < 3.0
+    assert _leftovers(tag) == []
+
+
+def test_cgroup_quota_applies_and_is_removed():
+    ok, why = cgroup_available()
+    if not ok:
+        pytest.skip(f"no per-rank CPU quota here: {why}")
+    spec = TestbedSpec.from_dict({"name": "q", "cpu_per_rank": 0.8, "slowdown": "cgroup",
+                                  "groups": [{"name": "g", "ranks": 1, "slowdown": 2}]})
+    with Testbed(spec) as tb:
+        tag = tb.tag
+        [r] = tb.run(["cat", "/proc/self/cgroup"], timeout_s=30)
+        rank_dir = CPU_CGROUP_ROOT / f"hapt_tb_{tag}" / "rank0"
+        quota = int((rank_dir / "cpu.cfs_quota_us").read_text())
+        period = int((rank_dir / "cpu.cfs_period_us").read_text())
+    assert r.returncode == 0 and f"hapt_tb_{tag}/rank0" in r.output
+    assert quota / period == pytest.approx(0.4)
+    assert _leftovers(tag) == []
+
+
+def test_cleanup_when_the_run_fails():
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(f"this machine cannot make network namespaces: {why}")
+    spec = TestbedSpec.from_dict({**TWO_GROUPS, "network": "netns"})
+    with pytest.raises(RuntimeError, match="boom"):
+        with Testbed(spec) as tb:
+            tag = tb.tag
+            assert any(f"hapt_tb_{tag}" in line for line in subprocess.run(
+                ["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines())
+            results = tb.run(["sh", "-c", "exit 3"], timeout_s=30)
+            assert [r.returncode for r in results] == [3, 3]
+            raise RuntimeError("boom")
+    assert _leftovers(tag) == []
