@@ -61,8 +61,12 @@ def _fsync_path(path: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
+    """fsync every file (made readable as save_pretrained's would be) and the directory."""
+    umask = os.umask(0)
+    os.umask(umask)
     for path in sorted(root.rglob("*")):
         if path.is_file():
+            os.chmod(path, 0o666 & ~umask)  # temp-file writers leave 0600
             _fsync_path(path)
     _fsync_path(root)
 

@@ -197,9 +197,10 @@ def format_plan(plan: Plan) -> str:
              f"{plan.micro_batch_size} | seq_len {plan.seq_len}"]
     last = plan.num_layers - 1
     for s in plan.stages:
-        names = []
-        for i in range(*s.layers):
-            names.append("emb" if i == 0 else "head" if i == last else f"b{i - 1}")
+        names = ["emb" if i == 0 else "head" if i == last else f"b{i - 1}"
+                 for i in range(*s.layers)]
+        if len(names) > 5:  # keep one line per stage for deep models
+            names = [names[0], "..", names[-1]]
         lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) "
                      f"{' '.join(names):<28} ranks {list(s.ranks)} group {s.group or '-'} "
                      f"warmup {s.warmup}")
@@ -218,4 +219,8 @@ def write_plan(plan: Plan, output_dir: str | os.PathLike, launch: LaunchEnv) -> 
     """Rank 0 writes output_dir/plan.json (atomically, through Plan.save)."""
     if not launch.is_main:
         return None
-    return plan.save(Path(output_dir) / "plan.json")
+    path = plan.save(Path(output_dir) / "plan.json")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # Plan.save writes through a 0600 temp file
+    return path

@@ -191,8 +191,11 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
 
     training_args = _training_args(args, plan, args.output_dir)
+    # The hapt config's dtype is the one precision setting: fp16/bf16 autocast on GPUs
+    # (the runtime ignores it on CPU, where the demo trains in fp32).
+    autocast = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plugin.dtype)
     runtime = PipelineRuntime(plan, model_config, RuntimeConfig(
-        timeout_s=plugin.timeout_s, seed=args.seed,
+        timeout_s=plugin.timeout_s, seed=args.seed, autocast_dtype=autocast,
         checkpoint_dir=str(weights_dir) if weights_dir else None))
     if getattr(args, "lora_r", 0):
         from hapt_hf.integration.lora import apply_lora
