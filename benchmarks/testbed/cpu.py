@@ -48,9 +48,12 @@ class CgroupQuotas:
     def rank_dir(self, rank: int) -> Path:
         return self.parent / f"rank{rank}"
 
-    def create(self, rank: int, cores: float) -> Path:
+    def create(self, rank: int, cores: float, shares: int = 4096) -> Path:
+        """A rank's cgroup of ``cores`` CPU quota. Its ``shares`` (4x a plain process's) make
+        the quota, not other busy processes of the machine, what limits the rank."""
         d = self.rank_dir(rank)
         d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.shares").write_text(str(shares))
         (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         # the kernel refuses quotas under 1 ms
         (d / "cpu.cfs_quota_us").write_text(str(max(1000, int(cores * PERIOD_US))))

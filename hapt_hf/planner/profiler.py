@@ -376,7 +376,8 @@ def measure_link(peer: int, sender: bool, a: str, b: str,
 def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names: dict[str, str],
                           seq_len: int, dtype: str = "fp32",
                           options: ProfilerOptions = ProfilerOptions(),
-                          store_path: str | Path | None = None) -> Profile:
+                          store_path: str | Path | None = None,
+                          link_sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22)) -> Profile:
     """Collective over an initialised process group: the first rank of each group profiles its
     device type (all groups at once, each under its own conditions), then the leaders time
     every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
@@ -403,7 +404,8 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
         for b in names[i + 1:]:
             if rank in (leaders[a], leaders[b]):
                 sender = rank == leaders[a]
-                links.append(measure_link(leaders[b] if sender else leaders[a], sender, a, b))
+                links.append(measure_link(leaders[b] if sender else leaders[a], sender, a, b,
+                                          link_sizes))
             dist.barrier()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, [m for m in links if rank == leaders[m.a]]))

@@ -1,0 +1,328 @@
+"""The end-to-end race on the emulated heterogeneous testbed, every contender in one run.
+
+Four CPU ranks: two "fast" and two "slow" ones (a compute slow-down, 2.5x by default) with a slow
+link between the two groups (benchmarks/testbed). Inside the same processes, iterations of the
+contenders alternate, so that a busy phase of the machine hits them alike:
+
+  (a) hapt_hf: profile (one block per group, the link), plan, run the plan with H-1F1B;
+  (b) torch.distributed.pipelining Schedule1F1B over the uniform split;
+  (c) hapt_hf's plan (same split) with plain 1F1B warm-ups;
+  (d) the uniform split on hapt_hf's runtime (1F1B);
+  (e) DDP of the whole model on the same four ranks.
+
+The planner is not told the testbed's settings: it sees groups of equal nominal speed and a
+nominal link, and learns both through the profiler. Every contender runs a full training step
+(forward, backward, AdamW); the embeddings are untied because torch's schedule does not sum tied
+gradients across stages.
+
+    python3 benchmarks/e2e.py --quick            # < 5 minutes; JSON on the last line
+    python3 benchmarks/e2e.py --plot docs/e2e_throughput.png
+
+The last line is JSON with speedup_vs_torch_1f1b_uniform ((a)/(b)), speedup_vs_plain_1f1b
+((a)/(c)) and prediction_error (|predicted - measured| / measured for (a)).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONTENDERS = {"a": "hapt_hf plan + H-1F1B", "b": "torch Schedule1F1B, uniform",
+              "c": "hapt_hf plan + 1F1B", "d": "uniform on hapt_hf runtime", "e": "DDP"}
+
+
+@dataclass(frozen=True)
+class RaceConfig:
+    blocks: int = 8
+    hidden: int = 256
+    heads: int = 4
+    seq: int = 64
+    vocab: int = 2048
+    global_batch: int = 16
+    micro_batch: int = 2
+    reps: int = 7
+    warmup_reps: int = 1
+    ddp_reps: int = 3
+    fast_ranks: int = 2
+    slow_ranks: int = 2
+    slowdown: float = 2.5
+    link_mbps: float = 20.0
+    link_latency_ms: float = 5.0
+    cpu_per_rank: float = 0.7
+    """Cores of CPU quota for a fast rank (slow ranks get this / slowdown)."""
+    profile_budget_s: float = 1.0
+
+    def testbed(self) -> dict:
+        return {"name": "race", "cpu_per_rank": self.cpu_per_rank,
+                "groups": [{"name": "fast", "ranks": self.fast_ranks},
+                           {"name": "slow", "ranks": self.slow_ranks, "slowdown": self.slowdown}],
+                "links": [{"between": ["fast", "slow"], "bandwidth_mbps": self.link_mbps,
+                           "latency_ms": self.link_latency_ms}]}
+
+
+# -- on every rank ---------------------------------------------------------------------------
+
+def _model_config(cfg: RaceConfig):
+    from transformers import GPT2Config
+    return GPT2Config(n_layer=cfg.blocks, n_embd=cfg.hidden, n_head=cfg.heads,
+                      n_positions=cfg.seq, vocab_size=cfg.vocab, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=0)
+
+
+def _groups(cfg: RaceConfig) -> dict[str, list[int]]:
+    return {"fast": list(range(cfg.fast_ranks)),
+            "slow": list(range(cfg.fast_ranks, cfg.fast_ranks + cfg.slow_ranks))}
+
+
+def _nominal_cluster(cfg: RaceConfig):
+    """What the planner is told: the topology only. Speeds and the link come from profiling."""
+    from hapt_hf.planner.cluster import Cluster
+    local = {"bandwidth_gbps": 10, "latency_us": 50}
+    return Cluster.from_dict({
+        "name": "testbed", "links": [{"between": ["fast", "slow"], **local}],
+        "groups": [{"name": g, "gpu": f"cpu-{g}", "tflops": 0.01, "memory_gb": 4, "nodes": 1,
+                    "gpus_per_node": len(r), "intra_node": local}
+                   for g, r in _groups(cfg).items()]})
+
+
+def uniform_plan(cfg: RaceConfig):
+    """One stage per rank, blocks split evenly, embedding first, head last (the default)."""
+    from hapt_hf.planner.plan import Plan, StagePlan
+    n = cfg.fast_ranks + cfg.slow_ranks
+    per = [cfg.blocks // n + (i < cfg.blocks % n) for i in range(n)]
+    stages, start = [], 0
+    for i, b in enumerate(per):
+        end = start + b + (i == 0) + (i == n - 1)
+        group = "fast" if i < cfg.fast_ranks else "slow"
+        stages.append(StagePlan(i, (start, end), group, f"cpu-{group}", (i,), warmup=n - i))
+        start = end
+    m = cfg.global_batch // cfg.micro_batch
+    return Plan("gpt2-race", start, cfg.seq, cfg.global_batch, cfg.micro_batch, m, "1f1b",
+                tuple(stages)).validate()
+
+
+def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
+    """Profile (collective), then plan on rank 0; every rank gets (plan dict, profile s, plan s)."""
+    import torch.distributed as dist
+    from hapt_hf.planner.model_spec import ModelSpec
+    from hapt_hf.planner.profiler import (ProfilerOptions, cluster_with_links,
+                                          profile_group_leaders)
+    from hapt_hf.planner.search import PlannerOptions, plan_job
+
+    t0 = time.perf_counter()
+    sizes = sorted({cfg.micro_batch, max(1, cfg.micro_batch // 2)})
+    profile = profile_group_leaders(
+        config, groups=_groups(cfg), device_names={g: f"cpu-{g}" for g in _groups(cfg)},
+        seq_len=cfg.seq, options=ProfilerOptions(micro_batches=tuple(sizes),
+                                                 budget_s=cfg.profile_budget_s),
+        link_sizes=(1 << 14, 1 << 17, 1 << 19))
+    t1 = time.perf_counter()
+    box = [None]
+    if dist.get_rank() == 0:
+        spec = ModelSpec.from_config(config, cfg.seq, "fp32", name="gpt2-race")
+        result = plan_job(spec, cluster_with_links(_nominal_cluster(cfg), profile),
+                          cfg.global_batch, profile=profile,
+                          options=PlannerOptions(schedule="h1f1b",
+                                                 micro_batch_sizes=(cfg.micro_batch,)))
+        box[0] = {"plan": result.plan.to_dict(), "links": [asdict(m) for m in profile.links],
+                  "profile": {f"{k.device} {k.layer_signature.split(':')[0]} mb{k.micro_batch}":
+                              [t.forward_s, t.backward_s] for k, t in profile.timings.items()}}
+    dist.broadcast_object_list(box, src=0)
+    return box[0], t1 - t0, time.perf_counter() - t1
+
+
+def _contenders(cfg: RaceConfig, config, plan_a, rank: int) -> dict:
+    """name -> step(batch) callable running one full training step of that contender."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
+    from hapt_hf.pipeline.stage import build_stage
+    from hapt_hf.pipeline.torch_pipelining import build_torch_pipeline
+
+    uniform = uniform_plan(cfg)
+    rc = RuntimeConfig(timeout_s=600, seed=0)
+    steps = {}
+    for name, plan in (("a", plan_a), ("c", plan_a.with_schedule("1f1b")), ("d", uniform)):
+        rt = PipelineRuntime(plan, config, rc)
+        opt = torch.optim.AdamW(rt.parameters(), lr=1e-4)
+        steps[name] = (lambda rt, opt: lambda batch: rt.train_step(batch, opt))(rt, opt)
+    stage = build_stage(config, uniform.stage_of_rank(rank).layers, seed=0)
+    torch_pp = build_torch_pipeline(uniform, rank, stage, cfg.vocab)
+    opt_b = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+
+    def step_b(batch):
+        opt_b.zero_grad(set_to_none=True)
+        torch_pp.forward_backward(batch.input_ids, batch.labels)
+        opt_b.step()
+    steps["b"] = step_b
+    steps["e"] = _ddp_step(cfg, config, rank)
+    return steps
+
+
+def _ddp_step(cfg: RaceConfig, config, rank: int):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(AutoModelForCausalLM.from_config(config))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    world = dist.get_world_size()
+    share = cfg.global_batch // world
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        ids = batch.input_ids[rank * share:(rank + 1) * share]
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    return step
+
+
+def worker(cfg: RaceConfig) -> None:
+    import torch
+    import torch.distributed as dist
+    from hapt_hf.pipeline import Batch, init_distributed
+    from hapt_hf.planner.plan import Plan
+
+    rank, _ = init_distributed(timeout_s=600)
+    config = _model_config(cfg)
+    planned, profile_s, plan_s = _plan(cfg, config)
+    plan_a = Plan.from_dict(planned["plan"])
+    steps = _contenders(cfg, config, plan_a, rank)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab, (cfg.global_batch, cfg.seq), generator=g)
+    batch = Batch(ids, ids.clone())
+    order = list(steps)
+    times: dict[str, list[float]] = {k: [] for k in order}
+    for r in range(cfg.warmup_reps + cfg.reps):
+        rotated = order[r % len(order):] + order[:r % len(order)]
+        for name in rotated:
+            if name == "e" and r >= cfg.warmup_reps + cfg.ddp_reps:
+                continue  # DDP sends the whole model's gradients over the slow link: slow
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[name](batch)
+            dist.barrier()
+            if r >= cfg.warmup_reps:
+                times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        print("RACE " + json.dumps({"times": times, "profile_s": profile_s, "plan_s": plan_s,
+                                    **planned}), flush=True)
+    dist.destroy_process_group()
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    med = statistics.median(xs)
+    if len(xs) < 2:
+        return med, 0.0
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return med, (q[2] - q[0]) / med
+
+
+def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
+    tokens = cfg.global_batch * cfg.seq
+    rows = {}
+    for k, xs in race["times"].items():
+        med, spread = _stats(xs)
+        rows[k] = {"name": CONTENDERS[k], "median_s": round(med, 4), "spread": round(spread, 3),
+                   "tokens_per_s": round(tokens / med, 1), "n": len(xs)}
+    for k in rows:
+        rows[k]["vs_b"] = round(rows["b"]["median_s"] / rows[k]["median_s"], 3)
+    predicted = race["plan"]["predicted"]["iteration_s"]
+    measured = rows["a"]["median_s"]
+    plan = race["plan"]
+    return {
+        "speedup_vs_torch_1f1b_uniform": rows["a"]["vs_b"],
+        "speedup_vs_plain_1f1b": round(rows["c"]["median_s"] / measured, 3),
+        "speedup_vs_uniform_hapt_runtime": round(rows["d"]["median_s"] / measured, 3),
+        "speedup_vs_ddp": round(rows["e"]["median_s"] / measured, 3),
+        "prediction_error": round(abs(predicted - measured) / measured, 3),
+        "predicted_iteration_s": round(predicted, 4), "measured_iteration_s": measured,
+        "contenders": rows,
+        "plan": {"stages": [{"layers": s["layers"], "group": s["group"], "ranks": s["ranks"],
+                             "warmup": s["warmup"]} for s in plan["stages"]],
+                 "micro_batch_size": plan["micro_batch_size"],
+                 "num_microbatches": plan["num_microbatches"]},
+        "measured_links": race["links"], "profile": race["profile"],
+        "profile_s": round(race["profile_s"], 1), "plan_s": round(race["plan_s"], 2),
+        "testbed": {"slowdown": mechanisms.slowdown, "network": mechanisms.network,
+                    "notes": list(mechanisms.notes)},
+        "config": asdict(cfg), "wall_s": round(wall_s, 1)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["contenders"]
+    keys = [k for k in "abcde" if k in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    vals = [rows[k]["tokens_per_s"] for k in keys]
+    errs = [rows[k]["tokens_per_s"] * rows[k]["spread"] / 2 for k in keys]
+    ax.barh([f"({k}) {rows[k]['name']}" for k in keys], vals, xerr=errs,
+            color=["#2a7" if k == "a" else "#888" for k in keys])
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens / s (median; bar: interquartile range)")
+    c = result["config"]
+    ax.set_title(f"GPT-2 {c['blocks']} blocks h{c['hidden']}, 2+2 CPU ranks, "
+                 f"{c['slowdown']}x slower group, {c['link_mbps']:g} Mbit/s link", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (< 5 minutes)")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--slowdown", type=float, default=None)
+    ap.add_argument("--link-mbps", type=float, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(RaceConfig(**json.loads(args.worker)))
+        return {}
+    cfg = RaceConfig(reps=5, ddp_reps=2) if args.quick else RaceConfig()
+    over = {"reps": args.reps, "slowdown": args.slowdown, "link_mbps": args.link_mbps}
+    cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
+
+    from benchmarks.testbed import Testbed, TestbedSpec
+    start = time.monotonic()
+    with Testbed(TestbedSpec.from_dict(cfg.testbed())) as tb:
+        print(f"testbed: slowdown by {tb.mechanisms.slowdown}, links by "
+              f"{tb.mechanisms.network}; {'; '.join(tb.mechanisms.notes)}", flush=True)
+        results = tb.run([sys.executable, str(Path(__file__).resolve()), "--worker",
+                          json.dumps(asdict(cfg))], timeout_s=1500, cwd=ROOT)
+        mechanisms = tb.mechanisms
+    line = next((l for l in results[0].output.splitlines() if l.startswith("RACE ")), None)
+    if line is None or any(r.returncode for r in results):
+        for r in results:
+            print(f"--- rank {r.rank} exit {r.returncode}\n{r.output[-3000:]}", file=sys.stderr)
+        raise SystemExit("the race failed; the ranks' output is above")
+    result = summarize(cfg, json.loads(line[5:]), mechanisms, time.monotonic() - start)
+    for k, row in result["contenders"].items():
+        print(f"({k}) {row['name']:30s} {row['median_s'] * 1e3:9.1f} ms  "
+              f"spread {row['spread']:.2f}  {row['tokens_per_s']:8.1f} tok/s  "
+              f"x{row['vs_b']:.2f} vs (b)")
+    print(f"plan: {result['plan']}; predicted {result['predicted_iteration_s']} s, "
+          f"measured {result['measured_iteration_s']} s")
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
