@@ -145,16 +145,16 @@ def test_simulate_reports_a_plan_that_does_not_fit(tmp_path, capsys):
 # -- user errors: exit 2, one line naming the field, nothing written --------------------------
 
 _BAD_CLUSTERS = {
-    "unknown_gpu": (SMALL_CLUSTER.replace("gpu: V100-32", "gpu: Z9000"), "Z9000"),
+    "unknown_gpu": (SMALL_CLUSTER.replace("gpu: V100-32", "gpu: Z9000"), "'v100'.gpu"),
     "group_without_link": (SMALL_CLUSTER.replace(
         "  - {name: a100,", "  - {name: t4, gpu: T4, nodes: 1, gpus_per_node: 1}\n"
-        "  - {name: a100,"), "t4"),
+        "  - {name: a100,"), "links"),
     "negative_bandwidth": (SMALL_CLUSTER.replace("bandwidth_gbps: 5", "bandwidth_gbps: -5"),
-                           "bandwidth_gbps"),
+                           "links[0].bandwidth_gbps"),
     "fits_nowhere": (SMALL_CLUSTER.replace(
         "{family: gpt2, hidden_size: 256, num_layers: 4, num_heads: 4, vocab_size: 1000}",
         "{family: llama, hidden_size: 8192, intermediate_size: 28672, num_layers: 80, "
-        "num_heads: 64, num_kv_heads: 8, vocab_size: 128256}"), "memory"),
+        "num_heads: 64, num_kv_heads: 8, vocab_size: 128256}"), "GB per GPU"),
 }
 
 

@@ -202,7 +202,11 @@ def _cells(r: StageRow) -> tuple[str, ...]:
         mem += f" / {r.capacity_gb:.0f}" + ("" if r.fits else " OVER")
     layers = f"[{r.layers[0]},{r.layers[1]}) {r.layers[1] - r.layers[0]}: {r.layer_names}"
     return (str(r.index), r.group, r.device, f"{len(r.ranks)} ({format_ranks(r.ranks)})",
-            layers, f"{r.forward_ms:.2f}", f"{r.backward_ms:.2f}", mem, str(r.warmup))
+            layers, _ms(r.forward_ms), _ms(r.backward_ms), mem, str(r.warmup))
+
+
+def _ms(v: float) -> str:
+    return f"{v:.3f}" if v < 0.1 else f"{v:.2f}"  # an embedding takes microseconds
 
 
 def _table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
