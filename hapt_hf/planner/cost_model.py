@@ -149,6 +149,8 @@ class CostModel:
         self.memory_headroom = memory_headroom
         self._groups = {g.name: g for g in cluster.groups}
         self._tables: dict[tuple[str, float, int], _LayerTable] = {}
+        self._rates: dict[tuple[str, float, int], float] = {}
+        self._mem_prefix: dict[tuple[int, int, bool], list[float]] = {}
         layers = model.layers
         self._is_block = tuple(l.kind == "block" for l in layers)
         self.params = _prefix(l.params for l in layers)
@@ -245,6 +247,17 @@ class CostModel:
         return (self.static_bytes(a, b) + in_flight * self.activation_bytes(samples, a, b, recompute)
                 + self.working_bytes(samples, a, b))
 
+    def memory_prefix(self, samples: int, in_flight: int, recompute: bool) -> list[float]:
+        """Prefix sums of static + in-flight activation bytes (working set not included)."""
+        key = (samples, in_flight, recompute)
+        pre = self._mem_prefix.get(key)
+        if pre is None:
+            keep = self.keep_rc if recompute else self.keep
+            st = self.state_bytes
+            pre = [p * st + in_flight * samples * k for p, k in zip(self.params, keep)]
+            self._mem_prefix[key] = pre
+        return pre
+
     def allreduce_s(self, shape: StageShape, a: int, b: int) -> float:
         d = shape.width
         if d <= 1:
@@ -336,6 +349,14 @@ class CostModel:
         when it computes ``samples`` samples at a time."""
         t = self.table(group, samples)
         return (t.fwd[-1] + t.bwd[-1]) / samples
+
+    def replica_rate(self, group: GpuGroup, samples: int) -> float:
+        """Samples per second one GPU of ``group`` puts through the whole model (fwd + bwd)."""
+        key = (group.gpu.name, group.gpu.tflops, samples)
+        r = self._rates.get(key)
+        if r is None:
+            r = self._rates[key] = 1.0 / self.sample_time_s(group, samples)
+        return r
 
     def best_sample_time_s(self, group: GpuGroup, batch_sizes: list[int]) -> float:
         """The GPU's best per-sample time over the given per-replica batch sizes (its speed in

@@ -60,8 +60,16 @@ class PlannerOptions:
     """Fraction of peak TFLOP/s assumed where no profile measured a layer."""
     simulate_top: int = 4
     """How many of the best analytic candidates are replayed in the simulator."""
-    max_expansions: int = 4000
+    max_expansions: int = 1500
     """Cap on (shapes, micro-batch, order) partitions tried: bounds the search time."""
+    patience: int = 300
+    """Stop after this many partitions in a row that do not enter the best few."""
+    order_probe: int = 3
+    """Candidates that try every group order before the search keeps only the best orders."""
+    orders_kept: int = 4
+    """Group orders kept after the probe."""
+    max_shape_combos: int = 5000
+    """Above this many ways to cut the groups, only equal widths inside a group are tried."""
     max_refine_simulations: int = 60
     """Cap on simulations spent moving layer boundaries of the best plan."""
     include_baselines: bool = True
@@ -231,13 +239,12 @@ def _stage_reach(cm: CostModel, sh: StageShape, samples: int, in_flight: int, a:
 
 
 def _mem_prefix(cm: CostModel, samples: int, in_flight: int, rc: bool) -> list[float]:
-    keep = cm.keep_rc if rc else cm.keep
-    st = cm.state_bytes
-    return [p * st + in_flight * samples * k for p, k in zip(cm.params, keep)]
+    return cm.memory_prefix(samples, in_flight, rc)
 
 
 def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
-                     allow_recompute: bool, rel_tol: float = 1e-4) -> _Partition | None:
+                     allow_recompute: bool, rel_tol: float = 1e-3,
+                     lower_bound_s: float = 0.0) -> _Partition | None:
     """Min-max contiguous partition of the layers over ``shapes`` (no empty stage) under every
     stage's memory; None if no partition fits."""
     n, L = len(shapes), cm.model.num_layers
@@ -261,11 +268,16 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
             a = b
         return (tuple(bounds), tuple(rcs)) if a == L else None
 
-    hi = max(cm.table(sh.group, s).fb_rc[-1] for sh, s, *_ in info) * 1.001
+    # no partition beats the perfectly balanced step, so start there and double until it fits
+    top = max(cm.table(sh.group, s).fb_rc[-1] for sh, s, *_ in info) * 1.001
+    lo = min(lower_bound_s, top) if lower_bound_s > 0 else 0.0
+    hi = max(lo * 1.25, top * 1e-3)
     got = greedy(hi)
+    while got is None and hi < top:
+        lo, hi = hi, min(hi * 2, top)
+        got = greedy(hi)
     if got is None:
         return None
-    lo = 0.0
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
         g = greedy(mid)
@@ -413,7 +425,7 @@ def _in_flight(shapes, mbs: int, m: int, schedule: str, cm: CostModel, cap_guess
 
 def _balanced_step_s(cm: CostModel, shapes, mbs: int) -> float:
     """Per-micro-batch time if every stage carried work in proportion to its speed."""
-    rate = sum(sh.width / cm.sample_time_s(sh.group, mbs // sh.width) for sh in shapes)
+    rate = sum(cm.replica_rate(sh.group, mbs // sh.width) * sh.width for sh in shapes)
     return mbs / rate
 
 
@@ -421,7 +433,8 @@ def _expand(cm: CostModel, shapes, mbs: int, m: int, options: PlannerOptions,
             key: tuple) -> _Scored | None:
     cap_guess = _balanced_step_s(cm, shapes, mbs)
     inflight = _in_flight(shapes, mbs, m, options.schedule, cm, cap_guess)
-    part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute)
+    part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute,
+                            lower_bound_s=cap_guess)
     if part is None:
         return None
     cuts = _cuts(cm, shapes, part.bounds, mbs)
@@ -435,6 +448,9 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
     L = cm.model.num_layers
     max_n = min(L, options.max_stages or L)
     per_group = [width_options(g, global_batch, max_n) for g in cm.cluster.groups]
+    if math.prod(len(o) for o in per_group) > options.max_shape_combos:
+        # at scale, keep equal widths inside a group (unequal ones only where none is equal)
+        per_group = [[w for w in o if len(set(w)) == 1] or o for o in per_group]
     out = []
     for combo in itertools.product(*per_group):
         n = sum(len(w) for w in combo)
@@ -442,10 +458,11 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
             continue
         widths = {g.name: w for g, w in zip(cm.cluster.groups, combo)}
         flat = [w for ws in combo for w in ws]
-        shapes = shapes_for(cm.cluster.groups, widths)
         for mbs in micro_batch_options(global_batch, flat, options.micro_batch_sizes):
             m = global_batch // mbs
-            bound = (m + n - 1) * _balanced_step_s(cm, shapes, mbs)
+            rate = sum(cm.replica_rate(g, mbs // w) * w
+                       for g, ws in zip(cm.cluster.groups, combo) for w in ws)
+            bound = (m + n - 1) * mbs / rate
             out.append((bound, (n, mbs, tuple(combo)), widths, mbs))
     out.sort(key=lambda c: (c[0], c[1]))
     return out
@@ -457,21 +474,34 @@ def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
         raise PlanningError("no order of the groups has a link between every pair of "
                             "neighbours; add links under 'links:' so the groups form a chain")
     best: list[_Scored] = []
-    tried = 0
+    tried = expanded = last_gain = 0
+    order_score = [math.inf] * len(orders)
+    active = list(range(len(orders)))
     for bound, key, widths, mbs in _candidates(cm, global_batch, options):
         if len(best) >= options.simulate_top and bound > best[-1].score:
             break
-        if tried >= options.max_expansions:
+        if tried >= options.max_expansions or tried - last_gain > options.patience:
             break
+        if expanded == options.order_probe and len(orders) > options.orders_kept:
+            # the first candidates rank the orders (links and memory by position decide it);
+            # later ones try only the best few orders
+            ranked = sorted(range(len(orders)), key=lambda o: (order_score[o], o))
+            active = sorted(ranked[:options.orders_kept])
         m = global_batch // mbs
-        for oi, order in enumerate(orders):
+        any_fit = False
+        for oi in active:
             tried += 1
-            sc = _expand(cm, shapes_for(order, widths), mbs, m, options, key + (oi,))
+            sc = _expand(cm, shapes_for(orders[oi], widths), mbs, m, options, key + (oi,))
             if sc is None:
                 continue
+            any_fit = True
+            order_score[oi] = min(order_score[oi], sc.score)
+            if len(best) < options.simulate_top or sc < best[-1]:
+                last_gain = tried
             best.append(sc)
             best.sort()
             del best[options.simulate_top:]
+        expanded += any_fit
     return best, tried
 
 

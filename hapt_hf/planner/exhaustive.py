@@ -1,0 +1,123 @@
+"""Brute-force search for tiny jobs: the yardstick the planner is checked against.
+
+Enumerates every order of the groups (neighbours linked), every way to cut each group into
+stages of any widths (ordered compositions of its size), every contiguous layer partition with
+no empty stage, every micro-batch size the widths allow, and every warm-up depth per stage
+(H-1F1B: depths that fall strictly along the pipeline by 1 to ``max_warmup_step`` per stage,
+ending at 1), and replays each candidate in the simulator. Recompute is switched on for a stage
+only when it does not fit without. Exponential: meant for a handful of layers and GPUs.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .cost_model import CostModel, StageShape
+from .model_spec import ModelSpec
+from .plan import Plan
+from .profile import Profile
+from .search import (Layout, PlannerOptions, PlanningError, _divisors, _simulate, group_orders,
+                     layout_to_plan)
+from .simulate import SimResult
+
+__all__ = ["ExhaustiveResult", "exhaustive_plan"]
+
+
+@dataclass(frozen=True)
+class ExhaustiveResult:
+    plan: Plan
+    sim: SimResult
+    candidates: int
+    """How many feasible candidates were replayed."""
+
+
+def _compositions(total: int, parts: int):
+    """Ordered ways to write ``total`` as ``parts`` positive integers."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+def _group_cuts(size: int):
+    for k in range(1, size + 1):
+        yield from _compositions(size, k)
+
+
+def _warmup_choices(n: int, m: int, schedule: str, max_step: int):
+    if schedule == "gpipe":
+        yield (m,) * n
+        return
+    if schedule == "1f1b":
+        yield tuple(min(n - i, m) for i in range(n))
+        return
+    seen = set()
+    for steps in itertools.product(range(1, max_step + 1), repeat=n - 1):
+        warm = [1] * n
+        for i in range(n - 2, -1, -1):
+            warm[i] = warm[i + 1] + steps[i]
+        clamped = tuple(min(w, m) for w in warm)  # depths beyond M all behave as M
+        if clamped not in seen:
+            seen.add(clamped)
+            yield clamped
+
+
+def _recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):
+    flags = []
+    for sh, (a, b), w in zip(shapes, bounds, warm):
+        s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
+        if cm.memory_bytes(s, a, b, w, False) <= cap:
+            flags.append(False)
+        elif allow_rc and cm.memory_bytes(s, a, b, w, True) <= cap:
+            flags.append(True)
+        else:
+            return None
+    return tuple(flags)
+
+
+def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
+                    profile: Profile | None = None, options: PlannerOptions = PlannerOptions(),
+                    max_warmup_step: int = 3, max_candidates: int = 200_000) -> ExhaustiveResult:
+    """The fastest feasible plan over the whole (small) space; PlanningError if none fits."""
+    cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
+    L = model.num_layers
+    best: tuple[float, int, Layout, SimResult] | None = None
+    count = 0
+    for order in group_orders(cluster):
+        for split in itertools.product(*(list(_group_cuts(g.size)) for g in order)):
+            shapes = []
+            for g, widths in zip(order, split):
+                off = 0
+                for w in widths:
+                    shapes.append(StageShape(g, w, off))
+                    off += w
+            n = len(shapes)
+            if n > L or (options.max_stages and n > options.max_stages):
+                continue
+            lcm = math.lcm(*(sh.width for sh in shapes))
+            for mbs in _divisors(global_batch_size):
+                if mbs % lcm or (options.micro_batch_sizes and mbs not in
+                                 options.micro_batch_sizes):
+                    continue
+                m = global_batch_size // mbs
+                for sizes in _compositions(L, n):
+                    edges = list(itertools.accumulate(sizes, initial=0))
+                    bounds = tuple(zip(edges, edges[1:]))
+                    for warm in _warmup_choices(n, m, options.schedule, max_warmup_step):
+                        rc = _recompute_flags(cm, shapes, bounds, mbs, warm,
+                                              options.allow_recompute)
+                        if rc is None:
+                            continue
+                        lay = Layout(tuple(shapes), bounds, rc, mbs, warm, options.schedule)
+                        r = _simulate(cm, lay, m, exact=True)
+                        count += 1
+                        if count > max_candidates:
+                            raise PlanningError(f"more than {max_candidates} candidates: this "
+                                                "case is too large to enumerate")
+                        if r.feasible and (best is None or r.iteration_s < best[0]):
+                            best = (r.iteration_s, count, lay, r)
+    if best is None:
+        raise PlanningError(f"no plan of model {model.name!r} fits cluster {cluster.name!r}")
+    _, _, lay, r = best
+    return ExhaustiveResult(layout_to_plan(cm, lay, global_batch_size, r).validate(), r, count)

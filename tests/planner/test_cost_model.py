@@ -1,0 +1,134 @@
+"""Cost model: analytic and profiled times, cuts, all-reduce and memory per GPU."""
+from __future__ import annotations
+
+import pytest
+
+from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
+from hapt_hf.planner.cost_model import (DEFAULT_EFFICIENCY, STATE_BYTES_PER_PARAM, CostModel,
+                                        CostModelError, StageShape)
+from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
+from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
+
+
+def toy_model(blocks: int = 4, dtype: str = "fp16") -> ModelSpec:
+    """Round figures: block = 1e12 fwd FLOPs/sample, 1000 params, 10 MB kept, 1 MB sent."""
+    layers = [LayerSpec(0, "embedding", "emb", 500, 1e10, 2e10, 1e6, 1e6, 0.0)]
+    for i in range(blocks):
+        layers.append(LayerSpec(i + 1, "block", "blk", 1000, 1e12, 2e12, 1e6, 10e6, 1e6))
+    layers.append(LayerSpec(blocks + 1, "head", "head", 200, 2e11, 4e11, 0.0, 5e6, 1e6))
+    return ModelSpec("toy", "gpt2", 64, blocks, 100, 128, dtype, True, tuple(layers))
+
+
+def group(name, tflops=100.0, mem=16.0, nodes=1, gpn=2, intra=(100.0, 10.0), inter=(10.0, 50.0)):
+    return GpuGroup(name, GpuType(f"T-{name}", tflops, mem), nodes, gpn, LinkSpec(*intra),
+                    LinkSpec(*inter))
+
+
+def two_groups() -> Cluster:
+    return Cluster("two", (group("a", 100.0, gpn=2, nodes=2), group("b", 50.0, gpn=2)),
+                   (GroupLink("a", "b", LinkSpec(8.0, 1000.0)),))
+
+
+def test_analytic_compute_time_is_flops_over_effective_speed():
+    cm = CostModel(toy_model(), two_groups())
+    a = cm.group("a")
+    f, b = cm.compute_s(a, 3, 1, 3)  # two blocks, three samples
+    speed = 100e12 * DEFAULT_EFFICIENCY
+    assert f == pytest.approx(3 * 2e12 / speed)
+    assert b == pytest.approx(3 * 4e12 / speed)
+
+
+def test_recompute_adds_one_forward_of_the_blocks_only():
+    cm = CostModel(toy_model(), two_groups())
+    a = cm.group("a")
+    f, b = cm.compute_s(a, 1, 0, 3)
+    _, b_rc = cm.compute_s(a, 1, 0, 3, recompute=True)
+    block_fwd = 2 * 1e12 / (100e12 * DEFAULT_EFFICIENCY)
+    assert b_rc - b == pytest.approx(block_fwd)
+
+
+def test_profile_times_replace_the_analytic_ones_for_measured_devices():
+    m = toy_model()
+    prof = Profile({ProfileKey("T-a", sig, 2, m.seq_len, m.dtype): LayerTiming(0.5, 1.0, 0.01)
+                    for sig in ("emb", "blk", "head")})
+    cm = CostModel(m, two_groups(), prof)
+    f, b = cm.compute_s(cm.group("a"), 2, 0, m.num_layers)
+    assert (f, b) == (pytest.approx(0.5 * m.num_layers), pytest.approx(1.0 * m.num_layers))
+    assert cm.update_s(cm.group("a"), 2, 0, 2) == pytest.approx(0.02)
+    # group b's device has no entries: analytic
+    f_b, _ = cm.compute_s(cm.group("b"), 2, 1, 2)
+    assert f_b == pytest.approx(2 * 1e12 / (50e12 * DEFAULT_EFFICIENCY))
+
+
+def test_cut_between_groups_moves_the_whole_micro_batch_over_the_group_link():
+    cm = CostModel(toy_model(), two_groups())
+    left, right = StageShape(cm.group("a"), 2, 0), StageShape(cm.group("b"), 1, 0)
+    t = cm.cut_s(left, right, last_layer=2, mbs=4)
+    assert t == pytest.approx(4 * 1e6 * 8 / 8e9 + 1e-3)
+
+
+def test_cut_inside_a_group_is_set_by_the_busiest_rank():
+    cm = CostModel(toy_model(), two_groups())
+    a = cm.group("a")  # 2 nodes x 2 GPUs
+    same_node = cm.cut_s(StageShape(a, 1, 0), StageShape(a, 1, 1), 1, mbs=4)
+    assert same_node == pytest.approx(4 * 1e6 * 8 / 100e9 + 10e-6)
+    # width 1 -> width 2 across nodes: the single sender carries all 4 samples
+    cross = cm.cut_s(StageShape(a, 1, 1), StageShape(a, 2, 2), 1, mbs=4)
+    assert cross == pytest.approx(4 * 1e6 * 8 / 10e9 + 50e-6)
+    # width 2 -> width 2: each rank sends its 2 samples in parallel
+    wide = cm.cut_s(StageShape(a, 2, 0), StageShape(a, 2, 2), 1, mbs=4)
+    assert wide == pytest.approx(2 * 1e6 * 8 / 10e9 + 50e-6)
+
+
+def test_ring_allreduce_uses_inter_node_link_when_the_stage_spans_nodes():
+    m = toy_model()
+    cm = CostModel(m, two_groups())
+    a = cm.group("a")
+    nbytes = 2 * 1000 * 2  # two blocks of 1000 fp16 gradients
+    inside = cm.allreduce_s(StageShape(a, 2, 0), 1, 3)
+    assert inside == pytest.approx(2 * 1 / 2 * nbytes / (100e9 / 8) + 2 * 1 * 10e-6)
+    spans = cm.allreduce_s(StageShape(a, 4, 0), 1, 3)
+    assert spans == pytest.approx(2 * 3 / 4 * nbytes / (10e9 / 8) + 2 * 3 * 50e-6)
+    assert cm.allreduce_s(StageShape(a, 1, 0), 1, 3) == 0.0
+
+
+def test_memory_counts_state_in_flight_activations_and_one_working_set():
+    m = toy_model()
+    cm = CostModel(m, two_groups())
+    static = (1000 + 1000) * STATE_BYTES_PER_PARAM["fp16"]
+    mem = cm.memory_bytes(samples=2, a=1, b=3, in_flight=3)
+    assert mem == pytest.approx(static + 3 * 2 * 20e6 + 2 * 10e6)
+    rc = cm.memory_bytes(samples=2, a=1, b=3, in_flight=3, recompute=True)
+    assert rc == pytest.approx(static + 3 * 2 * 2e6 + 2 * 10e6)
+    assert rc < mem
+
+
+def test_plan_costs_reads_shapes_from_ranks_and_checks_widths():
+    m = toy_model()
+    cl = two_groups()
+    cm = CostModel(m, cl)
+    stages = (StagePlan(0, (0, 3), "a", "T-a", (0, 1, 2, 3), 2),
+              StagePlan(1, (3, 6), "b", "T-b", (4, 5), 1))
+    plan = Plan("toy", m.num_layers, m.seq_len, 8, 4, 2, "1f1b", stages)
+    costs = cm.plan_costs(plan)
+    assert costs.num_stages == 2
+    assert costs.stages[0].send_forward_s == costs.stages[1].send_backward_s > 0
+    assert costs.stages[0].send_backward_s == 0 and costs.stages[1].send_forward_s == 0
+    # each of the 4 replicas of stage 0 computes one sample of the 4-sample micro-batch
+    assert costs.stages[0].forward_s == pytest.approx(cm.compute_s(cm.group("a"), 1, 0, 3)[0])
+    bad = Plan("toy", m.num_layers, m.seq_len, 6, 3, 2, "1f1b", stages)
+    with pytest.raises(CostModelError, match="multiple of every stage's width"):
+        cm.plan_costs(bad)
+
+
+def test_stages_on_unlinked_groups_or_unknown_groups_are_refused():
+    cl = Cluster("c", (group("a"), group("b"), group("c")),
+                 (GroupLink("a", "b", LinkSpec(8, 10)), GroupLink("b", "c", LinkSpec(8, 10))))
+    cm = CostModel(toy_model(), cl)
+    with pytest.raises(CostModelError, match="no link between them"):
+        cm.cut_s(StageShape(cm.group("a"), 1), StageShape(cm.group("c"), 1), 1, 1)
+    with pytest.raises(CostModelError, match="is not in cluster"):
+        cm.group("zzz")
+    with pytest.raises(CostModelError, match="memory_headroom"):
+        CostModel(toy_model(), cl, memory_headroom=1.5)
