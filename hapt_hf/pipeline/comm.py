@@ -54,6 +54,13 @@ class Transfer:
     """Kept alive until the transfer completes (a send's source, a receive's destination)."""
 
 
+def _short(error: Exception) -> str:
+    """The gist of a transport error: Gloo prefixes a source path and appends advice."""
+    text = (str(error).splitlines() or [""])[0]
+    text = text.split("] ", 1)[-1] if text.startswith("[") else text
+    return text.split(". This is typically")[0][:160] or type(error).__name__
+
+
 def _default_store() -> dist.Store:
     # The rendezvous store every launcher (torchrun, accelerate, env://) already set up; torch
     # exposes it only through this private accessor.
@@ -71,6 +78,7 @@ class FailureChannel:
         self.grace_s = min(grace_s, self.timeout_s / 2)
         self._store = dist.PrefixStore(f"hapt_hf/{namespace}/", store or _default_store())
         self._wait: tuple[str, int, float] | None = None  # (what, peer, since)
+        self._seen: str | None = None  # a record read earlier: the store may be gone later
         self._stop = threading.Event()
         self._beats: dict[int, tuple[int, float]] = {}  # peer -> (last count, when it changed)
         self._thread = threading.Thread(target=self._watch, name="hapt-watchdog", daemon=True)
@@ -91,13 +99,16 @@ class FailureChannel:
         try:
             return self._read(wait_s)
         except Exception:  # noqa: BLE001
-            return None
+            return self._seen
 
     def _read(self, wait_s: float) -> str | None:
         end = time.monotonic() + wait_s
         while True:
+            if self._seen is not None:
+                return self._seen
             if self._store.check([_FAILURE_KEY]):
-                return self._store.get(_FAILURE_KEY).decode(errors="replace")
+                self._seen = self._store.get(_FAILURE_KEY).decode(errors="replace")
+                return self._seen
             if time.monotonic() >= end:
                 return None
             time.sleep(0.05)
@@ -126,7 +137,7 @@ class FailureChannel:
         first = self.first_failure(wait_s=self.grace_s)
         mine = f"rank {self.rank} (stage {stage}) was waiting for {t.what}"
         if first is None:
-            reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            reason = _short(error)
             own = f"rank {t.peer} stopped answering ({reason}) while {mine}"
             first = self.record(own)
             if first == own:
@@ -144,6 +155,10 @@ class FailureChannel:
                 fatal = self._store_lost()
             if fatal:
                 print(f"PipelineFailure: {fatal}", file=sys.stderr, flush=True)
+                if self.rank == 0:
+                    # rank 0 hosts the store (env:// rendezvous): give the others time to read
+                    # the record before it goes away with this process
+                    time.sleep(4 * interval + self.grace_s)
                 os._exit(1)
 
     def _check_blocked(self) -> str | None:
@@ -160,8 +175,9 @@ class FailureChannel:
             return self.record(f"rank {peer} stopped answering (no heartbeat for "
                                f"{now - last[1]:.0f} s) while rank {self.rank} was waiting "
                                f"for {what}")
-        if now - since > self.grace_s * 2 and self._store.check([_FAILURE_KEY]):
-            return self._store.get(_FAILURE_KEY).decode(errors="replace")
+        first = self._read(0.0)
+        if first is not None and now - since > self.grace_s * 2:
+            return first
         return None
 
     def _store_lost(self) -> str | None:

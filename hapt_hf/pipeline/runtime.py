@@ -234,10 +234,9 @@ class PipelineRuntime:
         return full
 
     def shutdown(self) -> None:
+        """Stop the watchdog. The process groups stay: destroying a subgroup lets the next
+        ``new_group`` over the same ranks reuse its name and meet stale store entries."""
         self.channel.close()
-        for g in (self._dp_group, self._tied_group):
-            if g is not None:
-                dist.destroy_process_group(g)
         self._dp_group = self._tied_group = None
 
     # -- the action loop -------------------------------------------------------------------

@@ -125,8 +125,32 @@ def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
     return out
 
 
+def bad_input_messages(world_size: int) -> dict:
+    """The messages a user gets for a plan of the wrong size and a batch of the wrong shape."""
+    from hapt_hf.pipeline import Batch, PipelineRuntime, RuntimeConfig
+    from hapt_hf.pipeline.runtime import BatchError
+    from hapt_hf.planner.plan import PlanError
+    config = tiny_config("gpt2", 3)
+    out = {}
+    try:
+        PipelineRuntime(make_plan(Layout("x", (1, 1, 1), (1, 1, 1)), "1f1b"), config)
+    except PlanError as e:
+        out["world"] = str(e)
+    rt = PipelineRuntime(make_plan(Layout("x", (2, 1), (1, 1)), "1f1b"), config,
+                         RuntimeConfig(timeout_s=60))
+    try:
+        rt.forward_backward(Batch(torch.zeros(3, SEQ, dtype=torch.long)))
+    except BatchError as e:
+        out["batch"] = str(e)
+    rt.shutdown()
+    return out
+
+
 def run_all(rank: int, world_size: int, cases: list) -> dict:
-    return {case_id(*c): run_case(rank, *c) for c in cases}
+    out = {case_id(*c): run_case(rank, *c) for c in cases}
+    if world_size == 2:
+        out["bad_input"] = bad_input_messages(world_size)
+    return out
 
 
 def case_id(family: str, layout: Layout, schedule: str) -> str:
@@ -151,7 +175,7 @@ def results() -> dict:
         per_rank = run_ranks(run_all, world, cases, timeout_s=240)
         for o in per_rank:
             for cid, r in o.value.items():
-                out[(cid, o.rank)] = r
+                out[(cid, o.rank, world) if cid == "bad_input" else (cid, o.rank)] = r
     return out
 
 
@@ -167,6 +191,13 @@ def test_matches_single_process(results, world, case):
         assert not r["errors"], f"rank {rank} (stage {r['stage']}): " + "\n".join(r["errors"])
         assert max(r["norms"]) > 0.5, "clipping never engaged; the step check would be weaker"
 
+
+
+def test_bad_input_is_refused_with_the_fix(results):
+    for rank in range(2):
+        msgs = results[("bad_input", rank, 2)]
+        assert "needs 3 processes but 2 were started" in msgs["world"], msgs
+        assert "Batch.input_ids" in msgs["batch"] and "global_batch_size=8" in msgs["batch"], msgs
 
 
 @pytest.mark.parametrize("world,case", ALL, ids=[f"{w}r-{case_id(*c)}" for w, c in ALL])
