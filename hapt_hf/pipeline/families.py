@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import PretrainedConfig
+from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 __all__ = [
@@ -86,8 +86,12 @@ class FamilyAdapter:
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(hidden.shape[0], -1)
         kinds = {self.attention_kind(config, i) for i in block_indices}
+        # The full model builds its mask with the (empty) KV cache it creates when config.use_cache
+        # is on; the cache's presence decides, for one, whether position ids that restart mark
+        # packed sequences. Pass the same so the masks agree; blocks never see the cache.
+        cache = DynamicCache(config=config) if getattr(config, "use_cache", False) else None
         masks = {kind: _mask_builder(kind)(config=config, inputs_embeds=hidden,
-                                           attention_mask=attention_mask, past_key_values=None,
+                                           attention_mask=attention_mask, past_key_values=cache,
                                            position_ids=position_ids) for kind in kinds}
         rope = None
         if self.rotary_path is not None:

@@ -154,17 +154,27 @@ def test_llama_shaped_families_match(family: Callable) -> None:
     assert_grads_match(stages, ref)
 
 
-def test_no_attention_mask_and_explicit_position_ids() -> None:
-    config = llama()
+@pytest.mark.parametrize(("family", "use_cache"), [(gpt2, True), (llama, False)],
+                         ids=["gpt2_use_cache", "llama_no_cache"])
+def test_no_attention_mask_and_explicit_position_ids(family: Callable, use_cache: bool) -> None:
+    config = family()
+    # With use_cache the full model skips packed-sequence masks; without, it builds them.
+    config.use_cache = use_cache
     ref = reference(config)
     stages = [build_stage(config, r) for r in [(0, 4), (4, 8)]]
     ids, _, labels = batch(padded=False)
     assert_close(run_chain(stages, ids, None, labels) / token_count(labels), ref(ids, labels=labels).loss, **TOL)
-    # Shifted positions reach every stage's rotary embedding, as in the full model.
-    pos = torch.arange(3, 3 + SEQ).unsqueeze(0)
-    hidden = stages[0](ids, position_ids=pos)
-    logits = stages[1](hidden, position_ids=pos)
-    assert_close(logits, ref(ids, position_ids=pos).logits, **TOL)
+    # Two sequences packed in each row: without a mask and without use_cache, the position ids
+    # alone make the mask block-diagonal, on every stage as in the full model.
+    packed = torch.arange(SEQ // 2).repeat(2).unsqueeze(0).expand(BATCH, -1)
+    # Positions two apart: rotary (relative) and learned (absolute) embeddings both see them.
+    spread = (2 * torch.arange(SEQ)).unsqueeze(0)
+    ones = torch.ones(BATCH, SEQ, dtype=torch.long)
+    for pos, mask in [(packed, None), (spread, ones)]:
+        hidden = stages[0](ids, attention_mask=mask, position_ids=pos)
+        logits = stages[1](hidden, attention_mask=mask, position_ids=pos)
+        assert_close(logits, ref(ids, attention_mask=mask, position_ids=pos).logits, **TOL)
+        assert not torch.allclose(logits, run_chain(stages, ids, mask), **TOL)  # the positions mattered
 
 
 @pytest.mark.parametrize("family", [gpt2, llama], ids=["gpt2", "llama"])
