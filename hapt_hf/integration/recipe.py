@@ -179,6 +179,10 @@ def _run(args, defaults: RecipeDefaults) -> None:
     train_rows, eval_rows = load_text_dataset(data, tokenizer)
     init_process_group(launch, plugin.timeout_s)
     plan = resolve_plan(plugin, model_config, seq_len, launch)
+    if args.eval_steps and len(eval_rows) < plan.global_batch_size:
+        raise DataError(f"--eval_steps needs at least one global batch ({plan.global_batch_size} "
+                        f"samples) of eval data, but there are {len(eval_rows)}; give a larger "
+                        "--validation_file or leave --eval_steps out")
     if launch.is_main:
         print(format_plan(plan), flush=True)
     _train(args, defaults, plugin, launch, plan, model_config, model_dir if has_weights else None,

@@ -207,3 +207,19 @@ def test_crash_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path):
     assert not tmp2.exists() and (tmp_path / "checkpoint-6" / "trainer_state.json").is_file()
     with pytest.raises(ckpt_io.CheckpointError, match="lacks"):
         ckpt_io.check_resumable(tmp_path / "checkpoint-6", _two_stage_plan(), 2)
+
+
+def test_batch_sizes_must_map_onto_the_plans_micro_batches():
+    from transformers import TrainingArguments
+
+    from hapt_hf.integration.trainer import BatchMappingError, check_batch_mapping
+
+    plan = _two_stage_plan()  # 4 micro-batches of 1 sample
+    ok = TrainingArguments(output_dir="unused", per_device_train_batch_size=1,
+                           gradient_accumulation_steps=4, use_cpu=True, report_to=[])
+    check_batch_mapping(ok, plan)
+    bad = TrainingArguments(output_dir="unused", per_device_train_batch_size=4,
+                            gradient_accumulation_steps=1, use_cpu=True, report_to=[])
+    with pytest.raises(BatchMappingError, match=r"per_device_train_batch_size=1 .*"
+                                                r"gradient_accumulation_steps=4"):
+        check_batch_mapping(bad, plan)
