@@ -1,0 +1,26 @@
+"""Planning: model and cluster descriptions in, a validated Plan and its schedule out.
+
+Nothing here imports torch (only :mod:`hapt_hf.planner.profiler` does, inside the functions that
+measure), so planning a job needs no devices and no process group. Every error a user can cause
+is a ``ValueError`` subclass whose message names the field and the fix.
+"""
+from hapt_hf.planner.cluster import Cluster, ClusterError
+from hapt_hf.planner.cost_model import CostModelError
+from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
+from hapt_hf.planner.plan import Plan, PlanError, StagePlan
+from hapt_hf.planner.profile import Profile, ProfileError, load_sailor_profiles
+from hapt_hf.planner.schedule import Schedule, ScheduleError, build_schedule
+from hapt_hf.planner.search import PlannerOptions, PlanningError, PlanResult, plan_job
+from hapt_hf.planner.simulate import SimResult, simulate_plan
+
+__all__ = [
+    # inputs
+    "ModelSpec", "Cluster", "Profile", "load_sailor_profiles",
+    # planning and its result
+    "PlannerOptions", "plan_job", "PlanResult", "Plan", "StagePlan",
+    # schedule and simulation
+    "Schedule", "build_schedule", "simulate_plan", "SimResult",
+    # errors (all ValueError subclasses)
+    "ModelSpecError", "ClusterError", "ProfileError", "PlanError", "ScheduleError",
+    "PlanningError", "CostModelError",
+]
