@@ -167,7 +167,14 @@ def build_stage(
         stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span), recompute)
         _seeded_init(stage, full, trace, seed, rng_state)
     del full  # only the stage's modules stay referenced
+    _check_materialised(stage)
     return stage.to(device=device, dtype=dtype)
+
+
+def _check_materialised(stage: PipelineStage) -> None:
+    left = [n for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"stage tensors left unmaterialised (a family adapter misses them): {left}")
 
 
 def _adapter(config: PretrainedConfig) -> FamilyAdapter:
@@ -278,9 +285,7 @@ def _seeded_init(stage: PipelineStage, traced: nn.Module, trace: "_InitReplay", 
     transiently (a warning says so).
     """
     keys = set(stage.state_dict().keys())
-    # Storage keys of the meta tensors, read before materialising replaces them.
     owned = {_storage_key(traced.state_dict(keep_vars=True)[k]) for k in keys}
-    _materialise(stage)
     try:
         replay = _InitReplay(owned_ops={i for i, k in enumerate(trace.targets) if k in owned})
         _reseed(seed, rng_state)
@@ -288,9 +293,28 @@ def _seeded_init(stage: PipelineStage, traced: nn.Module, trace: "_InitReplay", 
         values = {k: replay.value_of(tensors[k], k) for k in keys}
     except _ReplayUnsupported as why:
         logger.warning("initialisation replay unsupported (%s); building the full model on CPU once", why)
-        values = _full_model_init(stage.config, seed, rng_state)
-    for key, target in stage.state_dict(keep_vars=True).items():
-        checkpoint_io.copy_into(target, values[key], key)
+        full = _full_model_init(stage.config, seed, rng_state)
+        values = {k: full[k] for k in keys}
+        del full
+    _adopt(stage, values)
+    _rebuild_rotary(stage)
+
+
+def _adopt(stage: PipelineStage, values: dict[str, Tensor]) -> None:
+    """Make `values` the stage's tensors in place of the meta ones, without a copy.
+
+    Names that share one meta Parameter (a tie held on this stage) share one new Parameter.
+    """
+    made: dict[int, nn.Parameter] = {}
+    for name, old in stage.state_dict(keep_vars=True).items():
+        path, _, attr = name.rpartition(".")
+        module = stage.get_submodule(path)
+        if attr in module._parameters:
+            if id(old) not in made:
+                made[id(old)] = nn.Parameter(values[name].detach(), requires_grad=old.requires_grad)
+            module._parameters[attr] = made[id(old)]
+        else:
+            module._buffers[attr] = values[name].detach()
 
 
 def _full_model_init(config: PretrainedConfig, seed: int | None, state: Tensor) -> dict[str, Tensor]:
