@@ -185,9 +185,10 @@ def _targets(results: list[ScenarioResult]) -> list[str]:
     wall_txt, wall = _worst(hapt, lambda r: r.search_time_s, lambda v: f"{v:.3f} s")
     cpu_txt, cpu = _worst(hapt, lambda r: r.cpu_s, lambda v: f"{v:.3f} s")
     scale = by.get(SCALE)
-    sc_wall = None if scale is None or scale.error else scale.search_time_s
-    sc_txt = "no result" if scale is None else (
-        scale.error if scale.error else f"{scale.search_time_s:.2f} s wall, {scale.cpu_s:.2f} s CPU")
+    sc_ok = scale is not None and not scale.error
+    sc_wall = scale.search_time_s if sc_ok else None
+    sc_cpu = scale.cpu_s if sc_ok else None
+    sc_txt = "no result" if scale is None else (scale.error or "")
     return [
         "| target | measured | verdict |", "|---|---|---|",
         f"| >= 1.4x over uniform on {FLAGSHIP} | {uni_txt} | {_verdict(uni_ok)} |",
@@ -197,8 +198,12 @@ def _targets(results: list[ScenarioResult]) -> list[str]:
         f"{_verdict(None if wall is None else wall < 1.0)} |",
         f"| search < 1 s on every HAPT-like scenario (CPU) | {cpu_txt} | "
         f"{_verdict(None if cpu is None else cpu < 1.0)} |",
-        f"| search < 30 s on {SCALE} | {sc_txt} | "
-        f"{_verdict(None if scale is None else (sc_wall is not None and sc_wall < 30.0))} |",
+        f"| search < 30 s on {SCALE} (wall) | "
+        f"{sc_txt or f'{sc_wall:.2f} s'} | "
+        f"{_verdict(None if scale is None else (sc_ok and sc_wall < 30.0))} |",
+        f"| search < 30 s on {SCALE} (CPU) | "
+        f"{sc_txt or f'{sc_cpu:.2f} s'} | "
+        f"{_verdict(None if scale is None else (sc_ok and sc_cpu < 30.0))} |",
     ]
 
 
@@ -213,6 +218,10 @@ def render(results: list[ScenarioResult], command: str, load: float | None = Non
         "otherwise). *above limit* is (plan - limit) / limit, where the limit is the total work "
         "divided by the sum of every GPU's speed. HAPT-like scenarios: `harp_*` and "
         "`consumer_*`.", "",
+        "Search time is given twice: wall-clock (what `PlanResult.search_time_s` measured) and "
+        "the CPU time of the planning process. The search runs in one thread, so on a machine "
+        "busy with other work the CPU time is the closer measure of what it costs on an idle "
+        "one; the load average below says how busy this one was.", "",
         f"Command (from the repository root): `{command}`", "",
         f"Measured {when} on {platform.machine()} Python {platform.python_version()}, "
         f"{_cpus()} CPU cores{shared}.", "",
