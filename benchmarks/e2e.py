@@ -64,6 +64,9 @@ class RaceConfig:
     cpu_per_rank: float = 0.45
     """Cores of CPU quota for a fast rank under 'cgroup' (slow ranks get this / slowdown)."""
     profile_budget_s: float = 1.0
+    busy_profile: bool = True
+    """Every rank profiles while the group leaders are timed: CPU ranks share two cores, so a
+    leader timed next to idle peers would look faster than it is during training."""
 
     def testbed(self) -> dict:
         return {"name": "race", "cpu_per_rank": self.cpu_per_rank,
@@ -130,7 +133,7 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
         config, groups=_groups(cfg), device_names={g: f"cpu-{g}" for g in _groups(cfg)},
         seq_len=cfg.seq, options=ProfilerOptions(micro_batches=tuple(sizes),
                                                  budget_s=cfg.profile_budget_s),
-        link_sizes=(1 << 14, 1 << 17, 1 << 19))
+        link_sizes=(1 << 14, 1 << 17, 1 << 19), busy_peers=cfg.busy_profile)
     t1 = time.perf_counter()
     box = [None]
     if dist.get_rank() == 0:
@@ -312,6 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--slowdown", type=float, default=None)
     ap.add_argument("--link-mbps", type=float, default=None)
     ap.add_argument("--slowdown-mechanism", choices=["hook", "cgroup"], default=None)
+    ap.add_argument("--idle-profile", action="store_true",
+                    help="profile the group leaders with their peers idle")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     cfg = RaceConfig(reps=3, ddp_reps=1) if args.quick else RaceConfig()
     over = {"reps": args.reps, "slowdown": args.slowdown, "link_mbps": args.link_mbps,
-            "slowdown_mechanism": args.slowdown_mechanism}
+            "slowdown_mechanism": args.slowdown_mechanism,
+            "busy_profile": False if args.idle_profile else None}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
 
     from benchmarks.testbed import Testbed, TestbedSpec

@@ -297,11 +297,12 @@ def _layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: 
 
 def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32",
                   options: ProfilerOptions = ProfilerOptions(), store: ProfileStore | None = None,
-                  device: str = "cpu", log: Callable[[str], None] | None = None) -> Profile:
+                  device: str = "cpu", log: Callable[[str], None] | None = None,
+                  save: bool = True) -> Profile:
     """Time each distinct layer of ``config`` for every micro-batch size; reuse stored entries.
 
     Returns a Profile of exactly the entries this model needs on ``device_name``; the store (if
-    given) gains what was measured and is saved.
+    given) gains what was measured and is saved (unless ``save`` is False).
     """
     spec = ModelSpec.from_config(config, seq_len, dtype)
     timings: dict[ProfileKey, LayerTiming] = {}
@@ -324,7 +325,7 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
                     log(f"{device_name} {layer.kind:9s} mb={mb}: fwd {hit.forward_s * 1e3:.2f} ms"
                         f" bwd {hit.backward_s * 1e3:.2f} ms spread {hit.spread:.2f}")
             timings[key] = hit
-    if store is not None:
+    if store is not None and save:
         store.save()
     return Profile(timings=timings, links=list(store.links.values()) if store else [],
                    source=str(store.path) if store else "")
@@ -377,12 +378,16 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
                           seq_len: int, dtype: str = "fp32",
                           options: ProfilerOptions = ProfilerOptions(),
                           store_path: str | Path | None = None,
-                          link_sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22)) -> Profile:
+                          link_sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22),
+                          busy_peers: bool = False) -> Profile:
     """Collective over an initialised process group: the first rank of each group profiles its
     device type (all groups at once, each under its own conditions), then the leaders time
     every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
 
     ``groups``: group name -> global ranks; ``device_names``: group name -> device type name.
+    ``busy_peers``: the other ranks run the same profile too and discard it. Only for ranks
+    that share cores (CPU processes on one machine): the leaders are then timed under the
+    load training puts on the machine, not on a machine left idle by their peers.
     """
     import torch.distributed as dist
     rank = dist.get_rank()
@@ -391,12 +396,15 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     mine: dict[ProfileKey, LayerTiming] = {}
     for g, leader in leaders.items():
         # one leader per device type: a second group of the same type would only repeat it
-        if rank == leader and list(device_names.values()).index(device_names[g]) == \
-                list(device_names).index(g):
-            local = ProfileStore(Path(os.devnull), dict(store.timings) if store else {})
+        first_of_type = list(device_names.values()).index(device_names[g]) == \
+            list(device_names).index(g)
+        if rank == leader and first_of_type:
+            cache = ProfileStore(Path(store_path), dict(store.timings)) if store else None
             mine = profile_model(config, device_name=device_names[g], seq_len=seq_len,
-                                 dtype=dtype, options=options,
-                                 store=local if store else None).timings
+                                 dtype=dtype, options=options, store=cache, save=False).timings
+        elif busy_peers and rank in groups[g]:
+            profile_model(config, device_name=device_names[g], seq_len=seq_len, dtype=dtype,
+                          options=options)
     dist.barrier()
     links = []
     names = list(leaders)
