@@ -1,11 +1,14 @@
 """The ``hapt-hf`` command end to end, and the plan table it prints."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,14 @@ def _run(argv, capsys):
     return code, out, err
 
 
+def _run_captured(argv) -> tuple[int, str, str]:
+    """As _run, for module-scoped fixtures, which cannot use capsys."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
 def _write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
     p = tmp_path / name
     p.write_text(text)
@@ -47,19 +58,40 @@ def _write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
 
 # -- plan ---------------------------------------------------------------------------------------
 
-def test_plan_writes_a_plan_that_reloads_and_a_timeline(tmp_path, capsys):
-    cluster = _write(tmp_path, SMALL_CLUSTER)
-    out_json, png = tmp_path / "out" / "plan.json", tmp_path / "plan.png"
-    code, out, err = _run(["plan", "--cluster", cluster, "-o", out_json, "--timeline", png],
-                          capsys)
-    assert code == 0, err
-    plan = Plan.load(out_json).validate(world_size=3)
+@dataclass(frozen=True)
+class Planned:
+    """One `hapt-hf plan` run on the small cluster, shared by the tests that read its outputs
+    (planning takes seconds; the tests copy what they edit)."""
+    cluster: Path
+    plan_json: Path
+    png: Path
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> Planned:
+    d = tmp_path_factory.mktemp("planned")
+    cluster = _write(d, SMALL_CLUSTER)
+    plan_json, png = d / "out" / "plan.json", d / "plan.png"
+    code, out, err = _run_captured(["plan", "--cluster", cluster, "--schedule", "1f1b",
+                                    "-o", plan_json, "--timeline", png])
+    return Planned(cluster, plan_json, png, code, out, err)
+
+
+def test_plan_writes_a_plan_that_reloads_and_a_timeline(planned):
+    assert planned.code == 0, planned.err
+    plan = Plan.load(planned.plan_json).validate(world_size=3)
     assert plan.num_layers == 6 and plan.seq_len == 128 and plan.global_batch_size == 16
+    assert plan.schedule == "1f1b"
+    png = planned.png
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
+    lines = planned.out.splitlines()
     for s in plan.stages:  # one table row per stage, starting with its index and group
-        assert any(line.split()[:2] == [str(s.index), s.group] for line in out.splitlines())
-    assert "iteration time" in out and "tokens/s" in out and "physical limit" in out
-    assert "speed-up" in out
+        assert any(line.split()[:2] == [str(s.index), s.group] for line in lines)
+    assert "iteration time" in planned.out and "tokens/s" in planned.out
+    assert "physical limit" in planned.out and "speed-up" in planned.out
 
 
 def test_plan_flags_override_the_job_section(tmp_path, capsys):
@@ -97,17 +129,15 @@ def test_plan_on_shared_scenarios(scenario, tmp_path, capsys):
 
 # -- simulate -----------------------------------------------------------------------------------
 
-def _planned(tmp_path, capsys) -> tuple[Path, Path]:
-    cluster = _write(tmp_path, SMALL_CLUSTER)
-    plan_path = tmp_path / "plan.json"
-    code, _, err = _run(["plan", "--cluster", cluster, "--schedule", "1f1b", "-o", plan_path],
-                        capsys)
-    assert code == 0, err
-    return cluster, plan_path
+def _planned_copy(planned: Planned, tmp_path: Path) -> tuple[Path, Path]:
+    assert planned.code == 0, planned.err
+    copy = tmp_path / "plan.json"
+    copy.write_text(planned.plan_json.read_text())
+    return planned.cluster, copy
 
 
-def test_simulate_replays_a_hand_edited_plan(tmp_path, capsys):
-    cluster, plan_path = _planned(tmp_path, capsys)
+def test_simulate_replays_a_hand_edited_plan(planned, tmp_path, capsys):
+    cluster, plan_path = _planned_copy(planned, tmp_path)
     d = json.loads(plan_path.read_text())
     # put everything on one stage of one V100 replica: an edit a person could make by hand
     d["stages"] = [{"index": 0, "layers": [0, d["model"]["num_layers"]], "group": "v100",
@@ -176,8 +206,8 @@ def test_bad_cluster_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert not any(p.exists() for p in outputs)
 
 
-def test_malformed_plan_is_one_line(tmp_path, capsys):
-    cluster, plan_path = _planned(tmp_path, capsys)
+def test_malformed_plan_is_one_line(planned, tmp_path, capsys):
+    cluster, plan_path = _planned_copy(planned, tmp_path)
     d = json.loads(plan_path.read_text())
     d["stages"][-1]["layers"][1] -= 1  # the last stage stops short of the head
     plan_path.write_text(json.dumps(d))
