@@ -204,15 +204,15 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
     if getattr(args, "lora_r", 0):
         from hapt_hf.integration.lora import apply_lora
         apply_lora(runtime.stage, args.lora_r)
-    # Everything is checked: from here on the output directory is written.
-    write_plan(plan, args.output_dir, launch)
     trainer = HaptTrainer(runtime, plan, training_args, train_dataset=train_rows,
                           eval_dataset=eval_rows if len(eval_rows) else None,
                           processing_class=tokenizer)
+    # Everything is checked: from here on the output directory is written.
+    write_plan(plan, args.output_dir, launch)
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
-    if len(eval_rows) >= plan.global_batch_size:
-        trainer.evaluate()
+    if len(eval_rows) >= plan.global_batch_size and not args.eval_steps:
+        trainer.evaluate()  # with --eval_steps the last step has evaluated already
     if getattr(args, "lora_r", 0):
         from hapt_hf.integration.lora import merge_lora
         merge_lora(runtime.stage)

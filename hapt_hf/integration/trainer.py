@@ -102,12 +102,14 @@ class HaptTrainer(Trainer):
         check_batch_mapping(args, plan)
         self.runtime = runtime
         self.plan = plan
-        super().__init__(model=_StageModel(runtime), args=args, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers)
         self.train_rows = _as_rows(train_dataset, "train_dataset") if train_dataset is not None \
             else None
         self.eval_rows = _as_rows(eval_dataset, "eval_dataset") if eval_dataset is not None \
             else None
+        # Trainer checks the datasets against the strategies (eval_strategy needs eval data).
+        super().__init__(model=_StageModel(runtime), args=args, train_dataset=self.train_rows,
+                         eval_dataset=self.eval_rows, processing_class=processing_class,
+                         callbacks=callbacks, optimizers=optimizers)
 
     # -- batches ------------------------------------------------------------------------------
     def _batch(self, rows: torch.Tensor) -> Batch:
