@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ranks", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args(argv)
-    cfg = (BenchConfig(layers=4, hidden=128, seq=64, vocab=2048, reps=9) if args.quick
+    cfg = (BenchConfig(layers=4, hidden=128, seq=64, vocab=2048, reps=13) if args.quick
            else BenchConfig())
     if args.ranks:
         cfg = BenchConfig(**{**asdict(cfg), "ranks": args.ranks})
