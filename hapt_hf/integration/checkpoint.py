@@ -33,7 +33,7 @@ from hapt_hf.planner.plan import Plan
 
 __all__ = ["CheckpointError", "rank_state_file", "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "load_stage_weights",
-           "check_resumable", "barrier"]
+           "check_resumable", "barrier", "fsync_path", "fsync_tree"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
 TMP_PREFIX = ".tmp-"
@@ -52,7 +52,7 @@ def rank_state_file(ckpt: Path, rank: int) -> Path:
     return Path(ckpt) / RANK_STATE.format(rank=rank)
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -60,15 +60,15 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     """fsync every file (made readable as save_pretrained's would be) and the directory."""
     umask = os.umask(0)
     os.umask(umask)
     for path in sorted(root.rglob("*")):
         if path.is_file():
             os.chmod(path, 0o666 & ~umask)  # temp-file writers leave 0600
-            _fsync_path(path)
-    _fsync_path(root)
+            fsync_path(path)
+    fsync_path(root)
 
 
 def begin_checkpoint(run_dir: Path, name: str, rank: int) -> Path:
@@ -86,11 +86,11 @@ def commit_checkpoint(tmp: Path, final: Path, rank: int) -> None:
     """Make the checkpoint visible under its final name, all files on disk first."""
     barrier()  # every rank has written and fsynced its own files
     if rank == 0:
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if final.exists():  # the same step saved again (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_path(final.parent)
+        fsync_path(final.parent)
     barrier()
 
 
@@ -115,7 +115,7 @@ def save_rank_state(tmp: Path, rank: int, optimizer, scheduler) -> None:
     torch.save({"optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": _rng_state()}, path)
-    _fsync_path(path)
+    fsync_path(path)
 
 
 def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler) -> None:

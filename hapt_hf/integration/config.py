@@ -22,7 +22,8 @@ import yaml
 
 from hapt_hf.planner.plan import SCHEDULES
 
-__all__ = ["HaptConfigError", "HaptPlugin", "HAPT_CONFIG_ENV", "resolve_hapt_config_path"]
+__all__ = ["HaptConfigError", "HaptPlugin", "HaptConfig", "HAPT_CONFIG_ENV",
+           "resolve_hapt_config_path"]
 
 HAPT_CONFIG_ENV = "HAPT_CONFIG"
 _DTYPES = ("fp32", "fp16", "bf16")
@@ -133,6 +134,10 @@ class HaptPlugin:
     def from_args_or_env(cls, path: str | None = None) -> "HaptPlugin":
         """The plugin from ``--hapt_config`` if given, else from the ``HAPT_CONFIG`` variable."""
         return cls.from_yaml(resolve_hapt_config_path(path))
+
+
+# The contents of hapt.yaml; "plugin" is accelerate's word for the same object.
+HaptConfig = HaptPlugin
 
 
 def resolve_hapt_config_path(path: str | None = None) -> Path:

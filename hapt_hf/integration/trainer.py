@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -263,17 +264,16 @@ class HaptTrainer(Trainer):
         tmp = out / f"{ckpt_io.TMP_PREFIX}save"
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                import shutil
+            if tmp.exists():  # left by a crashed save
                 shutil.rmtree(tmp)
             tmp.mkdir()
         self._write_model(tmp)
         if rank == 0:
-            ckpt_io._fsync_tree(tmp)
+            ckpt_io.fsync_tree(tmp)
             for path in sorted(tmp.iterdir()):
                 os.replace(path, out / path.name)
             tmp.rmdir()
-            ckpt_io._fsync_path(out)
+            ckpt_io.fsync_path(out)
         ckpt_io.barrier()
 
     def _save_checkpoint(self, model, trial) -> None:
