@@ -1,11 +1,11 @@
 """Family adapters: where each causal-LM family shape keeps its layers and how a stage runs them.
 
-One adapter per family SHAPE, not per model: "gpt2" (GPT2LMHeadModel) and "llama"
-(LlamaForCausalLM and the models laid out like it: Mistral, Qwen2). An adapter names the module
-paths of the layer sequence `[embedding, block_0 .. block_{N-1}, head]` inside the full Hugging Face
-model, and runs the family's own transformers modules exactly as the full model's forward does
-(same causal mask builder, same position ids, same rotary embedding), so a chain of stages
-reproduces the full model's numerics.
+One adapter per family SHAPE, not per model: "gpt2" (GPT2LMHeadModel), "llama" (LlamaForCausalLM
+and the models laid out like it: Mistral, Qwen2) and "opt" (OPTForCausalLM). An adapter names the
+module paths of the layer sequence `[embedding, block_0 .. block_{N-1}, head]` inside the full
+Hugging Face model, and runs the family's own transformers modules exactly as the full model's
+forward does (same causal mask builder, same position ids, same rotary embedding), so a chain of
+stages reproduces the full model's numerics.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 __all__ = [
-    "BlockInputs", "FamilyAdapter", "adapter_for", "causal_position_ids", "num_blocks",
-    "supported_families", "supported_model_types",
+    "BlockInputs", "FamilyAdapter", "adapter_for", "num_blocks", "supported_families",
+    "supported_model_types",
 ]
 
 
@@ -44,12 +44,15 @@ class BlockInputs:
 class FamilyAdapter:
     """Where a family keeps its layers inside the full model, and how to call them.
 
+    Subclasses override what differs between family shapes: the embedding, position ids and
+    the mask rule. Paths of modules a config may leave out (OPT's projections) are skipped.
+
     Args:
-        name: the family shape ("gpt2", "llama").
+        name: the family shape ("gpt2", "llama", "opt").
         model_types: the `config.model_type` values built with this shape.
         embedding_paths: modules the first stage owns (token and position embeddings, dropout).
         blocks_path: the ModuleList of transformer blocks.
-        head_paths: modules the last stage owns (final norm, LM head).
+        head_paths: modules the last stage owns, applied in order (final norm, ..., LM head).
         rotary_path: the rotary embedding module every block stage needs, or None.
         input_embedding_key / output_embedding_key: state_dict keys of the two ends that
             `tie_word_embeddings` ties.
@@ -64,24 +67,28 @@ class FamilyAdapter:
     input_embedding_key: str
     output_embedding_key: str
 
-    def embed(self, root: nn.Module, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """The first stage's embedding, as the full model's forward computes it."""
-        if self.name == "gpt2":
-            wte, wpe, drop = (_module(root, p) for p in self.embedding_paths)
-            hidden = wte(input_ids)
-            hidden = hidden + wpe(position_ids).to(hidden.device)
-            return drop(hidden)
-        return _module(root, self.embedding_paths[0])(input_ids)
+    def position_ids(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """Position ids when the caller gives none. GPT2Model and LlamaModel use a plain arange
+        (padding does not shift positions), broadcast over the batch."""
+        del attention_mask
+        return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
 
-    def block_inputs(
-        self,
-        root: nn.Module,
-        config: PretrainedConfig,
-        hidden: Tensor,
-        attention_mask: Tensor | None,
-        position_ids: Tensor,
-        block_indices: range,
-    ) -> BlockInputs:
+    def embed(self, root: nn.Module, input_ids: Tensor, position_ids: Tensor,
+              attention_mask: Tensor | None) -> Tensor:
+        """The first stage's embedding, as the full model's forward computes it."""
+        return root.get_submodule(self.embedding_paths[0])(input_ids)
+
+    def attention_kind(self, config: PretrainedConfig, block_index: int) -> str:
+        """Which mask block `block_index` attends with, following the full model's own rule."""
+        return "full_attention"
+
+    def mask_position_ids(self, position_ids: Tensor) -> Tensor | None:
+        """The position ids the full model hands its mask builder."""
+        return position_ids
+
+    def block_inputs(self, root: nn.Module, config: PretrainedConfig, hidden: Tensor,
+                     attention_mask: Tensor | None, position_ids: Tensor,
+                     block_indices: range) -> BlockInputs:
         """Masks and rotary embeddings for this stage's blocks (the same calls the full model makes)."""
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(hidden.shape[0], -1)
@@ -90,23 +97,14 @@ class FamilyAdapter:
         # is on; the cache's presence decides, for one, whether position ids that restart mark
         # packed sequences. Pass the same so the masks agree; blocks never see the cache.
         cache = DynamicCache(config=config) if getattr(config, "use_cache", False) else None
+        mask_positions = self.mask_position_ids(position_ids)
         masks = {kind: _mask_builder(kind)(config=config, inputs_embeds=hidden,
                                            attention_mask=attention_mask, past_key_values=cache,
-                                           position_ids=position_ids) for kind in kinds}
+                                           position_ids=mask_positions) for kind in kinds}
         rope = None
         if self.rotary_path is not None:
-            rope = _module(root, self.rotary_path)(hidden, position_ids=position_ids)
+            rope = root.get_submodule(self.rotary_path)(hidden, position_ids=position_ids)
         return BlockInputs(position_ids=position_ids, masks=masks, position_embeddings=rope)
-
-    def attention_kind(self, config: PretrainedConfig, block_index: int) -> str:
-        """Which mask block `block_index` attends with, following the full model's own rule."""
-        if self.name == "gpt2":
-            return "full_attention"
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types:  # Qwen2: per-layer kinds
-            return layer_types[block_index]
-        # Mistral: one sliding window for every layer when the config sets one; LLaMA: none.
-        return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
     def run_block(self, block: nn.Module, hidden: Tensor, inputs: BlockInputs, mask_kind: str) -> Tensor:
         """One block's forward with the arguments the full model passes it (no KV cache)."""
@@ -118,34 +116,86 @@ class FamilyAdapter:
         return block(hidden, **kwargs)
 
     def head(self, root: nn.Module, hidden: Tensor) -> Tensor:
-        """Final norm then LM head: the logits."""
-        norm, lm_head = (_module(root, p) for p in self.head_paths)
-        return lm_head(norm(hidden))
+        """Final norm (and any projection) then LM head: the logits."""
+        for path in self.head_paths:
+            if _has(root, path):
+                hidden = root.get_submodule(path)(hidden)
+        return hidden
+
+    def check_config(self, config: PretrainedConfig) -> str | None:
+        """Why this config cannot be cut into stages exactly, or None."""
+        return None
 
 
-_GPT2 = FamilyAdapter(
-    name="gpt2",
-    model_types=("gpt2",),
-    embedding_paths=("transformer.wte", "transformer.wpe", "transformer.drop"),
-    blocks_path="transformer.h",
-    head_paths=("transformer.ln_f", "lm_head"),
-    rotary_path=None,
-    input_embedding_key="transformer.wte.weight",
-    output_embedding_key="lm_head.weight",
+@dataclass(frozen=True)
+class _Gpt2Adapter(FamilyAdapter):
+    def embed(self, root, input_ids, position_ids, attention_mask):
+        wte, wpe, drop = (root.get_submodule(p) for p in self.embedding_paths)
+        hidden = wte(input_ids)
+        return drop(hidden + wpe(position_ids).to(hidden.device))
+
+
+@dataclass(frozen=True)
+class _LlamaAdapter(FamilyAdapter):
+    def attention_kind(self, config, block_index):
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:  # Qwen2: per-layer kinds
+            return layer_types[block_index]
+        # Mistral: one sliding window for every layer when the config sets one; LLaMA: none.
+        return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+@dataclass(frozen=True)
+class _OptAdapter(FamilyAdapter):
+    def position_ids(self, x, attention_mask):
+        # OPTDecoder counts positions over the padding mask (left padding shifts them).
+        mask = _position_mask(x, attention_mask)
+        return (torch.cumsum(mask, dim=1) * mask - 1).long()
+
+    def embed(self, root, input_ids, position_ids, attention_mask):
+        hidden = root.get_submodule(self.embedding_paths[0])(input_ids)
+        positions = root.get_submodule(self.embedding_paths[1])(
+            _position_mask(input_ids, attention_mask), 0, position_ids=position_ids)
+        if _has(root, self.embedding_paths[2]):
+            hidden = root.get_submodule(self.embedding_paths[2])(hidden)
+        return hidden + positions.to(hidden.device)
+
+    def mask_position_ids(self, position_ids):
+        return None  # OPTDecoder builds its causal mask without position ids
+
+    def check_config(self, config):
+        if getattr(config, "layerdrop", 0.0) > 0.0:
+            return (f"config.layerdrop is {config.layerdrop}; skipping random blocks cannot be "
+                    "split across stages: set config.layerdrop = 0.0")
+        return None
+
+
+def _position_mask(x: Tensor, attention_mask: Tensor | None) -> Tensor:
+    if attention_mask is None:
+        return torch.ones(x.shape[0], x.shape[1], device=x.device)
+    return attention_mask
+
+
+_ADAPTERS: tuple[FamilyAdapter, ...] = (
+    _Gpt2Adapter(
+        name="gpt2", model_types=("gpt2",),
+        embedding_paths=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        blocks_path="transformer.h", head_paths=("transformer.ln_f", "lm_head"), rotary_path=None,
+        input_embedding_key="transformer.wte.weight", output_embedding_key="lm_head.weight"),
+    _LlamaAdapter(
+        name="llama", model_types=("llama", "mistral", "qwen2"),
+        embedding_paths=("model.embed_tokens",),
+        blocks_path="model.layers", head_paths=("model.norm", "lm_head"), rotary_path="model.rotary_emb",
+        input_embedding_key="model.embed_tokens.weight", output_embedding_key="lm_head.weight"),
+    _OptAdapter(
+        name="opt", model_types=("opt",),
+        embedding_paths=("model.decoder.embed_tokens", "model.decoder.embed_positions",
+                         "model.decoder.project_in"),
+        blocks_path="model.decoder.layers",
+        head_paths=("model.decoder.final_layer_norm", "model.decoder.project_out", "lm_head"),
+        rotary_path=None,
+        input_embedding_key="model.decoder.embed_tokens.weight", output_embedding_key="lm_head.weight"),
 )
-
-_LLAMA = FamilyAdapter(
-    name="llama",
-    model_types=("llama", "mistral", "qwen2"),
-    embedding_paths=("model.embed_tokens",),
-    blocks_path="model.layers",
-    head_paths=("model.norm", "lm_head"),
-    rotary_path="model.rotary_emb",
-    input_embedding_key="model.embed_tokens.weight",
-    output_embedding_key="lm_head.weight",
-)
-
-_ADAPTERS: tuple[FamilyAdapter, ...] = (_GPT2, _LLAMA)
 
 
 def supported_families() -> list[str]:
@@ -166,24 +216,18 @@ def adapter_for(model_type: str) -> FamilyAdapter | None:
     return None
 
 
-def _module(root: nn.Module, path: str) -> nn.Module:
-    return root.get_submodule(path)
-
-
-def _mask_builder(kind: str):
-    return create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-
-
 def num_blocks(config: PretrainedConfig) -> int:
     """Number of transformer blocks (the layer sequence has two more: embedding and head)."""
     return int(config.num_hidden_layers)
 
 
-def causal_position_ids(batch_size: int, seq_len: int, device: torch.device) -> Tensor:
-    """Position ids as the full models derive them without a cache: 0..s-1 for every sample.
+def _has(root: nn.Module, path: str) -> bool:
+    """Whether the optional module at `path` exists (OPT's projections are None for most sizes)."""
+    try:
+        return root.get_submodule(path) is not None
+    except AttributeError:
+        return False
 
-    Both GPT2Model and LlamaModel use a plain arange here (padding does not shift positions), so
-    a stage does the same to stay equal to the full model.
-    """
-    del batch_size  # broadcast over the batch, as the full model does
-    return torch.arange(seq_len, device=device).unsqueeze(0)
+
+def _mask_builder(kind: str):
+    return create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask

@@ -25,7 +25,6 @@ from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.families import (
     FamilyAdapter,
     adapter_for,
-    causal_position_ids,
     num_blocks,
     supported_families,
     supported_model_types,
@@ -77,12 +76,13 @@ class PipelineStage(nn.Module):
         cross-entropy over tokens whose shifted label is not -100 (0-dim), so the caller divides by
         the token count of the whole global batch; `labels` are un-shifted (HF convention). Without
         labels the last stage returns the logits [b, s, vocab]. `attention_mask` is the [b, s]
-        padding mask; `position_ids` default to what the full model derives (0..s-1).
+        padding mask; `position_ids` default to what the full model derives (0..s-1 for GPT-2 and
+        LLaMA-shaped models, counted over the padding mask for OPT).
         """
         self._check_input(x)
         if position_ids is None:
-            position_ids = causal_position_ids(x.shape[0], x.shape[1], x.device)
-        hidden = self.adapter.embed(self, x, position_ids) if self.is_first else x
+            position_ids = self.adapter.position_ids(x, attention_mask)
+        hidden = self.adapter.embed(self, x, position_ids, attention_mask) if self.is_first else x
         if len(self.block_indices) > 0:
             inputs = self.adapter.block_inputs(self, self.config, hidden, attention_mask, position_ids,
                                                self.block_indices)
@@ -185,6 +185,9 @@ def _adapter(config: PretrainedConfig) -> FamilyAdapter:
             f"config.model_type {model_type!r} is not supported; supported model types: "
             f"{', '.join(supported_model_types())} (family shapes: {', '.join(supported_families())})"
         )
+    problem = adapter.check_config(config)
+    if problem is not None:
+        raise StageBuildError(problem)
     return adapter
 
 
@@ -217,7 +220,13 @@ def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int
         paths.append(adapter.rotary_path)
     if span[1] == n + 2:
         paths += list(adapter.head_paths)
-    return [(p, full.get_submodule(p)) for p in paths]
+    # Optional modules a config leaves out (OPT's projections) are None in the full model.
+    return [(p, full.get_submodule(p)) for p in paths if _present(full, p)]
+
+
+def _present(full: nn.Module, path: str) -> bool:
+    parent, _, name = path.rpartition(".")
+    return getattr(full.get_submodule(parent) if parent else full, name, None) is not None
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:

@@ -14,6 +14,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    OPTConfig,
     PretrainedConfig,
     Qwen2Config,
 )
@@ -51,6 +52,14 @@ def qwen2(blocks: int = 6) -> Qwen2Config:
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                        max_position_embeddings=32, use_sliding_window=True, sliding_window=4,
                        max_window_layers=2, tie_word_embeddings=True)
+
+
+def opt(blocks: int = 6, projected: bool = False) -> OPTConfig:
+    # projected: embeddings narrower than the blocks, so project_in / project_out exist.
+    return OPTConfig(num_hidden_layers=blocks, hidden_size=64, ffn_dim=128, num_attention_heads=4,
+                     vocab_size=VOCAB, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
+                     word_embed_proj_dim=32 if projected else 64, pad_token_id=1, bos_token_id=2,
+                     eos_token_id=2)
 
 
 def reference(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
@@ -140,7 +149,8 @@ def assert_tied_ends(stages: list[PipelineStage]) -> None:
         assert first.get_parameter("lm_head.weight") is first.get_parameter(first.adapter.input_embedding_key)
 
 
-@pytest.mark.parametrize("family", [mistral, qwen2], ids=["mistral_sliding", "qwen2_mixed_tied"])
+@pytest.mark.parametrize("family", [mistral, qwen2, opt, lambda: opt(projected=True)],
+                         ids=["mistral_sliding", "qwen2_mixed_tied", "opt_tied", "opt_projected"])
 def test_llama_shaped_families_match(family: Callable) -> None:
     config = family()
     ref = reference(config)
@@ -189,7 +199,8 @@ def test_recompute_gives_same_loss_and_grads(family: Callable) -> None:
     assert_grads_match(stages, ref)
 
 
-@pytest.mark.parametrize("family", [gpt2, llama, mistral, qwen2], ids=["gpt2", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", [gpt2, llama, mistral, qwen2, lambda: opt(projected=True)],
+                         ids=["gpt2", "llama", "mistral", "qwen2", "opt_projected"])
 def test_seed_init_is_bit_identical_without_building_the_full_model(family: Callable, monkeypatch) -> None:
     config = family()
     ref_state = reference(config, seed=3).state_dict()
@@ -284,9 +295,13 @@ def test_dtype_and_stage_flags() -> None:
 
 
 def test_unsupported_family_names_supported_ones() -> None:
-    with pytest.raises(StageBuildError, match=r"'bert' is not supported.*gpt2.*llama.*mistral.*qwen2"):
+    with pytest.raises(StageBuildError, match=r"'bert' is not supported.*gpt2.*llama.*mistral.*qwen2.*opt"):
         build_stage(BertConfig(), (0, 2))
-    assert supported_families() == ["gpt2", "llama"]
+    assert supported_families() == ["gpt2", "llama", "opt"]
+    config = opt(blocks=2)
+    config.layerdrop = 0.1
+    with pytest.raises(StageBuildError, match=r"config.layerdrop is 0.1.*set config.layerdrop = 0.0"):
+        build_stage(config, (0, 2))
 
 
 @pytest.mark.parametrize("bad", [(0, 0), (3, 2), (-1, 2), (0, 9), ("a", 2)])
