@@ -64,3 +64,39 @@ def test_top_level_package_is_light_and_versioned():
     assert not heavy, f"import hapt_hf loaded {heavy[:5]}"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert hapt_hf.__version__ == project["version"]
+
+
+# -- the docs describe what the code does ----------------------------------------------------
+
+def _doc(name: str) -> str:
+    return (ROOT / "docs" / name).read_text()
+
+
+def test_cluster_doc_catalogue_table_matches_the_catalogue():
+    from hapt_hf.planner.catalogue import CATALOGUE
+
+    text = _doc("cluster-file.md").split("## GPU catalogue", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (float(cells[1]), float(cells[2]))
+    expected = {n: (g.tflops, g.memory_gb) for n, g in CATALOGUE.items()}
+    assert rows == expected
+
+
+def test_architecture_doc_plan_example_has_the_fields_plan_writes():
+    from hapt_hf.planner import Plan, StagePlan
+
+    text = _doc("architecture.md").split("## plan.json", 1)[1]
+    example = json.loads(text.split("```json", 1)[1].split("```", 1)[0])
+    plan = Plan(model_name="m", num_layers=3, seq_len=8, global_batch_size=2,
+                micro_batch_size=1, num_microbatches=2, schedule="1f1b",
+                stages=(StagePlan(0, (0, 3), "g", "cpu", (0,), warmup=1),))
+    written = plan.to_dict()
+    assert list(example) == list(written)
+    assert list(example["stages"][0]) == list(written["stages"][0])
+    assert list(example["predicted"]) == list(written["predicted"])
+    # the example's stages read back as the stages they describe
+    stages = [StagePlan.from_dict(s) for s in example["stages"]]
+    assert [s.layers for s in stages] == [tuple(s["layers"]) for s in example["stages"]]
