@@ -162,6 +162,23 @@ def _physical_limit(plan: Any, job: JobInputs) -> float:
     return physical_limit_s(CostModel(job.model, job.cluster, job.profile), plan.global_batch_size)
 
 
+def _check_devices(plan: Any, cluster: Any, where: str) -> None:
+    """A hand-edited stage must not claim GPUs its group does not have: the replay prices the
+    group's GPUs, so a mismatch would print figures for hardware other than the one named."""
+    from hapt_hf.planner.catalogue import device_names
+    from hapt_hf.planner.plan import PlanError
+    groups = {g.name: g for g in cluster.groups}
+    for s in plan.stages:
+        g = groups.get(s.group)
+        if g is None or not s.device_type:
+            continue  # an unknown group is reported by the cost model, naming the groups
+        ok = {n.upper() for n in device_names(g.gpu.name)}
+        if s.device_type.upper() not in ok:
+            raise PlanError(f"{where}: stage {s.index} has device_type {s.device_type!r} but "
+                            f"group {s.group!r} has {g.gpu.name} GPUs; set device_type to "
+                            f"{g.gpu.name!r} or move the stage to a group of {s.device_type}")
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from hapt_hf.planner.plan import Plan, PlanError
     from hapt_hf.planner.report import build_report
@@ -174,6 +191,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise PlanError(f"model.num_layers is {plan.num_layers} in {args.plan} but "
                         f"{job.model.name} has {job.model.num_layers} layers (blocks + 2); "
                         "re-plan for this model or pass the model the plan was made for")
+    _check_devices(plan, job.cluster, args.plan)
     sim = simulate_plan(plan, job.model, job.cluster, job.profile, record_events=True)
     report = build_report(plan, sim, title=f"{args.plan} on {job.cluster.name}",
                           capacity_gb=capacities_gb(job.cluster),

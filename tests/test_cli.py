@@ -206,16 +206,30 @@ def test_bad_cluster_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert not any(p.exists() for p in outputs)
 
 
-def test_malformed_plan_is_one_line(planned, tmp_path, capsys):
+def _stop_short(d):
+    d["stages"][-1]["layers"][1] -= 1  # the last stage stops short of the head
+
+
+def _wrong_device(d):
+    d["stages"][0]["device_type"] = "T4"  # the stage's group has no T4
+
+
+def _unknown_group(d):
+    d["stages"][0]["group"] = "h100"
+
+
+@pytest.mark.parametrize("edit,field", [(_stop_short, "layers"), (_wrong_device, "device_type"),
+                                        (_unknown_group, "'h100'")])
+def test_malformed_plan_is_one_line(edit, field, planned, tmp_path, capsys):
     cluster, plan_path = _planned_copy(planned, tmp_path)
     d = json.loads(plan_path.read_text())
-    d["stages"][-1]["layers"][1] -= 1  # the last stage stops short of the head
+    edit(d)
     plan_path.write_text(json.dumps(d))
     png = tmp_path / "t.png"
     code, out, err = _run(["simulate", plan_path, "--cluster", cluster, "--timeline", png],
                           capsys)
-    _assert_user_error(code, out, err, "layers")
-    assert not png.exists()
+    _assert_user_error(code, out, err, field)
+    assert not png.exists() and out == ""
 
 
 @pytest.mark.parametrize("argv,field", [
