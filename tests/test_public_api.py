@@ -57,6 +57,44 @@ def test_planner_imports_neither_pipeline_torch_nor_integration():
         assert not hits, f"import hapt_hf.planner loaded {hits[:5]}"
 
 
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Absolute names a file imports when it is loaded (imports inside functions are lazy)."""
+    import ast
+
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names, todo = set(), list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)  # annotations only: never executed
+            continue
+        todo.extend(n for n in ast.iter_child_nodes(node)
+                    if isinstance(n, (ast.stmt, ast.excepthandler)))
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            names.add(".".join(p for p in (base, node.module or "") if p))
+    return names
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("planner", ("hapt_hf.pipeline", "hapt_hf.integration", "torch")),
+    ("pipeline", ("hapt_hf.integration",)),
+])
+def test_imports_run_one_way_in_every_module(package, forbidden):
+    bad = {}
+    for path in sorted((ROOT / "hapt_hf" / package).glob("*.py")):
+        hits = [n for n in _module_level_imports(path)
+                if any(n == f or n.startswith(f + ".") for f in forbidden)]
+        if hits:
+            bad[path.name] = hits
+    assert not bad, f"hapt_hf.{package} modules import {bad} at load time"
+
+
 def test_top_level_package_is_light_and_versioned():
     loaded = _modules_after_import("hapt_hf")
     heavy = [m for m in loaded if m.split(".")[0] in ("torch", "transformers", "accelerate")
