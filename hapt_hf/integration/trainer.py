@@ -137,12 +137,10 @@ class HaptTrainer(Trainer):
         args = self.args
         self.is_in_train = True
         steps_per_epoch = self._steps_per_epoch()
-        if args.max_steps > 0:
-            max_steps = args.max_steps
-            num_epochs = math.ceil(max_steps / steps_per_epoch)
-        else:
-            num_epochs = math.ceil(args.num_train_epochs)
-            max_steps = num_epochs * steps_per_epoch
+        # As Trainer: max_steps wins; otherwise a (possibly fractional) number of epochs.
+        max_steps = args.max_steps if args.max_steps > 0 \
+            else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
+        num_epochs = math.ceil(max_steps / steps_per_epoch)
         self._train_batch_size = self.plan.global_batch_size
         self.create_optimizer_and_scheduler(num_training_steps=max_steps)
         self.state = TrainerState(stateful_callbacks=[
