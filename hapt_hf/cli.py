@@ -15,7 +15,14 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # imported lazily below, so that `hapt-hf --help` answers at once
+    from hapt_hf.planner.cluster import Cluster
+    from hapt_hf.planner.model_spec import ModelSpec
+    from hapt_hf.planner.plan import Plan
+    from hapt_hf.planner.profile import Profile
+    from hapt_hf.planner.report import PlanReport
 
 __all__ = ["main", "JobInputs", "resolve_job", "load_cluster", "UsageError"]
 
@@ -34,12 +41,10 @@ class UsageError(ValueError):
 class JobInputs:
     """Everything the planner needs, resolved from the flags and the cluster file's ``job:``."""
 
-    cluster: Any
-    """hapt_hf.planner.cluster.Cluster"""
-    model: Any
-    """hapt_hf.planner.model_spec.ModelSpec"""
-    profile: Any | None
-    """hapt_hf.planner.profile.Profile from the cluster file's ``profiles:``, or None."""
+    cluster: Cluster
+    model: ModelSpec
+    profile: Profile | None
+    """Measured layer times from the cluster file's ``profiles:``, or None."""
     global_batch_size: int
     cluster_source: str
     """The file the cluster came from, or ``built-in <name>``."""
@@ -47,7 +52,7 @@ class JobInputs:
 
 # -- resolving the inputs ----------------------------------------------------------------------
 
-def load_cluster(name_or_path: str | None) -> tuple[Any, str]:
+def load_cluster(name_or_path: str | None) -> tuple[Cluster, str]:
     """A cluster file, or the name of a built-in one (default: the demo cluster)."""
     from hapt_hf.planner.cluster import Cluster, builtin_cluster_names, builtin_cluster_path
 
@@ -64,7 +69,7 @@ def load_cluster(name_or_path: str | None) -> tuple[Any, str]:
     return Cluster.load(builtin_cluster_path(name)), f"built-in {name}"
 
 
-def _model_spec(model: Any, seq_len: int, dtype: str, where: str) -> Any:
+def _model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str) -> ModelSpec:
     from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
 
     if isinstance(model, dict):
@@ -74,10 +79,15 @@ def _model_spec(model: Any, seq_len: int, dtype: str, where: str) -> Any:
     raise ModelSpecError(f"no model given: pass --model NAME_OR_PATH or set job.model in {where}")
 
 
-def _load_profile(cluster: Any, model: Any) -> Any | None:
+def _load_profile(cluster: Cluster, model: ModelSpec) -> Profile | None:
     """Measured layer times named by the cluster file's ``profiles:`` (None without one)."""
     from hapt_hf.planner.search import cluster_profile
     return cluster_profile(cluster, model)
+
+
+def _first(*values: Any) -> Any:
+    """The first value given (a flag of 0 counts as given, and is then rejected as such)."""
+    return next((v for v in values if v is not None), None)
 
 
 def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: int | None = None,
@@ -86,9 +96,9 @@ def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: i
     cluster, source = load_cluster(cluster_arg)
     job = cluster.job
     demo = cluster_arg is None
-    model_arg = model or job.model or (DEMO_MODEL if demo else None)
-    seq = seq_len or job.seq_len or (DEMO_SEQ_LEN if demo else None)
-    gbs = global_batch or job.global_batch_size or (DEMO_GLOBAL_BATCH if demo else None)
+    model_arg = _first(model, job.model, DEMO_MODEL if demo else None)
+    seq = _first(seq_len, job.seq_len, DEMO_SEQ_LEN if demo else None)
+    gbs = _first(global_batch, job.global_batch_size, DEMO_GLOBAL_BATCH if demo else None)
     if seq is None:
         raise UsageError(f"no sequence length: pass --seq-len N or set job.seq_len in {source}")
     if gbs is None:
@@ -97,23 +107,23 @@ def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: i
     for flag, value in (("--seq-len", seq), ("--global-batch", gbs)):
         if int(value) < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
-    dt = dtype or job.dtype or DEFAULT_DTYPE
+    dt = _first(dtype, job.dtype, DEFAULT_DTYPE)
     spec = _model_spec(model_arg, int(seq), dt, source)
     return JobInputs(cluster, spec, _load_profile(cluster, spec), int(gbs), source)
 
 
-def capacities_gb(cluster: Any) -> dict[str, float]:
+def capacities_gb(cluster: Cluster) -> dict[str, float]:
     """Memory of one GPU of each group, for the table's 'memory GB' column."""
     return {g.name: float(g.gpu.memory_gb) for g in cluster.groups}
 
 
-def stage_labels(plan: Any) -> list[str]:
+def stage_labels(plan: Plan) -> list[str]:
     return [f"{s.index} {s.group} x{s.dp}" for s in plan.stages]
 
 
 # -- subcommands ------------------------------------------------------------------------------
 
-def _emit(report: Any, plan: Any, as_json: bool) -> None:
+def _emit(report: PlanReport, plan: Plan, as_json: bool) -> None:
     from hapt_hf.planner.report import format_report, report_to_dict
     if as_json:
         print(json.dumps({"report": report_to_dict(report), "plan": plan.to_dict()}, indent=2))
@@ -131,9 +141,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.cluster is None:
         print(f"no --cluster given: planning {job.model.name} on the {job.cluster_source} "
               "cluster", file=note)
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UsageError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
     options = PlannerOptions(
         schedule=args.schedule,
-        micro_batch_sizes=(args.micro_batch,) if args.micro_batch else None)
+        micro_batch_sizes=None if args.micro_batch is None else (args.micro_batch,))
     result = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
                       options=options)
     plan = result.plan.validate()
@@ -155,14 +167,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _physical_limit(plan: Any, job: JobInputs) -> float:
+def _physical_limit(plan: Plan, job: JobInputs) -> float:
     """No plan of this job can beat this: total work over the sum of every GPU's speed."""
     from hapt_hf.planner.cost_model import CostModel
     from hapt_hf.planner.search import physical_limit_s
     return physical_limit_s(CostModel(job.model, job.cluster, job.profile), plan.global_batch_size)
 
 
-def _check_devices(plan: Any, cluster: Any, where: str) -> None:
+def _check_devices(plan: Plan, cluster: Cluster, where: str) -> None:
     """A hand-edited stage must not claim GPUs its group does not have: the replay prices the
     group's GPUs, so a mismatch would print figures for hardware other than the one named."""
     from hapt_hf.planner.catalogue import device_names

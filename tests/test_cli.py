@@ -236,6 +236,8 @@ def test_malformed_plan_is_one_line(edit, field, planned, tmp_path, capsys):
     (["plan", "--cluster", "no_such_builtin"], "built-in"),
     (["plan", "--cluster", "missing/cluster.yaml"], "does not exist"),
     (["simulate", "missing.json", "--cluster", "v100x8_a100x4"], "does not exist"),
+    (["plan", "--cluster", "v100x8_a100x4", "--seq-len", "0"], "--seq-len"),
+    (["plan", "--cluster", "v100x8_a100x4", "--micro-batch", "0"], "--micro-batch"),
 ])
 def test_missing_inputs_are_one_line(argv, field, capsys):
     _assert_user_error(*_run(argv, capsys), field)
