@@ -37,6 +37,8 @@ class Layout:
     name: str
     blocks: tuple[int, ...]
     widths: tuple[int, ...]
+    recompute: tuple[bool, ...] = ()
+    """Stages built with activation checkpointing (default: none)."""
 
 
 def make_plan(layout: Layout, schedule: str) -> Plan:
@@ -44,7 +46,7 @@ def make_plan(layout: Layout, schedule: str) -> Plan:
     for i, (b, w) in enumerate(zip(layout.blocks, layout.widths)):
         end = start + b + (i == 0) + (i == n - 1)  # the embedding and head are layers too
         stages.append(StagePlan(i, (start, end), "cpu", "cpu", tuple(range(rank, rank + w)),
-                                warmup=n - i))
+                                warmup=n - i, recompute=i in layout.recompute))
         start, rank = end, rank + w
     plan = Plan("tiny", start, SEQ, MBS * M, MBS, M, "1f1b", tuple(stages))
     if schedule == "h1f1b":  # deeper than 1F1B, strictly falling, 1 on the last stage
@@ -116,6 +118,8 @@ def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
     for n, p in rt.stage.named_parameters():
         _compare(f"param {n} after {STEPS} steps", p.detach(), ref.get_parameter(n).detach(),
                  errors)
+    if schedule == "1f1b":  # forward-only paths, once per partition
+        _check_forward_only(rank, rt, ref, batches[0], errors)
     for p in rt.stage.tied_parameters():  # both copies moved alike
         _compare("tied copy", p.detach(), ref.get_parameter("lm_head.weight").detach(), errors)
     out = {"errors": errors, "params": len(names), "max_live": rt.max_live_activations,
@@ -123,6 +127,24 @@ def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
            "stage": rt.stage_plan.index, "norms": norms}
     rt.shutdown()
     return out
+
+
+def _check_forward_only(rank: int, rt, ref, b, errors: list[str]) -> None:
+    """evaluate, predict_logits and gather_state_dict against the reference model."""
+    with torch.no_grad():
+        ref_out = ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+    _compare("evaluate", torch.tensor(rt.evaluate(b), dtype=torch.float64),
+             ref_out.loss.double(), errors)
+    logits, state = rt.predict_logits(b), rt.gather_state_dict()
+    if rank == 0:
+        _compare("logits", logits, ref_out.logits, errors)
+        ref_state = ref.state_dict()
+        if set(state) != set(ref_state):
+            errors.append(f"state dict keys differ: {sorted(set(state) ^ set(ref_state))}")
+        for k in set(state) & set(ref_state):
+            _compare(f"state {k}", state[k], ref_state[k], errors)
+    elif logits is not None or state is not None:
+        errors.append("logits / state dict returned on a rank other than 0")
 
 
 def bad_input_messages(world_size: int) -> dict:
@@ -146,10 +168,31 @@ def bad_input_messages(world_size: int) -> dict:
     return out
 
 
+def accumulation_errors(rank: int, family: str, layout: Layout) -> list[str]:
+    """Two forward_backward calls without zeroing add up, as two backward() calls would."""
+    from transformers import AutoModelForCausalLM
+
+    from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
+    config = tiny_config(family, sum(layout.blocks))
+    rt = PipelineRuntime(make_plan(layout, "1f1b"), config, RuntimeConfig(timeout_s=60, seed=3))
+    torch.manual_seed(3)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    errors: list[str] = []
+    for b in make_batches(config.vocab_size, seed=5)[:2]:
+        rt.forward_backward(b)
+        ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss.backward()
+    for n, p in rt.stage.named_parameters():
+        _compare(f"accumulated grad {n}", p.grad, ref.get_parameter(n).grad, errors)
+    rt.shutdown()
+    return errors
+
+
 def run_all(rank: int, world_size: int, cases: list) -> dict:
     out = {case_id(*c): run_case(rank, *c) for c in cases}
     if world_size == 2:
         out["bad_input"] = bad_input_messages(world_size)
+    else:  # replicas and the tied group both take part
+        out["accumulation"] = accumulation_errors(rank, "gpt2", FOUR[1])
     return out
 
 
@@ -159,13 +202,16 @@ def case_id(family: str, layout: Layout, schedule: str) -> str:
 
 SCHEDULES = ("gpipe", "1f1b", "h1f1b")
 TWO = [Layout("4+2", (4, 2), (1, 1))]
-FOUR = [Layout("1+3+1+2", (1, 3, 1, 2), (1, 1, 1, 1)),
+FOUR = [Layout("1+3+1+2", (1, 3, 1, 2), (1, 1, 1, 1), recompute=(1, 3)),
         Layout("w2-w1-w1", (2, 1, 2), (2, 1, 1)),
         Layout("w1-w2-w1", (1, 2, 1), (1, 2, 1))]
 FAMILIES = ("gpt2", "llama")
 CASES = {2: [(f, lay, s) for f in FAMILIES for lay in TWO for s in SCHEDULES],
          4: [(f, lay, s) for f in FAMILIES for lay in FOUR[:2] for s in SCHEDULES]
          + [(f, FOUR[2], "1f1b") for f in FAMILIES]}
+
+
+EXTRAS = ("bad_input", "accumulation")
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +221,7 @@ def results() -> dict:
         per_rank = run_ranks(run_all, world, cases, timeout_s=240)
         for o in per_rank:
             for cid, r in o.value.items():
-                out[(cid, o.rank, world) if cid == "bad_input" else (cid, o.rank)] = r
+                out[(cid, o.rank, world) if cid in EXTRAS else (cid, o.rank)] = r
     return out
 
 
@@ -191,6 +237,12 @@ def test_matches_single_process(results, world, case):
         assert not r["errors"], f"rank {rank} (stage {r['stage']}): " + "\n".join(r["errors"])
         assert max(r["norms"]) > 0.5, "clipping never engaged; the step check would be weaker"
 
+
+
+def test_gradient_accumulation_adds_up(results):
+    for rank in range(4):
+        errors = results[("accumulation", rank, 4)]
+        assert not errors, f"rank {rank}: " + "\n".join(errors)
 
 
 def test_bad_input_is_refused_with_the_fix(results):
