@@ -111,7 +111,7 @@ class PlanPrediction:
 
 @dataclass(frozen=True)
 class Plan:
-    """A complete pipeline plan. See ARCHITECTURE.md for the JSON format."""
+    """A complete pipeline plan. See docs/architecture.md for the JSON format."""
 
     model_name: str
     num_layers: int
@@ -236,7 +236,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         if not isinstance(d, dict):
-            raise PlanError("a plan must be a JSON object; see ARCHITECTURE.md for the format")
+            raise PlanError("a plan must be a JSON object; see docs/architecture.md for the format")
         try:
             version = int(d.get("version", PLAN_VERSION))
             if version != PLAN_VERSION:
@@ -258,7 +258,7 @@ class Plan:
                 baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
             )
         except KeyError as e:
-            raise PlanError(f"plan is missing field {e.args[0]!r}; see ARCHITECTURE.md") from None
+            raise PlanError(f"plan is missing field {e.args[0]!r}; see docs/architecture.md") from None
         except (TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanError):
                 raise
