@@ -164,7 +164,7 @@ class Cluster:
                                f"{type(d).__name__}")
         _no_unknown_keys(d, {"name", "groups", "links", "job", "profiles"}, "cluster")
         groups = _parse_groups(d.get("groups"))
-        links = _parse_links(d.get("links") or [], [g.name for g in groups])
+        links = _parse_links([] if d.get("links") is None else d["links"], [g.name for g in groups])
         _check_connected(groups, links)
         return cls(name=str(d.get("name", "cluster")), groups=groups, links=links,
                    job=_parse_job(d.get("job")), profiles=_parse_profiles(d.get("profiles"),
