@@ -315,3 +315,25 @@ def test_report_uses_the_simulated_figures_and_baselines():
     assert "45.0 / 40 OVER" in text and "DOES NOT FIT: stage 1 needs 45.00 GB" in text
     assert "2.00x" in text and "infeasible: stage 0 does not fit" in text
     assert "25.0% above it" in text and "2 (0-1)" in text and "emb,b0-b3" in text
+
+
+# -- the benchmark's report into docs/benchmarks.md ---------------------------------------------
+
+def test_benchmark_rewrites_only_its_own_section(tmp_path, monkeypatch):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_planner",
+                                                  REPO / "benchmarks" / "planner.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_planner", bench)  # dataclasses look it up
+    spec.loader.exec_module(bench)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Runtime\n\nkeep me\n\n## Planner\n\nold figures\n\n"
+                   "## Race\n\nkeep me too\n")
+    bench.update_doc(doc, "## Planner\n\nnew figures\n")
+    text = doc.read_text()
+    assert "old figures" not in text and "new figures" in text
+    assert text.index("## Runtime") < text.index("## Planner") < text.index("## Race")
+    assert text.count("keep me") == 2
+    fresh = tmp_path / "new.md"
+    bench.update_doc(fresh, "## Planner\n\nx\n")
+    assert fresh.read_text() == "# Benchmarks\n\n## Planner\n\nx\n"
