@@ -48,11 +48,15 @@ class CgroupQuotas:
     def rank_dir(self, rank: int) -> Path:
         return self.parent / f"rank{rank}"
 
-    def create(self, rank: int, cores: float, shares: int = 4096) -> Path:
-        """A rank's cgroup of ``cores`` CPU quota. Its ``shares`` (4x a plain process's) make
+    def create(self, rank: int, cores: float, shares: int = 16384) -> Path:
+        """A rank's cgroup of ``cores`` CPU quota. Its ``shares`` (16x a plain process's) make
         the quota, not other busy processes of the machine, what limits the rank."""
         d = self.rank_dir(rank)
         d.mkdir(parents=True, exist_ok=True)
+        # shares weigh siblings: the parent competes with the machine's other processes, so
+        # it carries the weight of all its ranks
+        ranks = sum(1 for c in self.parent.iterdir() if c.is_dir())
+        (self.parent / "cpu.shares").write_text(str(min(262144, shares * ranks)))
         (d / "cpu.shares").write_text(str(shares))
         (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         # the kernel refuses quotas under 1 ms
