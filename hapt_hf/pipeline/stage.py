@@ -168,7 +168,10 @@ def build_stage(
         _seeded_init(stage, full, trace, seed, rng_state)
     del full  # only the stage's modules stay referenced
     _check_materialised(stage)
-    return stage.to(device=device, dtype=dtype)
+    stage.to(device=device, dtype=dtype)
+    # Rotary frequencies stay float32, as from_config/from_pretrained(dtype=...) keep them.
+    _rebuild_rotary(stage, device)
+    return stage
 
 
 def _check_materialised(stage: PipelineStage) -> None:
@@ -254,13 +257,13 @@ def _retie(stage: PipelineStage) -> None:
         setattr(stage.get_submodule(head_path), name, stage.get_parameter(stage.adapter.input_embedding_key))
 
 
-def _rebuild_rotary(stage: PipelineStage) -> None:
-    """Rotary buffers are computed, not stored: construct the module again on CPU."""
+def _rebuild_rotary(stage: PipelineStage, device: str | torch.device = "cpu") -> None:
+    """Rotary buffers are computed, not stored: construct the module again (float32)."""
     path = stage.adapter.rotary_path
     if path is None or len(stage.block_indices) == 0:
         return
-    meta_rotary = stage.get_submodule(path)
-    _attach(stage, path, type(meta_rotary)(config=stage.config))
+    rotary_type = type(stage.get_submodule(path))
+    _attach(stage, path, rotary_type(config=stage.config).to(device))
 
 
 def _load_checkpoint(stage: PipelineStage, checkpoint_dir: str | Path) -> None:

@@ -289,6 +289,7 @@ def test_gathered_stages_save_and_load_as_full_model(tmp_path) -> None:
 def test_dtype_and_stage_flags() -> None:
     stage = build_stage(llama(blocks=3), (2, 5), dtype=torch.bfloat16)
     assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
+    assert stage.get_buffer("model.rotary_emb.inv_freq").dtype == torch.float32  # as HF keeps it
     assert (stage.is_first, stage.is_last, list(stage.block_indices)) == (False, True, [1, 2])
     out = stage(torch.randn(2, SEQ, 64, dtype=torch.bfloat16))
     assert out.shape == (2, SEQ, VOCAB)
