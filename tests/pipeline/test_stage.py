@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 from transformers import (
     AutoModelForCausalLM,
@@ -325,3 +326,9 @@ def test_missing_checkpoint_is_explained(tmp_path) -> None:
     reference(llama(blocks=2)).save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(StageBuildError, match="has no tensor 'transformer.wte.weight'"):
         build_stage(gpt2(blocks=2), (0, 3), checkpoint_dir=tmp_path)
+    # An untied LM head is never stood in for by the input embedding.
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(StageBuildError, match="has no tensor 'lm_head.weight'"):
+        build_stage(llama(blocks=2), (2, 4), checkpoint_dir=tmp_path)
