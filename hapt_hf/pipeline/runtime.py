@@ -381,15 +381,16 @@ class PipelineRuntime:
                 p.grad = old if p.grad is None else p.grad.add_(old)
 
     def _sync_grads(self) -> None:
-        for p in self.parameters():
-            if p.grad is None:
+        # frozen parameters (e.g. a LoRA base) take no part; every replica freezes the same ones
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        for p in trainable:
+            if p.grad is None:  # unused in this iteration: still part of the all-reduce
                 p.grad = torch.zeros_like(p)
-        tied = {id(p) for p in self._tied}
-        if self._tied_group is not None and self._tied:
-            _all_reduce_flat([p.grad for p in self._tied], self._tied_group)
+        tied = {id(p) for p in self._tied if p.requires_grad}
+        if self._tied_group is not None and tied:
+            _all_reduce_flat([p.grad for p in self._tied if p.requires_grad], self._tied_group)
         if self._dp_group is not None:
-            _all_reduce_flat([p.grad for p in self.parameters() if id(p) not in tied],
-                             self._dp_group)
+            _all_reduce_flat([p.grad for p in trainable if id(p) not in tied], self._dp_group)
 
     def _global_loss(self, loss_sum: Tensor, tokens: int) -> float:
         t = loss_sum.to(self.device)  # zero except on the last stage's replicas
