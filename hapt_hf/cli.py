@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -236,7 +237,15 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hapt-hf",
-        description="Heterogeneity-aware pipeline planning for Hugging Face causal LMs.")
+        description="Heterogeneity-aware pipeline planning for Hugging Face causal LMs.",
+        epilog="examples:\n"
+               "  hapt-hf plan                      # GPT-2 on the built-in 8 V100 + 4 A100 "
+               "cluster\n"
+               "  hapt-hf plan --cluster cluster.yaml --model gpt2 --seq-len 1024 "
+               "--global-batch 64 -o plan.json --timeline plan.png\n"
+               "  hapt-hf simulate plan.json --cluster cluster.yaml\n"
+               "errors in the input end with one line 'hapt-hf: error: ...' and exit code 2.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{plan,simulate,profile}")
 
     p = sub.add_parser(
@@ -297,17 +306,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hapt-hf`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["profile"]:
-        return _cmd_profile(argv[1:])  # the profiler parses its own flags
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "run", None):
-        parser.print_help()
-        return 2
-    errors = _user_errors()
+        run = partial(_cmd_profile, argv[1:])  # the profiler parses its own flags
+    else:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "run", None):
+            parser.print_help(sys.stderr)
+            return 2
+        run = partial(args.run, args)
     try:
-        return args.run(args)
-    except errors as e:
-        msg = e.strerror + f": {e.filename}" if isinstance(e, OSError) and e.filename else e
+        return run()
+    except _user_errors() as e:
+        msg = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename else e
         print(f"hapt-hf: error: {msg}", file=sys.stderr)
         return 2
 
