@@ -150,14 +150,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
                       options=options)
     plan = result.plan.validate()
-    report = build_report(plan, result.sim, title=f"{job.model.name} on {job.cluster.name}",
+    sim = result.sim
+    if not sim.events:  # a replay that kept no events (e.g. a baseline's) cannot be drawn
+        from hapt_hf.planner.simulate import simulate_plan
+        sim = simulate_plan(plan, job.model, job.cluster, job.profile, record_events=True)
+    report = build_report(plan, sim, title=f"{job.model.name} on {job.cluster.name}",
                           capacity_gb=capacities_gb(job.cluster),
                           physical_limit_s=result.physical_limit_s,
                           search_time_s=result.search_time_s, baselines=result.baselines)
     # outputs only now that planning succeeded; each is written atomically
     if args.timeline:
         from hapt_hf.planner.timeline import draw_timeline
-        draw_timeline(result.sim, args.timeline, title=report.title,
+        draw_timeline(sim, args.timeline, title=report.title,
                       stage_labels=stage_labels(plan))
     if args.output:
         plan.save(args.output)
