@@ -86,7 +86,11 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
 
 def init_process_group(launch: LaunchEnv, timeout_s: float = 300.0) -> None:
     """Join the job's process group (Gloo on CPU, NCCL on GPUs) unless already joined."""
-    if launch.world_size == 1 or dist.is_initialized():
+    if dist.is_initialized():
+        return
+    if launch.world_size == 1:
+        # A one-rank plan run as `python recipe.py`: the runtime still talks through a group.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return
     if launch.launcher == "mpirun":
         # env:// reads these names; mpirun sets its own.
