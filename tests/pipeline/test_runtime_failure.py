@@ -12,7 +12,7 @@ from hapt_hf.testing import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-BOUND_S = 10.0  # RuntimeConfig.timeout_s for these runs
+BOUND_S = 6.0  # RuntimeConfig.timeout_s for these runs
 
 
 def _plan() -> Plan:
