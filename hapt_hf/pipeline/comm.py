@@ -77,10 +77,11 @@ class FailureChannel:
         self.timeout_s = float(timeout_s)
         self.grace_s = min(grace_s, self.timeout_s / 2)
         self._store = dist.PrefixStore(f"hapt_hf/{namespace}/", store or _default_store())
-        self._wait: tuple[str, int, float] | None = None  # (what, peer, since)
+        self._wait: tuple[str, int | None, float] | None = None  # (what, peer, since)
         self._seen: str | None = None  # a record read earlier: the store may be gone later
         self._stop = threading.Event()
         self._beats: dict[int, tuple[int, float]] = {}  # peer -> (last count, when it changed)
+        self._interval = max(0.05, min(1.0, self.timeout_s / 20))
         self._thread = threading.Thread(target=self._watch, name="hapt-watchdog", daemon=True)
         self._thread.start()
 
@@ -124,7 +125,39 @@ class FailureChannel:
                     raise self._lost_peer(t, stage, e) from None
 
     @contextmanager
-    def _waiting(self, what: str, peer: int) -> Iterator[None]:
+    def collective(self, what: str, stage: int, ranks: Sequence[int]) -> Iterator[None]:
+        """Run a collective over ``ranks`` so that a failure becomes a PipelineFailure."""
+        with self._waiting(what, None):
+            try:
+                yield
+            except PipelineFailure:
+                raise
+            except Exception as e:  # noqa: BLE001 - turned into one clear message
+                first = self.first_failure(wait_s=self.grace_s)
+                mine = f"rank {self.rank} (stage {stage}) was in {what}"
+                if first is None:
+                    # the transport does not say which rank went away: its heartbeat does
+                    own = f"{self._silent(ranks)} stopped answering ({_short(e)}) while {mine}"
+                    first = self.record(own)
+                    if first == own:
+                        raise PipelineFailure(own) from None
+                raise PipelineFailure(f"{first}; {mine}") from None
+
+    def _silent(self, ranks: Sequence[int]) -> str:
+        """Name the ranks whose heartbeat does not move over a few watchdog intervals."""
+        others = [r for r in ranks if r != self.rank]
+        try:
+            before = {r: self._store.add(f"hb/{r}", 0) for r in others}
+            time.sleep(3 * self._interval)
+            dead = [r for r in others if self._store.add(f"hb/{r}", 0) == before[r]]
+        except Exception:  # noqa: BLE001 - with env:// the store lives in rank 0's process
+            return "rank 0 (host of the rendezvous store)"
+        if not dead:
+            return f"one of ranks {others}"
+        return ("rank " if len(dead) == 1 else "ranks ") + ", ".join(map(str, dead))
+
+    @contextmanager
+    def _waiting(self, what: str, peer: int | None) -> Iterator[None]:
         self._wait = (what, peer, time.monotonic())
         try:
             yield
@@ -146,7 +179,7 @@ class FailureChannel:
 
     # -- watchdog --------------------------------------------------------------------------
     def _watch(self) -> None:
-        interval = max(0.05, min(1.0, self.timeout_s / 20))
+        interval = self._interval
         while not self._stop.wait(interval):
             try:
                 self._store.add(f"hb/{self.rank}", 1)
@@ -167,9 +200,12 @@ class FailureChannel:
             return None
         what, peer, since = wait
         now = time.monotonic()
-        count = self._store.add(f"hb/{peer}", 0)
-        last = self._beats.get(peer)
-        if last is None or last[0] != count:
+        # a collective has no single peer to watch: the process group's timeout bounds it
+        count = self._store.add(f"hb/{peer}", 0) if peer is not None else None
+        last = self._beats.get(peer) if peer is not None else None
+        if peer is None:
+            pass
+        elif last is None or last[0] != count:
             self._beats[peer] = (count, now)
         elif now - last[1] > self.timeout_s and now - since > self.timeout_s:
             return self.record(f"rank {peer} stopped answering (no heartbeat for "

@@ -137,6 +137,10 @@ class PipelineRuntime:
         self._tied = list(self.stage.tied_parameters())
         self._dp_group, self._tied_group = self._make_groups(model_config)
         self.channel = FailureChannel(f"rt{next(_runtime_ids)}", self.rank, config.timeout_s)
+        self._all_ranks = tuple(range(plan.world_size))
+        # who takes part in this rank's gradient all-reduces (its replicas, the tied group)
+        self._grad_peers = tuple(sorted(set(self.stage_plan.ranks) | (
+            set(self.work.tied_ranks) if self._tied_group is not None else set())))
         self.in_flight_limit = max_in_flight(self.work.actions)
         """Forwards the schedule lets this stage hold before their backward (its warm-up)."""
         self.max_live_activations = 0
@@ -170,7 +174,9 @@ class PipelineRuntime:
         stash = self._stash_grads()
         tokens = max(1, int((labels[:, 1:] != -100).sum()))
         loss_sum = self._run(self.work.actions, ids, labels, mask, tokens, backward=True)
-        self._sync_grads()
+        with self.channel.collective("the gradient all-reduce", self.stage_plan.index,
+                                     self._grad_peers):
+            self._sync_grads()
         self._restore_grads(stash)
         return self._global_loss(loss_sum, tokens)
 
@@ -192,7 +198,9 @@ class PipelineRuntime:
             for p in self.parameters():
                 if p.grad is not None and id(p) not in tied:
                     sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq)
+        with self.channel.collective("the gradient-norm all-reduce", self.stage_plan.index,
+                                     self._all_ranks):
+            dist.all_reduce(sq)
         norm = math.sqrt(sq.item())
         coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
@@ -218,14 +226,18 @@ class PipelineRuntime:
                          if a.kind in (ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F))
         with torch.no_grad():
             outs = self._run(forwards, ids, None, mask, 1, backward=False, keep_logits=True)
-        return self._gather_logits(outs, ids.shape)
+        with self.channel.collective("the logits gather", self.stage_plan.index,
+                                     self._all_ranks):
+            return self._gather_logits(outs, ids.shape)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Tensor] | None:
         """The full model's state dict (Hugging Face keys) on rank ``dst``, None elsewhere."""
         mine = ({k: v.detach().cpu() for k, v in self.stage.hf_state_dict().items()}
                 if self.work.replica == 0 else None)
         parts: list[Any] | None = [None] * dist.get_world_size() if self.rank == dst else None
-        dist.gather_object(mine, parts, dst=dst)
+        with self.channel.collective("the state-dict gather", self.stage_plan.index,
+                                     self._all_ranks):
+            dist.gather_object(mine, parts, dst=dst)
         if parts is None:
             return None
         full: dict[str, Tensor] = {}
@@ -394,7 +406,9 @@ class PipelineRuntime:
 
     def _global_loss(self, loss_sum: Tensor, tokens: int) -> float:
         t = loss_sum.to(self.device)  # zero except on the last stage's replicas
-        dist.all_reduce(t)
+        with self.channel.collective("the loss all-reduce", self.stage_plan.index,
+                                     self._all_ranks):
+            dist.all_reduce(t)
         return float(t.item() / tokens)
 
     def _gather_logits(self, outs: dict[int, Tensor], shape: torch.Size) -> Tensor | None:

@@ -15,8 +15,15 @@ pytestmark = pytest.mark.multiproc
 BOUND_S = 6.0  # RuntimeConfig.timeout_s for these runs
 
 
-def _plan() -> Plan:
-    """Three stages of one block each: [embedding, b0], [b1], [b2, head]; 1F1B."""
+def _plan(how: str) -> Plan:
+    """Three stages of one block each: [embedding, b0], [b1], [b2, head]; 1F1B.
+
+    For a failure inside the gradient all-reduce: a 2-wide first stage and a 1-wide last one.
+    """
+    if how == "kill_in_allreduce":
+        stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0, 1), warmup=2),
+                  StagePlan(1, (3, 5), "cpu", "cpu", (2,), warmup=1))
+        return Plan("tiny", 5, 8, 8, 2, 4, "1f1b", stages).validate()
     layers = ((0, 2), (2, 3), (3, 5))
     stages = tuple(StagePlan(i, span, "cpu", "cpu", (i,), warmup=3 - i)
                    for i, span in enumerate(layers))
@@ -24,13 +31,14 @@ def _plan() -> Plan:
 
 
 def worker(rank: int, world_size: int, victim: int, how: str) -> dict:
-    """Run one good iteration, then one where ``victim`` fails at its second forward."""
+    """Run one good iteration, then one where ``victim`` fails at its second forward (or, for
+    ``kill_in_allreduce``, dies as the gradient all-reduce starts)."""
     import torch
     from transformers import GPT2Config
 
     from hapt_hf.pipeline import Batch, PipelineFailure, PipelineRuntime, RuntimeConfig
     config = GPT2Config(n_layer=3, n_embd=16, n_head=2, n_positions=16, vocab_size=50)
-    rt = PipelineRuntime(_plan(), config, RuntimeConfig(timeout_s=BOUND_S))
+    rt = PipelineRuntime(_plan(how), config, RuntimeConfig(timeout_s=BOUND_S))
     batch = Batch(torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(0)))
     rt.forward_backward(batch)  # every pair has talked once: a healthy pipeline
     calls = []
@@ -42,7 +50,9 @@ def worker(rank: int, world_size: int, victim: int, how: str) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("boom")
 
-    if rank == victim:
+    if rank == victim and how == "kill_in_allreduce":
+        rt._sync_grads = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    elif rank == victim:
         rt.stage.register_forward_pre_hook(fail)
     start = time.monotonic()
     try:
@@ -75,3 +85,16 @@ def test_raising_rank_ends_the_others_while_it_stays_alive():
     for o in (outs[0], outs[2]):
         assert o.exitcode == 1 and not o.ok, o
         assert f"PipelineFailure: {expected}" in o.stderr_tail, o.stderr_tail
+
+
+def test_rank_killed_in_the_gradient_all_reduce_is_named():
+    outs = run_ranks(worker, 3, 1, "kill_in_allreduce", timeout_s=120, pg_timeout_s=BOUND_S,
+                     check=False)
+    assert outs[1].exitcode == -signal.SIGKILL
+    for o in (outs[0], outs[2]):
+        assert o.ok, o.error
+        msg = o.value["message"]
+        assert msg is not None and "rank 1 stopped answering" in msg, msg
+        stage = 0 if o.rank == 0 else 1
+        assert f"rank {o.rank} (stage {stage}) was in the gradient all-reduce" in msg, msg
+        assert o.value["elapsed"] < BOUND_S, o.value
