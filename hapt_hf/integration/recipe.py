@@ -222,6 +222,10 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
         _verify(trainer, runtime, eval_rows if len(eval_rows) >= plan.global_batch_size
                 else train_rows, Path(args.output_dir), launch.rank)
     runtime.shutdown()
+    if launch.is_main:
+        print(f"saved a Hugging Face checkpoint to {args.output_dir} (load it with "
+              f"AutoModelForCausalLM.from_pretrained({str(args.output_dir)!r})) and the plan "
+              f"that ran to {Path(args.output_dir) / 'plan.json'}", flush=True)
 
 
 def main(defaults: RecipeDefaults, argv: list[str] | None = None) -> int:
