@@ -152,7 +152,7 @@ def assert_tied_ends(stages: list[PipelineStage]) -> None:
 
 @pytest.mark.parametrize("family", [mistral, qwen2, opt, lambda: opt(projected=True)],
                          ids=["mistral_sliding", "qwen2_mixed_tied", "opt_tied", "opt_projected"])
-def test_llama_shaped_families_match(family: Callable) -> None:
+def test_mistral_qwen2_opt_match(family: Callable) -> None:
     config = family()
     ref = reference(config)
     stages = [build_stage(config, r) for r in [(0, 3), (3, 5), (5, 8)]]
