@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hapt_hf.integration.config import HaptPlugin
+from hapt_hf.pipeline.families import supported_model_types
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group",
@@ -31,7 +32,8 @@ __all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group",
            "check_model_family", "print_main", "write_plan"]
 
 # Families the stage builder handles (GPT-2 shape, LLaMA shape).
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+# One list, owned by the stage builder, so a family it learns is accepted here too.
+SUPPORTED_MODEL_TYPES = tuple(supported_model_types())
 
 
 class LaunchError(ValueError):
