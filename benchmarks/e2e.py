@@ -315,6 +315,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--slowdown", type=float, default=None)
     ap.add_argument("--link-mbps", type=float, default=None)
     ap.add_argument("--slowdown-mechanism", choices=["hook", "cgroup"], default=None)
+    ap.add_argument("--ddp-max-s", type=float, default=None,
+                    help="run (e) DDP when its estimated all-reduce takes at most this long")
+    ap.add_argument("--ddp-reps", type=int, default=None)
     ap.add_argument("--idle-profile", action="store_true",
                     help="profile the group leaders with their peers idle")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
@@ -326,7 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = RaceConfig(reps=3, ddp_reps=1) if args.quick else RaceConfig()
     over = {"reps": args.reps, "slowdown": args.slowdown, "link_mbps": args.link_mbps,
             "slowdown_mechanism": args.slowdown_mechanism,
-            "busy_profile": False if args.idle_profile else None}
+            "busy_profile": False if args.idle_profile else None,
+            "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
 
     from benchmarks.testbed import Testbed, TestbedSpec
