@@ -468,6 +468,14 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
     return out
 
 
+def _twin(a: _Scored, b: _Scored) -> bool:
+    la, lb = a.layout, b.layout
+    return (math.isclose(a.score, b.score, rel_tol=1e-12) and la.bounds == lb.bounds
+            and la.micro_batch_size == lb.micro_batch_size
+            and [s.width for s in la.shapes] == [s.width for s in lb.shapes]
+            and [s.group.gpu for s in la.shapes] == [s.group.gpu for s in lb.shapes])
+
+
 def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
     orders = group_orders(cm.cluster)
     if not orders:
@@ -496,6 +504,8 @@ def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
                 continue
             any_fit = True
             order_score[oi] = min(order_score[oi], sc.score)
+            if any(_twin(sc, b) for b in best):
+                continue  # an order of alike groups that prices the same: keep one
             if len(best) < options.simulate_top or sc < best[-1]:
                 last_gain = tried
             best.append(sc)
@@ -505,33 +515,46 @@ def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
     return best, tried
 
 
-def _refine_warmups(cm: CostModel, layout: Layout, m: int) -> tuple[Layout, SimResult]:
-    """Try 1..4 extra warm-ups across each group link (one link at a time) and keep the
-    fastest replay that fits in memory."""
-    best_l, best_r = layout, _simulate(cm, layout, m)
+def _refine_warmups(cm: CostModel, layout: Layout, m: int,
+                    sim: SimResult | None = None) -> tuple[Layout, SimResult]:
+    """Try other warm-up steps across each group link (every cut, in short pipelines), one cut
+    at a time, and keep the fastest replay that fits in memory."""
+    best_l = layout
+    best_r = sim if sim is not None else _simulate(cm, layout, m)
     if layout.schedule != "h1f1b":
         return best_l, best_r
     n = layout.num_stages
-    cross = [i for i in range(n - 1)
-             if layout.shapes[i].group.name != layout.shapes[i + 1].group.name]
-    for i in cross:
-        incs = [best_l.warmups[j] - (best_l.warmups[j + 1] if j + 1 < n else 0)
-                for j in range(n)]
-        for inc in (1, 2, 3, 4, 6):
-            if inc == incs[i]:
+    cuts = [i for i in range(n - 1)
+            if n <= 4 or layout.shapes[i].group.name != layout.shapes[i + 1].group.name]
+    for i in cuts:
+        steps = [best_l.warmups[j] - best_l.warmups[j + 1] for j in range(n - 1)]
+        for step in (1, 2, 3, 4, 6, 8):
+            if step == steps[i]:
                 continue
-            trial = list(incs)
-            trial[i] = inc
-            warm = [0] * n
-            acc = 0
-            for j in range(n - 1, -1, -1):
-                acc += trial[j] if j < n - 1 else 1
-                warm[j] = min(acc, m)
-            cand = replace(best_l, warmups=tuple(warm))
+            trial = list(steps)
+            trial[i] = step
+            warm = [1] * n
+            for j in range(n - 2, -1, -1):
+                warm[j] = warm[j + 1] + max(trial[j], 1)
+            cand = replace(best_l, warmups=tuple(min(w, m) for w in warm))
+            if cand.warmups == best_l.warmups:
+                continue
             r = _simulate(cm, cand, m)
             if _better(r, best_r):
                 best_l, best_r = cand, r
     return best_l, best_r
+
+
+def _as_schedule(layout: Layout, schedule: str, m: int) -> Layout:
+    """The same partition under the planner's schedule. 1F1B is H-1F1B with one warm-up step
+    per stage, so a 1F1B baseline keeps its depths (and its replay) under H-1F1B."""
+    if layout.schedule == schedule:
+        return layout
+    if schedule == "h1f1b" and layout.schedule == "1f1b":
+        return replace(layout, schedule=schedule)
+    n = layout.num_stages
+    return replace(layout, schedule=schedule,
+                   warmups=hapt_warmups(layout.shapes, [0.0] * (n - 1), 1.0, m, schedule))
 
 
 def _better(a: SimResult, b: SimResult) -> bool:
@@ -552,39 +575,52 @@ def _fits_recompute(cm: CostModel, layout: Layout, i: int, a: int, b: int, in_fl
     return None
 
 
+def _moves(n: int):
+    """Boundary moves: one boundary by one layer, or two neighbouring boundaries together
+    (which shifts a whole stage by one layer)."""
+    for i in range(n - 1):
+        for d in (-1, 1):
+            yield (i,), d
+    for i in range(n - 2):
+        for d in (-1, 1):
+            yield (i, i + 1), d
+
+
+def _moved(layout: Layout, idx: tuple[int, ...], d: int):
+    edges = [a for a, _ in layout.bounds] + [layout.bounds[-1][1]]
+    for i in idx:
+        edges[i + 1] += d
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        return None
+    return tuple(zip(edges, edges[1:]))
+
+
 def _refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
-                       options: PlannerOptions) -> tuple[Layout, SimResult]:
-    """Move each layer boundary by one while the replay improves (bounded by a budget)."""
-    budget = options.max_refine_simulations
+                       options: PlannerOptions, budget: int) -> tuple[Layout, SimResult]:
+    """Move layer boundaries by one while the replay improves (at most ``budget`` replays)."""
     improved = True
     while improved and budget > 0:
         improved = False
-        for i in range(layout.num_stages - 1):
-            for d in (-1, 1):
-                if budget <= 0:
+        for idx, d in _moves(layout.num_stages):
+            if budget <= 0:
+                break
+            bounds = _moved(layout, idx, d)
+            if bounds is None:
+                continue
+            inflight = sim.peak_in_flight or layout.warmups
+            rcs = []
+            for j, (a, b) in enumerate(bounds):
+                rc = _fits_recompute(cm, layout, j, a, b, inflight[j], options.allow_recompute)
+                if rc is None:
                     break
-                bounds = list(layout.bounds)
-                (a0, b0), (a1, b1) = bounds[i], bounds[i + 1]
-                if not (a0 < b0 + d < b1):
-                    continue
-                bounds[i], bounds[i + 1] = (a0, b0 + d), (b0 + d, b1)
-                rcs = list(layout.recompute)
-                inflight = sim.peak_in_flight or layout.warmups
-                ok = True
-                for j in (i, i + 1):
-                    rc = _fits_recompute(cm, layout, j, *bounds[j], inflight[j],
-                                         options.allow_recompute)
-                    if rc is None:
-                        ok = False
-                        break
-                    rcs[j] = rc
-                if not ok:
-                    continue
-                cand = replace(layout, bounds=tuple(bounds), recompute=tuple(rcs))
-                budget -= 1
-                r = _simulate(cm, cand, m)
-                if _better(r, sim):
-                    layout, sim, improved = cand, r, True
+                rcs.append(rc)
+            if len(rcs) != len(bounds):
+                continue
+            cand = replace(layout, bounds=bounds, recompute=tuple(rcs))
+            budget -= 1
+            r = _simulate(cm, cand, m)
+            if _better(r, sim):
+                layout, sim, improved = cand, r, True
     return layout, sim
 
 
@@ -610,24 +646,42 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
         from .baselines import baseline_plans  # baselines build on this module's helpers
         baselines = baseline_plans(model, cluster, global_batch_size, profile, options, cm)
         for b in baselines.values():
-            if b.plan is not None and b.plan.schedule == options.schedule:
-                lay = layout_of_plan(cm, b.plan)
+            if b.plan is not None:
+                lay = _as_schedule(layout_of_plan(cm, b.plan), options.schedule,
+                                   b.plan.num_microbatches)
                 scored.append((_simulate(cm, lay, b.plan.num_microbatches), lay))
-    feasible = [(r, lay) for r, lay in scored if r.feasible]
+    own = len(top)
+    feasible = [(r.iteration_s, i, lay, r) for i, (r, lay) in enumerate(scored) if r.feasible]
     if not feasible:
         raise _does_not_fit(cm, global_batch_size, options)
-    feasible.sort(key=lambda x: x[0].iteration_s)
-    r, lay = feasible[0]
+    feasible.sort(key=lambda x: x[:2])
+    # the partition balances compute only; moving boundaries by simulation also weighs
+    # transfers, all-reduce and the optimizer step, so every finalist gets a share of it:
+    # the search's own candidates and the best baseline
+    finalists = [(r, lay) for _, i, lay, r in feasible if i < own]
+    finalists += [(r, lay) for _, i, lay, r in feasible if i >= own][:1]
+    share = max(options.max_refine_simulations // len(finalists), 8)
+    refined = []
+    for r, lay in finalists:
+        m = global_batch_size // lay.micro_batch_size
+        lay, r = _refine_boundaries(cm, lay, r, m, options, share)
+        lay, r = _refine_warmups(cm, lay, m, r)
+        refined.append((r.iteration_s, len(refined), lay))
+    _, _, lay = min(refined)
     m = global_batch_size // lay.micro_batch_size
-    lay, r = _refine_boundaries(cm, lay, r, m, options)
     final = _simulate(cm, lay, m, exact=True, record_events=True)
     if not final.feasible:  # extrapolation cannot change feasibility; guard anyway
         raise PlanningError(f"the chosen plan cannot run: {final.reason}")
     # never return a plan slower than a baseline's (the extrapolated ranking could err)
     for b in baselines.values():
-        if b.sim is not None and b.sim.feasible and b.plan is not None and \
-                b.plan.schedule == options.schedule and b.sim.iteration_s < final.iteration_s:
-            lay, final = layout_of_plan(cm, b.plan), b.sim
+        if b.sim is None or not b.sim.feasible or b.plan is None or \
+                b.sim.iteration_s >= final.iteration_s:
+            continue
+        blay = _as_schedule(layout_of_plan(cm, b.plan), options.schedule,
+                            b.plan.num_microbatches)
+        r = _simulate(cm, blay, b.plan.num_microbatches, exact=True, record_events=True)
+        if r.feasible and r.iteration_s < final.iteration_s:
+            lay, final = blay, r
     base_times = {k: b.sim.iteration_s for k, b in baselines.items()
                   if b.sim is not None and b.sim.feasible}
     plan = layout_to_plan(cm, lay, global_batch_size, final, base_times).validate()
