@@ -33,8 +33,7 @@ from .cost_model import DEFAULT_EFFICIENCY, CostModel, StageShape
 from .model_spec import ModelSpec
 from .plan import SCHEDULES, Plan, PlanPrediction, StagePlan, StagePrediction
 from .profile import Profile, load_sailor_profiles
-from .schedule import build_schedule
-from .simulate import SimResult, simulate_schedule
+from .simulate import SimResult, encode_warmup_schedule, replay
 
 __all__ = ["PlanningError", "PlannerOptions", "BaselineResult", "PlanResult", "Layout",
            "plan_job", "physical_limit_s", "cluster_profile"]
@@ -60,6 +59,8 @@ class PlannerOptions:
     """Fraction of peak TFLOP/s assumed where no profile measured a layer."""
     simulate_top: int = 4
     """How many of the best analytic candidates are replayed in the simulator."""
+    simulate_top_cheap: int = 12
+    """Replayed instead when a candidate's replay is cheap (stages x micro-batches <= 512)."""
     max_expansions: int = 1500
     """Cap on (shapes, micro-batch, order) partitions tried: bounds the search time."""
     patience: int = 300
@@ -303,7 +304,12 @@ def estimate_s(cm: CostModel, layout: Layout, num_microbatches: int) -> float:
     steps = [c.forward_s + c.backward_s for c in st]
     cuts = [c.send_forward_s for c in st[:-1]]
     period = max(steps + cuts)
-    tail = max(c.allreduce_s + c.update_s for c in st)
+    # the drain runs upstream: stage i's last backward ends the earlier by the backward and
+    # cut times of the stages before it, so its all-reduce and step overlap theirs
+    tail, ahead = 0.0, 0.0
+    for i, c in enumerate(st):
+        tail = max(tail, c.allreduce_s + c.update_s - ahead)
+        ahead += c.backward_s + (cuts[i - 1] if i > 0 else 0.0)
     return sum(steps) + 2 * sum(cuts) + (num_microbatches - 1) * period + tail
 
 
@@ -322,9 +328,8 @@ def _simulate(cm: CostModel, layout: Layout, num_microbatches: int, exact: bool 
 
     def run(m: int) -> SimResult:
         warm = layout.warmups if layout.schedule != "gpipe" else (m,) * layout.num_stages
-        sched = build_schedule(layout.schedule, layout.num_stages, m,
-                               [min(w, m) for w in warm], validate=False)
-        return simulate_schedule(sched, costs, record_events)
+        lists = encode_warmup_schedule(layout.num_stages, m, warm)
+        return replay(lists, costs, record_events)
 
     m = num_microbatches
     cap = _steady_cap(layout)
@@ -451,10 +456,16 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
     if math.prod(len(o) for o in per_group) > options.max_shape_combos:
         # at scale, keep equal widths inside a group (unequal ones only where none is equal)
         per_group = [[w for w in o if len(set(w)) == 1] or o for o in per_group]
+    total_static = cm.static_bytes(0, L)
     out = []
     for combo in itertools.product(*per_group):
         n = sum(len(w) for w in combo)
         if n > max_n:
+            continue
+        # every replica of a stage holds the stage's weights and optimizer state, so the
+        # stages' memories together must hold the whole model's at least once
+        if sum(cm.capacity_bytes(g) * len(ws) for g, ws in zip(cm.cluster.groups, combo)) \
+                < total_static:
             continue
         widths = {g.name: w for g, w in zip(cm.cluster.groups, combo)}
         flat = [w for ws in combo for w in ws]
@@ -483,10 +494,11 @@ def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
                             "neighbours; add links under 'links:' so the groups form a chain")
     best: list[_Scored] = []
     tried = expanded = last_gain = 0
+    keep = max(options.simulate_top, options.simulate_top_cheap)
     order_score = [math.inf] * len(orders)
     active = list(range(len(orders)))
     for bound, key, widths, mbs in _candidates(cm, global_batch, options):
-        if len(best) >= options.simulate_top and bound > best[-1].score:
+        if len(best) >= options.simulate_top and bound > best[options.simulate_top - 1].score:
             break
         if tried >= options.max_expansions or tried - last_gain > options.patience:
             break
@@ -506,11 +518,11 @@ def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
             order_score[oi] = min(order_score[oi], sc.score)
             if any(_twin(sc, b) for b in best):
                 continue  # an order of alike groups that prices the same: keep one
-            if len(best) < options.simulate_top or sc < best[-1]:
+            if len(best) < options.simulate_top or sc < best[options.simulate_top - 1]:
                 last_gain = tried
             best.append(sc)
             best.sort()
-            del best[options.simulate_top:]
+            del best[keep:]
         expanded += any_fit
     return best, tried
 
@@ -637,6 +649,9 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
     top, tried = _search_layouts(cm, global_batch_size, options)
     scored: list[tuple[SimResult, Layout]] = []
+    # the analytic ranking is rough: replay more candidates when replays are cheap
+    top = [sc for i, sc in enumerate(top) if i < options.simulate_top or
+           sc.layout.num_stages * global_batch_size // sc.layout.micro_batch_size <= 512]
     for sc in top:
         m = global_batch_size // sc.layout.micro_batch_size
         lay, r = _refine_warmups(cm, sc.layout, m)
@@ -691,52 +706,55 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
 
 # -- when nothing fits -----------------------------------------------------------------------
 
-def _memory_excess(cm: CostModel, caps: list[float], L: int) -> float:
-    """Smallest extra bytes per GPU that let stages of these capacities (one GPU each, one
-    micro-batch of one sample in flight, recompute on) hold the whole model; 0 if it fits."""
-    def fits(extra: float) -> bool:
-        a = 0
-        for cap in caps:
-            b = a
-            while b < L and cm.memory_bytes(1, a, b + 1, 1, True) <= cap + extra:
-                b += 1
-            a = b
-            if a == L:
-                return True
-        return False
-
-    if fits(0.0):
-        return 0.0
-    lo, hi = 0.0, max(cm.memory_bytes(1, 0, L, 1, True), 1.0)
-    while hi - lo > 1e6:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+def _fill(cm: CostModel, caps: list[float], extra: float = 0.0) -> int:
+    """Layers that GPUs of these capacities (one stage each, one sample in flight, recompute
+    on) hold when each takes as many as fit, in order."""
+    L, a = cm.model.num_layers, 0
+    for cap in caps:
+        b = a
+        while b < L and cm.memory_bytes(1, a, b + 1, 1, True) <= cap + extra:
+            b += 1
+        a = b
+        if a == L:
+            break
+    return a
 
 
 def _does_not_fit(cm: CostModel, global_batch: int, options: PlannerOptions) -> PlanningError:
     L = cm.model.num_layers
-    caps = [cm.capacity_bytes(g) for g in cm.cluster.groups for _ in range(g.size)]
-    caps.sort(reverse=True)
-    short = _memory_excess(cm, caps, L)
-    big = max(cm.cluster.groups, key=lambda g: g.gpu.memory_gb)
-    extra = 0
-    if short > 0:
+    caps = sorted((cm.capacity_bytes(g) for g in cm.cluster.groups for _ in range(g.size)),
+                  reverse=True)
+    if _fill(cm, caps) < L:
+        # the bytes each GPU lacks: the least extra capacity that lets the GPUs hold it all
+        lo, hi = 0.0, max(cm.memory_bytes(1, 0, L, 1, True), 1.0)
+        while hi - lo > max(1e6, 1e-4 * hi):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if _fill(cm, caps, mid) == L else (mid, hi)
+        big = max(cm.cluster.groups, key=lambda g: (g.gpu.memory_gb, g.name))
         cap_big = cm.capacity_bytes(big)
-        lo, hi = 0, 1
-        while _memory_excess(cm, caps + [cap_big] * hi, L) > 0 and hi < 1 << 16:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if _memory_excess(cm, caps + [cap_big] * mid, L) == 0 else (mid, hi)
-        extra = hi
+        done, more = _fill(cm, caps), 0
+        while done < L:  # keep adding the largest GPU of the cluster, one stage each
+            nxt = _fill_from(cm, done, cap_big)
+            if nxt == done:
+                break
+            done, more = nxt, more + 1
+        fix = (f"{more} more {big.gpu.name} GPUs would fit it" if done == L else
+               f"a single layer needs more than one {big.gpu.name} holds; use GPUs with more "
+               "memory")
         return PlanningError(
-            f"model {cm.model.name!r} does not fit on cluster {cm.cluster.name!r}: even one "
-            f"GPU per stage with recompute and one sample per micro-batch, the tightest stage is "
-            f"short by {short / 1e9:.2f} GB per GPU; {extra} more {big.gpu.name} GPUs would fit "
-            f"it (or raise memory_headroom, now {options.memory_headroom})")
+            f"model {cm.model.name!r} does not fit on cluster {cm.cluster.name!r}: even with one "
+            f"GPU per stage, recompute and one sample per micro-batch, the GPUs are short by "
+            f"{hi / 1e9:.2f} GB per GPU; {fix} (or raise memory_headroom, now "
+            f"{options.memory_headroom})")
     return PlanningError(
         f"no plan of model {cm.model.name!r} fits cluster {cm.cluster.name!r} with global batch "
         f"{global_batch}: the micro-batch sizes allowed by the stage widths need more memory "
         "than the GPUs have; try a global batch divisible by more widths, allow_recompute=True, "
         "or more GPUs")
+
+
+def _fill_from(cm: CostModel, a: int, cap: float) -> int:
+    b, L = a, cm.model.num_layers
+    while b < L and cm.memory_bytes(1, a, b + 1, 1, True) <= cap:
+        b += 1
+    return b

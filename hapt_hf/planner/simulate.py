@@ -26,7 +26,8 @@ from .plan import Plan
 from .profile import Profile, load_sailor_profiles
 from .schedule import ActionKind, Schedule, build_schedule
 
-__all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan"]
+__all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan", "replay",
+           "encode_warmup_schedule"]
 
 
 @dataclass(frozen=True)
@@ -59,22 +60,55 @@ class SimResult:
 _F, _B, _SF, _SB, _RECV = 0, 1, 2, 3, 4
 _CODE = {ActionKind.F: _F, ActionKind.B: _B, ActionKind.SEND_F: _SF, ActionKind.SEND_B: _SB,
          ActionKind.RECV_F: _RECV, ActionKind.RECV_B: _RECV}
-_NAME = {_F: "F", _B: "B", _SF: "SEND_F", _SB: "SEND_B"}
+_NAME = {_F: "F", _B: "B", _SF: "SEND_F", _SB: "SEND_B", _RECV: "RECV"}
 
 
 def _encode(schedule: Schedule) -> list[list[tuple[int, int]]]:
     return [[(_CODE[a.kind], a.microbatch) for a in lst] for lst in schedule.actions]
 
 
+def encode_warmup_schedule(num_stages: int, num_microbatches: int,
+                           warmups: tuple[int, ...] | list[int]) -> list[list[tuple[int, int]]]:
+    """The replay's view of ``build_schedule(kind, n, m, warmups)`` without building Action
+    objects (the search replays thousands of candidates): each stage runs ``warmup`` forwards,
+    then alternates backward and forward, each compute followed by its send. Receives are left
+    out because posting one costs nothing here. A test checks it against build_schedule."""
+    n, m = num_stages, num_microbatches
+    out = []
+    for s in range(n):
+        w = max(1, min(int(warmups[s]), m))
+        seq = [(_F, k) for k in range(w)]
+        nxt = w
+        for k in range(m):
+            seq.append((_B, k))
+            if nxt < m:
+                seq.append((_F, nxt))
+                nxt += 1
+        lst = []
+        for code, mb in seq:
+            lst.append((code, mb))
+            if code == _F and s < n - 1:
+                lst.append((_SF, mb))
+            elif code == _B and s > 0:
+                lst.append((_SB, mb))
+        out.append(lst)
+    return out
+
+
 def simulate_schedule(schedule: Schedule, costs: StageCosts,
                       record_events: bool = True) -> SimResult:
     """Replay ``schedule`` with the durations of ``costs`` (one StageCost per stage)."""
-    n = schedule.num_stages
-    if costs.num_stages != n:
-        raise ValueError(f"the schedule has {n} stages but {costs.num_stages} stage costs were "
-                         "given; give one per stage")
+    if costs.num_stages != schedule.num_stages:
+        raise ValueError(f"the schedule has {schedule.num_stages} stages but "
+                         f"{costs.num_stages} stage costs were given; give one per stage")
+    return replay(_encode(schedule), costs, record_events)
+
+
+def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
+           record_events: bool = True) -> SimResult:
+    """The event loop over encoded action lists (see :func:`encode_warmup_schedule`)."""
+    n = len(lists)
     st = costs.stages
-    lists = _encode(schedule)
     pos = [0] * n
     clock = [0.0] * n
     busy = [0.0] * n
@@ -134,7 +168,8 @@ def simulate_schedule(schedule: Schedule, costs: StageCosts,
                 clock[s] = t
                 progressed = True
         if not progressed:
-            stuck = "; ".join(f"stage {s} waits at {schedule.actions[s][pos[s]]}"
+            stuck = "; ".join(f"stage {s} waits at {s}{_NAME[lists[s][pos[s]][0]]}"
+                              f"{lists[s][pos[s]][1]}"
                               for s in range(n) if pos[s] < len(lists[s]))
             return SimResult(float("inf"), 1.0, tuple(busy), _peaks(st, peak), tuple(events),
                              False, f"deadlock: {stuck}; give every stage a warm-up depth "
