@@ -148,7 +148,7 @@ class PipelineRuntime:
         self._live = 0
 
     # -- setup -----------------------------------------------------------------------------
-    def _make_groups(self, model_config: PretrainedConfig):
+    def _make_groups(self, model_config: PretrainedConfig) -> tuple[Any, Any]:
         # new_group is collective over the default group: every rank creates every group, in
         # the same order, and keeps the ones it belongs to.
         mine = None
@@ -354,7 +354,7 @@ class PipelineRuntime:
             out.append(Transfer(dist.isend(buf, p.peer, tag=k), p.peer, what, buf))
         return out
 
-    # -- helpers ---------------------------------------------------------------------------
+    # -- internals -------------------------------------------------------------------------
     def _rows(self, k: int) -> slice:
         base = k * self.plan.micro_batch_size
         lo, hi = self.work.samples
