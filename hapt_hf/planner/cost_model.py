@@ -244,7 +244,8 @@ class CostModel:
 
     def memory_bytes(self, samples: int, a: int, b: int, in_flight: int,
                      recompute: bool = False) -> float:
-        return (self.static_bytes(a, b) + in_flight * self.activation_bytes(samples, a, b, recompute)
+        return (self.static_bytes(a, b)
+                + in_flight * self.activation_bytes(samples, a, b, recompute)
                 + self.working_bytes(samples, a, b))
 
     def memory_prefix(self, samples: int, in_flight: int, recompute: bool) -> list[float]:

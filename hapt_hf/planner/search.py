@@ -173,7 +173,8 @@ def group_orders(cluster: Cluster, limit: int = 720) -> list[tuple[GpuGroup, ...
     return out
 
 
-def shapes_for(order: tuple[GpuGroup, ...], widths: dict[str, tuple[int, ...]]) -> tuple[StageShape, ...]:
+def shapes_for(order: tuple[GpuGroup, ...],
+               widths: dict[str, tuple[int, ...]]) -> tuple[StageShape, ...]:
     shapes = []
     for g in order:
         off = 0
@@ -425,7 +426,8 @@ class _Scored:
     layout: Layout = field(compare=False)
 
 
-def _in_flight(shapes, mbs: int, m: int, schedule: str, cm: CostModel, cap_guess: float) -> list[int]:
+def _in_flight(shapes, mbs: int, m: int, schedule: str, cm: CostModel,
+               cap_guess: float) -> list[int]:
     if schedule == "gpipe":
         return [m] * len(shapes)
     # cut times at a block boundary stand in for the real boundaries (blocks are alike)

@@ -82,7 +82,7 @@ def test_plans_cover_every_layer_fit_memory_and_never_lose_to_a_baseline(job):
     assert res.sim.iteration_s >= res.physical_limit_s * (1 - 1e-9)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs(max_groups=2, max_gpus=2, max_blocks=3))
 def test_planner_is_within_one_percent_of_exhaustive_search(job):
     model, cluster, gbs = job
