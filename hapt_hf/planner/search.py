@@ -653,6 +653,10 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
         raise PlanningError(f"global_batch_size {global_batch_size} must be >= 1")
     if not cluster.groups:
         raise PlanningError(f"cluster {cluster.name!r} has no groups; list at least one")
+    if options.micro_batch_sizes is not None and \
+            not any(global_batch_size % m == 0 for m in options.micro_batch_sizes):
+        raise PlanningError(f"micro_batch_sizes {list(options.micro_batch_sizes)}: none divides "
+                            f"global_batch_size {global_batch_size}; give a divisor of it")
     profile = profile if profile is not None else cluster_profile(cluster, model)
     cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
     top, tried = _search_layouts(cm, global_batch_size, options)

@@ -137,6 +137,20 @@ def test_bad_options_name_the_field():
         PlannerOptions(memory_headroom=0)
     with pytest.raises(PlanningError, match="global_batch_size"):
         plan_job(synth_model(2, 64), Cluster("c", (make_group("a", 1.0, 1.0, 1),), ()), 0)
+    with pytest.raises(PlanningError, match="micro_batch_sizes"):
+        plan_job(synth_model(2, 64), Cluster("c", (make_group("a", 1.0, 1.0, 1),), ()), 8,
+                 options=PlannerOptions(micro_batch_sizes=(3,)))
+    two = Cluster("c", (make_group("a", 1.0, 1.0, 1), make_group("b", 1.0, 1.0, 1)), ())
+    with pytest.raises(PlanningError, match="links"):
+        plan_job(synth_model(2, 64), two, 8)
+
+
+def test_chosen_micro_batch_size_is_honoured():
+    model = synth_model(4, 256)
+    cluster = Cluster("c", (make_group("a", 125.0, 16.0, 2), make_group("b", 312.0, 16.0, 2)),
+                      (GroupLink("a", "b", LinkSpec(5.0, 1000.0)),))
+    res = plan_job(model, cluster, 16, options=PlannerOptions(micro_batch_sizes=(4,)))
+    assert res.plan.micro_batch_size == 4 and res.plan.num_microbatches == 4
 
 
 def test_widths_are_any_integer_the_batch_allows():
