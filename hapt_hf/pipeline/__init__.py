@@ -2,6 +2,8 @@
 from hapt_hf.pipeline.comm import PipelineFailure
 from hapt_hf.pipeline.runtime import (Batch, PipelineRuntime, RuntimeConfig, StepResult,
                                       init_distributed)
+from hapt_hf.pipeline.stage import PipelineStage, StageBuildError, build_stage, supported_families
 
 __all__ = ["Batch", "PipelineRuntime", "RuntimeConfig", "StepResult", "PipelineFailure",
-           "init_distributed"]
+           "init_distributed", "build_stage", "PipelineStage", "StageBuildError",
+           "supported_families"]
