@@ -487,12 +487,19 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
     return out
 
 
-def _twin(a: _Scored, b: _Scored) -> bool:
-    la, lb = a.layout, b.layout
-    return (math.isclose(a.score, b.score, rel_tol=1e-12) and la.bounds == lb.bounds
-            and la.micro_batch_size == lb.micro_batch_size
-            and [s.width for s in la.shapes] == [s.width for s in lb.shapes]
-            and [s.group.gpu for s in la.shapes] == [s.group.gpu for s in lb.shapes])
+def _signature(cm: CostModel, layout: Layout) -> tuple:
+    """What prices a layout: its GPUs, widths, places, links and cuts (not group names)."""
+    sh = layout.shapes
+    gpus = tuple((s.group.gpu, s.width, s.offset, s.group.gpus_per_node, s.group.intra_node,
+                  s.group.inter_node) for s in sh)
+    links = tuple(cm.group_link(a.group.name, b.group.name) if a.group.name != b.group.name
+                  else None for a, b in zip(sh, sh[1:]))
+    return gpus, links, layout.bounds, layout.micro_batch_size
+
+
+def _twin(cm: CostModel, a: _Scored, b: _Scored) -> bool:
+    return math.isclose(a.score, b.score, rel_tol=1e-12) and \
+        _signature(cm, a.layout) == _signature(cm, b.layout)
 
 
 def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
@@ -524,7 +531,7 @@ def _search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
                 continue
             any_fit = True
             order_score[oi] = min(order_score[oi], sc.score)
-            if any(_twin(sc, b) for b in best):
+            if any(_twin(cm, sc, b) for b in best):
                 continue  # an order of alike groups that prices the same: keep one
             if len(best) < options.simulate_top or sc < best[options.simulate_top - 1]:
                 last_gain = tried
