@@ -23,7 +23,7 @@ import math
 from bisect import bisect_left
 
 from .cluster import Cluster
-from .cost_model import CostModel
+from .cost_model import CostModel, CostModelError
 from .model_spec import ModelSpec
 from .profile import Profile
 from .search import (BaselineResult, Layout, PlannerOptions, _balanced_step_s, _cuts,
@@ -191,7 +191,11 @@ def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                  options.memory_headroom)
     out = {}
     for name in BASELINES:
-        layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt"
-                   else list(_framework_layouts(cm, name, global_batch_size, options)))
-        out[name] = _best(cm, global_batch_size, layouts, name)
+        try:
+            layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt"
+                       else list(_framework_layouts(cm, name, global_batch_size, options)))
+            out[name] = _best(cm, global_batch_size, layouts, name)
+        except CostModelError as e:
+            # these splits keep the groups in file order; unlinked neighbours rule them out
+            out[name] = BaselineResult(name, None, None, f"groups in file order: {e}")
     return out

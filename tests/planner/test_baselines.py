@@ -105,3 +105,17 @@ def test_a_baseline_that_cannot_fit_says_so():
     res = baseline_plans(model(), cluster(mem=1e-5), 8)
     for b in res.values():
         assert b.plan is None and b.reason
+
+
+def test_file_order_with_unlinked_neighbours_rules_the_fixed_order_baselines_out():
+    cl = Cluster("c", (grp("a", 50.0, 1), grp("b", 50.0, 1), grp("c", 200.0, 1)),
+                 (GroupLink("a", "c", LinkSpec(10.0, 10.0)),
+                  GroupLink("c", "b", LinkSpec(10.0, 10.0))))
+    res = baseline_plans(model(), cl, 4)
+    for b in res.values():
+        assert b.plan is None and "no link between them" in b.reason
+    # the planner orders the groups itself: c sits between a and b
+    from hapt_hf.planner.search import plan_job
+    groups = [s.group for s in plan_job(model(), cl, 4).plan.stages]
+    assert groups.index("c") > min(groups.index("a"), groups.index("b"))
+    assert groups.index("c") < max(groups.index("a"), groups.index("b"))
