@@ -57,7 +57,7 @@ class ProfilerOptions:
     """
 
     micro_batches: tuple[int, ...] = (1, 2, 4)
-    warmup: int = 1
+    warmup: int = 2
     repeats: int = 5
     min_window_s: float = 0.05
     attn_implementation: str = "eager"
