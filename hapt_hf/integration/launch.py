@@ -119,9 +119,12 @@ def check_model_family(model_config: Any) -> None:
 def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> None:
     """A plan made for another model or sequence length would cut the wrong layers."""
     blocks = int(getattr(model_config, "num_hidden_layers", getattr(model_config, "n_layer", 0)))
-    if plan.num_layers != blocks + 2:
+    # a "half" plan cuts every block into its attention and MLP halves
+    expected = 2 * blocks + 2 if plan.layer_unit == "half" else blocks + 2
+    if plan.num_layers != expected:
         raise PlanError(f"the plan cuts {plan.num_layers} layers but the model has {blocks} "
-                        f"blocks (+ embedding and head = {blocks + 2}); re-plan for this model")
+                        f"blocks (+ embedding and head = {expected} layers with layer_unit "
+                        f"{plan.layer_unit!r}); re-plan for this model")
     if plan.seq_len != seq_len:
         raise PlanError(f"the plan was made for seq_len {plan.seq_len} but the run uses "
                         f"{seq_len}; pass --seq_len {plan.seq_len} or re-plan")
@@ -195,6 +198,14 @@ def resolve_plan(plugin: HaptPlugin, model_config: Any, seq_len: int,
     return plan
 
 
+def _body_name(layer: int, layer_unit: str) -> str:
+    """A block's name in the plan table: ``b3``, or ``b3.attn`` / ``b3.mlp`` for its halves."""
+    if layer_unit != "half":
+        return f"b{layer - 1}"
+    block, second = divmod(layer - 1, 2)
+    return f"b{block}.{'mlp' if second else 'attn'}"
+
+
 def format_plan(plan: Plan) -> str:
     """A short table of the plan for the console (rank 0 prints it)."""
     lines = [f"hapt_hf plan: {plan.model_name or 'model'} | {plan.num_stages} stages on "
@@ -203,7 +214,7 @@ def format_plan(plan: Plan) -> str:
              f"{plan.micro_batch_size} | seq_len {plan.seq_len}"]
     last = plan.num_layers - 1
     for s in plan.stages:
-        names = ["emb" if i == 0 else "head" if i == last else f"b{i - 1}"
+        names = ["emb" if i == 0 else "head" if i == last else _body_name(i, plan.layer_unit)
                  for i in range(*s.layers)]
         if len(names) > 5:  # keep one line per stage for deep models
             names = [names[0], "..", names[-1]]

@@ -66,6 +66,11 @@ class FamilyAdapter:
     rotary_path: str | None
     input_embedding_key: str
     output_embedding_key: str
+    attention_half: tuple[str, str] | None = None
+    """(norm, attention) submodule names of a block: its first half when blocks are cut in two;
+    None where the family's block cannot be cut exactly."""
+    mlp_half: tuple[str, str] | None = None
+    """(norm, MLP) submodule names of a block: its second half."""
 
     def position_ids(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         """Position ids when the caller gives none. GPT2Model and LlamaModel use a plain arange
@@ -88,7 +93,7 @@ class FamilyAdapter:
 
     def block_inputs(self, root: nn.Module, config: PretrainedConfig, hidden: Tensor,
                      attention_mask: Tensor | None, position_ids: Tensor,
-                     block_indices: range) -> BlockInputs:
+                     block_indices: "range | list[int]") -> BlockInputs:
         """Masks and rotary embeddings for this stage's blocks (the same calls the full model makes)."""
         if attention_mask is not None and attention_mask.ndim < 4:
             attention_mask = attention_mask.view(hidden.shape[0], -1)
@@ -114,6 +119,24 @@ class FamilyAdapter:
         if inputs.position_embeddings is not None:
             kwargs["position_embeddings"] = inputs.position_embeddings
         return block(hidden, **kwargs)
+
+    def run_attention_half(self, block: nn.Module, hidden: Tensor, inputs: BlockInputs,
+                           mask_kind: str) -> Tensor:
+        """The block's forward up to and including the attention residual, with the very calls
+        and arguments the block's own forward makes (GPT2Block, LlamaDecoderLayer)."""
+        norm, attn = (getattr(block, name) for name in self.attention_half)
+        kwargs: dict[str, Any] = {"attention_mask": inputs.masks[mask_kind],
+                                  "position_ids": inputs.position_ids,
+                                  "past_key_values": None, "use_cache": False}
+        if inputs.position_embeddings is not None:
+            kwargs["position_embeddings"] = inputs.position_embeddings
+        attn_output, _ = attn(norm(hidden), **kwargs)
+        return hidden + attn_output
+
+    def run_mlp_half(self, block: nn.Module, hidden: Tensor) -> Tensor:
+        """The rest of the block's forward: norm, MLP, residual."""
+        norm, mlp = (getattr(block, name) for name in self.mlp_half)
+        return hidden + mlp(norm(hidden))
 
     def head(self, root: nn.Module, hidden: Tensor) -> Tensor:
         """Final norm (and any projection) then LM head: the logits."""
@@ -181,12 +204,14 @@ _ADAPTERS: tuple[FamilyAdapter, ...] = (
         name="gpt2", model_types=("gpt2",),
         embedding_paths=("transformer.wte", "transformer.wpe", "transformer.drop"),
         blocks_path="transformer.h", head_paths=("transformer.ln_f", "lm_head"), rotary_path=None,
-        input_embedding_key="transformer.wte.weight", output_embedding_key="lm_head.weight"),
+        input_embedding_key="transformer.wte.weight", output_embedding_key="lm_head.weight",
+        attention_half=("ln_1", "attn"), mlp_half=("ln_2", "mlp")),
     _LlamaAdapter(
         name="llama", model_types=("llama", "mistral", "qwen2"),
         embedding_paths=("model.embed_tokens",),
         blocks_path="model.layers", head_paths=("model.norm", "lm_head"), rotary_path="model.rotary_emb",
-        input_embedding_key="model.embed_tokens.weight", output_embedding_key="lm_head.weight"),
+        input_embedding_key="model.embed_tokens.weight", output_embedding_key="lm_head.weight",
+        attention_half=("input_layernorm", "self_attn"), mlp_half=("post_attention_layernorm", "mlp")),
     _OptAdapter(
         name="opt", model_types=("opt",),
         embedding_paths=("model.decoder.embed_tokens", "model.decoder.embed_positions",

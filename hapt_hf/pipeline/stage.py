@@ -1,15 +1,19 @@
 """One rank's pipeline stage of a Hugging Face causal LM.
 
-The layer sequence is `[embedding, block_0 .. block_{N-1}, head]`; a stage owns the half-open
-range `layer_range` of it. The stage holds the full model's own modules (GPT2Block,
-LlamaDecoderLayer, the rotary module, final norm, LM head) under the full model's module paths, so
-its `state_dict()` keys are the full model's keys and its numerics are the full model's.
+The layer sequence is `[embedding, block_0 .. block_{N-1}, head]` (`layer_unit="block"`) or, with
+every block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]` (`layer_unit="half"`);
+a stage owns the half-open range `layer_range` of it. The stage holds the full model's own modules
+(GPT2Block, LlamaDecoderLayer, the rotary module, final norm, LM head) under the full model's module
+paths, so its `state_dict()` keys are the full model's keys and its numerics are the full model's.
+Of a block cut between two stages, each holds only its half's submodules (norm and attention, or
+norm and MLP) under their full paths, and runs them in the order the block's own forward does.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +36,10 @@ from hapt_hf.pipeline.families import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PipelineStage", "StageBuildError", "StageInputError", "build_stage", "supported_families"]
+__all__ = ["BlockPart", "PipelineStage", "StageBuildError", "StageInputError", "build_stage",
+           "supported_families"]
+
+LAYER_UNITS = ("block", "half")
 
 
 class StageBuildError(ValueError):
@@ -43,26 +50,58 @@ class StageInputError(ValueError):
     """A forward call whose inputs do not fit the stage (token ids vs hidden states)."""
 
 
+@dataclass(frozen=True)
+class BlockPart:
+    """What a stage runs of one transformer block: all of it, or one of its two halves."""
+
+    index: int
+    """Block index, 0-based."""
+    part: str
+    """'full' | 'attn' (norm, attention, residual) | 'mlp' (norm, MLP, residual)."""
+
+
+def block_parts(layer_range: tuple[int, int], blocks: int, layer_unit: str) -> tuple[BlockPart, ...]:
+    """The blocks (or halves) a layer range covers, in order; a block whose two halves both fall
+    in the range is run whole."""
+    start, end = layer_range
+    if layer_unit == "block":
+        return tuple(BlockPart(i, "full") for i in range(max(start, 1) - 1, min(end, blocks + 1) - 1))
+    parts: list[BlockPart] = []
+    for layer in range(max(start, 1), min(end, 2 * blocks + 1)):
+        index, second = divmod(layer - 1, 2)
+        if second and parts and parts[-1] == BlockPart(index, "attn"):
+            parts[-1] = BlockPart(index, "full")
+        else:
+            parts.append(BlockPart(index, "mlp" if second else "attn"))
+    return tuple(parts)
+
+
 class PipelineStage(nn.Module):
     """The modules of one layer range, run exactly as the full model runs them.
 
     Attributes:
-        layer_range: half-open range over [embedding, block_0 .. block_{N-1}, head].
+        layer_range: half-open range over the layer sequence of `layer_unit`.
+        layer_unit: 'block' or 'half' (each block is two layers: attention half, MLP half).
         is_first: owns the embedding (its input is token ids).
         is_last: owns the final norm and LM head (it returns the summed loss, or logits).
-        block_indices: indices of the transformer blocks this stage runs.
+        parts: the blocks, or block halves, this stage runs, in order.
+        block_indices: indices of the transformer blocks this stage runs all or half of.
     """
 
     def __init__(self, config: PretrainedConfig, adapter: FamilyAdapter, layer_range: tuple[int, int],
-                 modules: list[tuple[str, nn.Module]], recompute: bool = False) -> None:
+                 modules: list[tuple[str, nn.Module]], recompute: bool = False,
+                 layer_unit: str = "block") -> None:
         super().__init__()
         n = num_blocks(config)
         self.config = config
         self.adapter = adapter
         self.layer_range = layer_range
+        self.layer_unit = layer_unit
         self.is_first = layer_range[0] == 0
-        self.is_last = layer_range[1] == n + 2
-        self.block_indices = range(max(layer_range[0], 1) - 1, min(layer_range[1], n + 1) - 1)
+        self.is_last = layer_range[1] == _num_layers(n, layer_unit)
+        self.parts = block_parts(layer_range, n, layer_unit)
+        self.block_indices = range(self.parts[0].index, self.parts[-1].index + 1) if self.parts \
+            else range(0)
         self.recompute = recompute
         for path, module in modules:
             _attach(self, path, module)
@@ -83,11 +122,13 @@ class PipelineStage(nn.Module):
         if position_ids is None:
             position_ids = self.adapter.position_ids(x, attention_mask)
         hidden = self.adapter.embed(self, x, position_ids, attention_mask) if self.is_first else x
-        if len(self.block_indices) > 0:
+        if self.parts:
+            # a stage holding only an MLP half needs no mask nor rotary embedding
+            attending = [p.index for p in self.parts if p.part != "mlp"]
             inputs = self.adapter.block_inputs(self, self.config, hidden, attention_mask, position_ids,
-                                               self.block_indices)
-            for index in self.block_indices:
-                hidden = self._run_block(index, hidden, inputs)
+                                               attending) if attending else None
+            for part in self.parts:
+                hidden = self._run_part(part, hidden, inputs)
         if not self.is_last:
             return hidden
         logits = self.adapter.head(self, hidden)
@@ -111,13 +152,18 @@ class PipelineStage(nn.Module):
         """This stage's weights under the full model's state_dict keys (tied LM head included)."""
         return dict(self.state_dict())
 
-    def _run_block(self, index: int, hidden: Tensor, inputs) -> Tensor:
-        block = self.get_submodule(f"{self.adapter.blocks_path}.{index}")
-        kind = self.adapter.attention_kind(self.config, index)
+    def _run_part(self, part: BlockPart, hidden: Tensor, inputs) -> Tensor:
+        block = self.get_submodule(f"{self.adapter.blocks_path}.{part.index}")
+        if part.part == "mlp":
+            run, args = self.adapter.run_mlp_half, (block, hidden)
+        else:
+            kind = self.adapter.attention_kind(self.config, part.index)
+            run = self.adapter.run_block if part.part == "full" else self.adapter.run_attention_half
+            args = (block, hidden, inputs, kind)
         if self.recompute and torch.is_grad_enabled():
             # Keep only the block's input; recompute its inside during backward.
-            return checkpoint(self.adapter.run_block, block, hidden, inputs, kind, use_reentrant=False)
-        return self.adapter.run_block(block, hidden, inputs, kind)
+            return checkpoint(run, *args, use_reentrant=False)
+        return run(*args)
 
     def _check_input(self, x: Tensor) -> None:
         if self.is_first and (x.ndim != 2 or x.is_floating_point()):
@@ -142,6 +188,7 @@ def build_stage(
     device: str | torch.device = "cpu",
     recompute: bool = False,
     attn_implementation: str = "eager",
+    layer_unit: str = "block",
 ) -> PipelineStage:
     """Build one rank's stage: built on meta, pruned to the stage, then materialised.
 
@@ -149,22 +196,26 @@ def build_stage(
     Otherwise the stage's weights equal, bit for bit, the same layers of
     `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)` (seed None: the current
     RNG state is used as is). `attn_implementation` must match the reference the stage is compared
-    with ("eager" by default).
+    with ("eager" by default). `layer_unit="half"` reads `layer_range` over the sequence with every
+    block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]`.
     """
     adapter = _adapter(config)
-    span = _check_range(layer_range, config)
+    _check_unit(layer_unit, adapter)
+    span = _check_range(layer_range, config, layer_unit)
     config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
     config._attn_implementation = attn_implementation
     if checkpoint_dir is not None:
         full = _meta_model(config)
-        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span), recompute)
+        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
+                              recompute, layer_unit)
         _materialise(stage)
         _load_checkpoint(stage, checkpoint_dir)
     else:
         rng_state = torch.get_rng_state()
         trace = _InitReplay(owned_ops=None)
         full = _construct(config, trace)  # the meta model the stage keeps its modules from
-        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span), recompute)
+        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
+                              recompute, layer_unit)
         _seeded_init(stage, full, trace, seed, rng_state)
     del full  # only the stage's modules stay referenced
     _check_materialised(stage)
@@ -194,16 +245,33 @@ def _adapter(config: PretrainedConfig) -> FamilyAdapter:
     return adapter
 
 
-def _check_range(layer_range: tuple[int, int], config: PretrainedConfig) -> tuple[int, int]:
+def _num_layers(blocks: int, layer_unit: str) -> int:
+    return 2 * blocks + 2 if layer_unit == "half" else blocks + 2
+
+
+def _check_unit(layer_unit: str, adapter: FamilyAdapter) -> None:
+    if layer_unit not in LAYER_UNITS:
+        raise StageBuildError(f"layer_unit {layer_unit!r} is unknown; use one of {LAYER_UNITS}")
+    if layer_unit == "half" and adapter.attention_half is None:
+        raise StageBuildError(
+            f"layer_unit 'half' is not supported for the {adapter.name} family (its blocks cannot "
+            f"be cut in two exactly); use layer_unit 'block' (re-plan with whole blocks)")
+
+
+def _check_range(layer_range: tuple[int, int], config: PretrainedConfig,
+                 layer_unit: str = "block") -> tuple[int, int]:
     n = num_blocks(config)
+    total = _num_layers(n, layer_unit)
     try:
         start, end = (int(v) for v in layer_range)
     except (TypeError, ValueError):
         start, end = -1, -1
-    if not 0 <= start < end <= n + 2:
+    if not 0 <= start < end <= total:
+        body = f"blocks 1..{n}" if layer_unit == "block" else f"block halves 1..{2 * n}"
         raise StageBuildError(
-            f"layer_range {layer_range!r} is invalid for a model of {n} blocks: give (start, end) "
-            f"with 0 <= start < end <= {n + 2} over [embedding=0, blocks 1..{n}, head={n + 1}]"
+            f"layer_range {layer_range!r} is invalid for a model of {n} blocks (layer_unit "
+            f"{layer_unit!r}): give (start, end) with 0 <= start < end <= {total} over "
+            f"[embedding=0, {body}, head={total - 1}]"
         )
     return (start, end)
 
@@ -213,18 +281,31 @@ def _meta_model(config: PretrainedConfig) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int]) -> list[tuple[str, nn.Module]]:
-    """The full model's modules this stage keeps, by their paths in the full model."""
+def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int],
+                   layer_unit: str = "block") -> list[tuple[str, nn.Module]]:
+    """The full model's modules this stage keeps, by their paths in the full model; of a block
+    cut between two stages, each keeps only its half's submodules (no tensor is held twice)."""
     n = num_blocks(full.config)
     paths: list[str] = list(adapter.embedding_paths) if span[0] == 0 else []
-    blocks = range(max(span[0], 1) - 1, min(span[1], n + 1) - 1)
-    paths += [f"{adapter.blocks_path}.{i}" for i in blocks]
-    if len(blocks) > 0 and adapter.rotary_path is not None:
+    parts = block_parts(span, n, layer_unit)
+    for part in parts:
+        block = f"{adapter.blocks_path}.{part.index}"
+        if part.part == "full":
+            paths.append(block)
+        else:
+            names = adapter.attention_half if part.part == "attn" else adapter.mlp_half
+            paths += [f"{block}.{name}" for name in names]
+    if _attends(parts) and adapter.rotary_path is not None:
         paths.append(adapter.rotary_path)
-    if span[1] == n + 2:
+    if span[1] == _num_layers(n, layer_unit):
         paths += list(adapter.head_paths)
     # Optional modules a config leaves out (OPT's projections) are None in the full model.
     return [(p, full.get_submodule(p)) for p in paths if _present(full, p)]
+
+
+def _attends(parts: tuple[BlockPart, ...]) -> bool:
+    """Whether any of the parts runs attention (and so needs masks and the rotary module)."""
+    return any(p.part != "mlp" for p in parts)
 
 
 def _present(full: nn.Module, path: str) -> bool:
@@ -260,7 +341,7 @@ def _retie(stage: PipelineStage) -> None:
 def _rebuild_rotary(stage: PipelineStage, device: str | torch.device = "cpu") -> None:
     """Rotary buffers are computed, not stored: construct the module again (float32)."""
     path = stage.adapter.rotary_path
-    if path is None or len(stage.block_indices) == 0:
+    if path is None or not _attends(stage.parts):
         return
     rotary_type = type(stage.get_submodule(path))
     _attach(stage, path, rotary_type(config=stage.config).to(device))

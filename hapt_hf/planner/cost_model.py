@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from .cluster import Cluster, GpuGroup, LinkSpec
-from .model_spec import DTYPE_BYTES, ModelSpec
+from .model_spec import DTYPE_BYTES, LayerSpec, ModelSpec
 from .plan import Plan
-from .profile import Profile
+from .profile import LayerTiming, Profile
 
 __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "CostModelError", "StageShape",
            "StageCost", "StageCosts", "CostModel"]
@@ -128,6 +128,21 @@ class _LayerTable:
     """Forward + backward + recomputed block forwards."""
 
 
+def _lookup(profile: Profile, device: str, layer: LayerSpec, samples: int, seq_len: int,
+            dtype: str) -> LayerTiming | None:
+    """The layer's measured timing; a block half without its own entry takes its FLOP share
+    of the whole block's (profiles time whole blocks)."""
+    hit = profile.lookup(device, layer.signature, samples, seq_len, dtype)
+    if hit is not None or not layer.profile_signature:
+        return hit
+    whole = profile.lookup(device, layer.profile_signature, samples, seq_len, dtype)
+    if whole is None:
+        return None
+    f = layer.profile_share
+    return LayerTiming(whole.forward_s * f, whole.backward_s * f, whole.update_s * f,
+                       whole.peak_memory_bytes, whole.spread)
+
+
 def _prefix(values) -> tuple[float, ...]:
     return (0.0, *accumulate(values))
 
@@ -203,8 +218,7 @@ class CostModel:
         for layer in m.layers:
             hit = None
             if self.profile is not None:
-                hit = self.profile.lookup(group.gpu.name, layer.signature, samples, m.seq_len,
-                                          m.dtype)
+                hit = _lookup(self.profile, group.gpu.name, layer, samples, m.seq_len, m.dtype)
             if hit is not None:
                 fwd.append(hit.forward_s)
                 bwd.append(hit.backward_s)

@@ -21,11 +21,19 @@ Conventions (per sample = one sequence of ``seq_len`` tokens):
   where the config's dropout is on. The ``5*a*s**2`` score terms are kept only with
   ``eager_attention=True``: SDPA's fused kernels keep a per-row fp32 log-sum-exp instead. The
   tests hold the estimate to within 10% of what autograd saves for a block on CPU.
+
+Half blocks (HAPT's fine-grained layers, :meth:`ModelSpec.split_blocks`): each block becomes an
+attention half (input norm, attention, residual) and an MLP half (post-attention norm, MLP,
+residual), each with its own exact parameters and FLOPs. Both send the residual stream
+(``s*h``). Of the kept activations, the attention half keeps the attention terms, the MLP half
+the MLP terms, and the norm copies and residual-dropout masks are split evenly (one norm and one
+mask per half). A profile measured per whole block is shared between the halves in proportion to
+their FLOPs (``LayerSpec.profile_signature`` / ``profile_share``, read by the cost model).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +78,11 @@ class LayerSpec:
     """Bytes per sample this layer keeps alive for its backward pass."""
     act_in_bytes: float = 0.0
     """Bytes per sample of this layer's input (what recompute keeps instead of act_keep)."""
+    profile_signature: str = ""
+    """For a block half: the whole block's signature, looked up when a profile has no entry
+    for the half itself; '' otherwise."""
+    profile_share: float = 1.0
+    """For a block half: its share of the whole block's measured time (its share of the FLOPs)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,9 @@ class _Shape:
     """Weights of matmuls in the embedding layer (OPT's project_in), applied per token."""
     block_params: int
     block_matmul: int
+    attn_params: int
+    """Parameters of a block's attention half (input norm + attention); 0: cannot be halved."""
+    attn_matmul: int
     head_params: int
     head_matmul: int
     """Includes the vocabulary projection even when tied (its FLOPs are spent either way)."""
@@ -130,10 +146,30 @@ class ModelSpec:
     """MLP width (SwiGLU's gate/up width for LLaMA-shaped families)."""
     profile_name: str | None = None
     """Name of this model in a measured profile file (e.g. 'OPT-350'), if it has one."""
+    layer_unit: str = "block"
+    """'block': ``layers`` is ``[embedding, blocks.., head]``; 'half': every block is two layers,
+    ``[embedding, b0.attn, b0.mlp, b1.attn, ..., head]``."""
+    half_layers: tuple[LayerSpec, ...] = ()
+    """The half-block sequence :meth:`split_blocks` returns; () where blocks cannot be halved."""
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def can_split_blocks(self) -> bool:
+        return self.layer_unit == "block" and bool(self.half_layers)
+
+    def split_blocks(self) -> "ModelSpec":
+        """The same model with every block cut into its attention and MLP halves."""
+        if self.layer_unit == "half":
+            return self
+        if not self.half_layers:
+            raise ModelSpecError(
+                f"model {self.name!r} ({self.family}) has no half-block figures: its blocks cannot "
+                f"be cut in two (supported for gpt2 and LLaMA-shaped families); plan with "
+                f"layer_unit 'block'")
+        return replace(self, layers=self.half_layers, layer_unit="half", half_layers=())
 
     @property
     def total_params(self) -> int:
@@ -164,11 +200,14 @@ class ModelSpec:
         shape = reader(config)
         _check_seq_len(seq_len, shape)
         layers = _layers(shape, int(seq_len), dtype, eager_attention)
+        halves = _half_layers(layers, shape, int(seq_len), dtype, eager_attention) \
+            if shape.attn_params else ()
         return cls(name=name or getattr(config, "name_or_path", "") or family, family=family,
                    hidden_size=shape.hidden, num_blocks=shape.num_blocks, vocab_size=shape.vocab,
                    seq_len=int(seq_len), dtype=dtype, tied_embeddings=shape.tied, layers=layers,
                    num_heads=shape.heads, num_kv_heads=shape.kv_heads,
-                   intermediate_size=shape.intermediate, profile_name=profile_name)
+                   intermediate_size=shape.intermediate, profile_name=profile_name,
+                   half_layers=halves)
 
     @classmethod
     def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32") -> "ModelSpec":
@@ -226,6 +265,8 @@ def _gpt2_shape(c) -> _Shape:
     return _Shape("gpt2", h, inner, c.n_head, c.n_head, h // c.n_head, v, c.n_layer, tied,
                   embed_params=v * h + c.n_positions * h, embed_matmul=0,
                   block_params=block, block_matmul=block_matmul,
+                  attn_params=ln + _linear(h, 3 * h, True) + _linear(h, h, True),
+                  attn_matmul=4 * h * h,
                   head_params=ln + (0 if tied else v * h), head_matmul=v * h,
                   gated_mlp=False, attn_dropout=c.attn_pdrop > 0, resid_dropout=c.resid_pdrop > 0,
                   act_extra=_act_extra(c.activation_function), max_positions=c.n_positions)
@@ -248,6 +289,7 @@ def _llama_shape(c) -> _Shape:
     return _Shape(c.model_type, h, i, heads, kv, hd, v, c.num_hidden_layers, tied,
                   embed_params=v * h, embed_matmul=0,
                   block_params=attn + mlp + 2 * h, block_matmul=matmul,  # 2 RMSNorm weights
+                  attn_params=attn + h, attn_matmul=h * heads * hd + 2 * h * kv * hd + heads * hd * h,
                   head_params=h + (0 if tied else v * h), head_matmul=v * h,
                   gated_mlp=True, attn_dropout=getattr(c, "attention_dropout", 0) > 0,
                   resid_dropout=False, act_extra=_act_extra(c.hidden_act), max_positions=None)
@@ -268,6 +310,8 @@ def _opt_shape(c) -> _Shape:
                   h // c.num_attention_heads, v, c.num_hidden_layers, tied,
                   embed_params=embed, embed_matmul=proj_mm,
                   block_params=block, block_matmul=4 * h * h + 2 * h * f,
+                  # OPT's post-attention norm placement varies; its blocks are not cut in two
+                  attn_params=0, attn_matmul=0,
                   head_params=final_ln + proj_mm + (0 if tied else v * proj),
                   head_matmul=proj_mm + v * proj,
                   gated_mlp=False, attn_dropout=c.attention_dropout > 0,
@@ -283,6 +327,12 @@ _READERS = {"gpt2": _gpt2_shape, "llama": _llama_shape, "mistral": _llama_shape,
 
 def _block_keep_bytes(s: int, x: _Shape, b: int, eager_attention: bool) -> float:
     """Korthikanti et al.'s per-block breakdown, tensor by tensor, at ``b`` bytes per element."""
+    return sum(_half_keep_bytes(s, x, b, eager_attention))
+
+
+def _half_keep_bytes(s: int, x: _Shape, b: int, eager_attention: bool) -> tuple[float, float]:
+    """(attention half, MLP half) of :func:`_block_keep_bytes`: each half has one norm and one
+    residual-dropout mask, so those split evenly."""
     h, aw, kvw, i = x.hidden, x.heads * x.head_dim, x.kv_heads * x.head_dim, x.intermediate
     # attention: QKV input, Q, K, V, out-projection input
     attn = b * s * (h + aw + 2 * kvw + aw)
@@ -296,7 +346,8 @@ def _block_keep_bytes(s: int, x: _Shape, b: int, eager_attention: bool) -> float
     # LayerNorm keeps its input; transformers' RMSNorm keeps its input and the normalised copy
     norms = (4 if x.gated_mlp else 2) * b * s * h
     masks = 2 * s * h if x.resid_dropout else 0  # attention-output and MLP-output dropout masks
-    return float(attn + mlp + norms + masks)
+    shared = (norms + masks) / 2
+    return float(attn + shared), float(mlp + shared)
 
 
 def _layers(x: _Shape, s: int, dtype: str, eager_attention: bool) -> tuple[LayerSpec, ...]:
@@ -325,6 +376,24 @@ def _layers(x: _Shape, s: int, dtype: str, eager_attention: bool) -> tuple[Layer
     head = LayerSpec(1 + x.num_blocks, "head", f"{x.family}-head:v{x.vocab}:{tag}",
                      x.head_params, head_fwd, 2 * head_fwd, 0.0, float(head_keep), hidden_bytes)
     return (embedding, *blocks, head)
+
+
+def _half_layers(layers: tuple[LayerSpec, ...], x: _Shape, s: int, dtype: str,
+                 eager_attention: bool) -> tuple[LayerSpec, ...]:
+    """``[embedding, b0.attn, b0.mlp, ..., head]`` from the whole-block sequence."""
+    keep = _half_keep_bytes(s, x, DTYPE_BYTES[dtype], eager_attention)
+    attn_fwd = 2.0 * s * x.attn_matmul + 4.0 * s * s * x.heads * x.head_dim
+    out = [layers[0]]
+    for block in layers[1:-1]:
+        halves = (("attn", x.attn_params, attn_fwd, keep[0]),
+                  ("mlp", block.params - x.attn_params, block.fwd_flops - attn_fwd, keep[1]))
+        for tag, params, fwd, kept in halves:
+            out.append(LayerSpec(len(out), "block", f"{block.signature}:{tag}", params, fwd,
+                                 2 * fwd, block.act_out_bytes, kept, block.act_in_bytes,
+                                 profile_signature=block.signature,
+                                 profile_share=fwd / block.fwd_flops))
+    out.append(replace(layers[-1], index=len(out)))
+    return tuple(out)
 
 
 def _check_dtype(dtype: str) -> str:

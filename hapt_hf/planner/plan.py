@@ -14,9 +14,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PlanError", "StagePrediction", "StagePlan", "PlanPrediction", "Plan", "SCHEDULES"]
+__all__ = ["PlanError", "StagePrediction", "StagePlan", "PlanPrediction", "Plan", "SCHEDULES",
+           "LAYER_UNITS"]
 
 SCHEDULES = ("gpipe", "1f1b", "h1f1b")
+LAYER_UNITS = ("block", "half")
+"""What one entry of the layer sequence is: a whole transformer block, or half of one
+(``[embedding, b0.attn, b0.mlp, b1.attn, ..., head]``, HAPT's fine-grained layers)."""
 PLAN_VERSION = 1
 
 
@@ -128,6 +132,9 @@ class Plan:
     cluster_name: str = ""
     baselines: dict[str, float] = field(default_factory=dict)
     """Predicted iteration seconds of each baseline split on the same input (informative)."""
+    layer_unit: str = "block"
+    """'block': ``num_layers = blocks + 2``; 'half': each block is two layers (attention half,
+    then MLP half), ``num_layers = 2 * blocks + 2``."""
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -166,6 +173,12 @@ class Plan:
         """Raise PlanError naming the field if the plan is inconsistent; return self."""
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule {self.schedule!r} is unknown; use one of {SCHEDULES}")
+        if self.layer_unit not in LAYER_UNITS:
+            raise PlanError(f"layer_unit {self.layer_unit!r} is unknown; use one of {LAYER_UNITS} "
+                            "('block' when the field is left out)")
+        if self.layer_unit == "half" and self.num_layers % 2:
+            raise PlanError(f"layer_unit 'half' needs an even num_layers (2 * blocks + 2), got "
+                            f"{self.num_layers}; fix model.num_layers or use layer_unit 'block'")
         if not self.stages:
             raise PlanError("the plan has no stages; it needs at least one")
         if self.micro_batch_size < 1 or self.num_microbatches < 1:
@@ -217,8 +230,13 @@ class Plan:
         return self
 
     # -- serialisation -------------------------------------------------------------------
+    def num_blocks(self) -> int:
+        """Transformer blocks of the model the plan cuts (from num_layers and layer_unit)."""
+        body = self.num_layers - 2
+        return body // 2 if self.layer_unit == "half" else body
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "version": PLAN_VERSION,
             "model": {"name": self.model_name, "num_layers": self.num_layers},
             "cluster": self.cluster_name,
@@ -232,6 +250,9 @@ class Plan:
             "predicted": asdict(self.predicted),
             "baselines": dict(self.baselines),
         }
+        if self.layer_unit != "block":  # absent means "block": older readers and files agree
+            d["layer_unit"] = self.layer_unit
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
@@ -256,6 +277,7 @@ class Plan:
                 predicted=PlanPrediction(**d.get("predicted", {})),
                 cluster_name=str(d.get("cluster", "")),
                 baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
+                layer_unit=str(d.get("layer_unit", "block")),
             )
         except KeyError as e:
             raise PlanError(f"plan is missing field {e.args[0]!r}; see docs/architecture.md") from None

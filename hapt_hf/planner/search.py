@@ -39,6 +39,9 @@ __all__ = ["PlanningError", "PlannerOptions", "BaselineResult", "PlanResult", "L
            "plan_job", "physical_limit_s", "cluster_profile"]
 
 
+LAYER_UNIT_OPTIONS = ("auto", "block", "half")
+
+
 class PlanningError(ValueError):
     """No plan is possible (or an option is wrong); the message says what would fix it."""
 
@@ -75,6 +78,10 @@ class PlannerOptions:
     """Cap on simulations spent moving layer boundaries of the best plan."""
     include_baselines: bool = True
     """Score the baselines too and keep the planner's plan no slower than any of them."""
+    layer_unit: str = "auto"
+    """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
+    fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep
+    the faster plan; whole blocks on a tie, and where the family's blocks cannot be halved)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -88,6 +95,9 @@ class PlannerOptions:
             raise PlanningError(f"micro_batch_sizes {self.micro_batch_sizes} must all be >= 1")
         if not 0 < self.efficiency <= 1:
             raise PlanningError(f"efficiency {self.efficiency} must be in (0, 1]")
+        if self.layer_unit not in LAYER_UNIT_OPTIONS:
+            raise PlanningError(f"layer_unit {self.layer_unit!r} is unknown; use one of "
+                                f"{LAYER_UNIT_OPTIONS}")
 
 
 @dataclass(frozen=True)
@@ -386,7 +396,8 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
                 global_batch_size=global_batch, micro_batch_size=mbs,
                 num_microbatches=global_batch // mbs, schedule=layout.schedule,
                 stages=tuple(stages), dtype=m.dtype, predicted=pred,
-                cluster_name=cm.cluster.name, baselines=dict(baselines or {}))
+                cluster_name=cm.cluster.name, baselines=dict(baselines or {}),
+                layer_unit=m.layer_unit)
 
 
 def layout_of_plan(cm: CostModel, plan: Plan) -> Layout:
@@ -654,7 +665,10 @@ def _refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
 def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
              profile: Profile | None = None,
              options: PlannerOptions = PlannerOptions()) -> PlanResult:
-    """Search the plan with the least simulated iteration time that fits every GPU's memory."""
+    """Search the plan with the least simulated iteration time that fits every GPU's memory.
+
+    ``options.layer_unit`` says whether stages may end inside a block (its attention half on one
+    stage, its MLP half on the next); baselines always cut whole blocks, as frameworks do."""
     t0 = time.perf_counter()
     if global_batch_size < 1:
         raise PlanningError(f"global_batch_size {global_batch_size} must be >= 1")
@@ -664,8 +678,60 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             not any(global_batch_size % m == 0 for m in options.micro_batch_sizes):
         raise PlanningError(f"micro_batch_sizes {list(options.micro_batch_sizes)}: none divides "
                             f"global_batch_size {global_batch_size}; give a divisor of it")
+    models = _unit_models(model, options.layer_unit)
     profile = profile if profile is not None else cluster_profile(cluster, model)
     cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
+    baselines: dict[str, BaselineResult] = {}
+    if options.include_baselines:
+        from .baselines import baseline_plans  # baselines build on this module's helpers
+        baselines = baseline_plans(model, cluster, global_batch_size, profile, options, cm)
+    found, tried, failure = [], 0, None
+    for unit_model in models:
+        unit_cm = cm if unit_model is model else CostModel(
+            unit_model, cluster, profile, options.efficiency, options.memory_headroom)
+        try:
+            lay, final, n = _search_unit(unit_cm, global_batch_size, options, baselines)
+        except PlanningError as e:  # the other unit may still fit
+            failure = failure or e
+            continue
+        tried += n
+        found.append((final.iteration_s, len(found), unit_cm, lay, final))
+    if not found:
+        raise failure
+    _, _, unit_cm, lay, final = min(found, key=lambda f: f[:2])
+    base_times = {k: b.sim.iteration_s for k, b in baselines.items()
+                  if b.sim is not None and b.sim.feasible}
+    plan = layout_to_plan(unit_cm, lay, global_batch_size, final, base_times).validate()
+    return PlanResult(plan, final, baselines, time.perf_counter() - t0,
+                      physical_limit_s(cm, global_batch_size), tried)
+
+
+def _unit_models(model: ModelSpec, layer_unit: str) -> list[ModelSpec]:
+    """The layer sequences to search: whole blocks, halves, or both (blocks first)."""
+    if model.layer_unit == "half" or layer_unit == "block":
+        return [model]
+    if layer_unit == "half":
+        try:
+            return [model.split_blocks()]
+        except ValueError as e:
+            raise PlanningError(str(e)) from None
+    return [model, model.split_blocks()] if model.can_split_blocks else [model]
+
+
+def _in_units(cm: CostModel, plan: Plan) -> Layout:
+    """A whole-block (baseline) plan as a layout over ``cm``'s layer sequence."""
+    lay = layout_of_plan(cm, plan)
+    if cm.model.layer_unit == plan.layer_unit:
+        return lay
+    last = plan.num_layers  # block boundary b > 0 ends after block b - 2's MLP half
+    half = {b: 0 if b == 0 else cm.model.num_layers if b == last else 2 * b - 1
+            for bnd in lay.bounds for b in bnd}
+    return replace(lay, bounds=tuple((half[a], half[b]) for a, b in lay.bounds))
+
+
+def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
+                 baselines: dict[str, BaselineResult]) -> tuple[Layout, SimResult, int]:
+    """The best layout over ``cm``'s layer sequence, never slower than a baseline's."""
     top, tried = _search_layouts(cm, global_batch_size, options)
     scored: list[tuple[SimResult, Layout]] = []
     # the analytic ranking is rough: replay more candidates when replays are cheap
@@ -675,15 +741,11 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
         m = global_batch_size // sc.layout.micro_batch_size
         lay, r = _refine_warmups(cm, sc.layout, m)
         scored.append((r, lay))
-    baselines: dict[str, BaselineResult] = {}
-    if options.include_baselines:
-        from .baselines import baseline_plans  # baselines build on this module's helpers
-        baselines = baseline_plans(model, cluster, global_batch_size, profile, options, cm)
-        for b in baselines.values():
-            if b.plan is not None:
-                lay = _as_schedule(layout_of_plan(cm, b.plan), options.schedule,
-                                   b.plan.num_microbatches)
-                scored.append((_simulate(cm, lay, b.plan.num_microbatches), lay))
+    for b in baselines.values():
+        if b.plan is not None:
+            lay = _as_schedule(_in_units(cm, b.plan), options.schedule,
+                               b.plan.num_microbatches)
+            scored.append((_simulate(cm, lay, b.plan.num_microbatches), lay))
     own = len(top)
     feasible = [(r.iteration_s, i, lay, r) for i, (r, lay) in enumerate(scored) if r.feasible]
     if not feasible:
@@ -711,16 +773,11 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
         if b.sim is None or not b.sim.feasible or b.plan is None or \
                 b.sim.iteration_s >= final.iteration_s:
             continue
-        blay = _as_schedule(layout_of_plan(cm, b.plan), options.schedule,
-                            b.plan.num_microbatches)
+        blay = _as_schedule(_in_units(cm, b.plan), options.schedule, b.plan.num_microbatches)
         r = _simulate(cm, blay, b.plan.num_microbatches, exact=True, record_events=True)
         if r.feasible and r.iteration_s < final.iteration_s:
             lay, final = blay, r
-    base_times = {k: b.sim.iteration_s for k, b in baselines.items()
-                  if b.sim is not None and b.sim.feasible}
-    plan = layout_to_plan(cm, lay, global_batch_size, final, base_times).validate()
-    return PlanResult(plan, final, baselines, time.perf_counter() - t0,
-                      physical_limit_s(cm, global_batch_size), tried)
+    return lay, final, tried
 
 
 # -- when nothing fits -----------------------------------------------------------------------
