@@ -56,8 +56,8 @@ class RaceConfig:
     fast_ranks: int = 2
     slow_ranks: int = 2
     slowdown: float = 2.5
-    link_mbps: float = 10.0
-    link_latency_ms: float = 5.0
+    link_mbps: float = 4.0
+    link_latency_ms: float = 25.0
     slowdown_mechanism: str = "hook"
     """'hook' (default: a delay relative to the rank's own speed, so the 2.5x gap holds on a
     machine others share) or 'cgroup' (CPU quota: faithful only on an otherwise idle machine)."""
@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--slowdown", type=float, default=None)
     ap.add_argument("--link-mbps", type=float, default=None)
+    ap.add_argument("--link-latency-ms", type=float, default=None)
     ap.add_argument("--slowdown-mechanism", choices=["hook", "cgroup"], default=None)
     ap.add_argument("--ddp-max-s", type=float, default=None,
                     help="run (e) DDP when its estimated all-reduce takes at most this long")
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     cfg = RaceConfig(reps=3, ddp_reps=1) if args.quick else RaceConfig()
     over = {"reps": args.reps, "slowdown": args.slowdown, "link_mbps": args.link_mbps,
+            "link_latency_ms": args.link_latency_ms,
             "slowdown_mechanism": args.slowdown_mechanism,
             "busy_profile": False if args.idle_profile else None,
             "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps}

@@ -14,12 +14,19 @@ import torch
 import torch.distributed as dist
 
 
-def _compute_s(model: torch.nn.Module, x: torch.Tensor, reps: int) -> float:
-    # a window of many short layers spans many 10 ms quota periods, so it sees the average speed
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        model(x).sum().backward()
-    return (time.perf_counter() - t0) / reps
+def _compute_s(model: torch.nn.Module, x: torch.Tensor, reps: int, windows: int = 1) -> float:
+    """Seconds per forward+backward: the fastest of ``windows`` windows of ``reps`` passes.
+
+    A window of many short layers spans many 10 ms quota periods, so it sees the average speed;
+    the fastest window is the one least disturbed by the machine's other jobs.
+    """
+    best = float("inf")
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            model(x).sum().backward()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
 
 
 def main() -> int:
@@ -30,7 +37,7 @@ def main() -> int:
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     x = torch.randn(64, 256)
     _compute_s(model, x, 3)
-    compute = _compute_s(model, x, 20)
+    compute = _compute_s(model, x, 10, windows=4)
     dist.barrier()
     out = {"rank": rank, "group": os.environ.get("HAPT_TESTBED_GROUP", ""),
            "compute_s": compute, "bytes": nbytes}
@@ -47,6 +54,10 @@ def main() -> int:
                 dist.send(buf[:1], 0)
             out["send_s"] = time.perf_counter() - t0
     dist.barrier()
+    hooks = sys.modules.get("testbed_hooks")  # loaded by the testbed's sitecustomize, if at all
+    pacer = getattr(hooks, "_PACER", None)
+    if pacer is not None:
+        out["work_cpu_s"], out["added_cpu_s"] = pacer.charged, pacer.paid
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
     return 0

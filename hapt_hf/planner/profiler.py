@@ -374,6 +374,25 @@ def measure_link(peer: int, sender: bool, a: str, b: str,
     return LinkMeasurement(a, b, bw, lat_both / 2)
 
 
+def _keep_busy_until_all_done(config, seq_len: int, dtype: str, micro_batch: int,
+                              options: ProfilerOptions) -> None:
+    """Run forward and backward of one block until every rank has finished its profile.
+
+    A slower group's leader takes longer to profile; if the ranks done first went idle, it
+    would finish on a machine less loaded than in training and look faster than it is.
+    """
+    import torch
+    import torch.distributed as dist
+    everyone_done = dist.all_reduce(torch.ones(1), async_op=True)
+    spec = ModelSpec.from_config(config, seq_len, dtype)
+    block = next(l for l in _representatives(spec) if l.kind == "block")
+    run = _layer_run(_build_layer(config, block, spec.dtype, "cpu", options), config,
+                     block.kind, micro_batch, seq_len, spec.dtype, "cpu")
+    while not everyone_done.is_completed():
+        run.stage(run.inputs[0], **run.inputs[1]).backward(run.out_grad)
+    everyone_done.wait()
+
+
 def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names: dict[str, str],
                           seq_len: int, dtype: str = "fp32",
                           options: ProfilerOptions = ProfilerOptions(),
@@ -385,9 +404,10 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
 
     ``groups``: group name -> global ranks; ``device_names``: group name -> device type name.
-    ``busy_peers``: the other ranks run the same profile too and discard it. Only for ranks
-    that share cores (CPU processes on one machine): the leaders are then timed under the
-    load training puts on the machine, not on a machine left idle by their peers.
+    ``busy_peers``: the other ranks run the same profile too and discard it, and every rank
+    keeps computing until the last one is done. Only for ranks that share cores (CPU processes
+    on one machine): the leaders are then timed under the load training puts on the machine,
+    not on a machine left idle by their peers.
     """
     import torch.distributed as dist
     rank = dist.get_rank()
@@ -405,6 +425,8 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
         elif busy_peers and rank in groups[g]:
             profile_model(config, device_name=device_names[g], seq_len=seq_len, dtype=dtype,
                           options=options)
+    if busy_peers:
+        _keep_busy_until_all_done(config, seq_len, dtype, min(options.micro_batches), options)
     dist.barrier()
     links = []
     names = list(leaders)
