@@ -7,9 +7,10 @@ root and a writable cgroup v1 ``cpu`` controller (``/sys/fs/cgroup/cpu``). The p
 followed by throttling.
 
 hook (fallback): ``benchmarks/testbed/site/sitecustomize.py`` is put first on ``PYTHONPATH``;
-with ``HAPT_TESTBED_SLOWDOWN`` set it adds, after each leaf ``nn.Module``'s forward and backward,
-a sleep of ``(factor - 1) x`` the time that module took. It applies to any PyTorch framework, but
-not to compute outside modules (e.g. the loss function call, optimizer steps).
+with ``HAPT_TESTBED_SLOWDOWN`` set, the process's main thread spends ``factor`` times the CPU time
+of all its work (modules, functional ops, the loss, optimizer steps): the work is charged at the
+end of each outermost forward, each backward, each optimizer step, send and wait, and paid by
+keeping the core busy. It applies to any PyTorch framework alike.
 """
 from __future__ import annotations
 

@@ -117,8 +117,7 @@ class Testbed:
         if want == "netns" and not ok:
             raise TestbedError(f"network: netns was asked for but {why}; use 'shim' or 'auto'")
         if want == "shim" or not ok:
-            notes.append(f"links shaped by the p2p shim on loopback ({why if not ok else 'asked'});"
-                         " the shim's waits do not overlap compute")
+            notes.append(f"links shaped by the p2p shim on loopback ({why if not ok else 'asked'})")
             return "shim"
         self._links = NetnsLinks(self.spec, self.tag)
         self._links.setup()

@@ -7,8 +7,9 @@ while traffic to another group leaves through the namespace's veth ``tb0`` into 
 rate. Gloo binds to ``tb0`` through ``GLOO_SOCKET_IFNAME``. This kernel has no ``netem``, so
 latency is added by the shim on top (see sitecustomize.py).
 
-shim (fallback): every rank on loopback; the sitecustomize shim holds back sends to other groups by
-latency + bytes / bandwidth (the wait does not overlap the sender's compute: pessimistic).
+shim (fallback): every rank on loopback; the sitecustomize shim delivers sends to other groups
+after latency + bytes / bandwidth from a background thread (transfers on one link queue behind
+each other), so the sender's compute overlaps the transfer as on a real link.
 """
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
 """Testbed hooks, loaded by Python at start-up when this directory is first on PYTHONPATH.
 
 Does nothing unless the testbed set one of:
-- HAPT_TESTBED_SLOWDOWN=<factor>: after every leaf nn.Module's forward, and after its backward,
-  sleep (factor - 1) x the time it took (compute slow-down without a CPU quota);
+- HAPT_TESTBED_SLOWDOWN=<factor>: the process's main thread needs factor x the CPU time for the
+  same work: all of its work (modules, functional ops, loss, optimizer) is charged at a few points
+  and paid by keeping the core busy (compute slow-down without a CPU quota);
 - HAPT_TESTBED_SHIM=<json>: {"group_of_rank": [...], "links": {"a|b": [mbps or 0, latency_ms]}}:
-  every point-to-point send to a rank of another group is held back by latency + bytes/bandwidth
-  (link shaping without network namespaces; latency on top of namespaces, which lack netem).
+  every point-to-point send to a rank of another group is delivered after latency +
+  bytes/bandwidth by a background thread, so the sender computes meanwhile (link shaping without
+  network namespaces; latency on top of namespaces, which lack netem).
 Both patch torch only, so they act the same on any training framework built on it.
 """
 import os
