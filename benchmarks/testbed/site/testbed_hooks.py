@@ -21,6 +21,7 @@ and its compute overlaps the transfer, as on a real link.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -209,12 +210,18 @@ class _Link:
 def _sender(jobs: "queue.Queue") -> None:
     """A peer's link thread: issues sends in order, each once its emulated arrival time comes."""
     while True:
-        at, send, args, handle = jobs.get()
+        job = jobs.get()
+        if job is None:
+            return
+        at, send, args, handle = job
         time.sleep(max(0.0, at - time.perf_counter()))
         try:
             handle._set(send(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the caller's wait()
             handle._set(None, e)
+        # hold no process group between jobs: one still referenced here when the interpreter
+        # exits is destroyed during its tear-down, which aborts the process
+        del job, send, args, handle
 
 
 def install_shim(cfg: dict) -> None:
@@ -229,7 +236,15 @@ def install_shim(cfg: dict) -> None:
     orig_send = pg_cls.send
     links: dict[tuple[str, str], _Link] = {}
     queues: dict[int, queue.Queue] = {}
+    threads: list[threading.Thread] = []
     lock = threading.Lock()
+
+    def stop() -> None:  # at exit: let queued sends go out, then end the link threads
+        for q in queues.values():
+            q.put(None)
+        for t in threads:
+            t.join(timeout=30)
+    atexit.register(stop)
 
     def send(self, tensors, dst, tag=0):
         try:
@@ -247,8 +262,10 @@ def install_shim(cfg: dict) -> None:
             at = link.arrival(nbytes)
             if peer not in queues:
                 queues[peer] = queue.Queue()
-                threading.Thread(target=_sender, args=(queues[peer],), daemon=True,
-                                 name=f"testbed-link-{peer}").start()
+                thread = threading.Thread(target=_sender, args=(queues[peer],), daemon=True,
+                                          name=f"testbed-link-{peer}")
+                thread.start()
+                threads.append(thread)
         handle = _DelayedWork()
         queues[peer].put((at, orig_send, (self, tensors, dst, tag), handle))
         _after_wait()
