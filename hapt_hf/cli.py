@@ -153,7 +153,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     sim = result.sim
     if not sim.events:  # a replay that kept no events (e.g. a baseline's) cannot be drawn
         from hapt_hf.planner.simulate import simulate_plan
-        sim = simulate_plan(plan, job.model, job.cluster, job.profile, record_events=True)
+        sim = simulate_plan(plan, _model_for(plan, job.model, "the plan"), job.cluster,
+                            job.profile, record_events=True)
     report = build_report(plan, sim, title=f"{job.model.name} on {job.cluster.name}",
                           capacity_gb=capacities_gb(job.cluster),
                           physical_limit_s=result.physical_limit_s,
@@ -196,6 +197,17 @@ def _check_devices(plan: Plan, cluster: Cluster, where: str) -> None:
                             f"{g.gpu.name!r} or move the stage to a group of {s.device_type}")
 
 
+def _model_for(plan: Plan, model: ModelSpec, where: str) -> ModelSpec:
+    """The model's layer sequence in the plan's unit: a plan may cut inside blocks."""
+    from hapt_hf.planner.plan import PlanError
+    if plan.layer_unit != "half" or model.layer_unit == "half":
+        return model
+    if not model.can_split_blocks:
+        raise PlanError(f"{where}: layer_unit is 'half' but {model.name} ({model.family}) cannot "
+                        "be cut inside its blocks; use a plan with whole blocks")
+    return model.split_blocks()
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from hapt_hf.planner.plan import Plan, PlanError
     from hapt_hf.planner.report import build_report
@@ -204,12 +216,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan).validate()
     job = resolve_job(args.cluster, model=args.model, seq_len=plan.seq_len,
                       global_batch=plan.global_batch_size, dtype=plan.dtype)
-    if job.model.num_layers != plan.num_layers:
+    model = _model_for(plan, job.model, args.plan)
+    if model.num_layers != plan.num_layers:
         raise PlanError(f"model.num_layers is {plan.num_layers} in {args.plan} but "
-                        f"{job.model.name} has {job.model.num_layers} layers (blocks + 2); "
-                        "re-plan for this model or pass the model the plan was made for")
+                        f"{model.name} has {model.num_layers} layers (blocks + 2, or twice the "
+                        "blocks + 2 with layer_unit 'half'); re-plan for this model or pass the "
+                        "model the plan was made for with --model")
     _check_devices(plan, job.cluster, args.plan)
-    sim = simulate_plan(plan, job.model, job.cluster, job.profile, record_events=True)
+    sim = simulate_plan(plan, model, job.cluster, job.profile, record_events=True)
     report = build_report(plan, sim, title=f"{args.plan} on {job.cluster.name}",
                           capacity_gb=capacities_gb(job.cluster),
                           physical_limit_s=_physical_limit(plan, job))

@@ -160,6 +160,29 @@ def test_simulate_replays_a_hand_edited_plan(planned, tmp_path, capsys):
     assert png.stat().st_size > 5_000
 
 
+def test_simulate_replays_a_plan_that_cuts_inside_blocks(planned, tmp_path, capsys):
+    from hapt_hf.cli import resolve_job
+    from hapt_hf.planner.search import PlannerOptions, plan_job
+    job = resolve_job(str(planned.cluster))
+    plan = plan_job(job.model, job.cluster, 16, options=PlannerOptions(layer_unit="half")).plan
+    assert plan.layer_unit == "half" and plan.num_layers == 2 * 4 + 2
+    path = plan.save(tmp_path / "half.json")
+    code, out, err = _run(["simulate", path, "--cluster", planned.cluster, "--json"], capsys)
+    assert code == 0, err
+    rep = json.loads(out)["report"]
+    assert [r["layers"] for r in rep["stages"]] == [list(s.layers) for s in plan.stages]
+    assert rep["iteration_s"] == pytest.approx(plan.predicted.iteration_s, rel=1e-6)
+
+
+def test_half_block_ranges_are_named_by_half():
+    # 3 blocks cut in halves: [emb, b0.attn, b0.mlp, b1.attn, b1.mlp, b2.attn, b2.mlp, head]
+    assert layer_names((0, 2), 8, "half") == "emb,b0.attn"
+    assert layer_names((2, 5), 8, "half") == "b0.mlp-b1"
+    assert layer_names((3, 5), 8, "half") == "b1"
+    assert layer_names((6, 8), 8, "half") == "b2.mlp,head"
+    assert layer_names((0, 8), 8, "half") == "emb,b0-b2,head"
+
+
 def test_simulate_reports_a_plan_that_does_not_fit(tmp_path, capsys):
     tiny_gpu = SMALL_CLUSTER.replace("gpu: A100-40,", "gpu: A100-40, memory_gb: 0.01,")
     cluster = _write(tmp_path, tiny_gpu)

@@ -107,18 +107,33 @@ def format_ranks(ranks: tuple[int, ...] | list[int]) -> str:
     return ",".join(out)
 
 
-def layer_names(layers: tuple[int, int], num_layers: int) -> str:
-    """Name a half-open range of ``[embedding, block_0 .. block_{N-1}, head]`` in words."""
+def layer_names(layers: tuple[int, int], num_layers: int, unit: str = "block") -> str:
+    """Name a half-open range of ``[embedding, block_0 .. block_{N-1}, head]`` in words.
+
+    With ``unit='half'`` every block is two entries (``bK.attn``, ``bK.mlp``); a range that
+    starts or ends inside a block names the half (``b3.mlp-b7.attn``).
+    """
     start, end = layers
     parts: list[str] = []
     if start == 0:
         parts.append("emb")
-    first, last = max(start, 1) - 1, min(end, num_layers - 1) - 2  # block indices, inclusive
+    first, last = max(start, 1) - 1, min(end, num_layers - 1) - 2  # body indices, inclusive
     if last >= first:
-        parts.append(f"b{first}" if first == last else f"b{first}-b{last}")
+        parts.append(_half_range(first, last) if unit == "half" else
+                     (f"b{first}" if first == last else f"b{first}-b{last}"))
     if end == num_layers:
         parts.append("head")
     return ",".join(parts)
+
+
+def _half_range(first: int, last: int) -> str:
+    """Body entries ``first..last`` (inclusive) of a half-block sequence, in words."""
+    fb, fh, lb, lh = first // 2, first % 2, last // 2, last % 2
+    if first == last:
+        return f"b{fb}.{'mlp' if fh else 'attn'}"
+    head = f"b{fb}.mlp" if fh else f"b{fb}"
+    tail = f"b{lb}.attn" if lh == 0 else f"b{lb}"
+    return head if head == tail else f"{head}-{tail}"
 
 
 def _event_means(sim: Any, stage: int, kind: str) -> float | None:
@@ -141,7 +156,8 @@ def _stage_rows(plan: Plan, sim: Any | None,
             peak = sim.peak_memory_bytes[s.index]
         rows.append(StageRow(
             index=s.index, group=s.group, device=s.device_type, ranks=tuple(s.ranks),
-            layers=tuple(s.layers), layer_names=layer_names(s.layers, plan.num_layers),
+            layers=tuple(s.layers),
+            layer_names=layer_names(s.layers, plan.num_layers, plan.layer_unit),
             forward_ms=1e3 * (s.predicted.forward_s if fwd is None else fwd),
             backward_ms=1e3 * (s.predicted.backward_s if bwd is None else bwd),
             peak_memory_gb=peak / _GB,
