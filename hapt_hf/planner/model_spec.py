@@ -158,18 +158,32 @@ class ModelSpec:
 
     @property
     def can_split_blocks(self) -> bool:
-        return self.layer_unit == "block" and bool(self.half_layers)
+        """Half figures exist and ``layers`` is still the whole-block sequence they came with
+        (a hand-edited sequence is planned as it is)."""
+        return (self.layer_unit == "block" and bool(self.half_layers)
+                and len(self.layers) == self.num_blocks + 2)
 
     def split_blocks(self) -> "ModelSpec":
         """The same model with every block cut into its attention and MLP halves."""
         if self.layer_unit == "half":
             return self
-        if not self.half_layers:
+        if not self.can_split_blocks:
             raise ModelSpecError(
-                f"model {self.name!r} ({self.family}) has no half-block figures: its blocks cannot "
-                f"be cut in two (supported for gpt2 and LLaMA-shaped families); plan with "
+                f"model {self.name!r} ({self.family}) has no half-block figures for its layer "
+                f"sequence: its blocks cannot be cut in two (halves exist for gpt2 and "
+                f"LLaMA-shaped families, on the sequence from_config built); plan with "
                 f"layer_unit 'block'")
         return replace(self, layers=self.half_layers, layer_unit="half", half_layers=())
+
+    def with_layer_unit(self, layer_unit: str) -> "ModelSpec":
+        """This model's layer sequence in a plan's ``layer_unit`` ('block' or 'half'): what a
+        plan.json's layer ranges index, e.g. to replay or check a saved plan."""
+        if layer_unit == self.layer_unit:
+            return self
+        if layer_unit == "half":
+            return self.split_blocks()
+        raise ModelSpecError(f"layer_unit {layer_unit!r}: a model split into halves cannot be "
+                             f"joined back; build the ModelSpec again for layer_unit 'block'")
 
     @property
     def total_params(self) -> int:

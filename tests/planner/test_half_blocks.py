@@ -150,3 +150,44 @@ def test_layer_unit_option_is_checked():
     model, cluster, job = _scenario("sailor_a100x8_v100x8_opt350")
     with pytest.raises(PlanningError, match="cannot be cut in two"):
         plan_job(model, cluster, job.global_batch_size, options=PlannerOptions(layer_unit="half"))
+
+
+def test_with_layer_unit_gives_the_sequence_a_plan_indexes():
+    spec = ModelSpec.from_name_or_path("gpt2-tiny", 32)
+    assert spec.with_layer_unit("block") is spec
+    half = spec.with_layer_unit("half")
+    assert half == spec.split_blocks() and half.with_layer_unit("half") is half
+    with pytest.raises(ModelSpecError, match="build the ModelSpec again"):
+        half.with_layer_unit("block")
+
+
+def _group(name: str, tflops: float, gpus: int):
+    from hapt_hf.planner.cluster import GpuGroup, GpuType, LinkSpec
+    return GpuGroup(name, GpuType(f"G{tflops:g}", tflops, 16.0), 1, gpus, LinkSpec(200, 10),
+                    LinkSpec(50, 20))
+
+
+@pytest.mark.parametrize("speeds", [(20.0, 312.0), (125.0, 50.0)], ids=["slow-fast", "fast-slow"])
+@pytest.mark.parametrize("widths", [(1, 1), (2, 1), (1, 2)], ids=["1+1", "2+1", "1+2"])
+@pytest.mark.parametrize("gbps", [1.0, 100.0])
+def test_half_plans_are_within_one_percent_of_exhaustive_search(speeds, widths, gbps):
+    from hapt_hf.planner.cluster import GroupLink, LinkSpec
+    from hapt_hf.planner.exhaustive import exhaustive_plan
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                                   num_attention_heads=4, vocab_size=1000,
+                                   max_position_embeddings=256)
+    model = ModelSpec.from_config(cfg, 128, "fp16")
+    cluster = Cluster("c", (_group("a", speeds[0], widths[0]), _group("b", speeds[1], widths[1])),
+                      (GroupLink("a", "b", LinkSpec(gbps, 100.0)),))
+    best = exhaustive_plan(model.split_blocks(), cluster, 4)
+    res = plan_job(model, cluster, 4, options=PlannerOptions(layer_unit="half"))
+    assert res.sim.iteration_s <= best.sim.iteration_s * 1.01
+
+
+def test_hand_edited_sequence_is_planned_as_it_is():
+    spec = ModelSpec.from_name_or_path("gpt2-tiny", 32)
+    edited = replace(spec, layers=spec.layers[:-1] + spec.layers[1:2] + (
+        replace(spec.layers[-1], index=spec.num_layers),))
+    assert not edited.can_split_blocks
+    with pytest.raises(ModelSpecError, match="cannot be cut in two"):
+        edited.split_blocks()
