@@ -34,7 +34,6 @@ import torch.distributed as dist
 __all__ = ["Pacer", "install_slowdown", "install_shim"]
 
 
-
 class Pacer:
     """Makes the main thread spend ``factor`` times the CPU time of its work, charged at points."""
 
@@ -74,8 +73,9 @@ def _spin(cpu_s: float) -> float:
     """Keep this thread busy for ``cpu_s`` seconds of its own CPU time; returns what it used."""
     t0 = now = time.thread_time()
     while now - t0 < cpu_s:
-        # reading the thread's CPU clock is a system call, which evicts the caches the next
-        # op needs: check it every half millisecond, spin on the cheap wall clock in between
+        # the thread's CPU clock is a system call: read it every half millisecond and spin on
+        # the wall clock in between (a pause spun on the CPU clock slowed the next small
+        # forward+backward more: 3.1 ms of CPU against 2.8 ms, 2.2 ms without a pause)
         end = time.perf_counter() + min(cpu_s - (now - t0), 0.0005)
         while time.perf_counter() < end:
             pass
@@ -146,7 +146,7 @@ def install_slowdown(factor: float) -> list[_Handle]:
     ag._engine_run_backward = run_backward
     work_cls.wait = wait
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
-               torch.nn.modules.module.register_module_forward_hook(post),
+               torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
                register_optimizer_step_post_hook(opt_post)]
 
     def undo() -> None:
