@@ -171,3 +171,38 @@ def test_measured_links_replace_the_cluster_file_figures():
     prof = Profile(links=[LinkMeasurement("b", "a", 0.1, 900.0)])
     link = cluster_with_links(cluster, prof).link("a", "b")
     assert (link.bandwidth_gbps, link.latency_us) == (0.1, 900.0)
+
+
+LEADERS_SCRIPT = """
+import json, sys, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from transformers import GPT2Config
+from hapt_hf.planner.profiler import ProfilerOptions, profile_group_leaders
+dist.init_process_group("gloo")
+config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=16,
+                    bos_token_id=0, eos_token_id=0)
+prof = profile_group_leaders(config, groups={"a": [0], "b": [1]},
+                             device_names={"a": "cpu-a", "b": "cpu-b"}, seq_len=16,
+                             options=ProfilerOptions(micro_batches=(1,), warmup=1, repeats=3,
+                                                     min_window_s=0.01, budget_s=0.1),
+                             link_sizes=(1 << 12, 1 << 14), busy_peers=True)
+print(json.dumps({"devices": sorted(prof.devices()), "links": len(prof.links)}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiproc
+def test_group_leaders_profile_with_busy_peers_and_all_get_the_merged_profile(tmp_path):
+    import sys
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.testbed import Testbed, TestbedSpec
+    script = tmp_path / "leaders.py"
+    script.write_text(LEADERS_SCRIPT)
+    spec = TestbedSpec.from_dict({"name": "leaders", "slowdown": "hook",
+                                  "groups": [{"name": "a", "ranks": 1}, {"name": "b", "ranks": 1}]})
+    with Testbed(spec) as tb:
+        results = tb.run([sys.executable, str(script), str(ROOT)], timeout_s=180, cwd=ROOT)
+    assert all(r.returncode == 0 for r in results), [r.output[-2000:] for r in results]
+    outs = [json.loads(r.output.strip().splitlines()[-1]) for r in results]
+    # the leader done first kept computing until the other finished, then both timed the link
+    assert outs == [{"devices": ["cpu-a", "cpu-b"], "links": 1}] * 2
