@@ -80,10 +80,25 @@ def _model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str) 
     raise ModelSpecError(f"no model given: pass --model NAME_OR_PATH or set job.model in {where}")
 
 
-def _load_profile(cluster: Cluster, model: ModelSpec) -> Profile | None:
-    """Measured layer times named by the cluster file's ``profiles:`` (None without one)."""
+def _load_profile(cluster: Cluster, model: ModelSpec, store: str | None = None
+                  ) -> tuple[Cluster, Profile | None]:
+    """Measured figures: the cluster file's ``profiles:``, then a ``hapt-hf profile`` store.
+
+    The store wins where both measured the same thing, and its measured links replace the
+    cluster file's link figures, so a plan follows what this machine's devices really do.
+    """
     from hapt_hf.planner.search import cluster_profile
-    return cluster_profile(cluster, model)
+    profile = cluster_profile(cluster, model)
+    if store is None:
+        return cluster, profile
+    if not Path(store).is_file():
+        raise UsageError(f"--profile {store}: no such profile store; write one with "
+                         "`hapt-hf profile ... --store FILE`")
+    from hapt_hf.planner.profile import Profile
+    from hapt_hf.planner.profiler import cluster_with_links
+    measured = Profile.load(store)
+    profile = measured if profile is None else profile.merge(measured)
+    return cluster_with_links(cluster, measured), profile
 
 
 def _first(*values: Any) -> Any:
@@ -92,7 +107,8 @@ def _first(*values: Any) -> Any:
 
 
 def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: int | None = None,
-                global_batch: int | None = None, dtype: str | None = None) -> JobInputs:
+                global_batch: int | None = None, dtype: str | None = None,
+                profile_store: str | None = None) -> JobInputs:
     """Flags first, then the cluster file's ``job:``; with no cluster at all, the demo job."""
     cluster, source = load_cluster(cluster_arg)
     job = cluster.job
@@ -110,7 +126,8 @@ def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: i
             raise UsageError(f"{flag} must be a positive integer, got {value}")
     dt = _first(dtype, job.dtype, DEFAULT_DTYPE)
     spec = _model_spec(model_arg, int(seq), dt, source)
-    return JobInputs(cluster, spec, _load_profile(cluster, spec), int(gbs), source)
+    cluster, profile = _load_profile(cluster, spec, profile_store)
+    return JobInputs(cluster, spec, profile, int(gbs), source)
 
 
 def capacities_gb(cluster: Cluster) -> dict[str, float]:
@@ -137,7 +154,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from hapt_hf.planner.search import PlannerOptions, plan_job
 
     job = resolve_job(args.cluster, model=args.model, seq_len=args.seq_len,
-                      global_batch=args.global_batch, dtype=args.dtype)
+                      global_batch=args.global_batch, dtype=args.dtype,
+                      profile_store=args.profile)
     note = sys.stderr if args.json else sys.stdout
     if args.cluster is None:
         print(f"no --cluster given: planning {job.model.name} on the {job.cluster_source} "
@@ -215,7 +233,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan).validate()
     job = resolve_job(args.cluster, model=args.model, seq_len=plan.seq_len,
-                      global_batch=plan.global_batch_size, dtype=plan.dtype)
+                      global_batch=plan.global_batch_size, dtype=plan.dtype,
+                      profile_store=args.profile)
     model = _model_for(plan, job.model, args.plan)
     if model.num_layers != plan.num_layers:
         raise PlanError(f"model.num_layers is {plan.num_layers} in {args.plan} but "
@@ -250,6 +269,9 @@ def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="a model name (gpt2, meta-llama/Llama-2-7b-hf...) or a config.json "
                         "path; default: the cluster file's job.model")
+    p.add_argument("--profile", metavar="STORE",
+                   help="profile store written by `hapt-hf profile`: its measured layer times "
+                        "and links replace catalogue and cluster-file figures")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -360,3 +360,51 @@ def test_benchmark_rewrites_only_its_own_section(tmp_path, monkeypatch):
     fresh = tmp_path / "new.md"
     bench.update_doc(fresh, "## Planner\n\nx\n")
     assert fresh.read_text() == "# Benchmarks\n\n## Planner\n\nx\n"
+
+
+def _store(path: Path, fast_s: float, slow_s: float) -> Path:
+    """A profile store as `hapt-hf profile` writes it, for the cpu_demo_4 job's layers."""
+    from hapt_hf.planner.cluster import Cluster
+    from hapt_hf.planner.model_spec import ModelSpec
+    from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
+    job = Cluster.load("cpu_demo_4").job
+    spec = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype)
+    timings = {}
+    for device, t in (("cpu-fast", fast_s), ("cpu-slow", slow_s)):
+        for layer in spec.layers:
+            for mb in (1, 2, 4):
+                key = ProfileKey(device, layer.signature, mb, spec.seq_len, spec.dtype)
+                timings[key] = LayerTiming(t * mb, 2 * t * mb)
+    Profile(timings=timings, source="test").save(path)
+    return path
+
+
+def _layers_per_group(plan: Plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in plan.stages:
+        out[s.group] = out.get(s.group, 0) + s.num_layers * s.dp
+    return out
+
+
+def test_plan_follows_a_measured_profile_store(tmp_path, capsys):
+    # The catalogue calls group "fast" 4x faster; a store that measured it 4x SLOWER must turn
+    # the split around, and the plan must say so in its layer counts.
+    code, _, _ = _run(["plan", "--cluster", "cpu_demo_4", "-o", str(tmp_path / "a.json")], capsys)
+    assert code == 0
+    store = _store(tmp_path / "store.json", fast_s=0.004, slow_s=0.001)
+    code, _, _ = _run(["plan", "--cluster", "cpu_demo_4", "--profile", str(store),
+                       "-o", str(tmp_path / "b.json")], capsys)
+    assert code == 0
+    by_catalogue = _layers_per_group(Plan.load(tmp_path / "a.json"))
+    by_store = _layers_per_group(Plan.load(tmp_path / "b.json"))
+    assert by_catalogue.get("fast", 0) > by_store.get("fast", 0)
+    code, out, _ = _run(["simulate", str(tmp_path / "b.json"), "--cluster", "cpu_demo_4",
+                         "--profile", str(store)], capsys)
+    assert code == 0 and "iteration time" in out
+
+
+def test_missing_profile_store_is_one_line(tmp_path, capsys):
+    code, out, err = _run(["plan", "--cluster", "cpu_demo_4", "--profile",
+                           str(tmp_path / "none.json"), "-o", str(tmp_path / "p.json")], capsys)
+    _assert_user_error(code, out, err, "--profile")
+    assert not (tmp_path / "p.json").exists()
