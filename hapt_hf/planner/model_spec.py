@@ -554,8 +554,12 @@ def _config_from_job_dict(d: dict, seq_len: int):
     cls = _config_class(family)
     positions = d.get("max_position_embeddings", seq_len)
     if family == "gpt2":
+        # GPT-2's special-token id (50256) lies outside a smaller vocabulary; the planner needs
+        # no special tokens, so keep them inside it rather than have transformers warn.
+        special = min(50256, int(d["vocab_size"]) - 1)
         return cls(n_embd=h, n_layer=d["num_layers"], n_head=d["num_heads"],
                    vocab_size=d["vocab_size"], n_positions=positions,
+                   bos_token_id=special, eos_token_id=special,
                    n_inner=d.get("intermediate_size"),
                    tie_word_embeddings=d.get("tie_word_embeddings", True))
     if family == "opt":
