@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from hapt_hf.cli import resolve_job  # noqa: E402
+from hapt_hf.planner.report import BaselineRow  # noqa: E402
 
 __all__ = ["ScenarioResult", "run_scenario", "run_isolated", "main"]
 
@@ -34,15 +35,6 @@ HAPT_LIKE = ("harp_", "consumer_")
 SCALE = "scale_llama70b_mixed256"
 FLAGSHIP = "harp_v100x8_a100x4_5gbps"
 SECTION = "## Planner"
-
-
-@dataclass(frozen=True)
-class BaselineFigure:
-    name: str
-    iteration_s: float | None
-    """None: the baseline has no feasible plan (``reason`` says why)."""
-    speedup: float | None
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,7 +54,7 @@ class ScenarioResult:
     limit_distance: float
     stages: int
     micro_batch_size: int
-    baselines: tuple[BaselineFigure, ...] = field(default_factory=tuple)
+    baselines: tuple[BaselineRow, ...] = field(default_factory=tuple)
     error: str = ""
 
 
@@ -78,10 +70,10 @@ def run_scenario(path: Path) -> ScenarioResult:
     for name, b in res.baselines.items():
         ok = b.plan is not None and b.sim is not None and b.sim.feasible
         if ok:
-            base.append(BaselineFigure(name, b.sim.iteration_s, b.sim.iteration_s / it, b.reason))
+            base.append(BaselineRow(name, b.sim.iteration_s, b.sim.iteration_s / it, b.reason))
         else:
             why = b.reason or (b.sim.reason if b.sim is not None else "") or "infeasible"
-            base.append(BaselineFigure(name, None, None, why))
+            base.append(BaselineRow(name, None, None, why))
     limit = res.physical_limit_s
     return ScenarioResult(
         scenario=path.stem, gpus=job.cluster.world_size, model=job.model.name,
@@ -97,7 +89,7 @@ def _failed(path: Path, why: str) -> ScenarioResult:
 
 
 def _from_dict(d: dict) -> ScenarioResult:
-    d = dict(d, baselines=tuple(BaselineFigure(**b) for b in d["baselines"]))
+    d = dict(d, baselines=tuple(BaselineRow(**b) for b in d["baselines"]))
     return ScenarioResult(**d)
 
 
