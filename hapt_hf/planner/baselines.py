@@ -109,9 +109,14 @@ _SPLITS = {"uniform": _uniform, "param_balanced": _param_balanced,
 
 def _with_memory(cm: CostModel, shapes, cuts: list[int], mbs: int, warm, allow_rc: bool):
     """Bounds and recompute flags (on only where needed), or None if a stage cannot fit."""
-    L = cm.model.num_layers
-    edges = [0, *cuts, L]
+    edges = [0, *cuts, cm.model.num_layers]
     bounds = tuple(zip(edges, edges[1:]))
+    rcs = recompute_flags(cm, shapes, bounds, mbs, warm, allow_rc)
+    return None if rcs is None else (bounds, rcs)
+
+
+def recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):
+    """Per stage: recompute off if it fits without, on if only that fits; None if one cannot."""
     rcs = []
     for sh, (a, b), w in zip(shapes, bounds, warm):
         s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
@@ -121,7 +126,7 @@ def _with_memory(cm: CostModel, shapes, cuts: list[int], mbs: int, warm, allow_r
             rcs.append(True)
         else:
             return None
-    return bounds, tuple(rcs)
+    return tuple(rcs)
 
 
 def _framework_layouts(cm: CostModel, name: str, gbs: int, options: PlannerOptions):

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from .cluster import Cluster
+from .baselines import recompute_flags
 from .cost_model import CostModel, StageShape
 from .model_spec import ModelSpec
 from .plan import Plan
@@ -63,19 +64,6 @@ def _warmup_choices(n: int, m: int, schedule: str, max_step: int):
             yield clamped
 
 
-def _recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):
-    flags = []
-    for sh, (a, b), w in zip(shapes, bounds, warm):
-        s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
-        if cm.memory_bytes(s, a, b, w, False) <= cap:
-            flags.append(False)
-        elif allow_rc and cm.memory_bytes(s, a, b, w, True) <= cap:
-            flags.append(True)
-        else:
-            return None
-    return tuple(flags)
-
-
 def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                     profile: Profile | None = None, options: PlannerOptions = PlannerOptions(),
                     max_warmup_step: int = 3, max_candidates: int = 200_000) -> ExhaustiveResult:
@@ -105,7 +93,7 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                     edges = list(itertools.accumulate(sizes, initial=0))
                     bounds = tuple(zip(edges, edges[1:]))
                     for warm in _warmup_choices(n, m, options.schedule, max_warmup_step):
-                        rc = _recompute_flags(cm, shapes, bounds, mbs, warm,
+                        rc = recompute_flags(cm, shapes, bounds, mbs, warm,
                                               options.allow_recompute)
                         if rc is None:
                             continue
