@@ -134,15 +134,8 @@ def save_hf_model(state_dict: dict, config, out_dir: Path, tied_keys: list[str])
 
 def load_stage_weights(stage: torch.nn.Module, ckpt: Path) -> None:
     """Copy this stage's own tensors from the checkpoint's model.safetensors into the stage."""
-    adapter = stage.adapter
-    # A tied LM head is stored once, as the input embedding (save_pretrained does the same).
-    tied = getattr(stage.config, "tie_word_embeddings", False)
-    aliases = {adapter.output_embedding_key: adapter.input_embedding_key} if tied else {}
-    targets = stage.state_dict(keep_vars=True)
     try:
-        tensors = checkpoint_io.read_tensors(ckpt, targets.keys(), aliases)
-        for key, target in targets.items():
-            checkpoint_io.copy_into(target, tensors[key], key)
+        checkpoint_io.load_stage_tensors(stage, ckpt)
     except checkpoint_io.CheckpointError as e:
         raise CheckpointError(str(e)) from None
 

@@ -21,6 +21,7 @@ __all__ = [
     "checkpoint_key_files",
     "copy_into",
     "gather_state_dicts",
+    "load_stage_tensors",
     "read_tensors",
     "save_full_checkpoint",
 ]
@@ -130,3 +131,18 @@ def copy_into(target: Tensor, value: Tensor, key: str) -> None:
         )
     with torch.no_grad():
         target.copy_(value)
+
+
+def load_stage_tensors(stage: torch.nn.Module, checkpoint_dir: str | Path) -> None:
+    """Read only `stage`'s own tensors from a checkpoint directory and copy them in.
+
+    A tied LM head is saved once, as the input embedding (as save_pretrained does); an untied one
+    must be in the file. Raises CheckpointError naming the key on a missing or misshapen tensor.
+    """
+    adapter = stage.adapter
+    tied = getattr(stage.config, "tie_word_embeddings", False)
+    aliases = {adapter.output_embedding_key: adapter.input_embedding_key} if tied else {}
+    targets = stage.state_dict(keep_vars=True)
+    tensors = read_tensors(checkpoint_dir, targets.keys(), aliases)
+    for key, target in targets.items():
+        copy_into(target, tensors[key], key)

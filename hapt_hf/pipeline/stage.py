@@ -349,18 +349,8 @@ def _rebuild_rotary(stage: PipelineStage, device: str | torch.device = "cpu") ->
 
 def _load_checkpoint(stage: PipelineStage, checkpoint_dir: str | Path) -> None:
     """Read only this stage's tensors from the checkpoint and copy them in."""
-    adapter = stage.adapter
-    # A tied LM head is saved only as the input embedding; an untied one must be in the file.
-    tied = getattr(stage.config, "tie_word_embeddings", False)
-    aliases = {adapter.output_embedding_key: adapter.input_embedding_key} if tied else {}
-    targets = stage.state_dict(keep_vars=True)
     try:
-        tensors = checkpoint_io.read_tensors(checkpoint_dir, targets.keys(), aliases)
-    except checkpoint_io.CheckpointError as err:
-        raise StageBuildError(str(err)) from None
-    try:
-        for key, target in targets.items():
-            checkpoint_io.copy_into(target, tensors[key], key)
+        checkpoint_io.load_stage_tensors(stage, checkpoint_dir)
     except checkpoint_io.CheckpointError as err:
         raise StageBuildError(str(err)) from None
 
