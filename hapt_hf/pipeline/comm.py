@@ -82,6 +82,8 @@ class FailureChannel:
         self._stop = threading.Event()
         self._beats: dict[int, tuple[int, float]] = {}  # peer -> (last count, when it changed)
         self._interval = max(0.05, min(1.0, self.timeout_s / 20))
+        # long enough for another rank's grace wait plus its heartbeat watch in ``_silent``
+        self._linger_s = 4 * self._interval + self.grace_s
         self._thread = threading.Thread(target=self._watch, name="hapt-watchdog", daemon=True)
         self._thread.start()
 
@@ -140,7 +142,9 @@ class FailureChannel:
                     own = f"{self._silent(ranks)} stopped answering ({_short(e)}) while {mine}"
                     first = self.record(own)
                     if first == own:
+                        self._linger_if_store_host()
                         raise PipelineFailure(own) from None
+                self._linger_if_store_host()
                 raise PipelineFailure(f"{first}; {mine}") from None
 
     def _silent(self, ranks: Sequence[int]) -> str:
@@ -174,8 +178,19 @@ class FailureChannel:
             own = f"rank {t.peer} stopped answering ({reason}) while {mine}"
             first = self.record(own)
             if first == own:
+                self._linger_if_store_host()
                 return PipelineFailure(own)
+        self._linger_if_store_host()
         return PipelineFailure(f"{first}; {mine}")
+
+    def _linger_if_store_host(self) -> None:
+        # With env:// rendezvous the store lives in rank 0's process. Raising ends that process
+        # soon after, and a rank still working out who failed (``_silent`` watches heartbeats
+        # for a few intervals) would then find the store gone and blame rank 0. Staying a
+        # little longer lets every rank read the record: a failure path only, so it costs
+        # nothing in training.
+        if self.rank == 0:
+            time.sleep(self._linger_s)
 
     # -- watchdog --------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -191,7 +206,7 @@ class FailureChannel:
                 if self.rank == 0:
                     # rank 0 hosts the store (env:// rendezvous): give the others time to read
                     # the record before it goes away with this process
-                    time.sleep(4 * interval + self.grace_s)
+                    time.sleep(self._linger_s)
                 os._exit(1)
 
     def _check_blocked(self) -> str | None:
