@@ -15,7 +15,11 @@ Conventions:
   nodes); every rank sends only the samples the next stage's rank needs, in parallel, so the
   time is set by the busiest rank: ``max(mbs/w_left, mbs/w_right)`` samples.
 * Data-parallel gradients are all-reduced with a ring: ``2(d-1)/d * bytes / bw + 2(d-1) * lat``,
-  over the inter-node link when the stage spans nodes.
+  over the inter-node link when the stage spans nodes, in buckets of :data:`GRAD_BUCKET_BYTES`
+  that overlap the stage's last backward as the runtime does: the gradients become final in
+  reverse layer order (each layer at the end of its own backward), a bucket goes on the replica
+  link once its last byte is final and the link is free, one bucket after another. Only what
+  runs past the end of the last backward adds to the iteration.
 * Memory per GPU: weights, gradients and Adam state take :data:`STATE_BYTES_PER_PARAM` bytes per
   parameter, plus the activations kept for every micro-batch in flight, plus one layer's working
   set. Recompute keeps only the blocks' inputs and pays one more forward in the backward.
@@ -31,8 +35,9 @@ from .model_spec import DTYPE_BYTES, LayerSpec, ModelSpec
 from .plan import Plan
 from .profile import LayerTiming, Profile
 
-__all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "CostModelError", "StageShape",
-           "StageCost", "StageCosts", "CostModel"]
+__all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "CostModelError",
+           "StageShape", "StageCost", "StageCosts", "AllReduceWindow", "CostModel",
+           "overlapped_allreduce"]
 
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
@@ -41,6 +46,12 @@ STATE_BYTES_PER_PARAM = {"fp16": 16, "bf16": 16, "fp32": 16}
 """Training state per parameter with Adam. Mixed precision (fp16/bf16): 2 (half weights) + 2
 (half gradients) + 4 (fp32 master weights) + 8 (fp32 Adam moments) = 16. Pure fp32: 4 (weights)
 + 4 (gradients) + 8 (Adam moments) = 16. Both are 16, as in the ZeRO paper's accounting."""
+
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Gradient bytes per all-reduce bucket (DDP's default ``bucket_cap_mb=25``). The runtime closes
+a bucket once it holds at least this many bytes and all-reduces it as soon as the last backward
+has made all of its gradients final; the cost model prices the same buckets. Larger buckets pay
+the link latency fewer times but start later."""
 
 UPDATE_BYTES_PER_PARAM = 32
 """Bytes the Adam step reads and writes per parameter (weights, grads, master, moments)."""
@@ -89,6 +100,7 @@ class StageCost:
     send_backward_s: float
     """Moving the gradient of this stage's input to the previous stage (0 on the first)."""
     allreduce_s: float
+    """Replica-link time of the gradient all-reduce (all buckets, one after another)."""
     update_s: float
     static_bytes: float
     """Weights, gradients and optimizer state on one GPU."""
@@ -98,6 +110,17 @@ class StageCost:
     capacity_bytes: float
     """Usable memory of one GPU (after the planner's headroom)."""
     recompute: bool = False
+    allreduce_lead_s: float = 0.0
+    """How long before the end of the stage's last backward its first gradient bucket goes on
+    the replica link (0: the all-reduce starts when the backward ends)."""
+    allreduce_exposed_s: float | None = None
+    """How long the all-reduce runs past the end of the last backward; None: all of
+    ``allreduce_s`` (nothing overlapped)."""
+
+    @property
+    def allreduce_after_s(self) -> float:
+        """Seconds the all-reduce adds after the stage's last backward, before its update."""
+        return self.allreduce_s if self.allreduce_exposed_s is None else self.allreduce_exposed_s
 
     def memory_bytes(self, in_flight: int) -> float:
         return self.static_bytes + self.activation_bytes * in_flight + self.working_bytes
@@ -110,6 +133,52 @@ class StageCosts:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+
+@dataclass(frozen=True)
+class AllReduceWindow:
+    """A stage's bucketed gradient all-reduce against its last backward."""
+
+    link_s: float
+    """Time the buckets keep the replica link busy, summed."""
+    lead_s: float
+    """The first bucket starts this long before the last backward ends."""
+    exposed_s: float
+    """The last bucket ends this long after the last backward ends (0 if before)."""
+
+
+def overlapped_allreduce(layers: list[tuple[float, float]], bucket_bytes: float,
+                         bucket_s) -> AllReduceWindow:
+    """Buckets over gradients that become final during one backward.
+
+    ``layers``: (backward seconds, gradient bytes) of each layer in the order the backward runs
+    them (last layer first). The byte stream is cut into buckets of ``bucket_bytes``, the rest
+    going last; a bucket is ready when the layer holding its last byte has finished its
+    backward, and starts when it is ready and the previous bucket is done. ``bucket_s(nbytes)``
+    prices one bucket on the link.
+    """
+    t = free = busy = 0.0
+    first = None
+    filled = 0.0
+    full_s = bucket_s(bucket_bytes)
+    for dur, nbytes in layers:
+        t += dur
+        filled += nbytes
+        k = int(filled // bucket_bytes)
+        if k:  # k buckets close in this layer, all ready at its end
+            start = max(t, free)
+            first = start if first is None else first
+            free = start + k * full_s
+            busy += k * full_s
+            filled -= k * bucket_bytes
+    if filled > 0:
+        start = max(t, free)
+        first = start if first is None else first
+        free = start + bucket_s(filled)
+        busy += bucket_s(filled)
+    if first is None:
+        return AllReduceWindow(0.0, 0.0, 0.0)
+    return AllReduceWindow(busy, t - first, max(0.0, free - t))
 
 
 @dataclass(frozen=True)
@@ -166,6 +235,7 @@ class CostModel:
         self._tables: dict[tuple[str, float, int], _LayerTable] = {}
         self._rates: dict[tuple[str, float, int], float] = {}
         self._mem_prefix: dict[tuple[int, int, bool], list[float]] = {}
+        self._windows: dict[tuple, AllReduceWindow] = {}
         layers = model.layers
         self._is_block = tuple(l.kind == "block" for l in layers)
         self.params = _prefix(l.params for l in layers)
@@ -274,6 +344,7 @@ class CostModel:
         return pre
 
     def allreduce_s(self, shape: StageShape, a: int, b: int) -> float:
+        """One ring all-reduce of all the gradients of layers [a, b) (no buckets, no overlap)."""
         d = shape.width
         if d <= 1:
             return 0.0
@@ -281,6 +352,34 @@ class CostModel:
         nbytes = (self.params[b] - self.params[a]) * self.grad_dtype_bytes
         bw = link.bandwidth_gbps * 1e9 / 8
         return 2 * (d - 1) / d * nbytes / bw + 2 * (d - 1) * link.latency_us * 1e-6
+
+    def allreduce_window(self, shape: StageShape, samples: int, a: int, b: int,
+                         recompute: bool = False) -> AllReduceWindow:
+        """The stage's gradient all-reduce in :data:`GRAD_BUCKET_BYTES` buckets, overlapped with
+        its last backward (``samples`` per replica, layers [a, b)); see
+        :func:`overlapped_allreduce`."""
+        d = shape.width
+        if d <= 1:
+            return AllReduceWindow(0.0, 0.0, 0.0)
+        spans = shape.spans_nodes
+        key = (shape.group.name, d, spans, samples, a, b, recompute)
+        w = self._windows.get(key)
+        if w is not None:
+            return w
+        link = shape.group.inter_node if spans else shape.group.intra_node
+        bw = link.bandwidth_gbps * 1e9 / 8
+        ring, lat = 2 * (d - 1) / d, 2 * (d - 1) * link.latency_us * 1e-6
+        t = self.table(shape.group, samples)
+        gb = self.grad_dtype_bytes
+        layers = []
+        for j in range(b - 1, a - 1, -1):  # the backward runs the last layer first
+            dur = t.bwd[j + 1] - t.bwd[j]
+            if recompute:
+                dur += t.block_fwd[j + 1] - t.block_fwd[j]
+            layers.append((dur, (self.params[j + 1] - self.params[j]) * gb))
+        w = overlapped_allreduce(layers, GRAD_BUCKET_BYTES, lambda n: ring * n / bw + lat)
+        self._windows[key] = w
+        return w
 
     def update_s(self, group: GpuGroup, samples: int, a: int, b: int) -> float:
         t = self.table(group, samples)
@@ -336,17 +435,18 @@ class CostModel:
         for i, (sh, (a, b), rc) in enumerate(zip(shapes, bounds, recompute)):
             samples = mbs // sh.width
             f, bw = self.compute_s(sh.group, samples, a, b, rc)
+            ar = self.allreduce_window(sh, samples, a, b, rc)
             out.append(StageCost(
                 forward_s=f, backward_s=bw,
                 send_forward_s=cuts[i] if i < n - 1 else 0.0,
                 send_backward_s=cuts[i - 1] if i > 0 else 0.0,
-                allreduce_s=self.allreduce_s(sh, a, b),
+                allreduce_s=ar.link_s,
                 update_s=self.update_s(sh.group, samples, a, b),
                 static_bytes=self.static_bytes(a, b),
                 activation_bytes=self.activation_bytes(samples, a, b, rc),
                 working_bytes=self.working_bytes(samples, a, b),
                 capacity_bytes=self.capacity_bytes(sh.group),
-                recompute=rc))
+                recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s))
         return StageCosts(tuple(out))
 
     def plan_costs(self, plan: Plan) -> StageCosts:

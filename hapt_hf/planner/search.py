@@ -316,10 +316,11 @@ def estimate_s(cm: CostModel, layout: Layout, num_microbatches: int) -> float:
     cuts = [c.send_forward_s for c in st[:-1]]
     period = max(steps + cuts)
     # the drain runs upstream: stage i's last backward ends the earlier by the backward and
-    # cut times of the stages before it, so its all-reduce and step overlap theirs
+    # cut times of the stages before it, so its all-reduce and step overlap theirs (the part
+    # of its all-reduce that its own last backward hides adds nothing)
     tail, ahead = 0.0, 0.0
     for i, c in enumerate(st):
-        tail = max(tail, c.allreduce_s + c.update_s - ahead)
+        tail = max(tail, c.allreduce_after_s + c.update_s - ahead)
         ahead += c.backward_s + (cuts[i - 1] if i > 0 else 0.0)
     return sum(steps) + 2 * sum(cuts) + (num_microbatches - 1) * period + tail
 

@@ -9,8 +9,10 @@ Rules of the replay (the same ones the runtime follows):
   are eager (the receiver buffers), they overlap compute, and the transfers of one direction of
   one cut go one at a time, in the order they were posted. ``RECV`` actions only post buffers
   and cost nothing;
-* after its last backward, a stage all-reduces its gradients among its replicas and then runs
-  the optimizer step; the iteration ends when the last stage finishes its step.
+* a stage all-reduces its gradients among its replicas in buckets that start during its last
+  backward (the cost model's ``allreduce_lead_s`` before its end) and may run past it
+  (``allreduce_after_s``); the optimizer step follows, and the iteration ends when the last
+  stage finishes its step.
 
 A stage whose next action waits for something no stage will ever produce is a deadlock; the
 result is then infeasible and ``reason`` says where every stage is stuck.
@@ -116,6 +118,7 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
     peak = [0] * n
     act_arr: list[dict[int, float]] = [{} for _ in range(n)]   # activation arrived at stage s
     grad_arr: list[dict[int, float]] = [{} for _ in range(n)]  # gradient arrived at stage s
+    last_b = [0.0] * n     # end of the stage's last backward so far
     fwd_free = [0.0] * n   # link direction s -> s+1 free from
     bwd_free = [0.0] * n   # link direction s -> s-1 free from
     events: list[SimEvent] = []
@@ -145,6 +148,7 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
                             peak[s] = in_flight[s]
                     else:
                         in_flight[s] -= 1
+                        last_b[s] = t
                     if record_events:
                         events.append(SimEvent(s, _NAME[code], mb, start, t))
                 elif code == _SF:
@@ -177,11 +181,11 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
     ends = []
     for s in range(n):
         c = st[s]
-        t0 = clock[s]
-        t1 = t0 + c.allreduce_s
+        # the buckets overlap the last backward; the step waits for the last one
+        t1 = max(clock[s], last_b[s] + c.allreduce_after_s)
         t2 = t1 + c.update_s
         if record_events:
-            events.append(SimEvent(s, "ALLREDUCE", -1, t0, t1))
+            events.append(SimEvent(s, "ALLREDUCE", -1, last_b[s] - c.allreduce_lead_s, t1))
             events.append(SimEvent(s, "UPDATE", -1, t1, t2))
         ends.append(max(t2, fwd_free[s], bwd_free[s]))
     iteration = max(ends)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
-from hapt_hf.planner.cost_model import (DEFAULT_EFFICIENCY, STATE_BYTES_PER_PARAM, CostModel,
-                                        CostModelError, StageShape)
+from hapt_hf.planner.cost_model import (DEFAULT_EFFICIENCY, GRAD_BUCKET_BYTES,
+                                        STATE_BYTES_PER_PARAM, CostModel, CostModelError,
+                                        StageShape, overlapped_allreduce)
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
@@ -132,3 +133,95 @@ def test_stages_on_unlinked_groups_or_unknown_groups_are_refused():
         cm.group("zzz")
     with pytest.raises(CostModelError, match="memory_headroom"):
         CostModel(toy_model(), cl, memory_headroom=1.5)
+
+
+# -- the gradient all-reduce overlapped with the last backward ------------------------------
+
+CAP = GRAD_BUCKET_BYTES
+
+
+def test_short_allreduce_hides_behind_the_last_backward_but_its_last_bucket():
+    # ten layers of 1 s backward and one bucket each, 0.5 s per bucket on the link: every bucket
+    # is done before the next is ready, so only the last one (ready as the backward ends) shows
+    w = overlapped_allreduce([(1.0, CAP)] * 10, CAP, lambda n: 0.5 * n / CAP)
+    assert w.link_s == pytest.approx(5.0)
+    assert w.lead_s == pytest.approx(9.0)  # the first bucket starts after the first layer
+    assert w.exposed_s == pytest.approx(0.5)
+
+
+def test_long_allreduce_exposes_what_the_backward_cannot_hide():
+    # four buckets of 3 s ready at 1, 2, 3, 4 s: the link is the bottleneck from 1 s on
+    w = overlapped_allreduce([(1.0, CAP)] * 4, CAP, lambda n: 3.0 * n / CAP)
+    assert w.link_s == pytest.approx(12.0)
+    assert w.lead_s == pytest.approx(3.0)
+    assert w.exposed_s == pytest.approx(1.0 + 12.0 - 4.0)
+
+
+def test_buckets_cut_the_byte_stream_and_the_rest_goes_last():
+    # 2.5 buckets of gradients in the first layer, none in the second: two full buckets at 1 s,
+    # the half bucket when the first layer is done, then the rest after the second layer
+    w = overlapped_allreduce([(1.0, 2.5 * CAP), (2.0, 0.0)], CAP, lambda n: n / CAP)
+    assert w.link_s == pytest.approx(2.5)
+    assert w.lead_s == pytest.approx(2.0)
+    assert w.exposed_s == pytest.approx(0.5)  # the rest is ready only at 3 s
+    # a stage smaller than one bucket all-reduces after its backward, as DDP does
+    w = overlapped_allreduce([(1.0, 10.0), (1.0, 10.0)], CAP, lambda n: 0.25)
+    assert (w.link_s, w.lead_s, w.exposed_s) == (0.25, 0.0, 0.25)
+    assert overlapped_allreduce([(1.0, 0.0)], CAP, lambda n: 1.0).link_s == 0.0
+
+
+def big_model(blocks: int = 8) -> ModelSpec:
+    """Blocks of 2**24 fp16 gradients (32 MiB: 1.28 buckets each)."""
+    p = 2**24
+    layers = [LayerSpec(0, "embedding", "emb", p, 1e10, 2e10, 1e6, 1e6, 0.0)]
+    for i in range(blocks):
+        layers.append(LayerSpec(i + 1, "block", "blk", p, 1e12, 2e12, 1e6, 10e6, 1e6))
+    layers.append(LayerSpec(blocks + 1, "head", "head", p, 2e11, 4e11, 0.0, 5e6, 1e6))
+    return ModelSpec("big", "gpt2", 64, blocks, 100, 128, "fp16", False, tuple(layers))
+
+
+@pytest.mark.parametrize("intra_gbps,hidden", [(1000.0, True), (2.0, False)])
+def test_cost_model_prices_the_stage_all_reduce_against_its_last_backward(intra_gbps, hidden):
+    cl = Cluster("one", (group("a", 100.0, gpn=4, intra=(intra_gbps, 10.0)),), ())
+    cm = CostModel(big_model(), cl)
+    a = cm.group("a")
+    shape, samples = StageShape(a, 2, 0), 1
+    costs = cm.stage_costs([shape], [(0, 10)], 2, [False]).stages[0]
+    w = cm.allreduce_window(shape, samples, 0, 10)
+    assert (costs.allreduce_s, costs.allreduce_lead_s, costs.allreduce_exposed_s) == \
+        (w.link_s, w.lead_s, w.exposed_s)
+    # the same bytes as one all-reduce, paying the latency once per bucket
+    buckets = -(-10 * 2**25 // CAP)
+    whole = cm.allreduce_s(shape, 0, 10)
+    assert w.link_s == pytest.approx(whole + (buckets - 1) * 2 * 10e-6)
+    assert w.lead_s + w.exposed_s >= w.link_s - 1e-12  # the link never runs two buckets at once
+    assert w.lead_s < costs.backward_s
+    if hidden:  # the link is far faster than the backward: about one bucket is left over
+        assert w.link_s < costs.backward_s
+        assert w.exposed_s <= 2 * w.link_s / buckets
+    else:  # the link is the bottleneck once the first bucket is ready
+        assert w.link_s > costs.backward_s
+        first_ready = costs.backward_s - w.lead_s
+        assert w.exposed_s == pytest.approx(first_ready + w.link_s - costs.backward_s)
+    assert costs.allreduce_after_s == w.exposed_s < w.link_s
+
+
+def test_width_one_stage_has_no_allreduce():
+    cm = CostModel(big_model(), Cluster("one", (group("a", gpn=4),), ()))
+    w = cm.allreduce_window(StageShape(cm.group("a"), 1, 0), 2, 0, 10)
+    assert (w.link_s, w.lead_s, w.exposed_s) == (0.0, 0.0, 0.0)
+    c = cm.stage_costs([StageShape(cm.group("a"), 1, 0)], [(0, 10)], 2, [False]).stages[0]
+    assert c.allreduce_s == c.allreduce_lead_s == c.allreduce_after_s == 0.0
+
+
+def test_recompute_lengthens_the_backward_that_hides_the_all_reduce():
+    cl = Cluster("one", (group("a", 100.0, gpn=4, intra=(2.0, 10.0)),), ())
+    cm = CostModel(big_model(), cl)
+    shape = StageShape(cm.group("a"), 2, 0)
+    plain = cm.allreduce_window(shape, 1, 0, 10)
+    rc = cm.allreduce_window(shape, 1, 0, 10, recompute=True)
+    assert rc.link_s == plain.link_s
+    # the link is the bottleneck: the longer backward hides its whole extra length
+    _, b = cm.compute_s(cm.group("a"), 1, 0, 10)
+    _, b_rc = cm.compute_s(cm.group("a"), 1, 0, 10, recompute=True)
+    assert rc.exposed_s == pytest.approx(plain.exposed_s - (b_rc - b))

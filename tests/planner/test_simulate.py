@@ -45,6 +45,29 @@ def test_one_microbatch_crosses_each_link_twice():
     assert kinds == ["F", "SEND_F", "B", "ALLREDUCE", "UPDATE"]
 
 
+def test_allreduce_overlapping_the_last_backward_shows_its_real_interval():
+    sched = build_schedule("1f1b", 2, 1)
+    base = dict(send_forward_s=0.5, send_backward_s=0.0, update_s=0.2, static_bytes=0,
+                activation_bytes=0, working_bytes=0, capacity_bytes=0)
+    # stage 0: 2 s of all-reduce link time, 1.5 s of it during its 2 s last backward
+    st = StageCosts((StageCost(1.0, 2.0, allreduce_s=2.0, allreduce_lead_s=1.5,
+                               allreduce_exposed_s=0.6, **base),
+                     StageCost(3.0, 4.0, **{**base, "send_forward_s": 0.0,
+                                            "send_backward_s": 0.5, "update_s": 0.0},
+                               allreduce_s=0.0)))
+    r = simulate_schedule(sched, st)
+    last_b = 1 + 0.5 + 3 + 4 + 0.5 + 2
+    ar = [e for e in r.events if e.kind == "ALLREDUCE" and e.stage == 0]
+    assert len(ar) == 1 and (ar[0].start, ar[0].end) == (pytest.approx(last_b - 1.5),
+                                                         pytest.approx(last_b + 0.6))
+    upd = [e for e in r.events if e.kind == "UPDATE" and e.stage == 0][0]
+    assert upd.start == pytest.approx(last_b + 0.6)
+    assert r.iteration_s == pytest.approx(last_b + 0.6 + 0.2)
+    # the same stage with nothing overlapped pays the whole link time after the backward
+    plain = StageCosts((StageCost(1.0, 2.0, allreduce_s=2.0, **base), st.stages[1]))
+    assert simulate_schedule(sched, plain).iteration_s == pytest.approx(last_b + 2.0 + 0.2)
+
+
 def test_transfers_of_one_direction_are_serialised():
     # stage 0 produces every 1 s but the link needs 2 s per micro-batch: the link paces it
     n, m = 2, 6
@@ -116,6 +139,9 @@ def test_simulate_plan_replays_a_hand_written_plan():
     r = simulate_plan(plan, m, cl)
     assert r.feasible
     assert len(r.stage_busy_s) == 2 and r.iteration_s > max(r.stage_busy_s)
+    # the 2-wide stage all-reduces its gradients; the 1-wide one has nothing to all-reduce
+    ar = {e.stage: e for e in r.events if e.kind == "ALLREDUCE"}
+    assert ar[0].end > ar[0].start and ar[1].end == ar[1].start
     with pytest.raises(ValueError, match="layers"):
         simulate_plan(plan, _model(blocks=5), cl)
 
