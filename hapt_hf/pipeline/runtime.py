@@ -7,6 +7,12 @@ posted right after the compute that produced them. The loss is the mean over the
 tokens of the WHOLE global batch: the last stage returns per-micro-batch token sums, each is
 divided by the global token count (counted from the full batch every rank has) before backward,
 so that replica and micro-batch gradients simply add up.
+
+The replicas of a stage all-reduce their gradients in buckets of about ``GRAD_BUCKET_BYTES``
+(the cost model's figure), in reverse parameter order, as DDP does: during the iteration's last
+backward, a hook on every trainable parameter counts the gradients made final, and each bucket
+is launched (asynchronously) once all of its gradients are, in bucket order, so the transfer
+overlaps the rest of that backward. The step waits for every bucket before it returns.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import datetime
 import itertools
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +32,7 @@ from transformers import PretrainedConfig
 
 from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer
 from hapt_hf.pipeline.schedule import Piece, RankWork, max_in_flight, rank_work, replica_slice
+from hapt_hf.planner.cost_model import GRAD_BUCKET_BYTES
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
@@ -66,10 +74,21 @@ class RuntimeConfig:
     """bf16 / fp16 autocast for the forward on GPUs (ignored on CPU)."""
     device: str | None = None
     """Default: cuda:LOCAL_RANK if CUDA is available, else cpu."""
+    overlap_grad_sync: bool = True
+    """All-reduce a stage's gradients among its replicas in buckets launched during the
+    iteration's last backward, as their gradients become final (as DDP does), so that the
+    transfer hides behind that backward. False: every bucket goes after the backward ends."""
+    grad_bucket_bytes: int = GRAD_BUCKET_BYTES
+    """Gradient bytes per all-reduce bucket (a bucket closes once it holds at least this many).
+    The planner's cost model prices the default."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise RuntimeSetupError(f"RuntimeConfig.timeout_s must be > 0, got {self.timeout_s}")
+        if not self.grad_bucket_bytes > 0:
+            raise RuntimeSetupError(f"RuntimeConfig.grad_bucket_bytes must be > 0, got "
+                                    f"{self.grad_bucket_bytes}; the default is "
+                                    f"{GRAD_BUCKET_BYTES} (25 MiB)")
         if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise RuntimeSetupError(f"RuntimeConfig.autocast_dtype must be torch.bfloat16, "
                                     f"torch.float16 or None, got {self.autocast_dtype}")
@@ -147,6 +166,14 @@ class PipelineRuntime:
         self.max_live_activations = 0
         """Most micro-batches whose forward state this rank kept at once (measured)."""
         self._live = 0
+        self._buckets = self._make_buckets()
+
+    @property
+    def bucket_launch_s(self) -> list[float]:
+        """When each gradient bucket of the last ``forward_backward`` went to the all-reduce,
+        in seconds after the end of that iteration's last backward (negative: launched during
+        it, i.e. overlapped), in launch order; [] for a stage without replicas."""
+        return [] if self._buckets is None else self._buckets.launch_s()
 
     # -- setup -----------------------------------------------------------------------------
     def _make_groups(self, model_config: PretrainedConfig) -> tuple[Any, Any]:
@@ -164,6 +191,16 @@ class PipelineRuntime:
             if self.rank in self.work.tied_ranks:
                 tied = g
         return mine, tied
+
+    def _make_buckets(self) -> "_GradBuckets | None":
+        if self._dp_group is None:
+            return None
+        # frozen parameters (e.g. a LoRA base) take no part; every replica freezes the same
+        # ones. Tied ones are summed over the tied group, which holds the replicas too.
+        tied = {id(p) for p in self._tied}
+        params = [p for p in self.parameters() if p.requires_grad and id(p) not in tied]
+        return _GradBuckets(params, self._dp_group, self.config.grad_bucket_bytes,
+                            self.config.overlap_grad_sync)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage.parameters())
@@ -262,7 +299,9 @@ class PipelineRuntime:
         logits: dict[int, Tensor] = {}
         seq = ids.shape[1]
         s = self.stage_plan.index
-        for a in actions:
+        # the iteration's last backward makes every gradient final: the bucket hooks fire in it
+        last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
+        for i, a in enumerate(actions):
             k = a.microbatch
             try:
                 if a.kind is ActionKind.RECV_F:
@@ -280,6 +319,10 @@ class PipelineRuntime:
                         mbs[k].output = None
                 elif a.kind is ActionKind.RECV_B:
                     mbs[k].grad_recv = self._post_recv(self.work.downstream, k, seq, "RECV_B")
+                elif a.kind is ActionKind.B and i == last_b and self._buckets is not None:
+                    self._buckets.arm()
+                    self._backward(mbs[k])
+                    self._buckets.backward_done()
                 elif a.kind is ActionKind.B:
                     self._backward(mbs[k])
                 elif a.kind is ActionKind.SEND_B:
@@ -394,16 +437,20 @@ class PipelineRuntime:
                 p.grad = old if p.grad is None else p.grad.add_(old)
 
     def _sync_grads(self) -> None:
+        """Finish the gradient all-reduce: launch the buckets the last backward did not (all of
+        them without overlap), sum the tied embedding, wait for every bucket."""
         # frozen parameters (e.g. a LoRA base) take no part; every replica freezes the same ones
         trainable = [p for p in self.parameters() if p.requires_grad]
         for p in trainable:
             if p.grad is None:  # unused in this iteration: still part of the all-reduce
                 p.grad = torch.zeros_like(p)
-        tied = {id(p) for p in self._tied if p.requires_grad}
+        if self._buckets is not None:
+            self._buckets.launch_rest()
+        tied = [p.grad for p in self._tied if p.requires_grad]
         if self._tied_group is not None and tied:
-            _all_reduce_flat([p.grad for p in self._tied if p.requires_grad], self._tied_group)
-        if self._dp_group is not None:
-            _all_reduce_flat([p.grad for p in trainable if id(p) not in tied], self._dp_group)
+            _all_reduce_flat(tied, self._tied_group)
+        if self._buckets is not None:
+            self._buckets.wait()
 
     def _global_loss(self, loss_sum: Tensor, tokens: int) -> float:
         t = loss_sum.to(self.device)  # zero except on the last stage's replicas
@@ -431,6 +478,101 @@ class PipelineRuntime:
                     dist.recv(buf, peer, tag=k)
                     full[lo:hi] = buf.cpu()
         return full
+
+
+class _GradBuckets:
+    """One stage's replica all-reduce in buckets, launched in bucket order as the iteration's
+    last backward makes their gradients final (DDP's reducer, without its gradient views)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: Any, bucket_bytes: int,
+                 overlap: bool) -> None:
+        # reverse parameter order is roughly the order the backward finishes them
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        cur, size = [], 0
+        for p in reversed(params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(cur)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.group = group
+        self.armed = False
+        self._reset()
+        self._times: tuple[list[float], float] = ([], 0.0)
+        if overlap:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _reset(self) -> None:
+        self._missing = [len(b) for b in self.buckets]
+        self._seen: set[int] = set()
+        self._next = 0
+        self._works: list[tuple[int, Tensor, Any]] = []
+        self._launched: list[float] = []
+        self._backward_end = None
+
+    def arm(self) -> None:
+        """Count the gradients of the backward that starts now (the iteration's last)."""
+        self._reset()
+        self.armed = True
+
+    def backward_done(self) -> None:
+        self.armed = False
+        self._backward_end = time.perf_counter()
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        # fires once per backward for each parameter whose gradient it accumulated
+        if not self.armed:
+            return
+        i = self._bucket_of[id(p)]
+        if id(p) in self._seen:
+            if i < self._next:  # its bucket is already on the wire without this gradient
+                raise RuntimeError("a parameter received a second gradient in one backward "
+                                   "after its bucket was all-reduced; set "
+                                   "RuntimeConfig(overlap_grad_sync=False)")
+            return
+        self._seen.add(id(p))
+        self._missing[i] -= 1
+        # buckets go in order on every replica: collectives must match across the group
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        grads = [p.grad for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._works.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self._launched.append(time.perf_counter())
+        self._next = i + 1
+
+    def launch_rest(self) -> None:
+        """Launch what the backward left (every bucket when nothing was armed); every
+        gradient must exist by now."""
+        self.armed = False
+        if self._backward_end is None:  # no armed backward ran: nothing was launched yet
+            self._reset()
+            self._backward_end = time.perf_counter()
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+
+    def wait(self) -> None:
+        """Wait for every bucket and write the sums back into the gradients."""
+        works, self._works = self._works, []
+        for i, flat, work in works:
+            work.wait()
+            offset = 0
+            for p in self.buckets[i]:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+        self._times = (self._launched, self._backward_end or 0.0)
+        self._reset()
+
+    def launch_s(self) -> list[float]:
+        launched, end = self._times
+        return [t - end for t in launched]
 
 
 def _all_reduce_flat(grads: list[Tensor], group) -> None:
