@@ -1,7 +1,7 @@
 """The end-to-end race on the emulated heterogeneous testbed, every contender in one run.
 
-Four CPU ranks: two "fast" and two "slow" ones (a compute slow-down, 2.5x by default) with a slow
-link between the two groups (benchmarks/testbed). Inside the same processes, iterations of the
+Four CPU ranks: two "fast" and two "slow" ones (a compute slow-down, 2.5x by default, every rank
+capped at the same CPU share) with a slow link between the two groups (benchmarks/testbed). Inside the same processes, iterations of the
 contenders alternate, so that a busy phase of the machine hits them alike:
 
   (a) hapt_hf: profile (one block per group, the link), plan, run the plan with H-1F1B;
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -56,20 +57,28 @@ class RaceConfig:
     fast_ranks: int = 2
     slow_ranks: int = 2
     slowdown: float = 2.5
-    link_mbps: float = 4.0
-    link_latency_ms: float = 25.0
+    link_mbps: float = 16.0
+    link_latency_ms: float = 60.0
+    """With these, one micro-batch's activation (64 KiB) needs 33 ms + 60 ms to cross: about a
+    balanced stage's forward+backward, the situation H-1F1B is for. A link much slower than
+    every stage's compute (4 Mbit/s: 131 ms + latency) makes every schedule wait on the link
+    alike; docs/benchmarks.md reports that case too."""
     slowdown_mechanism: str = "hook"
     """'hook' (default: a delay relative to the rank's own speed, so the 2.5x gap holds on a
     machine others share) or 'cgroup' (CPU quota: faithful only on an otherwise idle machine)."""
     cpu_per_rank: float = 0.45
     """Cores of CPU quota for a fast rank under 'cgroup' (slow ranks get this / slowdown)."""
+    cpu_cap: float | None = 0.45
+    """Under 'hook': every rank's equal CPU quota (cores), so that a rank's speed does not
+    depend on how many of its peers are busy (see TestbedSpec.cpu_cap); 4 x 0.45 cores leaves
+    this 2-core machine some room. ``--cpu-cap 0`` turns it off."""
     profile_budget_s: float = 1.0
     busy_profile: bool = True
     """Every rank profiles while the group leaders are timed: CPU ranks share two cores, so a
     leader timed next to idle peers would look faster than it is during training."""
 
     def testbed(self) -> dict:
-        return {"name": "race", "cpu_per_rank": self.cpu_per_rank,
+        return {"name": "race", "cpu_per_rank": self.cpu_per_rank, "cpu_cap": self.cpu_cap,
                 "slowdown": self.slowdown_mechanism,
                 "groups": [{"name": "fast", "ranks": self.fast_ranks},
                            {"name": "slow", "ranks": self.slow_ranks, "slowdown": self.slowdown}],
@@ -239,7 +248,13 @@ def worker(cfg: RaceConfig) -> None:
                                     "ddp_estimate_s": _ddp_estimate_s(cfg, config,
                                                                       planned["links"]),
                                     **planned}), flush=True)
+    dist.barrier()  # every send is delivered: nothing is left on the shim's link threads
     dist.destroy_process_group()
+    sys.stderr.flush()
+    # The interpreter's own tear-down destroys the torch objects that hooks and link threads of
+    # the testbed still reference, in an order that aborted a rank now and then ("terminate
+    # called without an active exception") after the race had finished; skip it.
+    os._exit(0)
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -316,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--link-mbps", type=float, default=None)
     ap.add_argument("--link-latency-ms", type=float, default=None)
     ap.add_argument("--slowdown-mechanism", choices=["hook", "cgroup"], default=None)
+    ap.add_argument("--cpu-cap", type=float, default=None,
+                    help="under the hook slow-down, cap every rank at this many cores")
     ap.add_argument("--ddp-max-s", type=float, default=None,
                     help="run (e) DDP when its estimated all-reduce takes at most this long")
     ap.add_argument("--ddp-reps", type=int, default=None)
@@ -332,8 +349,10 @@ def main(argv: list[str] | None = None) -> dict:
             "link_latency_ms": args.link_latency_ms,
             "slowdown_mechanism": args.slowdown_mechanism,
             "busy_profile": False if args.idle_profile else None,
-            "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps}
+            "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
+    if cfg.cpu_cap is not None and cfg.cpu_cap <= 0:
+        cfg = RaceConfig(**{**asdict(cfg), "cpu_cap": None})
 
     from benchmarks.testbed import Testbed, TestbedSpec
     start = time.monotonic()

@@ -31,9 +31,13 @@ def test_file_format_and_rank_numbering(tmp_path):
     assert spec.group_of_rank(1).name == "a" and spec.link("b", "a").bandwidth_mbps == 50
     assert spec.cpu_quota(spec.groups[1]) == pytest.approx(spec.cpu_per_rank / 2)
     assert TestbedSpec.from_dict(spec.to_dict()) == spec
+    assert spec.cpu_cap is None
+    capped = TestbedSpec.from_dict({**spec.to_dict(), "cpu_cap": 0.4})
+    assert capped.cpu_cap == 0.4 and TestbedSpec.from_dict(capped.to_dict()) == capped
 
 
 @pytest.mark.parametrize("change, field", [
+    ({"cpu_cap": 0}, "cpu_cap"),
     ({"groups": [{"name": "a", "ranks": 0}]}, "groups[0].ranks"),
     ({"groups": [{"name": "a", "slowdown": 0.5}]}, "groups[0].slowdown"),
     ({"links": [{"between": ["fast", "nope"], "bandwidth_mbps": 1}]}, "links[0].between"),
@@ -86,6 +90,24 @@ def test_cgroup_quota_applies_and_is_removed():
         period = int((rank_dir / "cpu.cfs_period_us").read_text())
     assert r.returncode == 0 and f"hapt_tb_{tag}/rank0" in r.output
     assert quota / period == pytest.approx(0.4)
+    assert _leftovers(tag) == []
+
+
+def test_cpu_cap_gives_every_rank_the_same_quota_under_the_hook():
+    ok, why = cgroup_available()
+    if not ok:
+        pytest.skip(f"no per-rank CPU quota here: {why}")
+    spec = TestbedSpec.from_dict({**TWO_GROUPS, "slowdown": "hook", "network": "shim",
+                                  "cpu_cap": 0.3})
+    with Testbed(spec) as tb:
+        tag = tb.tag
+        assert tb.mechanisms.slowdown == "hook"
+        results = tb.run(["cat", "/proc/self/cgroup"], timeout_s=30)
+        quotas = [int((CPU_CGROUP_ROOT / f"hapt_tb_{tag}" / f"rank{r}" / "cpu.cfs_quota_us")
+                      .read_text()) for r in range(2)]
+    assert all(r.returncode == 0 and f"hapt_tb_{tag}/rank{r.rank}" in r.output
+               for r in results), [r.output for r in results]
+    assert quotas == [3000, 3000]  # 0.3 cores of a 10 ms period, slow rank as fast one
     assert _leftovers(tag) == []
 
 

@@ -103,11 +103,25 @@ class Testbed:
         if want == "hook" or not ok:
             if want == "auto":
                 notes.append(f"compute slow-down by delay hook ({why})")
+            self._setup_cap(ok, why, notes)
             return "hook" if any(g.slowdown > 1 for g in self.spec.groups) else "none"
         self._quotas = CgroupQuotas(self.tag)
         for r in range(self.spec.world_size):
             self._quotas.create(r, self.spec.cpu_quota(self.spec.group_of_rank(r)))
         return "cgroup"
+
+    def _setup_cap(self, ok: bool, why: str, notes: list[str]) -> None:
+        """The equal per-rank quota of ``cpu_cap`` under the hook slow-down, where possible."""
+        cap = self.spec.cpu_cap
+        if cap is None:
+            return
+        if not ok:
+            notes.append(f"no per-rank CPU cap ({why}): a rank runs faster while its peers wait")
+            return
+        self._quotas = CgroupQuotas(self.tag)
+        for r in range(self.spec.world_size):
+            self._quotas.create(r, cap)
+        notes.append(f"every rank capped at {cap:g} cores (cgroup quota)")
 
     def _setup_network(self, notes: list[str]) -> str:
         if not self.spec.links:

@@ -3,6 +3,7 @@
 ```yaml
 name: two-speed
 cpu_per_rank: 0.45          # CPU cores of quota a rank with slowdown 1.0 gets
+cpu_cap: 0.45               # optional, with the hook: every rank's quota (see TestbedSpec)
 slowdown: auto              # auto | cgroup | hook  (how compute is slowed)
 network: auto               # auto | netns | shim   (how links are shaped)
 groups:
@@ -67,6 +68,13 @@ class TestbedSpec:
     machine's cores so that ranks do not also slow each other down."""
     slowdown_mechanism: str = "auto"
     network_mechanism: str = "auto"
+    cpu_cap: float | None = None
+    """With the hook slow-down: every rank, fast or slow, also gets a cgroup quota of this many
+    cores. Ranks that share a machine's cores otherwise run faster whenever their peers wait
+    (a pipeline's ranks often do) than when all are busy, so a speed measured by profiling
+    would not be the speed of training; under an equal cap each rank has its own share, as
+    each GPU is its own device. Keep ``cap * world_size`` under the machine's free cores.
+    Ignored (with a note) where cgroups cannot be made."""
 
     @property
     def world_size(self) -> int:
@@ -110,7 +118,9 @@ class TestbedSpec:
         spec = cls(name=str(d.get("name", "testbed")), groups=groups, links=links,
                    cpu_per_rank=_positive(d, "cpu_per_rank", 0.45, "cpu_per_rank"),
                    slowdown_mechanism=str(d.get("slowdown", "auto")),
-                   network_mechanism=str(d.get("network", "auto")))
+                   network_mechanism=str(d.get("network", "auto")),
+                   cpu_cap=(_positive(d, "cpu_cap", 1.0, "cpu_cap")
+                            if d.get("cpu_cap") is not None else None))
         if spec.slowdown_mechanism not in SLOWDOWN_MECHANISMS:
             raise TestbedError(f"slowdown: {spec.slowdown_mechanism!r} is not one of "
                                f"{SLOWDOWN_MECHANISMS}")
@@ -122,6 +132,7 @@ class TestbedSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "cpu_per_rank": self.cpu_per_rank,
                 "slowdown": self.slowdown_mechanism, "network": self.network_mechanism,
+                **({"cpu_cap": self.cpu_cap} if self.cpu_cap is not None else {}),
                 "groups": [{"name": g.name, "ranks": g.ranks, "slowdown": g.slowdown}
                            for g in self.groups],
                 "links": [{"between": [l.a, l.b], "bandwidth_mbps": l.bandwidth_mbps,
