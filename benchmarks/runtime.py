@@ -11,6 +11,11 @@ sum tied gradients across stages. The losses of the two are compared as a sanity
 
 The last line is JSON with ``ratio_vs_torch_1f1b`` = median hapt tokens/s / median torch
 tokens/s.
+
+``--overlap`` measures something else: hapt_hf's gradient all-reduce overlapped with the last
+backward (``RuntimeConfig.overlap_grad_sync``) against the same runtime with it off, on 4 ranks
+as two 2-wide stages, iterations alternating on/off; the JSON then carries both medians and
+``overlap_speedup`` = median off s / median on s.
 """
 from __future__ import annotations
 
@@ -52,6 +57,74 @@ def uniform_plan(cfg: BenchConfig):
     g = cfg.micro_batch * cfg.microbatches
     return Plan("gpt2-bench", start, cfg.seq, g, cfg.micro_batch, cfg.microbatches, "1f1b",
                 tuple(stages)).validate()
+
+
+def two_wide_plan(cfg: BenchConfig):
+    """Two stages of two replicas each (4 ranks), blocks split evenly."""
+    from hapt_hf.planner.plan import Plan, StagePlan
+    half = cfg.layers // 2
+    stages = (StagePlan(0, (0, half + 1), "cpu", "cpu", (0, 1), warmup=2),
+              StagePlan(1, (half + 1, cfg.layers + 2), "cpu", "cpu", (2, 3), warmup=1))
+    g = cfg.micro_batch * cfg.microbatches
+    return Plan("gpt2-bench", cfg.layers + 2, cfg.seq, g, cfg.micro_batch, cfg.microbatches,
+                "1f1b", stages).validate()
+
+
+def bench_overlap(rank: int, world_size: int, cfg: BenchConfig, bucket_bytes: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformers import GPT2Config
+
+    from hapt_hf.pipeline import Batch, PipelineRuntime, RuntimeConfig
+    config = GPT2Config(n_layer=cfg.layers, n_embd=cfg.hidden, n_head=cfg.heads,
+                        n_positions=cfg.seq, vocab_size=cfg.vocab, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+    plan = two_wide_plan(cfg)
+    rts = {name: PipelineRuntime(plan, config, RuntimeConfig(
+        timeout_s=300, seed=0, overlap_grad_sync=(name == "on"), grad_bucket_bytes=bucket_bytes))
+        for name in ("on", "off")}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab, (plan.global_batch_size, cfg.seq), generator=g)
+    batch = Batch(ids, ids.clone())
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    launches: list[float] = []
+    for r in range(cfg.warmup_reps + cfg.reps):
+        for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            for p in rts[name].parameters():
+                p.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            rts[name].forward_backward(batch)
+            dist.barrier()
+            if r >= cfg.warmup_reps:
+                times[name].append(time.perf_counter() - t0)
+    launches = rts["on"].bucket_launch_s
+    for rt in rts.values():
+        rt.shutdown()
+    return {"times": times, "launches": launches}
+
+
+def main_overlap(cfg: BenchConfig, bucket_bytes: int) -> dict:
+    cfg = BenchConfig(**{**asdict(cfg), "ranks": 4})
+    start = time.monotonic()
+    outs = run_ranks(bench_overlap, 4, cfg, bucket_bytes, timeout_s=900, pg_timeout_s=600,
+                     env={"OMP_NUM_THREADS": "1"})
+    times = outs[0].value["times"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    result = {
+        "overlap_speedup": round(med["off"] / med["on"], 4),
+        "median_on_s": round(med["on"], 4), "median_off_s": round(med["off"], 4),
+        "on_step_s": [round(t, 4) for t in times["on"]],
+        "off_step_s": [round(t, 4) for t in times["off"]],
+        "bucket_launch_s_rank0": [round(t, 4) for t in outs[0].value["launches"]],
+        "bucket_bytes": bucket_bytes, "config": asdict(cfg),
+        "wall_s": round(time.monotonic() - start, 1),
+    }
+    for k in ("on", "off"):
+        print(f"overlap {k:>3}: median {med[k] * 1e3:8.1f} ms/iteration over "
+              f"{len(times[k])} iterations")
+    print(json.dumps(result))
+    return result
 
 
 def bench(rank: int, world_size: int, cfg: BenchConfig) -> dict:
@@ -101,6 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="small model, few repetitions")
     ap.add_argument("--ranks", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--overlap", action="store_true",
+                    help="gradient all-reduce overlap on vs off, 4 ranks as two 2-wide stages")
+    ap.add_argument("--bucket-mib", type=float, default=25.0,
+                    help="with --overlap: gradient bucket size (the default is the runtime's)")
     args = ap.parse_args(argv)
     cfg = (BenchConfig(layers=4, hidden=128, seq=64, vocab=2048, reps=13) if args.quick
            else BenchConfig())
@@ -108,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = BenchConfig(**{**asdict(cfg), "ranks": args.ranks})
     if args.reps:
         cfg = BenchConfig(**{**asdict(cfg), "reps": args.reps})
+    if args.overlap:
+        return main_overlap(cfg, int(args.bucket_mib * 2**20))
     start = time.monotonic()
     outs = run_ranks(bench, cfg.ranks, cfg, timeout_s=900, pg_timeout_s=600,
                      env={"OMP_NUM_THREADS": "1"})
