@@ -166,7 +166,7 @@ class PipelineRuntime:
         self.max_live_activations = 0
         """Most micro-batches whose forward state this rank kept at once (measured)."""
         self._live = 0
-        self._buckets = self._make_buckets()
+        self._buckets: _GradBuckets | None = None
 
     @property
     def bucket_launch_s(self) -> list[float]:
@@ -192,15 +192,22 @@ class PipelineRuntime:
                 tied = g
         return mine, tied
 
-    def _make_buckets(self) -> "_GradBuckets | None":
+    def _update_buckets(self) -> None:
+        """Bucket the parameters that train now: adapters added or parameters frozen after the
+        runtime was built (LoRA through the recipe) change them."""
         if self._dp_group is None:
-            return None
+            return
         # frozen parameters (e.g. a LoRA base) take no part; every replica freezes the same
         # ones. Tied ones are summed over the tied group, which holds the replicas too.
         tied = {id(p) for p in self._tied}
         params = [p for p in self.parameters() if p.requires_grad and id(p) not in tied]
-        return _GradBuckets(params, self._dp_group, self.config.grad_bucket_bytes,
-                            self.config.overlap_grad_sync)
+        # the buckets hold these parameters, so an id here cannot belong to a new one
+        if self._buckets is not None and self._buckets.ids == [id(p) for p in params]:
+            return
+        if self._buckets is not None:
+            self._buckets.close()
+        self._buckets = _GradBuckets(params, self._dp_group, self.config.grad_bucket_bytes,
+                                     self.config.overlap_grad_sync)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage.parameters())
@@ -209,6 +216,7 @@ class PipelineRuntime:
     def forward_backward(self, batch: Batch) -> float:
         """One iteration's forwards and backwards; gradients added to ``.grad`` of every rank."""
         ids, labels, mask = self._check_batch(batch)
+        self._update_buckets()
         stash = self._stash_grads()
         tokens = max(1, int((labels[:, 1:] != -100).sum()))
         loss_sum = self._run(self.work.actions, ids, labels, mask, tokens, backward=True)
@@ -486,6 +494,7 @@ class _GradBuckets:
 
     def __init__(self, params: list[torch.nn.Parameter], group: Any, bucket_bytes: int,
                  overlap: bool) -> None:
+        self.ids = [id(p) for p in params]
         # reverse parameter order is roughly the order the backward finishes them
         self.buckets: list[list[torch.nn.Parameter]] = []
         cur, size = [], 0
@@ -502,9 +511,13 @@ class _GradBuckets:
         self.armed = False
         self._reset()
         self._times: tuple[list[float], float] = ([], 0.0)
-        if overlap:
-            for p in params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in params] if overlap else []
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _reset(self) -> None:
         self._missing = [len(b) for b in self.buckets]
