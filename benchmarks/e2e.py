@@ -308,7 +308,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     rows = result["contenders"]
     keys = [k for k in "abcde" if k in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 3.4))
     vals = [rows[k]["tokens_per_s"] for k in keys]
     errs = [rows[k]["tokens_per_s"] * rows[k]["spread"] / 2 for k in keys]
     ax.barh([f"({k}) {rows[k]['name']}" for k in keys], vals, xerr=errs,
@@ -316,8 +316,9 @@ def plot(result: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("tokens / s (median; bar: interquartile range)")
     c = result["config"]
-    ax.set_title(f"GPT-2 {c['blocks']} blocks h{c['hidden']}, 2+2 CPU ranks, "
-                 f"{c['slowdown']}x slower group, {c['link_mbps']:g} Mbit/s link", fontsize=9)
+    ax.set_title(f"GPT-2 {c['blocks']} blocks h{c['hidden']}, {c['fast_ranks']}+{c['slow_ranks']} "
+                 f"CPU ranks, {c['slowdown']:g}x slower group, {c['link_mbps']:g} Mbit/s + "
+                 f"{c['link_latency_ms']:g} ms link", fontsize=8.5)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
