@@ -105,10 +105,13 @@ class Testbed:
                 notes.append(f"compute slow-down by delay hook ({why})")
             self._setup_cap(ok, why, notes)
             return "hook" if any(g.slowdown > 1 for g in self.spec.groups) else "none"
+        self._make_quotas(lambda r: self.spec.cpu_quota(self.spec.group_of_rank(r)))
+        return "cgroup"
+
+    def _make_quotas(self, cores_of_rank) -> None:
         self._quotas = CgroupQuotas(self.tag)
         for r in range(self.spec.world_size):
-            self._quotas.create(r, self.spec.cpu_quota(self.spec.group_of_rank(r)))
-        return "cgroup"
+            self._quotas.create(r, cores_of_rank(r))
 
     def _setup_cap(self, ok: bool, why: str, notes: list[str]) -> None:
         """The equal per-rank quota of ``cpu_cap`` under the hook slow-down, where possible."""
@@ -118,9 +121,7 @@ class Testbed:
         if not ok:
             notes.append(f"no per-rank CPU cap ({why}): a rank runs faster while its peers wait")
             return
-        self._quotas = CgroupQuotas(self.tag)
-        for r in range(self.spec.world_size):
-            self._quotas.create(r, cap)
+        self._make_quotas(lambda r: cap)
         notes.append(f"every rank capped at {cap:g} cores (cgroup quota)")
 
     def _setup_network(self, notes: list[str]) -> str:

@@ -27,7 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -135,17 +135,11 @@ class FailureChannel:
             except PipelineFailure:
                 raise
             except Exception as e:  # noqa: BLE001 - turned into one clear message
-                first = self.first_failure(wait_s=self.grace_s)
                 mine = f"rank {self.rank} (stage {stage}) was in {what}"
-                if first is None:
-                    # the transport does not say which rank went away: its heartbeat does
-                    own = f"{self._silent(ranks)} stopped answering ({_short(e)}) while {mine}"
-                    first = self.record(own)
-                    if first == own:
-                        self._linger_if_store_host()
-                        raise PipelineFailure(own) from None
-                self._linger_if_store_host()
-                raise PipelineFailure(f"{first}; {mine}") from None
+                # the transport does not say which rank went away: its heartbeat does
+                raise self._failure(
+                    mine, lambda: f"{self._silent(ranks)} stopped answering ({_short(e)}) "
+                                  f"while {mine}") from None
 
     def _silent(self, ranks: Sequence[int]) -> str:
         """Name the ranks whose heartbeat does not move over a few watchdog intervals."""
@@ -171,17 +165,23 @@ class FailureChannel:
     def _lost_peer(self, t: Transfer, stage: int, error: Exception) -> PipelineFailure:
         # A rank that fails records why before its process ends (and its sockets close), so a
         # record, if any, is already there; otherwise the peer died without a word.
-        first = self.first_failure(wait_s=self.grace_s)
         mine = f"rank {self.rank} (stage {stage}) was waiting for {t.what}"
+        return self._failure(
+            mine, lambda: f"rank {t.peer} stopped answering ({_short(error)}) while {mine}")
+
+    def _failure(self, mine: str, own: Callable[[], str]) -> PipelineFailure:
+        """The failure this rank raises: the first recorded one with what this rank was doing,
+        or, if none is recorded yet, this rank's own finding (``own()``, computed only then)
+        recorded as the first."""
+        first = self.first_failure(wait_s=self.grace_s)
         if first is None:
-            reason = _short(error)
-            own = f"rank {t.peer} stopped answering ({reason}) while {mine}"
-            first = self.record(own)
-            if first == own:
-                self._linger_if_store_host()
-                return PipelineFailure(own)
+            found = own()
+            first = self.record(found)
+            message = found if first == found else f"{first}; {mine}"
+        else:
+            message = f"{first}; {mine}"
         self._linger_if_store_host()
-        return PipelineFailure(f"{first}; {mine}")
+        return PipelineFailure(message)
 
     def _linger_if_store_host(self) -> None:
         # With env:// rendezvous the store lives in rank 0's process. Raising ends that process
