@@ -38,7 +38,7 @@ class RecipeDefaults:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    from hapt_hf.integration.trainer import BatchMappingError
+    from hapt_hf.integration.trainer import TrainingArgsError
     from hapt_hf.pipeline.runtime import BatchError, RuntimeSetupError
     from hapt_hf.pipeline.stage import StageBuildError
     from hapt_hf.planner.cluster import ClusterError
@@ -46,7 +46,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from hapt_hf.planner.search import PlanningError
     from hapt_hf.integration.lora import LoraSetupError
     return (HaptConfigError, DataError, LoraSetupError, LaunchError, PlanError, ClusterError, ModelSpecError,
-            PlanningError, StageBuildError, RuntimeSetupError, BatchError, BatchMappingError,
+            PlanningError, StageBuildError, RuntimeSetupError, BatchError, TrainingArgsError,
             ckpt_io.CheckpointError)
 
 
@@ -149,7 +149,8 @@ def _verify(trainer, runtime, rows: torch.Tensor, output_dir: Path, rank: int) -
         return
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(output_dir), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(output_dir),
+                                                 attn_implementation="eager").eval()
     with torch.no_grad():
         ref = model(input_ids=batch).logits.float()
     diff = (ref - logits).abs().max().item()
@@ -179,8 +180,9 @@ def _run(args, defaults: RecipeDefaults) -> None:
     train_rows, eval_rows = load_text_dataset(data, tokenizer)
     init_process_group(launch, plugin.timeout_s)
     plan = resolve_plan(plugin, model_config, seq_len, launch)
-    if args.eval_steps and len(eval_rows) < plan.global_batch_size:
-        raise DataError(f"--eval_steps needs at least one global batch ({plan.global_batch_size} "
+    if (args.eval_steps or args.validation_file) and len(eval_rows) < plan.global_batch_size:
+        flag = "--eval_steps" if args.eval_steps else "--validation_file"
+        raise DataError(f"{flag} needs at least one global batch ({plan.global_batch_size} "
                         f"samples) of eval data, but there are {len(eval_rows)}; give a larger "
                         "--validation_file or leave --eval_steps out")
     if launch.is_main:
@@ -204,14 +206,16 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
     if getattr(args, "lora_r", 0):
         from hapt_hf.integration.lora import apply_lora
         apply_lora(runtime.stage, args.lora_r)
+    # a held-out slice smaller than a global batch cannot be evaluated: the run goes without
+    can_evaluate = len(eval_rows) >= plan.global_batch_size
     trainer = HaptTrainer(runtime, plan, training_args, train_dataset=train_rows,
-                          eval_dataset=eval_rows if len(eval_rows) else None,
+                          eval_dataset=eval_rows if can_evaluate else None,
                           processing_class=tokenizer)
     # Everything is checked: from here on the output directory is written.
     write_plan(plan, args.output_dir, launch)
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
-    if len(eval_rows) >= plan.global_batch_size and not args.eval_steps:
+    if can_evaluate and not args.eval_steps:
         trainer.evaluate()  # with --eval_steps the last step has evaluated already
     if getattr(args, "lora_r", 0):
         from hapt_hf.integration.lora import merge_lora
@@ -219,8 +223,8 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
     trainer.save_model()
     trainer.save_state()
     if args.verify_checkpoint:
-        _verify(trainer, runtime, eval_rows if len(eval_rows) >= plan.global_batch_size
-                else train_rows, Path(args.output_dir), launch.rank)
+        _verify(trainer, runtime, eval_rows if can_evaluate else train_rows,
+                Path(args.output_dir), launch.rank)
     runtime.shutdown()
     if launch.is_main:
         print(f"saved a Hugging Face checkpoint to {args.output_dir} (load it with "

@@ -29,20 +29,25 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint,
-                                        rotate_checkpoints, speed_metrics)
+from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, PredictionOutput, SaveStrategy,
+                                        TrainOutput, get_last_checkpoint, rotate_checkpoints,
+                                        sort_checkpoints, speed_metrics)
 
 from hapt_hf.integration import checkpoint as ckpt_io
-from hapt_hf.integration.data import epoch_order
+from hapt_hf.integration.data import DataError, epoch_order
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["HaptTrainer", "BatchMappingError"]
+__all__ = ["HaptTrainer", "TrainingArgsError", "BatchMappingError"]
 
 TRAINER_STATE = "trainer_state.json"
 
 
-class BatchMappingError(ValueError):
+class TrainingArgsError(ValueError):
+    """A TrainingArguments setting HaptTrainer cannot honour; the message names it and the fix."""
+
+
+class BatchMappingError(TrainingArgsError):
     """TrainingArguments whose batch sizes do not match the plan; the message gives the fix."""
 
 
@@ -59,18 +64,58 @@ class _StageModel(nn.Module):
                            "use HaptTrainer.train/evaluate or runtime.predict_logits")
 
 
-def _as_rows(data: Any, field: str) -> torch.Tensor:
-    """Packed token rows [samples, seq_len] from a tensor or a dataset with 'input_ids'."""
-    if data is None:
-        raise ValueError(f"HaptTrainer needs a {field}")
+def _group_fix(seq_len: int) -> str:
+    return (f"group the texts into blocks of {seq_len} tokens (hapt_hf.integration.data."
+            f"pack_tokens(texts, tokenizer, {seq_len}); --seq_len {seq_len} in the recipes)")
+
+
+def _as_rows(data: Any, field: str, plan: Plan) -> torch.Tensor:
+    """Packed token rows [samples, plan.seq_len] from a tensor or a dataset with 'input_ids';
+    rows of another or of uneven length are refused here, before any step runs."""
     if isinstance(data, torch.Tensor):
         rows = data
     else:
-        rows = torch.as_tensor(data["input_ids"])
-    if rows.ndim != 2:
-        raise ValueError(f"{field} must be packed rows [samples, seq_len]; got shape "
-                         f"{tuple(rows.shape)} (see hapt_hf.integration.data.pack_tokens)")
+        try:
+            ids = data["input_ids"]
+        except (KeyError, TypeError, IndexError):
+            raise DataError(f"{field} has no 'input_ids' column; give packed token rows "
+                            f"[samples, {plan.seq_len}] (a tensor, or a dataset with an "
+                            "'input_ids' column)") from None
+        if not isinstance(ids, torch.Tensor):
+            ids = list(ids)
+            lengths = sorted({len(r) for r in ids})
+            if len(lengths) > 1:
+                raise DataError(f"{field} rows have uneven lengths ({lengths[0]} to "
+                                f"{lengths[-1]} tokens) but every row must hold the plan's "
+                                f"seq_len {plan.seq_len}; {_group_fix(plan.seq_len)}")
+        rows = torch.as_tensor(ids)
+    if rows.ndim != 2 or rows.is_floating_point():
+        raise DataError(f"{field} must be integer token rows [samples, seq_len]; got "
+                        f"{rows.dtype} {tuple(rows.shape)}; {_group_fix(plan.seq_len)}")
+    if rows.shape[1] != plan.seq_len:
+        raise DataError(f"{field} rows have {rows.shape[1]} tokens but the plan was made for "
+                        f"seq_len {plan.seq_len}; {_group_fix(plan.seq_len)}, or re-plan for "
+                        f"seq_len {rows.shape[1]}")
     return rows.long()
+
+
+def _check_enough(rows: torch.Tensor, field: str, plan: Plan) -> None:
+    """Every step and every evaluation takes whole global batches."""
+    g = plan.global_batch_size
+    if len(rows) < g:
+        raise DataError(f"{field} has {len(rows)} samples, fewer than one global batch of the "
+                        f"plan ({g}); pass at least {g} samples, or re-plan for a smaller "
+                        "global batch")
+
+
+def check_best_metric(args: TrainingArguments) -> None:
+    """HaptTrainer.evaluate reports the loss only: another best-model metric could not be
+    found at the first evaluation, after training started."""
+    metric = args.metric_for_best_model
+    if metric is not None and metric.removeprefix("eval_") != "loss":
+        raise TrainingArgsError(f"metric_for_best_model={metric!r} cannot be honoured: "
+                                "HaptTrainer evaluates the loss only; set "
+                                "metric_for_best_model='eval_loss'")
 
 
 def check_batch_mapping(args: TrainingArguments, plan: Plan) -> None:
@@ -101,28 +146,30 @@ class HaptTrainer(Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None,
                  callbacks=None, optimizers=(None, None)) -> None:
         check_batch_mapping(args, plan)
+        check_best_metric(args)
         self.runtime = runtime
         self.plan = plan
-        self.train_rows = _as_rows(train_dataset, "train_dataset") if train_dataset is not None \
-            else None
-        self.eval_rows = _as_rows(eval_dataset, "eval_dataset") if eval_dataset is not None \
-            else None
+        # the data is checked against the plan before Trainer creates the output directory
+        self.train_rows = self._checked_rows(train_dataset, "train_dataset")
+        self.eval_rows = self._checked_rows(eval_dataset, "eval_dataset")
         # Trainer checks the datasets against the strategies (eval_strategy needs eval data).
         super().__init__(model=_StageModel(runtime), args=args, train_dataset=self.train_rows,
                          eval_dataset=self.eval_rows, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
 
     # -- batches ------------------------------------------------------------------------------
+    def _checked_rows(self, data: Any, field: str) -> torch.Tensor | None:
+        if data is None:
+            return None
+        rows = _as_rows(data, field, self.plan)
+        _check_enough(rows, field, self.plan)
+        return rows
+
     def _batch(self, rows: torch.Tensor) -> Batch:
         return Batch(input_ids=rows, labels=rows.clone())
 
     def _steps_per_epoch(self) -> int:
-        steps = len(self.train_rows) // self.plan.global_batch_size
-        if steps == 0:
-            raise ValueError(f"the training data has {len(self.train_rows)} samples, fewer than "
-                             f"one global batch ({self.plan.global_batch_size}); give more data "
-                             "or a smaller global batch")
-        return steps
+        return len(self.train_rows) // self.plan.global_batch_size  # >= 1: checked at init
 
     def _train_batch(self, epoch: int, step: int) -> torch.Tensor:
         g = self.plan.global_batch_size
@@ -133,9 +180,10 @@ class HaptTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
         if self.train_rows is None:
-            raise ValueError("HaptTrainer.train needs a train_dataset")
+            raise DataError("HaptTrainer.train needs a train_dataset")
         args = self.args
         self.is_in_train = True
+        self.model.train()  # as Trainer's training_step; evaluation leaves the mode as it was
         steps_per_epoch = self._steps_per_epoch()
         # As Trainer: max_steps wins; otherwise a (possibly fractional) number of epochs.
         max_steps = args.max_steps if args.max_steps > 0 \
@@ -191,6 +239,8 @@ class HaptTrainer(Trainer):
                                 num_steps=steps_run)
         metrics["train_loss"] = total_loss / max(steps_run, 1)
         self.log(metrics)
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self._load_best_model()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
@@ -205,7 +255,11 @@ class HaptTrainer(Trainer):
             self._loss_since_log, self._last_logged = 0.0, self.state.global_step
             self.log(logs, start)
         if self.control.should_evaluate:
-            self.evaluate(ignore_keys=ignore_keys_for_eval)
+            metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+            # Trainer's own best-metric bookkeeping (state.best_metric, best_global_step)
+            is_new_best = self._determine_best_metric(metrics=metrics, trial=trial)
+            if self.args.save_strategy == SaveStrategy.BEST:
+                self.control.should_save = is_new_best
         if self.control.should_save:
             self._save_checkpoint(self.model, trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
@@ -213,16 +267,17 @@ class HaptTrainer(Trainer):
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Mean loss over the eval data's whole global batches (a ragged tail is left out)."""
-        rows = _as_rows(eval_dataset, "eval_dataset") if eval_dataset is not None \
+        """Mean loss over the eval data's whole global batches (a ragged tail is left out).
+
+        Every stage runs in eval mode under no_grad (as ``model.eval()`` on one process) and
+        the training RNG streams are left as they were, so evaluating changes no later step.
+        """
+        rows = self._checked_rows(eval_dataset, "eval_dataset") if eval_dataset is not None \
             else self.eval_rows
         if rows is None:
-            raise ValueError("HaptTrainer.evaluate needs an eval_dataset")
+            raise DataError("HaptTrainer.evaluate needs an eval_dataset")
         g = self.plan.global_batch_size
         batches = len(rows) // g
-        if batches == 0:
-            raise ValueError(f"the eval data has {len(rows)} samples, fewer than one global "
-                             f"batch ({g}); give more eval data")
         start = time.time()
         # Packed rows have no padding, so every batch has the same token count: the mean of
         # batch means is the token mean.
@@ -235,6 +290,48 @@ class HaptTrainer(Trainer):
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
                                                          metrics)
         return metrics
+
+    def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys=None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                   torch.Tensor | None]:
+        """(loss, logits, labels) of ONE global batch ``inputs['input_ids']`` [G, seq], in eval
+        mode. Collective: every rank calls it with the same inputs; the logits (when
+        ``prediction_loss_only`` is False) come back on rank 0 only, None elsewhere."""
+        batch = Batch(input_ids=inputs["input_ids"], labels=inputs.get("labels"),
+                      attention_mask=inputs.get("attention_mask"))
+        if prediction_loss_only:
+            return torch.tensor(self.runtime.evaluate(batch)), None, None
+        pred = self.runtime.predict(batch)
+        return torch.tensor(pred.loss), pred.logits, inputs.get("labels")
+
+    def predict(self, test_dataset, ignore_keys=None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Logits of every sample (rank 0; None elsewhere) and the mean loss, in eval mode.
+
+        Collective: every rank calls it. A last batch short of the global batch is filled with
+        copies of its first row whose labels are all ignored, and their logits are dropped.
+        """
+        rows = _as_rows(test_dataset, "test_dataset", self.plan)
+        if len(rows) == 0:
+            raise DataError("test_dataset is empty; give at least one row to predict")
+        g, start = self.plan.global_batch_size, time.time()
+        parts, loss_sum, tokens = [], 0.0, 0
+        for lo in range(0, len(rows), g):
+            chunk = rows[lo:lo + g]
+            labels = torch.cat([chunk, torch.full_like(chunk[:1], -100).expand(g - len(chunk), -1)])
+            ids = torch.cat([chunk, chunk[:1].expand(g - len(chunk), -1)])
+            pred = self.runtime.predict(Batch(input_ids=ids, labels=labels))
+            n = int((labels[:, 1:] != -100).sum())
+            loss_sum, tokens = loss_sum + pred.loss * n, tokens + n
+            if pred.logits is not None:
+                parts.append(pred.logits[:len(chunk)])
+        metrics = {f"{metric_key_prefix}_loss": loss_sum / max(tokens, 1)}
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(rows),
+                                     num_steps=math.ceil(len(rows) / g)))
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control,
+                                                        metrics)
+        logits = torch.cat(parts) if parts else None
+        return PredictionOutput(predictions=logits, label_ids=rows, metrics=metrics)
 
     # -- saving -------------------------------------------------------------------------------
     def _tied_keys(self) -> list[str]:
@@ -281,6 +378,7 @@ class HaptTrainer(Trainer):
         tmp = ckpt_io.begin_checkpoint(run_dir, name, rank)
         self._write_model(tmp)
         ckpt_io.save_rank_state(tmp, rank, self.optimizer, self.lr_scheduler)
+        self._track_best_checkpoint(run_dir)
         if rank == 0:
             self.plan.save(tmp / "plan.json")
             torch.save(self.args, tmp / "training_args.bin")
@@ -290,6 +388,29 @@ class HaptTrainer(Trainer):
             rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint,
                                use_mtime=False)
+        ckpt_io.barrier()
+
+    def _track_best_checkpoint(self, run_dir: Path) -> None:
+        """As Trainer: the best evaluation's checkpoint, once it is saved (this one, or one
+        already committed), becomes ``state.best_model_checkpoint``, on every rank."""
+        step = self.state.best_global_step
+        if not step:
+            return
+        best = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if step == self.state.global_step or best.is_dir():
+            self.state.best_model_checkpoint = str(best)
+
+    def _load_best_model(self) -> None:
+        """Every rank reads its own stage's tensors of the best checkpoint; with
+        ``save_total_limit=1`` the last checkpoint, if not the best, is then removed (as
+        Trainer does)."""
+        best = Path(self.state.best_model_checkpoint)
+        ckpt_io.load_stage_weights(self.runtime.stage, best)
+        ckpt_io.barrier()  # every rank has read it before any checkpoint is removed
+        if self.runtime.rank == 0 and self.args.save_total_limit == 1:
+            for ckpt in sort_checkpoints(str(best.parent)):
+                if not os.path.samefile(ckpt, best):
+                    shutil.rmtree(ckpt, ignore_errors=True)
         ckpt_io.barrier()
 
     # -- resuming -----------------------------------------------------------------------------

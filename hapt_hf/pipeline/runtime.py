@@ -36,8 +36,8 @@ from hapt_hf.planner.cost_model import GRAD_BUCKET_BYTES
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
-__all__ = ["Batch", "RuntimeConfig", "StepResult", "RuntimeSetupError", "BatchError",
-           "PipelineFailure", "init_distributed", "PipelineRuntime"]
+__all__ = ["Batch", "RuntimeConfig", "StepResult", "Prediction", "RuntimeSetupError",
+           "BatchError", "PipelineFailure", "init_distributed", "PipelineRuntime"]
 
 _runtime_ids = itertools.count()
 
@@ -100,6 +100,16 @@ class StepResult:
     """Mean loss over the non-ignored tokens of the global batch (same on every rank)."""
     grad_norm: float | None
     """Global gradient norm before clipping (None when not clipped)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a forward-only pass over one global batch gives back."""
+
+    loss: float
+    """Mean loss over the non-ignored tokens of the global batch (same on every rank)."""
+    logits: Tensor | None
+    """[global_batch, seq, vocab] float32 logits on rank 0; None on every other rank."""
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
@@ -219,7 +229,7 @@ class PipelineRuntime:
         self._update_buckets()
         stash = self._stash_grads()
         tokens = max(1, int((labels[:, 1:] != -100).sum()))
-        loss_sum = self._run(self.work.actions, ids, labels, mask, tokens, backward=True)
+        loss_sum, _ = self._run(self.work.actions, ids, labels, mask, tokens, backward=True)
         with self.channel.collective("the gradient all-reduce", self.stage_plan.index,
                                      self._grad_peers):
             self._sync_grads()
@@ -227,13 +237,13 @@ class PipelineRuntime:
         return self._global_loss(loss_sum, tokens)
 
     def evaluate(self, batch: Batch) -> float:
-        """Forward only; the same loss definition as :meth:`forward_backward`."""
+        """Forward only, in eval mode (see :meth:`_inference`); the same loss definition as
+        :meth:`forward_backward`."""
         ids, labels, mask = self._check_batch(batch)
         tokens = max(1, int((labels[:, 1:] != -100).sum()))
-        forwards = tuple(a for a in self.work.actions
-                         if a.kind in (ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F))
-        with torch.no_grad():
-            loss_sum = self._run(forwards, ids, labels, mask, tokens, backward=False)
+        with self._inference():
+            loss_sum, _ = self._run(self._forward_actions(), ids, labels, mask, tokens,
+                                    backward=False)
         return self._global_loss(loss_sum, tokens)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -265,16 +275,22 @@ class PipelineRuntime:
             lr_scheduler.step()
         return StepResult(loss, norm)
 
-    def predict_logits(self, batch: Batch) -> Tensor | None:
-        """Full logits [G, s, V] on rank 0 (None elsewhere), forward only."""
-        ids, _, mask = self._check_batch(batch)
-        forwards = tuple(a for a in self.work.actions
-                         if a.kind in (ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F))
-        with torch.no_grad():
-            outs = self._run(forwards, ids, None, mask, 1, backward=False, keep_logits=True)
+    def predict(self, batch: Batch) -> Prediction:
+        """Loss and full logits of one global batch, forward only, in eval mode (see
+        :meth:`_inference`); the loss as :meth:`evaluate` computes it."""
+        ids, labels, mask = self._check_batch(batch)
+        tokens = max(1, int((labels[:, 1:] != -100).sum()))
+        with self._inference():
+            loss_sum, outs = self._run(self._forward_actions(), ids, labels, mask, tokens,
+                                       backward=False, keep_logits=True)
+        loss = self._global_loss(loss_sum, tokens)
         with self.channel.collective("the logits gather", self.stage_plan.index,
                                      self._all_ranks):
-            return self._gather_logits(outs, ids.shape)
+            return Prediction(loss, self._gather_logits(outs, ids.shape))
+
+    def predict_logits(self, batch: Batch) -> Tensor | None:
+        """Full logits [G, s, V] on rank 0 (None elsewhere), forward only, in eval mode."""
+        return self.predict(batch).logits
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Tensor] | None:
         """The full model's state dict (Hugging Face keys) on rank ``dst``, None elsewhere."""
@@ -298,9 +314,31 @@ class PipelineRuntime:
         self._dp_group = self._tied_group = None
 
     # -- the action loop -------------------------------------------------------------------
-    def _run(self, actions: tuple[Action, ...], ids: Tensor, labels: Tensor | None,
+    def _forward_actions(self) -> tuple[Action, ...]:
+        return tuple(a for a in self.work.actions
+                     if a.kind in (ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F))
+
+    @contextlib.contextmanager
+    def _inference(self):
+        """Run a forward-only pass as a single process's ``model.eval()`` under ``no_grad``
+        would: dropout off, and the RNG streams training draws from (the CPU generator, and
+        this rank's CUDA device) left as they were, so that evaluating between two steps
+        changes nothing that follows. Every module gets its own mode back afterwards."""
+        modes = [(m, m.training) for m in self.stage.modules()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                self.stage.eval()
+                yield
+        finally:
+            for m, training in modes:
+                m.training = training
+
+    def _run(self, actions: tuple[Action, ...], ids: Tensor, labels: Tensor,
              mask: Tensor | None, tokens: int, *, backward: bool,
-             keep_logits: bool = False) -> Any:
+             keep_logits: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
+        """Execute ``actions``; (this rank's loss sum, zero off the last stage; the last
+        stage's logits by micro-batch when ``keep_logits``, else {})."""
         mbs: dict[int, _MicroBatch] = {}
         sends: list[Transfer] = []
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -316,10 +354,13 @@ class PipelineRuntime:
                     mbs[k] = _MicroBatch(self._post_recv(self.work.upstream, k, seq, "RECV_F"))
                 elif a.kind is ActionKind.F:
                     m = mbs.setdefault(k, _MicroBatch([]))
-                    out = self._forward(m, k, ids, labels, mask, tokens, backward)
+                    # keeping logits: the stage returns them, and the loss is taken from them
+                    out = self._forward(m, k, ids, None if keep_logits else labels, mask,
+                                        tokens, backward)
                     if self.work.is_last and keep_logits:
                         logits[k] = out
-                    elif self.work.is_last:
+                        out = self.stage.loss_sum(out, labels[self._rows(k)].to(self.device))
+                    if self.work.is_last:
                         loss_sum += out.detach().double().cpu()
                 elif a.kind is ActionKind.SEND_F:
                     sends += self._post_send(self.work.downstream, k, mbs[k].output, "SEND_F")
@@ -345,7 +386,7 @@ class PipelineRuntime:
             if a.kind is ActionKind.B and self.work.is_first:
                 mbs.pop(k, None)
         self.channel.wait(sends, s)
-        return logits if keep_logits else loss_sum
+        return loss_sum, logits
 
     def _forward(self, m: _MicroBatch, k: int, ids: Tensor, labels: Tensor | None,
                  mask: Tensor | None, tokens: int, backward: bool) -> Tensor:

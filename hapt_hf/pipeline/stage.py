@@ -132,8 +132,11 @@ class PipelineStage(nn.Module):
         if not self.is_last:
             return hidden
         logits = self.adapter.head(self, hidden)
-        if labels is None:
-            return logits
+        return logits if labels is None else self.loss_sum(logits, labels)
+
+    def loss_sum(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """The last stage's loss: the SUM of the per-token cross-entropy over tokens whose shifted
+        label is not -100 (0-dim), from its logits and the un-shifted `labels`."""
         # num_items_in_batch=1 makes transformers' own loss a plain sum (divided by 1, exactly).
         return ForCausalLMLoss(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=1)
 
