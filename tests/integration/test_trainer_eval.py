@@ -190,7 +190,7 @@ def _best(rank: int, world_size: int, out: str) -> dict:
     # of another token rises step after step, so the best checkpoint is an early one.
     train, held_out = (torch.full((16, SEQ), t, dtype=torch.long) for t in (5, 7))
     trainer = _trainer(world_size, out, dropout=0.0, train=train, eval_=held_out, max_steps=4,
-                       learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1,
+                       learning_rate=5e-2, lr_scheduler_type="constant", logging_steps=1,
                        eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
                        save_total_limit=2, load_best_model_at_end=True,
                        metric_for_best_model="eval_loss")
