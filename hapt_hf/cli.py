@@ -1,7 +1,7 @@
 """The ``hapt-hf`` command: plan a cluster, replay a plan, profile GPUs.
 
     hapt-hf plan [--cluster FILE_OR_BUILTIN] [--model NAME_OR_PATH] [-o plan.json] [--timeline p.png]
-    hapt-hf simulate plan.json --cluster FILE [--timeline p.png]
+    hapt-hf simulate plan.json --cluster FILE [--timeline p.png]   # the model plan.json names
     hapt-hf profile ...
 
 A user mistake (a wrong cluster file, an unknown model, a hand-edited plan that does not add up,
@@ -226,21 +226,65 @@ def _model_for(plan: Plan, model: ModelSpec, where: str) -> ModelSpec:
     return model.split_blocks()
 
 
+def _spec_or_none(model: str | dict | None, plan: Plan) -> ModelSpec | None:
+    from hapt_hf.planner.model_spec import ModelSpecError
+    try:
+        return _model_spec(model, plan.seq_len, plan.dtype, "")
+    except ModelSpecError:
+        return None
+
+
+def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """The same layers, whatever each was called (a path, a built-in name, a hub alias)."""
+    from dataclasses import replace
+    return replace(a, name="", profile_name=None) == replace(b, name="", profile_name=None)
+
+
+def _replayed_model(plan: Plan, where: str, flag: str | None, job_model: Any) -> str | None:
+    """The model ``simulate`` replays, as a --model value (None: the cluster file's job.model).
+
+    It is the model the plan names: the cluster file's job.model where that bears the plan's
+    name (a mapping there gets a made-up name, e.g. gpt2-h256), else the name itself as a
+    built-in model or a local config. A --model that is another model is refused; where the
+    plan's model is known by neither, --model or job.model is replayed as given (the layer
+    count is still checked against the plan).
+    """
+    job_spec = _spec_or_none(job_model, plan) if job_model is not None else None
+    if job_spec is not None and job_spec.name == plan.model_name:
+        planned, name = job_spec, None
+    else:
+        planned, name = _spec_or_none(plan.model_name, plan), plan.model_name
+    if planned is None and flag is None and job_model is None:
+        raise UsageError(f"{where} names model {plan.model_name!r}, which is neither a built-in "
+                         "model nor a local config; pass --model NAME_OR_PATH (the model the "
+                         "plan was made for) or set job.model in the cluster file")
+    if planned is None or flag is None:
+        return flag if planned is None else name
+    if flag != plan.model_name and not _same_model(
+            _model_spec(flag, plan.seq_len, plan.dtype, where), planned):
+        raise UsageError(f"--model {flag!r} is not the model {where} was made for "
+                         f"({plan.model_name!r}); leave --model out to replay the plan's model, "
+                         f"or re-plan for {flag!r}")
+    return flag
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from hapt_hf.planner.plan import Plan, PlanError
     from hapt_hf.planner.report import build_report
     from hapt_hf.planner.simulate import simulate_plan
 
     plan = Plan.load(args.plan).validate()
-    job = resolve_job(args.cluster, model=args.model, seq_len=plan.seq_len,
+    cluster, _ = load_cluster(args.cluster)
+    model_arg = _replayed_model(plan, args.plan, args.model, cluster.job.model)
+    job = resolve_job(args.cluster, model=model_arg, seq_len=plan.seq_len,
                       global_batch=plan.global_batch_size, dtype=plan.dtype,
                       profile_store=args.profile)
     model = _model_for(plan, job.model, args.plan)
     if model.num_layers != plan.num_layers:
         raise PlanError(f"model.num_layers is {plan.num_layers} in {args.plan} but "
                         f"{model.name} has {model.num_layers} layers (blocks + 2, or twice the "
-                        "blocks + 2 with layer_unit 'half'); re-plan for this model or pass the "
-                        "model the plan was made for with --model")
+                        "blocks + 2 with layer_unit 'half'); re-plan for this model, or name the "
+                        "model the plan was made for (model.name in the plan, or --model)")
     _check_devices(plan, job.cluster, args.plan)
     sim = simulate_plan(plan, model, job.cluster, job.profile, record_events=True)
     report = build_report(plan, sim, title=f"{args.plan} on {job.cluster.name}",
@@ -265,10 +309,11 @@ def _cmd_profile(argv: list[str]) -> int:
 
 # -- argument parsing --------------------------------------------------------------------------
 
-def _job_flags(p: argparse.ArgumentParser) -> None:
+def _job_flags(p: argparse.ArgumentParser, model_default: str = "the cluster file's job.model"
+               ) -> None:
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="a model name (gpt2, meta-llama/Llama-2-7b-hf...) or a config.json "
-                        "path; default: the cluster file's job.model")
+                        f"path; default: {model_default}")
     p.add_argument("--profile", metavar="STORE",
                    help="profile store written by `hapt-hf profile`: its measured layer times "
                         "and links replace catalogue and cluster-file figures")
@@ -319,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan", metavar="PLAN_JSON", help="plan file written by `hapt-hf plan -o`")
     s.add_argument("--cluster", metavar="FILE_OR_BUILTIN", required=True,
                    help="cluster file (YAML) or built-in cluster name")
-    _job_flags(s)
+    _job_flags(s, model_default="the model PLAN_JSON names (another model is refused)")
     s.add_argument("--timeline", metavar="PNG", help="draw the simulated iteration here")
     s.add_argument("--json", action="store_true", help="print the report and plan as JSON")
     s.set_defaults(run=_cmd_simulate)

@@ -186,13 +186,44 @@ def test_half_block_ranges_are_named_by_half():
 def test_simulate_reports_a_plan_that_does_not_fit(tmp_path, capsys):
     tiny_gpu = SMALL_CLUSTER.replace("gpu: A100-40,", "gpu: A100-40, memory_gb: 0.01,")
     cluster = _write(tmp_path, tiny_gpu)
-    plan = Plan("gpt2", 6, 128, 4, 4, 1, "1f1b", (
+    # named as `hapt-hf plan` names the cluster file's job.model mapping
+    plan = Plan("gpt2-h256", 6, 128, 4, 4, 1, "1f1b", (
         StagePlan(0, (0, 3), "v100", "V100-32", (0, 1), 2),
         StagePlan(1, (3, 6), "a100", "A100-40", (2,), 1)))
     path = plan.save(tmp_path / "p.json")
     code, out, err = _run(["simulate", path, "--cluster", cluster], capsys)
     assert code == 1, err
     assert "DOES NOT FIT" in out and "stage 1" in out
+
+
+def _planned_without_job(tmp_path: Path, capsys) -> tuple[Path, Path]:
+    """A plan for the built-in gpt2-tiny, and a cluster file with no job section."""
+    cluster = _write(tmp_path, SMALL_CLUSTER.split("job:")[0])
+    plan_path = tmp_path / "plan.json"
+    code, _, err = _run(["plan", "--cluster", cluster, "--model", "gpt2-tiny", "--seq-len", "64",
+                         "--global-batch", "8", "--schedule", "1f1b", "-o", plan_path], capsys)
+    assert code == 0, err
+    return cluster, plan_path
+
+
+def test_simulate_reads_the_model_from_the_plan(tmp_path, capsys):
+    cluster, plan_path = _planned_without_job(tmp_path, capsys)
+    assert Plan.load(plan_path).model_name == "gpt2-tiny"
+    code, out, err = _run(["simulate", plan_path, "--cluster", cluster, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["report"]["iteration_s"] > 0
+    # naming the same model again is fine
+    code, _, err = _run(["simulate", plan_path, "--cluster", cluster, "--model", "gpt2-tiny"],
+                        capsys)
+    assert code == 0, err
+
+
+def test_simulate_refuses_a_model_other_than_the_plans(tmp_path, capsys):
+    cluster, plan_path = _planned_without_job(tmp_path, capsys)
+    code, out, err = _run(["simulate", plan_path, "--cluster", cluster, "--model", "llama-tiny"],
+                          capsys)
+    _assert_user_error(code, out, err, "--model 'llama-tiny'")
+    assert "'gpt2-tiny'" in err and out == ""
 
 
 # -- user errors: exit 2, one line naming the field, nothing written --------------------------
