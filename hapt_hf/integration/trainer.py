@@ -8,7 +8,9 @@ each step's schedule with the SAME global batch, and one call of the runtime run
 micro-batches of an optimizer step. So the loop is replaced, and what users rely on is kept:
 ``TrainingArguments``, ``TrainerState``/``TrainerControl``, every callback event (progress bar,
 TensorBoard and other ``report_to`` integrations, early stopping), ``self.log``, logging / eval
-/ save strategies, ``create_optimizer``/``create_scheduler`` and ``save_total_limit``.
+/ save strategies, ``create_optimizer``/``create_scheduler``, ``save_total_limit`` and the
+best-model bookkeeping (``metric_for_best_model``, ``load_best_model_at_end``). ``evaluate``,
+``predict`` and ``prediction_step`` run the pipeline forward only, in eval mode.
 
 Batch mapping: one optimizer step consumes the plan's global batch. ``per_device_train_batch_size``
 must equal the plan's ``micro_batch_size`` (samples entering the pipeline per micro-batch, split
@@ -61,7 +63,7 @@ class _StageModel(nn.Module):
 
     def forward(self, input_ids=None, labels=None, attention_mask=None):
         raise RuntimeError("a pipeline stage is run by PipelineRuntime, not called directly; "
-                           "use HaptTrainer.train/evaluate or runtime.predict_logits")
+                           "use HaptTrainer.train/evaluate/predict or runtime.predict")
 
 
 def _group_fix(seq_len: int) -> str:
@@ -108,7 +110,7 @@ def _check_enough(rows: torch.Tensor, field: str, plan: Plan) -> None:
                         "global batch")
 
 
-def check_best_metric(args: TrainingArguments) -> None:
+def _check_best_metric(args: TrainingArguments) -> None:
     """HaptTrainer.evaluate reports the loss only: another best-model metric could not be
     found at the first evaluation, after training started."""
     metric = args.metric_for_best_model
@@ -146,7 +148,7 @@ class HaptTrainer(Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None,
                  callbacks=None, optimizers=(None, None)) -> None:
         check_batch_mapping(args, plan)
-        check_best_metric(args)
+        _check_best_metric(args)
         self.runtime = runtime
         self.plan = plan
         # the data is checked against the plan before Trainer creates the output directory
