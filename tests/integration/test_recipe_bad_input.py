@@ -98,3 +98,19 @@ def test_missing_dataset_column(capsys, tmp_path):
                str(RECIPES / "configs" / "hapt_cpu_demo_llama.yaml"), "--train_file",
                str(data))
     assert "no column 'text'" in msg and "['content']" in msg and "--text_column" in msg
+
+
+def test_validation_file_smaller_than_a_global_batch(capsys, tmp_path):
+    from hapt_hf.planner.plan import Plan, StagePlan
+
+    # a one-rank plan: the recipe runs in this process up to the eval data check
+    Plan(model_name="gpt2-tiny", num_layers=8, seq_len=32, global_batch_size=4,
+         micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+         stages=(StagePlan(0, (0, 8), "cpu", "cpu", (0,), 1),)).save(tmp_path / "plan.json")
+    hapt = tmp_path / "hapt.yaml"
+    hapt.write_text("plan: plan.json\nseq_len: 32\n")
+    small = tmp_path / "valid.txt"
+    small.write_text("the quick brown fox jumps over the lazy dog. " * 4 + "\n")  # 2 rows of 32
+    msg = _run(capsys, "finetune_gpt2", tmp_path / "out", "--hapt_config", str(hapt),
+               "--validation_file", str(small))
+    assert "--validation_file needs at least one global batch (4 samples)" in msg
