@@ -132,8 +132,8 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
     """Profile (collective), then plan on rank 0; every rank gets (plan dict, profile s, plan s)."""
     import torch.distributed as dist
     from hapt_hf.planner.model_spec import ModelSpec
-    from hapt_hf.planner.profiler import (ProfilerOptions, cluster_with_links,
-                                          profile_group_leaders)
+    from hapt_hf.planner.profile import cluster_with_links
+    from hapt_hf.profiling import ProfilerOptions, profile_group_leaders
     from hapt_hf.planner.search import PlannerOptions, plan_job
 
     t0 = time.perf_counter()

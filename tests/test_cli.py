@@ -285,15 +285,15 @@ def test_help_lists_the_subcommands(capsys):
 
 def test_profile_forwards_its_arguments(monkeypatch, capsys):
     seen = []
-    fake = types.ModuleType("hapt_hf.planner.profiler")
+    fake = types.ModuleType("hapt_hf.profiling.cli")
     fake.cli_main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "hapt_hf.planner.profiler", fake)
+    monkeypatch.setitem(sys.modules, "hapt_hf.profiling.cli", fake)
     assert main(["profile", "--device", "cpu", "--help-me"]) == 0
     assert seen == [["--device", "cpu", "--help-me"]]
 
 
 def test_profile_without_the_profiler_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "hapt_hf.planner.profiler", None)  # import fails
+    monkeypatch.setitem(sys.modules, "hapt_hf.profiling.cli", None)  # import fails
     code, out, err = _run(["profile"], capsys)
     assert code == 2 and "profiler is not installed" in err
 

@@ -37,19 +37,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
+from hapt_hf.core.layers import BLOCK, HALF, num_layers
+from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, canonical_dtype
+from hapt_hf.errors import ModelSpecError, UnsupportedModel
+
 __all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES", "SUPPORTED_FAMILIES",
            "BUILTIN_MODELS", "model_config"]
 
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-_DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16",
-                  "float": "fp32"}
-SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "opt")
-_LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
+"""Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
 _INDEX_BYTES = 8  # token ids are int64
-
-
-class ModelSpecError(ValueError):
-    """A model name/config the planner cannot describe; the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +144,7 @@ class ModelSpec:
     """MLP width (SwiGLU's gate/up width for LLaMA-shaped families)."""
     profile_name: str | None = None
     """Name of this model in a measured profile file (e.g. 'OPT-350'), if it has one."""
-    layer_unit: str = "block"
+    layer_unit: str = BLOCK
     """'block': ``layers`` is ``[embedding, blocks.., head]``; 'half': every block is two layers,
     ``[embedding, b0.attn, b0.mlp, b1.attn, ..., head]``."""
     half_layers: tuple[LayerSpec, ...] = ()
@@ -160,12 +158,12 @@ class ModelSpec:
     def can_split_blocks(self) -> bool:
         """Half figures exist and ``layers`` is still the whole-block sequence they came with
         (a hand-edited sequence is planned as it is)."""
-        return (self.layer_unit == "block" and bool(self.half_layers)
-                and len(self.layers) == self.num_blocks + 2)
+        return (self.layer_unit == BLOCK and bool(self.half_layers)
+                and len(self.layers) == num_layers(self.num_blocks, BLOCK))
 
     def split_blocks(self) -> "ModelSpec":
         """The same model with every block cut into its attention and MLP halves."""
-        if self.layer_unit == "half":
+        if self.layer_unit == HALF:
             return self
         if not self.can_split_blocks:
             raise ModelSpecError(
@@ -173,14 +171,14 @@ class ModelSpec:
                 f"sequence: its blocks cannot be cut in two (halves exist for gpt2 and "
                 f"LLaMA-shaped families, on the sequence from_config built); plan with "
                 f"layer_unit 'block'")
-        return replace(self, layers=self.half_layers, layer_unit="half", half_layers=())
+        return replace(self, layers=self.half_layers, layer_unit=HALF, half_layers=())
 
     def with_layer_unit(self, layer_unit: str) -> "ModelSpec":
         """This model's layer sequence in a plan's ``layer_unit`` ('block' or 'half'): what a
         plan.json's layer ranges index, e.g. to replay or check a saved plan."""
         if layer_unit == self.layer_unit:
             return self
-        if layer_unit == "half":
+        if layer_unit == HALF:
             return self.split_blocks()
         raise ModelSpecError(f"layer_unit {layer_unit!r}: a model split into halves cannot be "
                              f"joined back; build the ModelSpec again for layer_unit 'block'")
@@ -208,7 +206,7 @@ class ModelSpec:
         family = getattr(config, "model_type", None)
         reader = _READERS.get(family)
         if reader is None:
-            raise ModelSpecError(
+            raise UnsupportedModel(
                 f"model family {family!r} is not supported; supported families: "
                 f"{', '.join(SUPPORTED_FAMILIES)}. Pass a config of one of these model types.")
         shape = reader(config)
@@ -411,9 +409,9 @@ def _half_layers(layers: tuple[LayerSpec, ...], x: _Shape, s: int, dtype: str,
 
 
 def _check_dtype(dtype: str) -> str:
-    d = _DTYPE_ALIASES.get(str(dtype), str(dtype))
-    if d not in DTYPE_BYTES:
-        raise ModelSpecError(f"dtype {dtype!r} is not known; use one of {', '.join(DTYPE_BYTES)}")
+    d = canonical_dtype(dtype)
+    if d is None:
+        raise ModelSpecError(f"dtype {dtype!r} is not known; use one of {', '.join(DTYPES)}")
     return d
 
 
@@ -479,7 +477,7 @@ _HUB_ALIASES = {"openai-community/gpt2": "gpt2", "openai-community/gpt2-medium":
                 "meta-llama/Meta-Llama-3-8B": "llama-3-8b",
                 "mistralai/Mistral-7B-v0.1": "mistral-7b", "Qwen/Qwen2-0.5B": "qwen2-0.5b"}
 
-# built-in models that published measurements (shared/data/gpu-profiles) know by another name
+# built-in models that published measurements (hapt_hf/data/profiles) know by another name
 _PROFILE_NAMES = {"opt-350m": "OPT-350"}
 
 
@@ -490,8 +488,8 @@ def _config_class(family: str):
                "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
                "opt": transformers.OPTConfig}
     if family not in classes:
-        raise ModelSpecError(f"model family {family!r} is not supported; supported families: "
-                             f"{', '.join(SUPPORTED_FAMILIES)}")
+        raise UnsupportedModel(f"model family {family!r} is not supported; supported families: "
+                               f"{', '.join(SUPPORTED_FAMILIES)}")
     return classes[family]
 
 

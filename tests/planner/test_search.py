@@ -190,7 +190,7 @@ def test_extrapolated_replay_is_not_fooled_by_a_slow_start():
     # a stage 4% slower than the others, behind deep warm-ups, paces the pipeline only after
     # about 70 micro-batches: the short replays alone measured the period 4% short
     from hapt_hf.planner.cost_model import StageShape
-    from hapt_hf.planner.search import Layout, _simulate, cluster_profile
+    from hapt_hf.planner.search import Layout, cluster_profile, simulate_layout
     path = next(p for p in SCENARIOS if p.stem == "harp_3groups_1p3b")
     cluster = Cluster.load(path)
     job = cluster.job
@@ -201,5 +201,5 @@ def test_extrapolated_replay_is_not_fooled_by_a_slow_start():
                      StageShape(g["v100"], 4, 4), StageShape(g["v100-slow"], 2, 0)),
                     ((0, 20), (20, 34), (34, 48), (48, 50)), (False,) * 4, 4, (9, 6, 4, 1),
                     "h1f1b")
-    fast, exact = _simulate(cm, layout, 256), _simulate(cm, layout, 256, exact=True)
+    fast, exact = simulate_layout(cm, layout, 256), simulate_layout(cm, layout, 256, exact=True)
     assert fast.iteration_s == pytest.approx(exact.iteration_s, rel=2e-3)
