@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.inputs import SCENARIOS_DIR, scenario_path
 from hapt_hf.cli import main
 from hapt_hf.planner.plan import Plan, PlanPrediction, StagePlan, StagePrediction
 from hapt_hf.planner.report import build_report, format_ranks, format_report, layer_names
 from hapt_hf.planner.simulate import SimEvent, SimResult, simulate_plan
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = REPO.parent / "shared" / "scenarios"
+SCENARIOS = SCENARIOS_DIR
 
 SMALL_CLUSTER = """\
 name: small
@@ -114,10 +115,8 @@ def test_plan_without_cluster_uses_the_builtin_demo(capsys):
 
 
 @pytest.mark.parametrize("scenario", ["harp_v100x2_a100x1", "sailor_a100x8_v100x8_opt350"])
-def test_plan_on_shared_scenarios(scenario, tmp_path, capsys):
-    path = SCENARIOS / f"{scenario}.yaml"
-    if not path.is_file():
-        pytest.skip(f"{path} is not present beside the repository")
+def test_plan_on_scenarios(scenario, tmp_path, capsys):
+    path = scenario_path(scenario)
     out_json = tmp_path / "plan.json"
     code, out, err = _run(["plan", "--cluster", path, "-o", out_json, "--timeline",
                            tmp_path / "t.png"], capsys)
