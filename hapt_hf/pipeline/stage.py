@@ -7,13 +7,15 @@ a stage owns the half-open range `layer_range` of it. The stage holds the full m
 paths, so its `state_dict()` keys are the full model's keys and its numerics are the full model's.
 Of a block cut between two stages, each holds only its half's submodules (norm and attention, or
 norm and MLP) under their full paths, and runs them in the order the block's own forward does.
+
+Length: over 400 lines because of the initialisation replay (`_InitReplay` and its helpers at
+the end): it serves `build_stage` alone and shares its private state with it.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -161,7 +161,6 @@ def _representatives(spec: ModelSpec) -> list[LayerSpec]:
 
 def _build_layer(config, layer: LayerSpec, dtype: str, device: str, options: ProfilerOptions):
     """The one-layer stage the runtime would run for ``layer``, from a model cut short."""
-    import torch
     from hapt_hf.pipeline.stage import build_stage  # imports torch: see the module docstring
 
     # Build a model of as few blocks as reach this layer, not the whole model.

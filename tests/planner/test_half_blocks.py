@@ -3,7 +3,6 @@ and the search's layer_unit option."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import transformers

@@ -1,9 +1,7 @@
 """ModelSpec against instantiated tiny transformers models: exact parameter counts per layer."""
 from __future__ import annotations
 
-import glob
 import json
-import os
 
 import pytest
 import torch

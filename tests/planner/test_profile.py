@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -110,7 +108,9 @@ def test_sailor_opt350_figures_as_in_file():
                 assert int(mb) not in prof.micro_batches(gpu)
                 continue
             layers = by_tp["1"]
-            get = lambda layer: prof.lookup(gpu, layer.signature, int(mb), 2048, "fp16")
+
+            def get(layer, gpu=gpu, mb=mb):
+                return prof.lookup(gpu, layer.signature, int(mb), 2048, "fp16")
             assert get(embed) == LayerTiming(*layers["0"])
             assert get(head) == LayerTiming(*layers["25"])
             blocks = [layers[str(i)] for i in range(1, 25)]

@@ -1,7 +1,6 @@
 """Planner search: properties over random small jobs, exhaustive yardstick, scenarios, errors."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -22,6 +22,7 @@ import itertools
 import math
 from bisect import bisect_left
 
+from hapt_hf.core.layers import num_blocks
 from hapt_hf.core.schedules import ScheduleKind
 from hapt_hf.errors import CostModelError
 
@@ -45,7 +46,7 @@ BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt")
 def _uniform(cm: CostModel, shapes, mbs: int) -> list[int] | None:
     """Cut points: blocks split evenly, embedding first, head last."""
     n, L = len(shapes), cm.model.num_layers
-    blocks = L - 2
+    blocks = num_blocks(L)
     if n > blocks:
         return None
     q, r = divmod(blocks, n)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hapt_hf.core.schedules import (ScheduleKind, default_warmups, warmup_rule,
+from hapt_hf.core.schedules import (default_warmups, warmup_rule,
                                     warmups_from_steps)
 
 from ..cost_model import CostModel
