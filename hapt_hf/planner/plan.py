@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hapt_hf.core.layers import HALF, LAYER_UNITS, num_blocks
+from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, num_blocks
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, warmup_rule
 from hapt_hf.errors import PlanError
 
@@ -128,7 +128,7 @@ class Plan:
     cluster_name: str = ""
     baselines: dict[str, float] = field(default_factory=dict)
     """Predicted iteration seconds of each baseline split on the same input (informative)."""
-    layer_unit: str = "block"
+    layer_unit: str = BLOCK
     """'block': ``num_layers = blocks + 2``; 'half': each block is two layers (attention half,
     then MLP half), ``num_layers = 2 * blocks + 2``."""
 
@@ -241,7 +241,7 @@ class Plan:
             "predicted": asdict(self.predicted),
             "baselines": dict(self.baselines),
         }
-        if self.layer_unit != "block":  # absent means "block": older readers and files agree
+        if self.layer_unit != BLOCK:  # absent means "block": older readers and files agree
             d["layer_unit"] = self.layer_unit
         return d
 
@@ -268,7 +268,7 @@ class Plan:
                 predicted=PlanPrediction(**d.get("predicted", {})),
                 cluster_name=str(d.get("cluster", "")),
                 baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
-                layer_unit=str(d.get("layer_unit", "block")),
+                layer_unit=str(d.get("layer_unit", BLOCK)),
             )
         except KeyError as e:
             raise PlanError(f"plan is missing field {e.args[0]!r}; see docs/architecture.md") from None
