@@ -112,45 +112,58 @@ class ActionKind(str, enum.Enum):
 COMPUTE = (ActionKind.F, ActionKind.B)
 
 
-def compute_order(warmup: int, num_microbatches: int) -> list[tuple[ActionKind, int]]:
-    """A stage's compute steps: ``warmup`` forwards, then one backward, one forward..."""
+def _forward_order(warmup: int, num_microbatches: int) -> list[tuple[bool, int]]:
+    """(is forward, micro-batch) of each compute step, in order."""
     m = num_microbatches
     w = clamp_warmup(warmup, m)
-    out = [(ActionKind.F, k) for k in range(w)]
+    out = [(True, k) for k in range(w)]
     nxt = w
     for k in range(m):
-        out.append((ActionKind.B, k))
+        out.append((False, k))
         if nxt < m:
-            out.append((ActionKind.F, nxt))
+            out.append((True, nxt))
             nxt += 1
     return out
 
 
+def compute_order(warmup: int, num_microbatches: int) -> list[tuple[ActionKind, int]]:
+    """A stage's compute steps: ``warmup`` forwards, then one backward, one forward..."""
+    return [(ActionKind.F if fwd else ActionKind.B, mb)
+            for fwd, mb in _forward_order(warmup, num_microbatches)]
+
+
+_AS_IS = {k: k for k in ActionKind}
+
+
 def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: int,
-                  receives: bool = True) -> list[tuple[ActionKind, int]]:
+                  receives: bool = True, tokens: dict | None = None) -> list[tuple[object, int]]:
     """Stage ``stage``'s whole list: each compute followed by the send of what it produced,
     and (``receives``) each receive posted one compute action ahead of its consumer, so the
-    transfer overlaps the compute before it. The simulator leaves receives out: posting one
-    costs nothing there."""
+    transfer overlaps the compute before it. The simulator leaves receives out (posting one
+    costs nothing there) and passes ``tokens``, what to write for each ActionKind (its integer
+    codes): the search builds thousands of these lists."""
+    t = _AS_IS if tokens is None else tokens
     first, last = stage == 0, stage == num_stages - 1
-
-    def recv_for(kind: ActionKind, mb: int) -> tuple[ActionKind, int] | None:
-        if kind is ActionKind.F and not first:
-            return ActionKind.RECV_F, mb
-        if kind is ActionKind.B and not last:
-            return ActionKind.RECV_B, mb
-        return None
-
-    compute = compute_order(warmup, num_microbatches)
-    out: list[tuple[ActionKind, int]] = []
-    if receives and compute and (r := recv_for(*compute[0])):
-        out.append(r)
-    for j, (kind, mb) in enumerate(compute):
-        if receives and j + 1 < len(compute) and (r := recv_for(*compute[j + 1])):
-            out.append(r)  # posted before this compute so it overlaps it
-        out.append((kind, mb))
-        if kind is ActionKind.F and not last:
-            out.append((ActionKind.SEND_F, mb))
-        elif kind is ActionKind.B and not first:
-            out.append((ActionKind.SEND_B, mb))
+    f, b = t[ActionKind.F], t[ActionKind.B]
+    send_f = None if last else t[ActionKind.SEND_F]
+    send_b = None if first else t[ActionKind.SEND_B]
+    recv_f = None if first or not receives else t[ActionKind.RECV_F]
+    recv_b = None if last or not receives else t[ActionKind.RECV_B]
+    order = _forward_order(warmup, num_microbatches)
+    out: list[tuple[object, int]] = []
+    append = out.append
+    if receives and (r := recv_f if order[0][0] else recv_b) is not None:
+        append((r, order[0][1]))
+    ahead = order[1:] + [None]
+    for (fwd, mb), nxt in zip(order, ahead):
+        if receives and nxt is not None and (r := recv_f if nxt[0] else recv_b) is not None:
+            append((r, nxt[1]))  # posted before this compute so it overlaps it
+        if fwd:
+            append((f, mb))
+            if send_f is not None:
+                append((send_f, mb))
+        else:
+            append((b, mb))
+            if send_b is not None:
+                append((send_b, mb))
     return out

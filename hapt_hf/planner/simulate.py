@@ -77,9 +77,8 @@ def encode_warmup_schedule(num_stages: int, num_microbatches: int,
     objects (the search replays thousands of candidates): the same lists from
     :func:`~hapt_hf.core.schedules.stage_actions`, receives left out because posting one
     costs nothing here."""
-    return [[(_CODE[kind], mb) for kind, mb in
-             stage_actions(s, num_stages, warmups[s], num_microbatches, receives=False)]
-            for s in range(num_stages)]
+    return [stage_actions(s, num_stages, warmups[s], num_microbatches, receives=False,
+                          tokens=_CODE) for s in range(num_stages)]
 
 
 def simulate_schedule(schedule: Schedule, costs: StageCosts,
