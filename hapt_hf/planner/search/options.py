@@ -21,6 +21,8 @@ LAYER_UNIT_OPTIONS = ("auto", BLOCK, HALF)
 
 @dataclass(frozen=True)
 class PlannerOptions:
+    """What the search may choose and how long it may look (validated on creation)."""
+
     schedule: str = ScheduleKind.H1F1B.value
     """'gpipe', '1f1b' or 'h1f1b' (1F1B with per-stage warm-up depths)."""
     micro_batch_sizes: tuple[int, ...] | None = None
@@ -91,6 +93,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class BaselineResult:
+    """One baseline split scored by the same simulator, or why it has no plan."""
+
     name: str
     plan: Plan | None
     sim: SimResult | None
@@ -100,6 +104,8 @@ class BaselineResult:
 
 @dataclass(frozen=True)
 class PlanResult:
+    """The search's plan, its full replay, the baselines and what the search cost."""
+
     plan: Plan
     sim: SimResult
     baselines: dict[str, BaselineResult]

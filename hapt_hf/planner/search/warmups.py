@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hapt_hf.core.schedules import (default_warmups, warmup_rule,
-                                    warmups_from_steps)
+from hapt_hf.core.schedules import default_warmups, warmup_rule, warmups_from_steps
 
 from ..cost_model import CostModel
 from ..simulate import SimResult
@@ -33,7 +32,9 @@ def hapt_warmups(shapes, cut_s: list[float], cap_s: float, num_microbatches: int
 
 
 def in_flight_guess(shapes, mbs: int, m: int, schedule: str, cm: CostModel,
-               cap_guess: float) -> list[int]:
+                    cap_guess: float) -> list[int]:
+    """Micro-batches each stage will hold at once, before its layers are known: the warm-up
+    depths HAPT's thresholds give with the cut times at a block boundary."""
     if not warmup_rule(schedule).per_stage:  # the kind fixes the depths
         return default_warmups(schedule, len(shapes), m)
     # cut times at a block boundary stand in for the real boundaries (blocks are alike)
