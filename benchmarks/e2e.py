@@ -1,8 +1,9 @@
 """The end-to-end race on the emulated heterogeneous testbed, every contender in one run.
 
 Four CPU ranks: two "fast" and two "slow" ones (a compute slow-down, 2.5x by default, every rank
-capped at the same CPU share) with a slow link between the two groups (benchmarks/testbed). Inside the same processes, iterations of the
-contenders alternate, so that a busy phase of the machine hits them alike:
+capped at the same CPU share) with a slow link between the two groups (benchmarks/testbed).
+Inside the same processes, iterations of the contenders alternate, so that a busy phase of the
+machine hits them alike:
 
   (a) hapt_hf: profile (one block per group, the link), plan, run the plan with H-1F1B;
   (b) torch.distributed.pipelining Schedule1F1B over the uniform split;
@@ -24,6 +25,7 @@ The last line is JSON with speedup_vs_torch_1f1b_uniform ((a)/(b)), speedup_vs_p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from hapt_hf.core.schedules import ScheduleKind, default_warmups  # noqa: E402
 
 CONTENDERS = {"a": "hapt_hf plan + H-1F1B", "b": "torch Schedule1F1B, uniform",
               "c": "hapt_hf plan + 1F1B", "d": "uniform on hapt_hf runtime", "e": "DDP"}
@@ -117,23 +121,24 @@ def uniform_plan(cfg: RaceConfig):
     from hapt_hf.planner.plan import Plan, StagePlan
     n = cfg.fast_ranks + cfg.slow_ranks
     per = [cfg.blocks // n + (i < cfg.blocks % n) for i in range(n)]
+    m = cfg.global_batch // cfg.micro_batch
+    warm = default_warmups(ScheduleKind.ONE_F_ONE_B, n, m)
     stages, start = [], 0
     for i, b in enumerate(per):
         end = start + b + (i == 0) + (i == n - 1)
         group = "fast" if i < cfg.fast_ranks else "slow"
-        stages.append(StagePlan(i, (start, end), group, f"cpu-{group}", (i,), warmup=n - i))
+        stages.append(StagePlan(i, (start, end), group, f"cpu-{group}", (i,), warmup=warm[i]))
         start = end
-    m = cfg.global_batch // cfg.micro_batch
-    return Plan("gpt2-race", start, cfg.seq, cfg.global_batch, cfg.micro_batch, m, "1f1b",
-                tuple(stages)).validate()
+    return Plan("gpt2-race", start, cfg.seq, cfg.global_batch, cfg.micro_batch, m,
+                ScheduleKind.ONE_F_ONE_B, tuple(stages)).validate()
 
 
 def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
     """Profile (collective), then plan on rank 0; every rank gets (plan dict, profile s, plan s)."""
     import torch.distributed as dist
     from hapt_hf.planner.model_spec import ModelSpec
-    from hapt_hf.planner.profiler import (ProfilerOptions, cluster_with_links,
-                                          profile_group_leaders)
+    from hapt_hf.planner.profile import cluster_with_links
+    from hapt_hf.profiling import ProfilerOptions, profile_group_leaders
     from hapt_hf.planner.search import PlannerOptions, plan_job
 
     t0 = time.perf_counter()
@@ -149,7 +154,7 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
         spec = ModelSpec.from_config(config, cfg.seq, "fp32", name="gpt2-race")
         result = plan_job(spec, cluster_with_links(_nominal_cluster(cfg), profile),
                           cfg.global_batch, profile=profile,
-                          options=PlannerOptions(schedule="h1f1b",
+                          options=PlannerOptions(schedule=ScheduleKind.H1F1B,
                                                  micro_batch_sizes=(cfg.micro_batch,)))
         box[0] = {"plan": result.plan.to_dict(), "links": [asdict(m) for m in profile.links],
                   "profile": {f"{k.device} {k.layer_signature.split(':')[0]} mb{k.micro_batch}":
@@ -158,10 +163,13 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
     return box[0], t1 - t0, time.perf_counter() - t1
 
 
+def _train_step(rt, opt, batch):
+    return rt.train_step(batch, opt)
+
+
 def _contenders(cfg: RaceConfig, config, plan_a, rank: int, links: list[dict]) -> dict:
     """name -> step(batch) callable running one full training step of that contender."""
     import torch
-    from transformers import AutoModelForCausalLM
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
     from hapt_hf.pipeline.stage import build_stage
     from hapt_hf.pipeline.torch_pipelining import build_torch_pipeline
@@ -169,10 +177,11 @@ def _contenders(cfg: RaceConfig, config, plan_a, rank: int, links: list[dict]) -
     uniform = uniform_plan(cfg)
     rc = RuntimeConfig(timeout_s=600, seed=0)
     steps = {}
-    for name, plan in (("a", plan_a), ("c", plan_a.with_schedule("1f1b")), ("d", uniform)):
+    plan_c = plan_a.with_schedule(ScheduleKind.ONE_F_ONE_B)
+    for name, plan in (("a", plan_a), ("c", plan_c), ("d", uniform)):
         rt = PipelineRuntime(plan, config, rc)
         opt = torch.optim.AdamW(rt.parameters(), lr=1e-4)
-        steps[name] = (lambda rt, opt: lambda batch: rt.train_step(batch, opt))(rt, opt)
+        steps[name] = functools.partial(_train_step, rt, opt)
     stage = build_stage(config, uniform.stage_of_rank(rank).layers, seed=0)
     torch_pp = build_torch_pipeline(uniform, rank, stage, cfg.vocab)
     opt_b = torch.optim.AdamW(stage.parameters(), lr=1e-4)

@@ -1,6 +1,6 @@
 """Planner benchmark: plan every scenario, set the plan beside every baseline and the limit.
 
-    python3 benchmarks/planner.py [--scenarios ../shared/scenarios] [--json out.json]
+    python3 benchmarks/planner.py [--scenarios benchmarks/scenarios] [--json out.json]
                                   [--update-doc docs/benchmarks.md] [--only NAME ...]
 
 For each scenario file (a cluster file with a ``job:`` section) it reports the search time, the
@@ -25,7 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from hapt_hf.cli import resolve_job  # noqa: E402
+from benchmarks.inputs import SCENARIOS_DIR, scenario_paths  # noqa: E402
+from hapt_hf.planner.job import load_job  # noqa: E402
 from hapt_hf.planner.report import BaselineRow  # noqa: E402
 
 __all__ = ["ScenarioResult", "run_scenario", "run_isolated", "main"]
@@ -61,7 +62,7 @@ class ScenarioResult:
 def run_scenario(path: Path) -> ScenarioResult:
     from hapt_hf.planner.search import plan_job
 
-    job = resolve_job(str(path))
+    job = load_job(path)
     t0, c0 = time.perf_counter(), time.process_time()
     res = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -204,7 +205,7 @@ def render(results: list[ScenarioResult], command: str, load: float | None = Non
     shared = "" if load is None else f" (1-minute load average {load:.1f} when it started)"
     lines = [
         SECTION, "",
-        "Every scenario in `../shared/scenarios` planned by `plan_job` with default options; "
+        "Every scenario in `benchmarks/scenarios` planned by `plan_job` with default options; "
         "every figure is the event simulator's iteration time for the same cluster, model and "
         "layer times (measured profiles where the scenario names them, catalogue figures "
         "otherwise). *above limit* is (plan - limit) / limit, where the limit is the total work "
@@ -243,8 +244,8 @@ def update_doc(doc: Path, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", type=Path, default=REPO / ".." / "shared" / "scenarios",
-                    help="folder of scenario YAML files (default ../shared/scenarios)")
+    ap.add_argument("--scenarios", type=Path, default=SCENARIOS_DIR,
+                    help="folder of scenario YAML files (default benchmarks/scenarios)")
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
     ap.add_argument("--update-doc", type=Path, help="rewrite the Planner section of this file")
     ap.add_argument("--only", nargs="*", help="scenario names (file stems) to run")
@@ -255,11 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         args.json.write_text(json.dumps(asdict(run_scenario(args.one))))
         return 0
-    files = sorted(args.scenarios.glob("*.yaml"))
+    try:
+        files = scenario_paths(args.scenarios)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.only:
         files = [f for f in files if f.stem in args.only]
     if not files:
-        print(f"no scenario files in {args.scenarios}", file=sys.stderr)
+        print(f"no scenario named {args.only} in {args.scenarios}", file=sys.stderr)
         return 2
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results = []

@@ -29,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hapt_hf.core.layers import num_layers  # noqa: E402
+from hapt_hf.core.schedules import ScheduleKind, default_warmups  # noqa: E402
 from hapt_hf.testing import run_ranks  # noqa: E402
 
 
@@ -49,14 +51,15 @@ class BenchConfig:
 def uniform_plan(cfg: BenchConfig):
     from hapt_hf.planner.plan import Plan, StagePlan
     per = [cfg.layers // cfg.ranks + (i < cfg.layers % cfg.ranks) for i in range(cfg.ranks)]
+    warm = default_warmups(ScheduleKind.ONE_F_ONE_B, cfg.ranks, cfg.microbatches)
     stages, start = [], 0
     for i, b in enumerate(per):
         end = start + b + (i == 0) + (i == cfg.ranks - 1)
-        stages.append(StagePlan(i, (start, end), "cpu", "cpu", (i,), warmup=cfg.ranks - i))
+        stages.append(StagePlan(i, (start, end), "cpu", "cpu", (i,), warmup=warm[i]))
         start = end
     g = cfg.micro_batch * cfg.microbatches
-    return Plan("gpt2-bench", start, cfg.seq, g, cfg.micro_batch, cfg.microbatches, "1f1b",
-                tuple(stages)).validate()
+    return Plan("gpt2-bench", start, cfg.seq, g, cfg.micro_batch, cfg.microbatches,
+                ScheduleKind.ONE_F_ONE_B, tuple(stages)).validate()
 
 
 def two_wide_plan(cfg: BenchConfig):
@@ -64,10 +67,10 @@ def two_wide_plan(cfg: BenchConfig):
     from hapt_hf.planner.plan import Plan, StagePlan
     half = cfg.layers // 2
     stages = (StagePlan(0, (0, half + 1), "cpu", "cpu", (0, 1), warmup=2),
-              StagePlan(1, (half + 1, cfg.layers + 2), "cpu", "cpu", (2, 3), warmup=1))
+              StagePlan(1, (half + 1, num_layers(cfg.layers)), "cpu", "cpu", (2, 3), warmup=1))
     g = cfg.micro_batch * cfg.microbatches
-    return Plan("gpt2-bench", cfg.layers + 2, cfg.seq, g, cfg.micro_batch, cfg.microbatches,
-                "1f1b", stages).validate()
+    return Plan("gpt2-bench", num_layers(cfg.layers), cfg.seq, g, cfg.micro_batch,
+                cfg.microbatches, ScheduleKind.ONE_F_ONE_B, stages).validate()
 
 
 def bench_overlap(rank: int, world_size: int, cfg: BenchConfig, bucket_bytes: int) -> dict:

@@ -94,8 +94,7 @@ def _load_profile(cluster: Cluster, model: ModelSpec, store: str | None = None
     if not Path(store).is_file():
         raise UsageError(f"--profile {store}: no such profile store; write one with "
                          "`hapt-hf profile ... --store FILE`")
-    from hapt_hf.planner.profile import Profile
-    from hapt_hf.planner.profiler import cluster_with_links
+    from hapt_hf.planner.profile import Profile, cluster_with_links
     measured = Profile.load(store)
     profile = measured if profile is None else profile.merge(measured)
     return cluster_with_links(cluster, measured), profile
@@ -299,10 +298,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_profile(argv: list[str]) -> int:
     try:
-        from hapt_hf.planner.profiler import cli_main
+        from hapt_hf.profiling.cli import cli_main
     except ImportError:
         print("hapt-hf: error: the profiler is not installed in this hapt_hf "
-              "(hapt_hf.planner.profiler is missing)", file=sys.stderr)
+              "(hapt_hf.profiling.cli is missing)", file=sys.stderr)
         return 2
     return int(cli_main(argv) or 0)
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.inputs import SCENARIOS_DIR, scenario_path
 from hapt_hf.cli import main
 from hapt_hf.planner.plan import Plan, PlanPrediction, StagePlan, StagePrediction
 from hapt_hf.planner.report import build_report, format_ranks, format_report, layer_names
 from hapt_hf.planner.simulate import SimEvent, SimResult, simulate_plan
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = REPO.parent / "shared" / "scenarios"
+SCENARIOS = SCENARIOS_DIR
 
 SMALL_CLUSTER = """\
 name: small
@@ -114,10 +115,8 @@ def test_plan_without_cluster_uses_the_builtin_demo(capsys):
 
 
 @pytest.mark.parametrize("scenario", ["harp_v100x2_a100x1", "sailor_a100x8_v100x8_opt350"])
-def test_plan_on_shared_scenarios(scenario, tmp_path, capsys):
-    path = SCENARIOS / f"{scenario}.yaml"
-    if not path.is_file():
-        pytest.skip(f"{path} is not present beside the repository")
+def test_plan_on_scenarios(scenario, tmp_path, capsys):
+    path = scenario_path(scenario)
     out_json = tmp_path / "plan.json"
     code, out, err = _run(["plan", "--cluster", path, "-o", out_json, "--timeline",
                            tmp_path / "t.png"], capsys)
@@ -316,15 +315,15 @@ def test_help_lists_the_subcommands(capsys):
 
 def test_profile_forwards_its_arguments(monkeypatch, capsys):
     seen = []
-    fake = types.ModuleType("hapt_hf.planner.profiler")
+    fake = types.ModuleType("hapt_hf.profiling.cli")
     fake.cli_main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "hapt_hf.planner.profiler", fake)
+    monkeypatch.setitem(sys.modules, "hapt_hf.profiling.cli", fake)
     assert main(["profile", "--device", "cpu", "--help-me"]) == 0
     assert seen == [["--device", "cpu", "--help-me"]]
 
 
 def test_profile_without_the_profiler_says_so(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "hapt_hf.planner.profiler", None)  # import fails
+    monkeypatch.setitem(sys.modules, "hapt_hf.profiling.cli", None)  # import fails
     code, out, err = _run(["profile"], capsys)
     assert code == 2 and "profiler is not installed" in err
 

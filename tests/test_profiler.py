@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import GPT2Config
 
-from hapt_hf.planner import profiler
 from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.model_spec import ModelSpec
-from hapt_hf.planner.profile import LinkMeasurement, Profile
-from hapt_hf.planner.profiler import (ProfilerError, ProfilerOptions, ProfileStore, cli_main,
-                                      cluster_with_links, fit_link, profile_model)
+from hapt_hf.planner.profile import LinkMeasurement, Profile, cluster_with_links
+from hapt_hf.profiling import (ProfilerError, ProfilerOptions, ProfileStore, cli_main, fit_link,
+                               profile_model, profiler)
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 64
@@ -177,7 +176,7 @@ LEADERS_SCRIPT = """
 import json, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from transformers import GPT2Config
-from hapt_hf.planner.profiler import ProfilerOptions, profile_group_leaders
+from hapt_hf.profiling import ProfilerOptions, profile_group_leaders
 dist.init_process_group("gloo")
 config = GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=128, n_positions=16,
                     bos_token_id=0, eos_token_id=0)

@@ -15,7 +15,7 @@ import pytest
 import hapt_hf
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("hapt_hf.planner", "hapt_hf.pipeline", "hapt_hf.integration")
+SUBPACKAGES = ("hapt_hf.planner", "hapt_hf.pipeline", "hapt_hf.profiling", "hapt_hf.integration")
 
 
 def _modules_after_import(module: str) -> list[str]:
@@ -44,15 +44,17 @@ def test_planner_exports_the_user_api():
     assert planner.Plan is plan.Plan and planner.StagePlan is plan.StagePlan
     assert planner.build_schedule is schedule.build_schedule
     assert planner.plan_job is search.plan_job and planner.simulate_plan is simulate.simulate_plan
+    from hapt_hf.errors import HaptError
     for name in planner.__all__:
         if name.endswith("Error"):
-            assert issubclass(getattr(planner, name), ValueError), name
+            assert issubclass(getattr(planner, name), HaptError), name
 
 
 def test_planner_imports_neither_pipeline_torch_nor_integration():
     loaded = _modules_after_import("hapt_hf.planner")
     assert "hapt_hf.planner.plan" in loaded  # the probe did import the planner
-    for forbidden in ("hapt_hf.pipeline", "hapt_hf.integration", "torch", "transformers"):
+    for forbidden in ("hapt_hf.pipeline", "hapt_hf.profiling", "hapt_hf.integration", "torch",
+                      "transformers"):
         hits = [m for m in loaded if m == forbidden or m.startswith(forbidden + ".")]
         assert not hits, f"import hapt_hf.planner loaded {hits[:5]}"
 
@@ -82,12 +84,12 @@ def _module_level_imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("package, forbidden", [
-    ("planner", ("hapt_hf.pipeline", "hapt_hf.integration", "torch")),
+    ("planner", ("hapt_hf.pipeline", "hapt_hf.profiling", "hapt_hf.integration", "torch")),
     ("pipeline", ("hapt_hf.integration",)),
 ])
 def test_imports_run_one_way_in_every_module(package, forbidden):
     bad = {}
-    for path in sorted((ROOT / "hapt_hf" / package).glob("*.py")):
+    for path in sorted((ROOT / "hapt_hf" / package).rglob("*.py")):
         hits = [n for n in _module_level_imports(path)
                 if any(n == f or n.startswith(f + ".") for f in forbidden)]
         if hits:

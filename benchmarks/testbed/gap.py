@@ -29,7 +29,7 @@ def _hooks():
 
 def one_round(factor: float, hooks) -> dict[str, float]:
     from transformers import GPT2Config
-    from hapt_hf.planner.profiler import ProfilerOptions, profile_model
+    from hapt_hf.profiling import ProfilerOptions, profile_model
     config = GPT2Config(n_layer=2, n_embd=256, n_head=4, n_positions=64, vocab_size=2048,
                         bos_token_id=0, eos_token_id=0)
     options = ProfilerOptions(micro_batches=(1,), budget_s=1.0)

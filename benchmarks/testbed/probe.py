@@ -44,7 +44,7 @@ def main() -> int:
     buf = torch.zeros(nbytes // 4)
     peer = world - 1  # the last rank sits in the last group
     if rank in (0, peer) and peer != 0:
-        for i in range(2):  # the first transfer also sets the connection up
+        for _ in range(2):  # the first transfer also sets the connection up
             t0 = time.perf_counter()
             if rank == 0:
                 dist.send(buf, peer)

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from hapt_hf.core.families import family
+
 __all__ = [
     "BlockInputs", "FamilyAdapter", "adapter_for", "num_blocks", "supported_families",
     "supported_model_types",
@@ -201,19 +203,19 @@ def _position_mask(x: Tensor, attention_mask: Tensor | None) -> Tensor:
 
 _ADAPTERS: tuple[FamilyAdapter, ...] = (
     _Gpt2Adapter(
-        name="gpt2", model_types=("gpt2",),
+        name="gpt2", model_types=family("gpt2").model_types,
         embedding_paths=("transformer.wte", "transformer.wpe", "transformer.drop"),
         blocks_path="transformer.h", head_paths=("transformer.ln_f", "lm_head"), rotary_path=None,
         input_embedding_key="transformer.wte.weight", output_embedding_key="lm_head.weight",
         attention_half=("ln_1", "attn"), mlp_half=("ln_2", "mlp")),
     _LlamaAdapter(
-        name="llama", model_types=("llama", "mistral", "qwen2"),
+        name="llama", model_types=family("llama").model_types,
         embedding_paths=("model.embed_tokens",),
         blocks_path="model.layers", head_paths=("model.norm", "lm_head"), rotary_path="model.rotary_emb",
         input_embedding_key="model.embed_tokens.weight", output_embedding_key="lm_head.weight",
         attention_half=("input_layernorm", "self_attn"), mlp_half=("post_attention_layernorm", "mlp")),
     _OptAdapter(
-        name="opt", model_types=("opt",),
+        name="opt", model_types=family("opt").model_types,
         embedding_paths=("model.decoder.embed_tokens", "model.decoder.embed_positions",
                          "model.decoder.project_in"),
         blocks_path="model.decoder.layers",

@@ -31,8 +31,8 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer
-from hapt_hf.pipeline.schedule import Piece, RankWork, max_in_flight, rank_work, replica_slice
-from hapt_hf.planner.cost_model import GRAD_BUCKET_BYTES
+from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work, replica_slice
+from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 

@@ -7,13 +7,15 @@ a stage owns the half-open range `layer_range` of it. The stage holds the full m
 paths, so its `state_dict()` keys are the full model's keys and its numerics are the full model's.
 Of a block cut between two stages, each holds only its half's submodules (norm and attention, or
 norm and MLP) under their full paths, and runs them in the order the block's own forward does.
+
+Length: over 400 lines because of the initialisation replay (`_InitReplay` and its helpers at
+the end): it serves `build_stage` alone and shares its private state with it.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, BlockPart, block_parts, num_layers
+from hapt_hf.errors import HaptError, StageBuildError
 from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.families import (
     FamilyAdapter,
@@ -39,41 +43,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["BlockPart", "PipelineStage", "StageBuildError", "StageInputError", "build_stage",
            "supported_families"]
 
-LAYER_UNITS = ("block", "half")
-
-
-class StageBuildError(ValueError):
-    """A stage that cannot be built from what the user gave (family, layer range, checkpoint)."""
-
-
-class StageInputError(ValueError):
+class StageInputError(HaptError):
     """A forward call whose inputs do not fit the stage (token ids vs hidden states)."""
-
-
-@dataclass(frozen=True)
-class BlockPart:
-    """What a stage runs of one transformer block: all of it, or one of its two halves."""
-
-    index: int
-    """Block index, 0-based."""
-    part: str
-    """'full' | 'attn' (norm, attention, residual) | 'mlp' (norm, MLP, residual)."""
-
-
-def block_parts(layer_range: tuple[int, int], blocks: int, layer_unit: str) -> tuple[BlockPart, ...]:
-    """The blocks (or halves) a layer range covers, in order; a block whose two halves both fall
-    in the range is run whole."""
-    start, end = layer_range
-    if layer_unit == "block":
-        return tuple(BlockPart(i, "full") for i in range(max(start, 1) - 1, min(end, blocks + 1) - 1))
-    parts: list[BlockPart] = []
-    for layer in range(max(start, 1), min(end, 2 * blocks + 1)):
-        index, second = divmod(layer - 1, 2)
-        if second and parts and parts[-1] == BlockPart(index, "attn"):
-            parts[-1] = BlockPart(index, "full")
-        else:
-            parts.append(BlockPart(index, "mlp" if second else "attn"))
-    return tuple(parts)
 
 
 class PipelineStage(nn.Module):
@@ -90,7 +61,7 @@ class PipelineStage(nn.Module):
 
     def __init__(self, config: PretrainedConfig, adapter: FamilyAdapter, layer_range: tuple[int, int],
                  modules: list[tuple[str, nn.Module]], recompute: bool = False,
-                 layer_unit: str = "block") -> None:
+                 layer_unit: str = BLOCK) -> None:
         super().__init__()
         n = num_blocks(config)
         self.config = config
@@ -98,7 +69,7 @@ class PipelineStage(nn.Module):
         self.layer_range = layer_range
         self.layer_unit = layer_unit
         self.is_first = layer_range[0] == 0
-        self.is_last = layer_range[1] == _num_layers(n, layer_unit)
+        self.is_last = layer_range[1] == num_layers(n, layer_unit)
         self.parts = block_parts(layer_range, n, layer_unit)
         self.block_indices = range(self.parts[0].index, self.parts[-1].index + 1) if self.parts \
             else range(0)
@@ -191,7 +162,7 @@ def build_stage(
     device: str | torch.device = "cpu",
     recompute: bool = False,
     attn_implementation: str = "eager",
-    layer_unit: str = "block",
+    layer_unit: str = BLOCK,
 ) -> PipelineStage:
     """Build one rank's stage: built on meta, pruned to the stage, then materialised.
 
@@ -248,29 +219,25 @@ def _adapter(config: PretrainedConfig) -> FamilyAdapter:
     return adapter
 
 
-def _num_layers(blocks: int, layer_unit: str) -> int:
-    return 2 * blocks + 2 if layer_unit == "half" else blocks + 2
-
-
 def _check_unit(layer_unit: str, adapter: FamilyAdapter) -> None:
     if layer_unit not in LAYER_UNITS:
         raise StageBuildError(f"layer_unit {layer_unit!r} is unknown; use one of {LAYER_UNITS}")
-    if layer_unit == "half" and adapter.attention_half is None:
+    if layer_unit == HALF and adapter.attention_half is None:
         raise StageBuildError(
             f"layer_unit 'half' is not supported for the {adapter.name} family (its blocks cannot "
             f"be cut in two exactly); use layer_unit 'block' (re-plan with whole blocks)")
 
 
 def _check_range(layer_range: tuple[int, int], config: PretrainedConfig,
-                 layer_unit: str = "block") -> tuple[int, int]:
+                 layer_unit: str = BLOCK) -> tuple[int, int]:
     n = num_blocks(config)
-    total = _num_layers(n, layer_unit)
+    total = num_layers(n, layer_unit)
     try:
         start, end = (int(v) for v in layer_range)
     except (TypeError, ValueError):
         start, end = -1, -1
     if not 0 <= start < end <= total:
-        body = f"blocks 1..{n}" if layer_unit == "block" else f"block halves 1..{2 * n}"
+        body = f"blocks 1..{n}" if layer_unit == BLOCK else f"block halves 1..{2 * n}"
         raise StageBuildError(
             f"layer_range {layer_range!r} is invalid for a model of {n} blocks (layer_unit "
             f"{layer_unit!r}): give (start, end) with 0 <= start < end <= {total} over "
@@ -285,7 +252,7 @@ def _meta_model(config: PretrainedConfig) -> nn.Module:
 
 
 def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int],
-                   layer_unit: str = "block") -> list[tuple[str, nn.Module]]:
+                   layer_unit: str = BLOCK) -> list[tuple[str, nn.Module]]:
     """The full model's modules this stage keeps, by their paths in the full model; of a block
     cut between two stages, each keeps only its half's submodules (no tensor is held twice)."""
     n = num_blocks(full.config)
@@ -300,7 +267,7 @@ def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int
             paths += [f"{block}.{name}" for name in names]
     if _attends(parts) and adapter.rotary_path is not None:
         paths.append(adapter.rotary_path)
-    if span[1] == _num_layers(n, layer_unit):
+    if span[1] == num_layers(n, layer_unit):
         paths += list(adapter.head_paths)
     # Optional modules a config leaves out (OPT's projections) are None in the full model.
     return [(p, full.get_submodule(p)) for p in paths if _present(full, p)]

@@ -23,14 +23,16 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
+from hapt_hf.core.schedules import ScheduleKind, default_warmups
+from hapt_hf.errors import HaptError
 from hapt_hf.planner.plan import Plan
 
 __all__ = ["TorchPipeline", "TorchPipelineUnsupported", "torch_supports", "build_torch_pipeline"]
 
-_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+_SCHEDULES = {ScheduleKind.ONE_F_ONE_B: Schedule1F1B, ScheduleKind.GPIPE: ScheduleGPipe}
 
 
-class TorchPipelineUnsupported(ValueError):
+class TorchPipelineUnsupported(HaptError):
     """A plan that torch.distributed.pipelining's single-stage schedules cannot run."""
 
 
@@ -40,13 +42,13 @@ def torch_supports(plan: Plan) -> str | None:
         return (f"schedule {plan.schedule!r}: torch's single-stage schedules fix the warm-up "
                 "depth (1F1B: stages - index; GPipe: all), per-stage depths are not an option")
     n = plan.num_stages
-    if plan.schedule == "1f1b" and any(s.warmup != min(n - s.index, plan.num_microbatches)
-                                       for s in plan.stages):
+    if plan.schedule == ScheduleKind.ONE_F_ONE_B and \
+            plan.warmups() != default_warmups(plan.schedule, n, plan.num_microbatches):
         return "per-stage warm-up depths other than stages - index are not expressible"
     if any(s.dp != 1 for s in plan.stages):
         return ("stages of several ranks: torch's stages exchange whole micro-batches with one "
                 "peer each, so neighbouring stages of different widths (8 -> 4) cannot be wired")
-    if plan.schedule == "1f1b" and plan.num_microbatches < n:
+    if plan.schedule == ScheduleKind.ONE_F_ONE_B and plan.num_microbatches < n:
         return f"Schedule1F1B needs at least {n} micro-batches, the plan has {plan.num_microbatches}"
     return None
 

@@ -1,8 +1,9 @@
 """Planning: model and cluster descriptions in, a validated Plan and its schedule out.
 
-Nothing here imports torch (only :mod:`hapt_hf.planner.profiler` does, inside the functions that
-measure), so planning a job needs no devices and no process group. Every error a user can cause
-is a ``ValueError`` subclass whose message names the field and the fix.
+Nothing here imports torch, the pipeline or the profiler (:mod:`hapt_hf.profiling` measures
+devices and is imported by nobody below it), so planning a job needs no devices and no process
+group. Every error a user can cause is a :class:`hapt_hf.errors.HaptError` whose message names
+the field and the fix.
 """
 from hapt_hf.planner.cluster import Cluster, ClusterError
 from hapt_hf.planner.cost_model import CostModelError
@@ -20,7 +21,7 @@ __all__ = [
     "PlannerOptions", "plan_job", "PlanResult", "Plan", "StagePlan",
     # schedule and simulation
     "Schedule", "build_schedule", "simulate_plan", "SimResult",
-    # errors (all ValueError subclasses)
+    # errors (all hapt_hf.errors.HaptError, a ValueError)
     "ModelSpecError", "ClusterError", "ProfileError", "PlanError", "ScheduleError",
     "PlanningError", "CostModelError",
 ]

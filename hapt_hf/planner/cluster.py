@@ -3,7 +3,8 @@
 File format (YAML; bandwidths in gigabits per second, latencies in microseconds)::
 
     name: v100x8-a100x4
-    profiles: ../data/gpu-profiles      # optional, relative to this file's directory
+    profiles: ../data/gpu-profiles      # optional, relative to this file's directory, or
+                                        # `sailor`: the measurements shipped in hapt_hf/data
     groups:
       - name: v100
         gpu: V100-32                    # catalogue name; tflops:, memory_gb: override it, and
@@ -27,18 +28,15 @@ from typing import Any
 
 import yaml
 
+from hapt_hf.core.data import BUILTIN_PROFILES, CLUSTERS_DIR
+from hapt_hf.core.precision import DTYPES
+from hapt_hf.core.ranks import first_ranks
+from hapt_hf.errors import ClusterError
+
 from .catalogue import GpuType, find_gpu, known_gpu_names
-from .model_spec import DTYPE_BYTES
 
 __all__ = ["ClusterError", "GpuType", "LinkSpec", "GpuGroup", "GroupLink", "JobSpec", "Cluster",
            "builtin_cluster_path", "builtin_cluster_names"]
-
-_BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "clusters"
-
-
-class ClusterError(ValueError):
-    """A cluster file that is wrong; the message names the field and what would fix it."""
-
 
 @dataclass(frozen=True)
 class LinkSpec:
@@ -117,13 +115,16 @@ class Cluster:
                 return l.link
         return None
 
+    def first_ranks(self) -> dict[str, int]:
+        """The first global rank of each group (see :mod:`hapt_hf.core.ranks`)."""
+        return first_ranks((g.name, g.size) for g in self.groups)
+
     def ranks_of(self, name: str) -> list[int]:
         """Global ranks of a group: numbered group by group, node by node, in file order."""
-        start = 0
         for g in self.groups:
             if g.name == name:
+                start = self.first_ranks()[name]
                 return list(range(start, start + g.size))
-            start += g.size
         raise ClusterError(f"no group named {name!r}; groups: {', '.join(self.group_names)}")
 
     def graph(self):
@@ -324,23 +325,28 @@ def _parse_job(raw) -> JobSpec:
         if raw.get(k) is not None:
             _positive(raw[k], f"job.{k}", integer=True)
     dtype = raw.get("dtype")
-    if dtype is not None and dtype not in DTYPE_BYTES:
+    if dtype is not None and dtype not in DTYPES:
         raise ClusterError(f"job.dtype {dtype!r} is not known; use one of "
-                           f"{', '.join(DTYPE_BYTES)}")
+                           f"{', '.join(DTYPES)}")
     return JobSpec(model=model, seq_len=raw.get("seq_len"),
                    global_batch_size=raw.get("global_batch_size"), dtype=dtype)
 
 
 def _parse_profiles(raw, base_dir: Path | None) -> Path | None:
+    """A directory (relative to the cluster file's) or, where no such directory exists, the
+    name of a set shipped with the package (``sailor``)."""
     if raw is None:
         return None
     p = Path(str(raw))
     if not p.is_absolute() and base_dir is not None:
         p = base_dir / p
     p = p.resolve()
+    if not p.is_dir() and str(raw) in BUILTIN_PROFILES:
+        p = BUILTIN_PROFILES[str(raw)]
     if not p.is_dir():
         raise ClusterError(f"profiles: directory {str(raw)!r} (resolved to {p}) does not exist; "
-                           f"give a path relative to the cluster file's directory")
+                           f"give a path relative to the cluster file's directory or a built-in "
+                           f"set ({', '.join(BUILTIN_PROFILES)})")
     return p
 
 
@@ -357,13 +363,13 @@ def _group_dict(g: GpuGroup) -> dict[str, Any]:
 # --- built-in cluster files ----------------------------------------------------------------
 
 def builtin_cluster_names() -> list[str]:
-    return sorted(p.stem for p in _BUILTIN_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml"))
 
 
 def builtin_cluster_path(name: str) -> Path:
     """Path of a cluster file shipped with the package (``name`` with or without ``.yaml``)."""
     stem = str(name).removesuffix(".yaml")
-    p = _BUILTIN_DIR / f"{stem}.yaml"
+    p = CLUSTERS_DIR / f"{stem}.yaml"
     if not p.is_file():
         raise ClusterError(f"no built-in cluster named {name!r}; built-in clusters: "
                            f"{', '.join(builtin_cluster_names())}")

@@ -23,6 +23,10 @@ Conventions:
 * Memory per GPU: weights, gradients and Adam state take :data:`STATE_BYTES_PER_PARAM` bytes per
   parameter, plus the activations kept for every micro-batch in flight, plus one layer's working
   set. Recompute keeps only the blocks' inputs and pays one more forward in the backward.
+
+Length: over 400 lines because every figure of a stage (time, transfer, all-reduce, memory) is
+priced from the same cached per-group layer tables of one :class:`CostModel`; the conventions
+above hold for all of them, so they stay in one place.
 """
 from __future__ import annotations
 
@@ -30,8 +34,12 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 
+from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
+from hapt_hf.core.precision import DTYPE_BYTES, DTYPES
+from hapt_hf.errors import CostModelError
+
 from .cluster import Cluster, GpuGroup, LinkSpec
-from .model_spec import DTYPE_BYTES, LayerSpec, ModelSpec
+from .model_spec import LayerSpec, ModelSpec
 from .plan import Plan
 from .profile import LayerTiming, Profile
 
@@ -42,16 +50,15 @@ __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
 
-STATE_BYTES_PER_PARAM = {"fp16": 16, "bf16": 16, "fp32": 16}
+STATE_BYTES_PER_PARAM = dict.fromkeys(DTYPES, 16)
 """Training state per parameter with Adam. Mixed precision (fp16/bf16): 2 (half weights) + 2
 (half gradients) + 4 (fp32 master weights) + 8 (fp32 Adam moments) = 16. Pure fp32: 4 (weights)
 + 4 (gradients) + 8 (Adam moments) = 16. Both are 16, as in the ZeRO paper's accounting."""
 
-GRAD_BUCKET_BYTES = 25 * 2**20
-"""Gradient bytes per all-reduce bucket (DDP's default ``bucket_cap_mb=25``). The runtime closes
-a bucket once it holds at least this many bytes and all-reduces it as soon as the last backward
-has made all of its gradients final; the cost model prices the same buckets. Larger buckets pay
-the link latency fewer times but start later."""
+# GRAD_BUCKET_BYTES (hapt_hf.core.defaults, DDP's ``bucket_cap_mb=25``): the runtime closes a
+# bucket once it holds at least this many bytes and all-reduces it as soon as the last backward
+# has made all of its gradients final; the cost model prices the same buckets. Larger buckets
+# pay the link latency fewer times but start later.
 
 UPDATE_BYTES_PER_PARAM = 32
 """Bytes the Adam step reads and writes per parameter (weights, grads, master, moments)."""
@@ -60,10 +67,6 @@ FLOPS_PER_MEMORY_BYTE = 150.0
 """Peak FLOP/s over memory bandwidth of current data-centre GPUs (V100 ~140, A100 ~200): the
 optimizer step is memory-bound, so its time is estimated from memory traffic at this ratio when
 no profile measured it."""
-
-
-class CostModelError(ValueError):
-    """A plan the cost model cannot price (unknown group, stages on unlinked groups)."""
 
 
 @dataclass(frozen=True)
@@ -406,10 +409,7 @@ class CostModel:
     # -- whole plans -----------------------------------------------------------------------
     def shapes_of(self, plan: Plan) -> list[StageShape]:
         """Each stage's group slice, from its ranks (numbered group by group in file order)."""
-        first_rank, start = {}, 0
-        for g in self.cluster.groups:
-            first_rank[g.name] = start
-            start += g.size
+        first_rank = self.cluster.first_ranks()
         shapes = []
         for s in plan.stages:
             g = self.group(s.group)

@@ -13,14 +13,16 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from hapt_hf.core.schedules import default_warmups, warmup_rule, warmups_from_steps
+from hapt_hf.errors import PlanningError
+
 from .cluster import Cluster
-from .baselines import recompute_flags
-from .cost_model import CostModel, StageShape
+from .cost_model import CostModel
 from .model_spec import ModelSpec
 from .plan import Plan
 from .profile import Profile
-from .search import (Layout, PlannerOptions, PlanningError, _divisors, _simulate, group_orders,
-                     layout_to_plan)
+from .search import (Layout, PlannerOptions, divisors, group_orders, layout_to_plan,
+                     recompute_flags, shapes_for, simulate_layout)
 from .simulate import SimResult
 
 __all__ = ["ExhaustiveResult", "exhaustive_plan"]
@@ -47,18 +49,12 @@ def _group_cuts(size: int):
 
 
 def _warmup_choices(n: int, m: int, schedule: str, max_step: int):
-    if schedule == "gpipe":
-        yield (m,) * n
-        return
-    if schedule == "1f1b":
-        yield tuple(min(n - i, m) for i in range(n))
+    if not warmup_rule(schedule).per_stage:
+        yield tuple(default_warmups(schedule, n, m))
         return
     seen = set()
     for steps in itertools.product(range(1, max_step + 1), repeat=n - 1):
-        warm = [1] * n
-        for i in range(n - 2, -1, -1):
-            warm[i] = warm[i + 1] + steps[i]
-        clamped = tuple(min(w, m) for w in warm)  # depths beyond M all behave as M
+        clamped = warmups_from_steps(steps, m)  # depths beyond M all behave as M
         if clamped not in seen:
             seen.add(clamped)
             yield clamped
@@ -74,17 +70,12 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     count = 0
     for order in group_orders(cluster):
         for split in itertools.product(*(list(_group_cuts(g.size)) for g in order)):
-            shapes = []
-            for g, widths in zip(order, split):
-                off = 0
-                for w in widths:
-                    shapes.append(StageShape(g, w, off))
-                    off += w
+            shapes = shapes_for(order, {g.name: widths for g, widths in zip(order, split)})
             n = len(shapes)
             if n > L or (options.max_stages and n > options.max_stages):
                 continue
             lcm = math.lcm(*(sh.width for sh in shapes))
-            for mbs in _divisors(global_batch_size):
+            for mbs in divisors(global_batch_size):
                 if mbs % lcm or (options.micro_batch_sizes and mbs not in
                                  options.micro_batch_sizes):
                     continue
@@ -97,8 +88,8 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                               options.allow_recompute)
                         if rc is None:
                             continue
-                        lay = Layout(tuple(shapes), bounds, rc, mbs, warm, options.schedule)
-                        r = _simulate(cm, lay, m, exact=True)
+                        lay = Layout(shapes, bounds, rc, mbs, warm, options.schedule)
+                        r = simulate_layout(cm, lay, m, exact=True)
                         count += 1
                         if count > max_candidates:
                             raise PlanningError(f"more than {max_candidates} candidates: this "

@@ -29,27 +29,31 @@ residual), each with its own exact parameters and FLOPs. Both send the residual 
 the MLP terms, and the norm copies and residual-dropout masks are split evenly (one norm and one
 mask per half). A profile measured per whole block is shared between the halves in proportion to
 their FLOPs (``LayerSpec.profile_signature`` / ``profile_share``, read by the cost model).
+
+Length: over 400 lines because the per-family readers and the per-sample figures share one
+private record (``_Shape``); kept together, every figure can be traced from the config field it
+comes from within this file. Loading configs lives in :mod:`hapt_hf.planner.model_configs`.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
+from hapt_hf.core.layers import BLOCK, HALF, num_layers
+from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, canonical_dtype
+from hapt_hf.errors import ModelSpecError, UnsupportedModel
+
+from .model_configs import (BUILTIN_MODELS, HUB_ALIASES, PROFILE_NAMES, config_from_job_dict,
+                            model_config)
+
 __all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES", "SUPPORTED_FAMILIES",
            "BUILTIN_MODELS", "model_config"]
 
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-_DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16",
-                  "float": "fp32"}
-SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "opt")
-_LLAMA_LIKE = ("llama", "mistral", "qwen2")
+SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
+"""Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
 _INDEX_BYTES = 8  # token ids are int64
-
-
-class ModelSpecError(ValueError):
-    """A model name/config the planner cannot describe; the message says what to fix."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class ModelSpec:
     """MLP width (SwiGLU's gate/up width for LLaMA-shaped families)."""
     profile_name: str | None = None
     """Name of this model in a measured profile file (e.g. 'OPT-350'), if it has one."""
-    layer_unit: str = "block"
+    layer_unit: str = BLOCK
     """'block': ``layers`` is ``[embedding, blocks.., head]``; 'half': every block is two layers,
     ``[embedding, b0.attn, b0.mlp, b1.attn, ..., head]``."""
     half_layers: tuple[LayerSpec, ...] = ()
@@ -160,12 +164,12 @@ class ModelSpec:
     def can_split_blocks(self) -> bool:
         """Half figures exist and ``layers`` is still the whole-block sequence they came with
         (a hand-edited sequence is planned as it is)."""
-        return (self.layer_unit == "block" and bool(self.half_layers)
-                and len(self.layers) == self.num_blocks + 2)
+        return (self.layer_unit == BLOCK and bool(self.half_layers)
+                and len(self.layers) == num_layers(self.num_blocks, BLOCK))
 
     def split_blocks(self) -> "ModelSpec":
         """The same model with every block cut into its attention and MLP halves."""
-        if self.layer_unit == "half":
+        if self.layer_unit == HALF:
             return self
         if not self.can_split_blocks:
             raise ModelSpecError(
@@ -173,14 +177,14 @@ class ModelSpec:
                 f"sequence: its blocks cannot be cut in two (halves exist for gpt2 and "
                 f"LLaMA-shaped families, on the sequence from_config built); plan with "
                 f"layer_unit 'block'")
-        return replace(self, layers=self.half_layers, layer_unit="half", half_layers=())
+        return replace(self, layers=self.half_layers, layer_unit=HALF, half_layers=())
 
     def with_layer_unit(self, layer_unit: str) -> "ModelSpec":
         """This model's layer sequence in a plan's ``layer_unit`` ('block' or 'half'): what a
         plan.json's layer ranges index, e.g. to replay or check a saved plan."""
         if layer_unit == self.layer_unit:
             return self
-        if layer_unit == "half":
+        if layer_unit == HALF:
             return self.split_blocks()
         raise ModelSpecError(f"layer_unit {layer_unit!r}: a model split into halves cannot be "
                              f"joined back; build the ModelSpec again for layer_unit 'block'")
@@ -208,7 +212,7 @@ class ModelSpec:
         family = getattr(config, "model_type", None)
         reader = _READERS.get(family)
         if reader is None:
-            raise ModelSpecError(
+            raise UnsupportedModel(
                 f"model family {family!r} is not supported; supported families: "
                 f"{', '.join(SUPPORTED_FAMILIES)}. Pass a config of one of these model types.")
         shape = reader(config)
@@ -226,14 +230,14 @@ class ModelSpec:
     @classmethod
     def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32") -> "ModelSpec":
         """A local config.json / directory holding one, or a built-in name (``BUILTIN_MODELS``)."""
-        key = _HUB_ALIASES.get(str(name_or_path), str(name_or_path))
+        key = HUB_ALIASES.get(str(name_or_path), str(name_or_path))
         return cls.from_config(model_config(name_or_path), seq_len, dtype, name=str(name_or_path),
-                               profile_name=_PROFILE_NAMES.get(key))
+                               profile_name=PROFILE_NAMES.get(key))
 
     @classmethod
     def from_job_dict(cls, d: dict, seq_len: int, dtype: str) -> "ModelSpec":
         """From a scenario's ``job: model: {family, hidden_size, num_layers, ...}`` mapping."""
-        config = _config_from_job_dict(d, seq_len)
+        config = config_from_job_dict(d, seq_len)
         name = d.get("name") or d.get("profile_name") or f"{d['family']}-h{d['hidden_size']}"
         return cls.from_config(config, seq_len, dtype, name=str(name),
                                profile_name=d.get("profile_name"))
@@ -411,9 +415,9 @@ def _half_layers(layers: tuple[LayerSpec, ...], x: _Shape, s: int, dtype: str,
 
 
 def _check_dtype(dtype: str) -> str:
-    d = _DTYPE_ALIASES.get(str(dtype), str(dtype))
-    if d not in DTYPE_BYTES:
-        raise ModelSpecError(f"dtype {dtype!r} is not known; use one of {', '.join(DTYPE_BYTES)}")
+    d = canonical_dtype(dtype)
+    if d is None:
+        raise ModelSpecError(f"dtype {dtype!r} is not known; use one of {', '.join(DTYPES)}")
     return d
 
 
@@ -424,155 +428,3 @@ def _check_seq_len(seq_len, x: _Shape) -> None:
         raise ModelSpecError(
             f"seq_len {seq_len} exceeds the {x.family} model's learned position table "
             f"({x.max_positions} positions); lower seq_len or raise max_position_embeddings")
-
-
-# --- configs: built-in names, local paths, scenario mappings -------------------------------
-
-_TINY_LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                   max_position_embeddings=256)
-BUILTIN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    # GPT-2 sizes as published by OpenAI; "gpt2" is transformers.GPT2Config()'s defaults
-    "gpt2": ("gpt2", {}),
-    "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16)),
-    "gpt2-large": ("gpt2", dict(n_embd=1280, n_layer=36, n_head=20)),
-    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25)),
-    "opt-125m": ("opt", dict(hidden_size=768, ffn_dim=3072, num_hidden_layers=12,
-                             num_attention_heads=12, vocab_size=50272,
-                             max_position_embeddings=2048, word_embed_proj_dim=768)),
-    "opt-350m": ("opt", dict(hidden_size=1024, ffn_dim=4096, num_hidden_layers=24,
-                             num_attention_heads=16, vocab_size=50272,
-                             max_position_embeddings=2048, word_embed_proj_dim=512,
-                             do_layer_norm_before=False)),
-    "tinyllama-1.1b": ("llama", dict(hidden_size=2048, intermediate_size=5632,
-                                     num_hidden_layers=22, num_attention_heads=32,
-                                     num_key_value_heads=4, vocab_size=32000,
-                                     max_position_embeddings=2048)),
-    "llama-2-7b": ("llama", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=32,
-                                 vocab_size=32000, max_position_embeddings=4096)),
-    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=8,
-                                 vocab_size=128256, max_position_embeddings=8192)),
-    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336,
-                                   num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=8, vocab_size=32000)),
-    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                 num_attention_heads=14, num_key_value_heads=2,
-                                 vocab_size=151936, tie_word_embeddings=True)),
-    # tiny models for CPU tests and demos
-    "gpt2-tiny": ("gpt2", dict(n_embd=64, n_layer=4, n_head=4, vocab_size=1000, n_positions=256,
-                               bos_token_id=0, eos_token_id=0)),
-    "llama-tiny": ("llama", dict(_TINY_LLAMA, tie_word_embeddings=False)),
-    "mistral-tiny": ("mistral", dict(_TINY_LLAMA)),
-    "qwen2-tiny": ("qwen2", dict(_TINY_LLAMA)),
-    "opt-tiny": ("opt", dict(hidden_size=64, ffn_dim=256, num_hidden_layers=4,
-                             num_attention_heads=4, vocab_size=1000, max_position_embeddings=256,
-                             word_embed_proj_dim=32, bos_token_id=0, eos_token_id=0,
-                             pad_token_id=1)),
-}
-_HUB_ALIASES = {"openai-community/gpt2": "gpt2", "openai-community/gpt2-medium": "gpt2-medium",
-                "openai-community/gpt2-large": "gpt2-large", "openai-community/gpt2-xl": "gpt2-xl",
-                "facebook/opt-125m": "opt-125m", "facebook/opt-350m": "opt-350m",
-                "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": "tinyllama-1.1b",
-                "meta-llama/Llama-2-7b-hf": "llama-2-7b",
-                "meta-llama/Meta-Llama-3-8B": "llama-3-8b",
-                "mistralai/Mistral-7B-v0.1": "mistral-7b", "Qwen/Qwen2-0.5B": "qwen2-0.5b"}
-
-# built-in models that published measurements (shared/data/gpu-profiles) know by another name
-_PROFILE_NAMES = {"opt-350m": "OPT-350"}
-
-
-def _config_class(family: str):
-    import transformers
-
-    classes = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig,
-               "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-               "opt": transformers.OPTConfig}
-    if family not in classes:
-        raise ModelSpecError(f"model family {family!r} is not supported; supported families: "
-                             f"{', '.join(SUPPORTED_FAMILIES)}")
-    return classes[family]
-
-
-def model_config(name_or_path: str | Path):
-    """A transformers config for a local config.json (or a directory holding one) or a built-in
-    name; never downloads. Built-in names: ``BUILTIN_MODELS`` (plus a few hub aliases)."""
-    path = Path(name_or_path)
-    if path.is_dir() and (path / "config.json").is_file():
-        path = path / "config.json"
-    if path.is_file():
-        return _config_from_json(path)
-    key = _HUB_ALIASES.get(str(name_or_path), str(name_or_path))
-    if key in BUILTIN_MODELS:
-        family, kwargs = BUILTIN_MODELS[key]
-        return _config_class(family)(**kwargs)
-    raise ModelSpecError(
-        f"model {str(name_or_path)!r} is neither a local config nor a built-in model; pass a local "
-        f"directory holding config.json (no downloads are made), or one of: "
-        f"{', '.join(BUILTIN_MODELS)}")
-
-
-def _config_from_json(path: Path):
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelSpecError(f"model config {path} is not readable JSON ({e}); "
-                             f"pass a Hugging Face config.json") from None
-    if not isinstance(d, dict) or "model_type" not in d:
-        raise ModelSpecError(f"model config {path} has no 'model_type'; pass a Hugging Face "
-                             f"config.json (model_type one of {', '.join(SUPPORTED_FAMILIES)})")
-    family = d.pop("model_type")
-    return _config_class(family)(**d)
-
-
-_JOB_KEYS = {"family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
-             "intermediate_size", "max_position_embeddings", "tie_word_embeddings",
-             "word_embed_proj_dim", "head_dim", "profile_name", "name"}
-_JOB_REQUIRED = ("family", "hidden_size", "num_layers", "num_heads", "vocab_size")
-
-
-def _config_from_job_dict(d: dict, seq_len: int):
-    if not isinstance(d, dict):
-        raise ModelSpecError(f"job.model must be a mapping, got {type(d).__name__}")
-    unknown = sorted(set(d) - _JOB_KEYS)
-    if unknown:
-        raise ModelSpecError(f"job.model has unknown key(s) {unknown}; known keys: "
-                             f"{', '.join(sorted(_JOB_KEYS))}")
-    missing = [k for k in _JOB_REQUIRED if k not in d]
-    if missing:
-        raise ModelSpecError(f"job.model is missing {missing}; add them (required: "
-                             f"{', '.join(_JOB_REQUIRED)})")
-    for k in ("hidden_size", "num_layers", "num_heads", "vocab_size", "intermediate_size",
-              "num_kv_heads", "max_position_embeddings", "word_embed_proj_dim", "head_dim"):
-        if k in d and (not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 1):
-            raise ModelSpecError(f"job.model.{k} must be a positive integer, got {d[k]!r}")
-    family, h = d["family"], d["hidden_size"]
-    if h % d["num_heads"] and "head_dim" not in d:
-        raise ModelSpecError(f"job.model.hidden_size {h} is not divisible by num_heads "
-                             f"{d['num_heads']}; fix one of them or give head_dim")
-    cls = _config_class(family)
-    positions = d.get("max_position_embeddings", seq_len)
-    if family == "gpt2":
-        # GPT-2's special-token id (50256) lies outside a smaller vocabulary; the planner needs
-        # no special tokens, so keep them inside it rather than have transformers warn.
-        special = min(50256, int(d["vocab_size"]) - 1)
-        return cls(n_embd=h, n_layer=d["num_layers"], n_head=d["num_heads"],
-                   vocab_size=d["vocab_size"], n_positions=positions,
-                   bos_token_id=special, eos_token_id=special,
-                   n_inner=d.get("intermediate_size"),
-                   tie_word_embeddings=d.get("tie_word_embeddings", True))
-    if family == "opt":
-        return cls(hidden_size=h, ffn_dim=d.get("intermediate_size", 4 * h),
-                   num_hidden_layers=d["num_layers"], num_attention_heads=d["num_heads"],
-                   vocab_size=d["vocab_size"], max_position_embeddings=positions,
-                   word_embed_proj_dim=d.get("word_embed_proj_dim", h),
-                   tie_word_embeddings=d.get("tie_word_embeddings", True))
-    # LLaMA's SwiGLU width rule when none is given: 2/3 of 4h, rounded up to a multiple of 256
-    inter = d.get("intermediate_size", -(-(8 * h // 3) // 256) * 256)
-    extra = {"head_dim": d["head_dim"]} if "head_dim" in d else {}
-    return cls(hidden_size=h, intermediate_size=inter, num_hidden_layers=d["num_layers"],
-               num_attention_heads=d["num_heads"],
-               num_key_value_heads=d.get("num_kv_heads", d["num_heads"]),
-               vocab_size=d["vocab_size"], max_position_embeddings=positions,
-               tie_word_embeddings=d.get("tie_word_embeddings", False), **extra)

@@ -14,18 +14,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, num_blocks
+from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, warmup_rule
+from hapt_hf.errors import PlanError
+
 __all__ = ["PlanError", "StagePrediction", "StagePlan", "PlanPrediction", "Plan", "SCHEDULES",
            "LAYER_UNITS"]
 
-SCHEDULES = ("gpipe", "1f1b", "h1f1b")
-LAYER_UNITS = ("block", "half")
-"""What one entry of the layer sequence is: a whole transformer block, or half of one
-(``[embedding, b0.attn, b0.mlp, b1.attn, ..., head]``, HAPT's fine-grained layers)."""
 PLAN_VERSION = 1
-
-
-class PlanError(ValueError):
-    """A plan (or plan file) that is inconsistent; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +128,7 @@ class Plan:
     cluster_name: str = ""
     baselines: dict[str, float] = field(default_factory=dict)
     """Predicted iteration seconds of each baseline split on the same input (informative)."""
-    layer_unit: str = "block"
+    layer_unit: str = BLOCK
     """'block': ``num_layers = blocks + 2``; 'half': each block is two layers (attention half,
     then MLP half), ``num_layers = 2 * blocks + 2``."""
 
@@ -157,14 +153,10 @@ class Plan:
 
     def with_schedule(self, schedule: str, warmups: list[int] | None = None) -> "Plan":
         """The same partition under another schedule (default warm-ups for gpipe/1f1b)."""
-        n = self.num_stages
         if warmups is None:
-            if schedule == "gpipe":
-                warmups = [self.num_microbatches] * n
-            elif schedule == "1f1b":
-                warmups = [min(n - i, self.num_microbatches) for i in range(n)]
-            else:
-                warmups = self.warmups()
+            fixed = schedule in SCHEDULES and not warmup_rule(schedule).per_stage
+            warmups = (default_warmups(schedule, self.num_stages, self.num_microbatches)
+                       if fixed else self.warmups())
         stages = tuple(replace(s, warmup=w) for s, w in zip(self.stages, warmups))
         return replace(self, schedule=schedule, stages=stages)
 
@@ -176,7 +168,7 @@ class Plan:
         if self.layer_unit not in LAYER_UNITS:
             raise PlanError(f"layer_unit {self.layer_unit!r} is unknown; use one of {LAYER_UNITS} "
                             "('block' when the field is left out)")
-        if self.layer_unit == "half" and self.num_layers % 2:
+        if self.layer_unit == HALF and self.num_layers % 2:
             raise PlanError(f"layer_unit 'half' needs an even num_layers (2 * blocks + 2), got "
                             f"{self.num_layers}; fix model.num_layers or use layer_unit 'block'")
         if not self.stages:
@@ -232,8 +224,7 @@ class Plan:
     # -- serialisation -------------------------------------------------------------------
     def num_blocks(self) -> int:
         """Transformer blocks of the model the plan cuts (from num_layers and layer_unit)."""
-        body = self.num_layers - 2
-        return body // 2 if self.layer_unit == "half" else body
+        return num_blocks(self.num_layers, self.layer_unit)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -250,7 +241,7 @@ class Plan:
             "predicted": asdict(self.predicted),
             "baselines": dict(self.baselines),
         }
-        if self.layer_unit != "block":  # absent means "block": older readers and files agree
+        if self.layer_unit != BLOCK:  # absent means "block": older readers and files agree
             d["layer_unit"] = self.layer_unit
         return d
 
@@ -271,13 +262,13 @@ class Plan:
                 global_batch_size=int(d["global_batch_size"]),
                 micro_batch_size=int(d["micro_batch_size"]),
                 num_microbatches=int(d["num_microbatches"]),
-                schedule=str(d.get("schedule", "1f1b")),
+                schedule=str(d.get("schedule", ScheduleKind.ONE_F_ONE_B.value)),
                 stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
                 dtype=str(d.get("dtype", "fp32")),
                 predicted=PlanPrediction(**d.get("predicted", {})),
                 cluster_name=str(d.get("cluster", "")),
                 baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
-                layer_unit=str(d.get("layer_unit", "block")),
+                layer_unit=str(d.get("layer_unit", BLOCK)),
             )
         except KeyError as e:
             raise PlanError(f"plan is missing field {e.args[0]!r}; see docs/architecture.md") from None

@@ -11,17 +11,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hapt_hf.errors import ProfileError
+
 from .catalogue import device_names
+from .cluster import Cluster, GroupLink, LinkSpec
 from .model_spec import ModelSpec
 
 __all__ = ["ProfileKey", "LayerTiming", "LinkMeasurement", "Profile", "ProfileError",
-           "load_sailor_profiles"]
+           "load_sailor_profiles", "link_pair", "cluster_with_links"]
 
 PROFILE_VERSION = 1
-
-
-class ProfileError(ValueError):
-    """A profile file or data set that cannot be used; the message says what to fix."""
 
 
 @dataclass(frozen=True, order=True)
@@ -256,3 +255,17 @@ def _sailor_layers(layers: dict[str, list[float]], model: ModelSpec, gpu: str,
         fwd, bwd, upd = (sum(r[j] for r in rows) / len(rows) for j in range(3))
         out[ProfileKey(gpu, sig, mb, model.seq_len, model.dtype)] = LayerTiming(fwd, bwd, upd)
     return out
+
+
+def link_pair(a: str, b: str) -> tuple[str, str]:
+    """The key of the link between groups ``a`` and ``b``, whichever way it is named."""
+    return (a, b) if a <= b else (b, a)
+
+
+def cluster_with_links(cluster: Cluster, profile: Profile) -> Cluster:
+    """The cluster with each measured link replacing the figures the file gave for it."""
+    measured = {link_pair(m.a, m.b): LinkSpec(m.bandwidth_gbps, m.latency_us)
+                for m in profile.links}
+    links = tuple(GroupLink(l.a, l.b, measured.get(link_pair(l.a, l.b), l.link))
+                  for l in cluster.links)
+    return Cluster(cluster.name, cluster.groups, links, cluster.job, cluster.profiles)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
+from hapt_hf.core.layers import layer_names
 from hapt_hf.planner.plan import Plan
 
 if TYPE_CHECKING:  # only for annotations: the simulator imports nothing of this module
@@ -105,35 +106,6 @@ def format_ranks(ranks: tuple[int, ...] | list[int]) -> str:
         out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
         i = j + 1
     return ",".join(out)
-
-
-def layer_names(layers: tuple[int, int], num_layers: int, unit: str = "block") -> str:
-    """Name a half-open range of ``[embedding, block_0 .. block_{N-1}, head]`` in words.
-
-    With ``unit='half'`` every block is two entries (``bK.attn``, ``bK.mlp``); a range that
-    starts or ends inside a block names the half (``b3.mlp-b7.attn``).
-    """
-    start, end = layers
-    parts: list[str] = []
-    if start == 0:
-        parts.append("emb")
-    first, last = max(start, 1) - 1, min(end, num_layers - 1) - 2  # body indices, inclusive
-    if last >= first:
-        parts.append(_half_range(first, last) if unit == "half" else
-                     (f"b{first}" if first == last else f"b{first}-b{last}"))
-    if end == num_layers:
-        parts.append("head")
-    return ",".join(parts)
-
-
-def _half_range(first: int, last: int) -> str:
-    """Body entries ``first..last`` (inclusive) of a half-block sequence, in words."""
-    fb, fh, lb, lh = first // 2, first % 2, last // 2, last % 2
-    if first == last:
-        return f"b{fb}.{'mlp' if fh else 'attn'}"
-    head = f"b{fb}.mlp" if fh else f"b{fb}"
-    tail = f"b{lb}.attn" if lh == 0 else f"b{lb}"
-    return head if head == tail else f"{head}-{tail}"
 
 
 def _event_means(sim: Any, stage: int, kind: str) -> float | None:

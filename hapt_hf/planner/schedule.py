@@ -17,29 +17,16 @@ No torch here: the planner, the simulator and the runtime all read these objects
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
+
+from hapt_hf.core.schedules import (COMPUTE, SCHEDULES, ActionKind, clamp_warmup,
+                                    default_warmups, stage_actions, warmup_rule)
+from hapt_hf.errors import ScheduleError
 
 __all__ = [
     "ActionKind", "Action", "Schedule", "ScheduleError",
     "default_warmups", "build_schedule", "validate_schedule", "format_grid",
 ]
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run; the message carries the stage-by-step grid."""
-
-
-class ActionKind(str, enum.Enum):
-    F = "F"
-    B = "B"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-
-_COMPUTE = (ActionKind.F, ActionKind.B)
 
 
 @dataclass(frozen=True, order=True)
@@ -50,7 +37,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in _COMPUTE
+        return self.kind in COMPUTE
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
@@ -97,55 +84,6 @@ class Schedule:
                    tuple(tuple(Action.parse(a) for a in lst) for lst in d["actions"]))
 
 
-def default_warmups(kind: str, num_stages: int, num_microbatches: int) -> list[int]:
-    """Warm-up depth (forwards before the first backward) of each stage."""
-    if kind == "gpipe":
-        return [num_microbatches] * num_stages
-    if kind in ("1f1b", "h1f1b"):
-        return [min(num_stages - i, num_microbatches) for i in range(num_stages)]
-    raise ScheduleError(f"schedule {kind!r} is unknown; use gpipe, 1f1b or h1f1b")
-
-
-def _compute_order(stage: int, warmup: int, m: int) -> list[Action]:
-    w = max(1, min(warmup, m))
-    out = [Action(stage, ActionKind.F, k) for k in range(w)]
-    nxt = w
-    for k in range(m):
-        out.append(Action(stage, ActionKind.B, k))
-        if nxt < m:
-            out.append(Action(stage, ActionKind.F, nxt))
-            nxt += 1
-    return out
-
-
-def _add_communication(stage: int, n: int, compute: list[Action]) -> list[Action]:
-    """Insert sends right after each compute and receives one compute action ahead."""
-    def recv_for(a: Action) -> Action | None:
-        if a.kind is ActionKind.F and stage > 0:
-            return Action(stage, ActionKind.RECV_F, a.microbatch)
-        if a.kind is ActionKind.B and stage < n - 1:
-            return Action(stage, ActionKind.RECV_B, a.microbatch)
-        return None
-
-    def send_for(a: Action) -> Action | None:
-        if a.kind is ActionKind.F and stage < n - 1:
-            return Action(stage, ActionKind.SEND_F, a.microbatch)
-        if a.kind is ActionKind.B and stage > 0:
-            return Action(stage, ActionKind.SEND_B, a.microbatch)
-        return None
-
-    out: list[Action] = []
-    if compute and (r := recv_for(compute[0])):
-        out.append(r)
-    for j, a in enumerate(compute):
-        if j + 1 < len(compute) and (r := recv_for(compute[j + 1])):
-            out.append(r)  # posted before this compute so it overlaps it
-        out.append(a)
-        if s := send_for(a):
-            out.append(s)
-    return out
-
-
 def build_schedule(kind: str, num_stages: int, num_microbatches: int,
                    warmups: list[int] | tuple[int, ...] | None = None,
                    validate: bool = True) -> Schedule:
@@ -155,14 +93,15 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int,
                             f"stages and {num_microbatches} micro-batches")
     if warmups is None:
         warmups = default_warmups(kind, num_stages, num_microbatches)
-    elif kind not in ("gpipe", "1f1b", "h1f1b"):
-        raise ScheduleError(f"schedule {kind!r} is unknown; use gpipe, 1f1b or h1f1b")
+    elif kind not in SCHEDULES:
+        warmup_rule(kind)  # raises ScheduleError naming the known kinds
     if len(warmups) != num_stages:
         raise ScheduleError(f"{len(warmups)} warm-up depths given for {num_stages} stages; "
                             "give one per stage")
-    warm = tuple(max(1, min(int(w), num_microbatches)) for w in warmups)
+    warm = tuple(clamp_warmup(w, num_microbatches) for w in warmups)
     actions = tuple(
-        tuple(_add_communication(s, num_stages, _compute_order(s, warm[s], num_microbatches)))
+        tuple(Action(s, kind_, mb)
+              for kind_, mb in stage_actions(s, num_stages, warm[s], num_microbatches))
         for s in range(num_stages))
     sched = Schedule(kind, num_stages, num_microbatches, warm, actions)
     if validate:
@@ -212,7 +151,7 @@ def _check_static(sched: Schedule) -> None:
             if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) and s == n - 1:
                 _fail(sched, s, j, f"{a}: the last stage has no downstream stage")
         for k in range(m):
-            for kind in _COMPUTE:
+            for kind in COMPUTE:
                 if (kind, k) not in seen:
                     _fail(sched, s, len(lst) - 1,
                           f"stage {s} never runs {kind.value} of micro-batch {k}")

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hapt_hf.core.schedules import ActionKind, stage_actions
+
 from .cluster import Cluster
 from .cost_model import CostModel, StageCosts
 from .model_spec import ModelSpec
 from .plan import Plan
 from .profile import Profile, load_sailor_profiles
-from .schedule import ActionKind, Schedule, build_schedule
+from .schedule import Schedule, build_schedule
 
 __all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan", "replay",
            "encode_warmup_schedule"]
@@ -72,29 +74,11 @@ def _encode(schedule: Schedule) -> list[list[tuple[int, int]]]:
 def encode_warmup_schedule(num_stages: int, num_microbatches: int,
                            warmups: tuple[int, ...] | list[int]) -> list[list[tuple[int, int]]]:
     """The replay's view of ``build_schedule(kind, n, m, warmups)`` without building Action
-    objects (the search replays thousands of candidates): each stage runs ``warmup`` forwards,
-    then alternates backward and forward, each compute followed by its send. Receives are left
-    out because posting one costs nothing here. A test checks it against build_schedule."""
-    n, m = num_stages, num_microbatches
-    out = []
-    for s in range(n):
-        w = max(1, min(int(warmups[s]), m))
-        seq = [(_F, k) for k in range(w)]
-        nxt = w
-        for k in range(m):
-            seq.append((_B, k))
-            if nxt < m:
-                seq.append((_F, nxt))
-                nxt += 1
-        lst = []
-        for code, mb in seq:
-            lst.append((code, mb))
-            if code == _F and s < n - 1:
-                lst.append((_SF, mb))
-            elif code == _B and s > 0:
-                lst.append((_SB, mb))
-        out.append(lst)
-    return out
+    objects (the search replays thousands of candidates): the same lists from
+    :func:`~hapt_hf.core.schedules.stage_actions`, receives left out because posting one
+    costs nothing here."""
+    return [stage_actions(s, num_stages, warmups[s], num_microbatches, receives=False,
+                          tokens=_CODE) for s in range(num_stages)]
 
 
 def simulate_schedule(schedule: Schedule, costs: StageCosts,

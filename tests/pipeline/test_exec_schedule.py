@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hapt_hf.pipeline.schedule import (max_in_flight, pieces_between, rank_work,
+from hapt_hf.pipeline.placement import (max_in_flight, pieces_between, rank_work,
                                        replica_slice)
 from hapt_hf.pipeline.torch_pipelining import torch_supports
 from hapt_hf.planner.plan import Plan, StagePlan

@@ -6,7 +6,7 @@ import torch
 
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.testing import run_ranks
-from tests.pipeline.test_runtime_equivalence import (ATOL, MBS, RTOL, SEQ, M, _compare,
+from tests.pipeline.test_runtime_equivalence import (MBS, SEQ, M, _compare,
                                                      make_batches, tiny_config)
 
 pytestmark = pytest.mark.multiproc

@@ -5,11 +5,11 @@ import itertools
 
 import pytest
 
-from hapt_hf.planner.baselines import (BASELINES, _param_balanced, _speed_proportional, _uniform,
-                                       baseline_plans)
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import CostModel, StageShape
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
+from hapt_hf.planner.search.baselines import (BASELINES, _param_balanced, _speed_proportional,
+                                              _uniform, baseline_plans)
 from hapt_hf.planner.simulate import simulate_plan
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import glob
 import os
 
 import pytest
@@ -14,8 +13,9 @@ from hapt_hf.planner.cluster import (DEFAULT_INTER_NODE, DEFAULT_INTRA_NODE, Clu
                                      ClusterError, LinkSpec, builtin_cluster_names,
                                      builtin_cluster_path)
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared")
-SCENARIOS = sorted(glob.glob(os.path.join(SHARED, "scenarios", "*.yaml")))
+from benchmarks.inputs import SAILOR_PROFILES_DIR, scenario_path, scenario_paths
+
+SCENARIOS = [str(p) for p in scenario_paths()]
 
 BASE = {
     "name": "two",
@@ -99,13 +99,21 @@ def test_scenarios_and_builtins_load_and_round_trip(path):
     assert c.job.seq_len and c.job.global_batch_size and c.job.model
 
 
-def test_scenario_profiles_resolve_relative_to_file():
-    path = os.path.join(SHARED, "scenarios", "sailor_a100x8_v100x8_opt350.yaml")
-    if not os.path.exists(path):
-        pytest.skip("shared scenarios not present")
-    c = Cluster.load(path)
-    assert (c.profiles / "layer_times.json").is_file()
+def test_scenario_profiles_name_the_shipped_measurements():
+    c = Cluster.load(scenario_path("sailor_a100x8_v100x8_opt350"))
+    assert c.profiles == SAILOR_PROFILES_DIR and (c.profiles / "layer_times.json").is_file()
     assert c.group("v100").gpu.name == "V100-16"
+
+
+def test_scenario_profiles_resolve_relative_to_file(tmp_path):
+    # a directory beside the file wins over the built-in name it happens to share
+    (tmp_path / "sailor").mkdir()
+    path = tmp_path / "c.yaml"
+    path.write_text("name: c\nprofiles: sailor\ngroups: [{name: a, gpu: cpu, nodes: 1, gpus_per_node: 1}]\n")
+    assert Cluster.load(path).profiles == (tmp_path / "sailor").resolve()
+    path.write_text("name: c\nprofiles: nope\ngroups: [{name: a, gpu: cpu, nodes: 1, gpus_per_node: 1}]\n")
+    with pytest.raises(ClusterError, match="nope.*built-in set \\(sailor\\)"):
+        Cluster.load(path)
 
 
 def test_builtin_paths():

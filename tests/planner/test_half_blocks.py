@@ -3,7 +3,6 @@ and the search's layer_unit option."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import transformers
@@ -16,8 +15,9 @@ from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
 from hapt_hf.planner.search import PlannerOptions, PlanningError, plan_job
 from hapt_hf.planner.simulate import simulate_plan
 
+from benchmarks.inputs import scenario_path
+
 SEQ = 16
-SCENARIOS = Path(__file__).resolve().parents[3] / "shared" / "scenarios"
 LLAMA_LIKE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                   max_position_embeddings=64)
@@ -100,7 +100,7 @@ def test_plan_json_round_trip_with_layer_unit(tmp_path):
 
 
 def _scenario(name: str):
-    cluster = Cluster.load(SCENARIOS / f"{name}.yaml")
+    cluster = Cluster.load(scenario_path(name))
     job = cluster.job
     return ModelSpec.from_job_model(job.model, job.seq_len, job.dtype), cluster, job
 

@@ -1,9 +1,7 @@
 """ModelSpec against instantiated tiny transformers models: exact parameter counts per layer."""
 from __future__ import annotations
 
-import glob
 import json
-import os
 
 import pytest
 import torch
@@ -12,8 +10,9 @@ import yaml
 
 from hapt_hf.planner.model_spec import (BUILTIN_MODELS, ModelSpec, ModelSpecError, model_config)
 
-SCENARIOS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
-                                          "scenarios", "*.yaml")))
+from benchmarks.inputs import scenario_paths
+
+SCENARIOS = scenario_paths()
 SEQ = 32
 
 
@@ -136,7 +135,7 @@ def test_local_config_directory(tmp_path):
     assert from_dir.layers == ModelSpec.from_config(cfg, 16).layers == from_file.layers
 
 
-@pytest.mark.parametrize("path", SCENARIOS, ids=os.path.basename)
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
 def test_every_scenario_job_builds(path):
     job = yaml.safe_load(open(path))["job"]
     spec = ModelSpec.from_job_dict(job["model"], job["seq_len"], job["dtype"])

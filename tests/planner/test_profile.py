@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -13,9 +11,9 @@ from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.profile import (LayerTiming, LinkMeasurement, Profile, ProfileError,
                                      ProfileKey, load_sailor_profiles)
 
-SAILOR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gpu-profiles"
-needs_sailor = pytest.mark.skipif(not (SAILOR / "layer_times.json").is_file(),
-                                  reason="shared Sailor profiles not present")
+from benchmarks.inputs import SAILOR_PROFILES_DIR
+
+SAILOR = SAILOR_PROFILES_DIR
 OPT350 = dict(profile_name="OPT-350", family="opt", hidden_size=1024, num_layers=24,
               num_heads=16, vocab_size=50272)
 
@@ -98,7 +96,6 @@ def test_bad_profile_dict(d, match):
         Profile.from_dict(d)
 
 
-@needs_sailor
 def test_sailor_opt350_figures_as_in_file():
     model = ModelSpec.from_job_dict(OPT350, 2048, "fp16")
     prof = load_sailor_profiles(SAILOR, model)
@@ -111,7 +108,9 @@ def test_sailor_opt350_figures_as_in_file():
                 assert int(mb) not in prof.micro_batches(gpu)
                 continue
             layers = by_tp["1"]
-            get = lambda layer: prof.lookup(gpu, layer.signature, int(mb), 2048, "fp16")
+
+            def get(layer, gpu=gpu, mb=mb):
+                return prof.lookup(gpu, layer.signature, int(mb), 2048, "fp16")
             assert get(embed) == LayerTiming(*layers["0"])
             assert get(head) == LayerTiming(*layers["25"])
             blocks = [layers[str(i)] for i in range(1, 25)]
@@ -124,14 +123,12 @@ def test_sailor_opt350_figures_as_in_file():
     assert load_sailor_profiles(SAILOR, builtin).timings == prof.timings
 
 
-@needs_sailor
 def test_sailor_layer_count_mismatch():
     model = ModelSpec.from_job_dict(dict(OPT350, num_layers=23), 2048, "fp16")
     with pytest.raises(ProfileError, match="26 layers.*model has 25"):
         load_sailor_profiles(SAILOR, model)
 
 
-@needs_sailor
 def test_sailor_wrong_model_or_seq_len():
     gpt = ModelSpec.from_name_or_path("gpt2", 1024)
     with pytest.raises(ProfileError, match="no model 'gpt2'.*OPT-350"):

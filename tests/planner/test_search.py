@@ -1,7 +1,6 @@
 """Planner search: properties over random small jobs, exhaustive yardstick, scenarios, errors."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +14,9 @@ from hapt_hf.planner.search import (PlannerOptions, PlanningError, physical_limi
                                     width_options)
 from hapt_hf.planner.simulate import simulate_plan
 
-SCENARIOS = sorted((Path(__file__).resolve().parents[3] / "shared" / "scenarios").glob("*.yaml"))
+from benchmarks.inputs import scenario_path, scenario_paths
+
+SCENARIOS = scenario_paths()
 
 
 def synth_model(blocks: int, hidden: int, seq: int = 128, vocab: int = 1000) -> ModelSpec:
@@ -163,7 +164,7 @@ def test_widths_are_any_integer_the_batch_allows():
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
-def test_every_shared_scenario_gets_a_valid_plan(path):
+def test_every_scenario_gets_a_valid_plan(path):
     cluster = Cluster.load(path)
     job = cluster.job
     model = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype)
@@ -184,15 +185,12 @@ def res_profile(cluster, model):
     return cluster_profile(cluster, model)
 
 
-@pytest.mark.skipif(not any(p.stem == "harp_3groups_1p3b" for p in SCENARIOS),
-                    reason="needs ../shared/scenarios/harp_3groups_1p3b.yaml")
 def test_extrapolated_replay_is_not_fooled_by_a_slow_start():
     # a stage 4% slower than the others, behind deep warm-ups, paces the pipeline only after
     # about 70 micro-batches: the short replays alone measured the period 4% short
     from hapt_hf.planner.cost_model import StageShape
-    from hapt_hf.planner.search import Layout, _simulate, cluster_profile
-    path = next(p for p in SCENARIOS if p.stem == "harp_3groups_1p3b")
-    cluster = Cluster.load(path)
+    from hapt_hf.planner.search import Layout, cluster_profile, simulate_layout
+    cluster = Cluster.load(scenario_path("harp_3groups_1p3b"))
     job = cluster.job
     model = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype)
     cm = CostModel(model.split_blocks(), cluster, cluster_profile(cluster, model))
@@ -201,5 +199,5 @@ def test_extrapolated_replay_is_not_fooled_by_a_slow_start():
                      StageShape(g["v100"], 4, 4), StageShape(g["v100-slow"], 2, 0)),
                     ((0, 20), (20, 34), (34, 48), (48, 50)), (False,) * 4, 4, (9, 6, 4, 1),
                     "h1f1b")
-    fast, exact = _simulate(cm, layout, 256), _simulate(cm, layout, 256, exact=True)
+    fast, exact = simulate_layout(cm, layout, 256), simulate_layout(cm, layout, 256, exact=True)
     assert fast.iteration_s == pytest.approx(exact.iteration_s, rel=2e-3)

@@ -1,4 +1,4 @@
-"""Execution side of a schedule: what one rank does with the plan's per-stage action lists.
+"""Placement: which samples of each micro-batch a rank holds and with which ranks it trades them.
 
 The action lists themselves are built and validated by :mod:`hapt_hf.planner.schedule`; every
 replica of a stage runs its stage's list. What this module adds is the mapping onto ranks when
@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.planner.schedule import Action, ActionKind, Schedule, build_schedule
+from hapt_hf.core.schedules import ActionKind
+from hapt_hf.planner.schedule import Action, Schedule, build_schedule
 
 __all__ = ["Piece", "RankWork", "replica_slice", "pieces_between", "rank_work", "max_in_flight"]
 

@@ -6,129 +6,31 @@ repeated windows, CUDA events on GPUs, wall clock on CPUs), the optimizer step o
 parameters, and the activation memory one micro-batch keeps. Between groups, point-to-point
 transfers of a few sizes are timed and fitted as ``latency + bytes / bandwidth``.
 
-Results live in a readable JSON profile store keyed by (device name, layer signature,
-micro-batch, sequence length, dtype); a second profile of the same thing reads the store.
+Results live in a readable JSON profile store (:mod:`hapt_hf.profiling.store`) keyed by (device
+name, layer signature, micro-batch, sequence length, dtype); a second profile of the same thing
+reads the store.
 
-The layers are built with ``hapt_hf.pipeline.stage.build_stage``, imported lazily inside the
-functions that run on a device, so that the planner package imports nothing of the pipeline
-package at import time and profiles exactly the modules the runtime runs.
+The layers are built with :func:`hapt_hf.pipeline.stage.build_stage`, so the profiler times
+exactly the modules the runtime runs. torch is imported inside the functions that measure, so
+that ``hapt-hf profile --help`` answers at once.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
-import os
 import statistics
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from .cluster import Cluster, GroupLink, LinkSpec
-from .model_spec import LayerSpec, ModelSpec, model_config
-from .profile import LayerTiming, LinkMeasurement, Profile, ProfileError, ProfileKey
+from hapt_hf.core.precision import TORCH_DTYPE_NAMES
+from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
+from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey
 
-__all__ = ["ProfilerError", "ProfilerOptions", "ProfileStore", "profile_model", "time_layer",
-           "measure_link", "fit_link", "profile_group_leaders", "cluster_with_links", "cli_main"]
+from .store import ProfilerError, ProfilerOptions, ProfileStore
 
-_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
-class ProfilerError(ValueError):
-    """Bad profiler input (micro-batch sizes, store file...); the message says the fix."""
-
-
-@dataclass(frozen=True)
-class ProfilerOptions:
-    """How to measure.
-
-    Args:
-        micro_batches: samples per forward on one device; one entry per size in the store.
-        warmup: untimed forward+backward passes before timing (allocator, kernel caches); the
-            first also counts the activation memory, the last sizes the timing windows.
-        repeats: timed windows; the median is reported, the spread is (p75 - p25) / median.
-        min_window_s: each window repeats the pass until it lasts this long, so a CPU quota's
-            10 ms throttling periods average out instead of landing in a single sample.
-        attn_implementation: as the runtime builds its stages ("eager" or "sdpa").
-    """
-
-    micro_batches: tuple[int, ...] = (1, 2, 4)
-    warmup: int = 2
-    repeats: int = 5
-    min_window_s: float = 0.05
-    attn_implementation: str = "eager"
-    budget_s: float = 4.0
-    """Timed seconds one entry aims at: slow layers get fewer windows (never under 3)."""
-
-    def __post_init__(self) -> None:
-        if not self.micro_batches or any(not isinstance(b, int) or b < 1
-                                         for b in self.micro_batches):
-            raise ProfilerError(f"micro_batches {self.micro_batches!r} must be positive "
-                                "integers, e.g. --micro-batches 1,2,4")
-        if self.repeats < 1 or self.warmup < 1:
-            raise ProfilerError(f"repeats ({self.repeats}) and warmup ({self.warmup}) must be "
-                                ">= 1")
-        if self.min_window_s < 0:
-            raise ProfilerError(f"min_window_s ({self.min_window_s}) must be >= 0")
-
-
-# -- the store -------------------------------------------------------------------------------
-
-@dataclass
-class ProfileStore:
-    """A JSON file of measured layer timings and links; created on first save."""
-
-    path: Path
-    timings: dict[ProfileKey, LayerTiming] = field(default_factory=dict)
-    links: dict[tuple[str, str], LinkMeasurement] = field(default_factory=dict)
-
-    @classmethod
-    def open(cls, path: str | Path) -> "ProfileStore":
-        store = cls(Path(path))
-        if store.path.exists():
-            store._read()
-        return store
-
-    def _read(self) -> None:
-        try:
-            profile = Profile.load(self.path)  # one file format with Profile.save
-        except ProfileError as e:
-            raise ProfilerError(f"profile store {self.path}: {e}; delete it or pass another "
-                                "--store") from None
-        self.timings.update(profile.timings)
-        for m in profile.links:
-            self.links[_pair(m.a, m.b)] = m
-
-    def get(self, key: ProfileKey) -> LayerTiming | None:
-        return self.timings.get(key)
-
-    def put(self, key: ProfileKey, timing: LayerTiming) -> None:
-        self.timings[key] = timing
-
-    def put_link(self, m: LinkMeasurement) -> None:
-        self.links[_pair(m.a, m.b)] = m
-
-    def save(self) -> None:
-        """Write atomically (a reader never sees half a file), sorted so diffs stay readable."""
-        data = self.to_profile().to_dict()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)
-
-    def to_profile(self) -> Profile:
-        return Profile(timings=dict(sorted(self.timings.items())),
-                       links=[m for _, m in sorted(self.links.items())],
-                       source=str(self.path))
-
-
-def _pair(a: str, b: str) -> tuple[str, str]:
-    return (a, b) if a <= b else (b, a)
+__all__ = ["profile_model", "time_layer", "measure_link", "fit_link", "profile_group_leaders"]
 
 
 # -- timing one layer ------------------------------------------------------------------------
@@ -259,8 +161,7 @@ def _representatives(spec: ModelSpec) -> list[LayerSpec]:
 
 def _build_layer(config, layer: LayerSpec, dtype: str, device: str, options: ProfilerOptions):
     """The one-layer stage the runtime would run for ``layer``, from a model cut short."""
-    import torch
-    from hapt_hf.pipeline.stage import build_stage  # lazy: see the module docstring
+    from hapt_hf.pipeline.stage import build_stage  # imports torch: see the module docstring
 
     # Build a model of as few blocks as reach this layer, not the whole model.
     nblocks = max(layer.index, 1) if layer.kind == "block" else 1
@@ -276,7 +177,7 @@ def _build_layer(config, layer: LayerSpec, dtype: str, device: str, options: Pro
 
 def _torch_dtype(dtype: str):
     import torch
-    return getattr(torch, _TORCH_DTYPES[dtype])
+    return getattr(torch, TORCH_DTYPE_NAMES[dtype])
 
 
 def _layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: str,
@@ -452,63 +353,3 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     return profile
 
 
-def cluster_with_links(cluster: Cluster, profile: Profile) -> Cluster:
-    """The cluster with each measured link replacing the figures the file gave for it."""
-    measured = {_pair(m.a, m.b): LinkSpec(m.bandwidth_gbps, m.latency_us)
-                for m in profile.links}
-    links = tuple(GroupLink(l.a, l.b, measured.get(_pair(l.a, l.b), l.link))
-                  for l in cluster.links)
-    return Cluster(cluster.name, cluster.groups, links, cluster.job, cluster.profiles)
-
-
-# -- command line ----------------------------------------------------------------------------
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hapt-hf profile", description=(
-        "Time one layer of each distinct shape of a model (forward, backward, update, memory) "
-        "on this machine's device and store the figures for the planner."))
-    p.add_argument("--model", required=True, help="built-in name or local config.json / dir")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--micro-batches", default="1,2,4", help="comma-separated, e.g. 1,2,4")
-    p.add_argument("--device-name", required=True,
-                   help="device type name as the cluster file names it, e.g. A100-40")
-    p.add_argument("--store", required=True, help="profile store JSON (created if absent)")
-    p.add_argument("--dtype", default="fp32", choices=sorted(_TORCH_DTYPES))
-    p.add_argument("--device", default=None, help="torch device (default: cuda if present)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--budget-s", type=float, default=4.0,
-                   help="timed seconds per entry; slow layers get fewer repeats (at least 3)")
-    p.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
-    return p
-
-
-def _micro_batches(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ProfilerError(f"--micro-batches {text!r} must be comma-separated integers, "
-                            "e.g. 1,2,4") from None
-
-
-def cli_main(argv: list[str]) -> int:
-    """``hapt-hf profile``: returns the exit status; user mistakes print one line, status 2."""
-    args = _parser().parse_args(argv)
-    try:
-        import torch
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        options = ProfilerOptions(micro_batches=_micro_batches(args.micro_batches),
-                                  repeats=args.repeats, budget_s=args.budget_s,
-                                  attn_implementation=args.attn_implementation)
-        config = model_config(args.model)
-        store = ProfileStore.open(args.store)
-        before = len(store.timings)
-        t0 = time.perf_counter()
-        profile = profile_model(config, device_name=args.device_name, seq_len=args.seq_len,
-                                dtype=args.dtype, options=options, store=store, device=device,
-                                log=print)
-    except ValueError as e:  # ProfilerError, ModelSpecError, StageBuildError: user input
-        print(f"hapt-hf profile: error: {e}", file=sys.stderr)
-        return 2
-    print(f"{len(profile.timings)} entries ({len(store.timings) - before} measured, the rest "
-          f"from the store) in {time.perf_counter() - t0:.1f} s -> {args.store}")
-    return 0

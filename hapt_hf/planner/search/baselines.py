@@ -22,14 +22,21 @@ import itertools
 import math
 from bisect import bisect_left
 
-from .cluster import Cluster
-from .cost_model import CostModel, CostModelError
-from .model_spec import ModelSpec
-from .profile import Profile
-from .search import (BaselineResult, Layout, PlannerOptions, _balanced_step_s, _cuts,
-                     _divisors, _in_flight,
-                     _simulate, estimate_s, hapt_warmups, layout_to_plan, micro_batch_options,
-                     partition_layers, shapes_for)
+from hapt_hf.core.layers import num_blocks
+from hapt_hf.core.schedules import ScheduleKind
+from hapt_hf.errors import CostModelError
+
+from ..cluster import Cluster
+from ..cost_model import CostModel
+from ..model_spec import ModelSpec
+from ..profile import Profile
+from .options import BaselineResult, Layout, PlannerOptions
+from .partition import (balanced_step_s, cut_times, estimate_s, partition_layers,
+                        recompute_flags)
+from .plans import layout_to_plan
+from .replays import simulate_layout
+from .shapes import divisors, micro_batch_options, shapes_for
+from .warmups import hapt_warmups, in_flight_guess
 
 __all__ = ["BASELINES", "baseline_plans"]
 
@@ -39,7 +46,7 @@ BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt")
 def _uniform(cm: CostModel, shapes, mbs: int) -> list[int] | None:
     """Cut points: blocks split evenly, embedding first, head last."""
     n, L = len(shapes), cm.model.num_layers
-    blocks = L - 2
+    blocks = num_blocks(L)
     if n > blocks:
         return None
     q, r = divmod(blocks, n)
@@ -115,24 +122,10 @@ def _with_memory(cm: CostModel, shapes, cuts: list[int], mbs: int, warm, allow_r
     return None if rcs is None else (bounds, rcs)
 
 
-def recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):
-    """Per stage: recompute off if it fits without, on if only that fits; None if one cannot."""
-    rcs = []
-    for sh, (a, b), w in zip(shapes, bounds, warm):
-        s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
-        if cm.memory_bytes(s, a, b, w, False) <= cap:
-            rcs.append(False)
-        elif allow_rc and cm.memory_bytes(s, a, b, w, True) <= cap:
-            rcs.append(True)
-        else:
-            return None
-    return tuple(rcs)
-
-
 def _framework_layouts(cm: CostModel, name: str, gbs: int, options: PlannerOptions):
     groups = cm.cluster.groups
     common = math.gcd(*(g.size for g in groups))
-    for w in _divisors(common):
+    for w in divisors(common):
         if gbs % w:
             continue
         widths = {g.name: (w,) * (g.size // w) for g in groups}
@@ -142,10 +135,11 @@ def _framework_layouts(cm: CostModel, name: str, gbs: int, options: PlannerOptio
             cuts = _SPLITS[name](cm, shapes, mbs)
             if cuts is None:
                 continue
-            warm = hapt_warmups(shapes, [0.0] * (len(shapes) - 1), 1.0, m, "1f1b")
+            warm = hapt_warmups(shapes, [0.0] * (len(shapes) - 1), 1.0, m,
+                                ScheduleKind.ONE_F_ONE_B)
             got = _with_memory(cm, shapes, cuts, mbs, warm, options.allow_recompute)
             if got is not None:
-                yield Layout(shapes, got[0], got[1], mbs, warm, "1f1b")
+                yield Layout(shapes, got[0], got[1], mbs, warm, ScheduleKind.ONE_F_ONE_B)
 
 
 def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
@@ -160,13 +154,14 @@ def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
         shapes = shapes_for(groups, widths)
         for mbs in micro_batch_options(gbs, list(combo), options.micro_batch_sizes):
             m = gbs // mbs
-            inflight = _in_flight(shapes, mbs, m, "h1f1b", cm, _balanced_step_s(cm, shapes, mbs))
+            inflight = in_flight_guess(shapes, mbs, m, ScheduleKind.H1F1B, cm,
+                                       balanced_step_s(cm, shapes, mbs))
             part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute)
             if part is None:
                 continue
-            warm = hapt_warmups(shapes, _cuts(cm, shapes, part.bounds, mbs), part.cap_s, m,
-                                "h1f1b")
-            yield Layout(shapes, part.bounds, part.recompute, mbs, warm, "h1f1b")
+            warm = hapt_warmups(shapes, cut_times(cm, shapes, part.bounds, mbs), part.cap_s, m,
+                                ScheduleKind.H1F1B)
+            yield Layout(shapes, part.bounds, part.recompute, mbs, warm, ScheduleKind.H1F1B)
 
 
 def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
@@ -179,7 +174,7 @@ def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
     keep = ranked[:1] if name == "hapt" else ranked[:2]
     best = None
     for _, _, lay in keep:
-        r = _simulate(cm, lay, gbs // lay.micro_batch_size, exact=True)
+        r = simulate_layout(cm, lay, gbs // lay.micro_batch_size, exact=True)
         if best is None or (r.feasible, -r.iteration_s) > (best[0].feasible, -best[0].iteration_s):
             best = (r, lay)
     r, lay = best

@@ -1,0 +1,169 @@
+"""Schedule kinds, the warm-up rule of each, and the one generator of per-stage action lists.
+
+A stage's *warm-up depth* is the number of forward micro-batches it runs before its first
+backward; after it the stage alternates one backward, one forward. That single shape covers
+the three kinds:
+
+* ``gpipe``: depth = number of micro-batches (every forward, then every backward);
+* ``1f1b``: stage ``i`` of ``n`` runs ``min(n - i, M)``;
+* ``h1f1b``: HAPT's H-1F1B, the same order with a depth per stage chosen by the plan (deeper
+  before a slow link); its default is 1F1B's.
+
+:func:`stage_actions` turns a depth into the stage's action list; the planner's schedules
+(:mod:`hapt_hf.planner.schedule`), the simulator's replay and the runtime all read that list.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hapt_hf.errors import ScheduleError
+
+__all__ = ["ScheduleKind", "SCHEDULES", "WarmupRule", "WARMUP_RULES", "warmup_rule",
+           "default_warmups", "schedule_warmups", "warmups_from_steps", "clamp_warmup",
+           "ActionKind", "COMPUTE", "compute_order", "stage_actions"]
+
+
+class ScheduleKind(str, enum.Enum):
+    """A pipeline schedule; compares equal to its name (``ScheduleKind.GPIPE == "gpipe"``)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    H1F1B = "h1f1b"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+SCHEDULES = tuple(k.value for k in ScheduleKind)
+"""The schedule names a plan, a hapt config or the CLI may give."""
+
+
+@dataclass(frozen=True)
+class WarmupRule:
+    """How a schedule kind sets the warm-up depth of each stage."""
+
+    kind: ScheduleKind
+    per_stage: bool
+    """True: the plan chooses every stage's depth; False: the kind fixes them."""
+    depth: Callable[[int, int, int], int]
+    """(stage, stages, micro-batches) -> the kind's own depth (the default of a per-stage kind)."""
+
+
+WARMUP_RULES: dict[ScheduleKind, WarmupRule] = {
+    ScheduleKind.GPIPE: WarmupRule(ScheduleKind.GPIPE, False, lambda i, n, m: m),
+    ScheduleKind.ONE_F_ONE_B: WarmupRule(ScheduleKind.ONE_F_ONE_B, False,
+                                         lambda i, n, m: min(n - i, m)),
+    ScheduleKind.H1F1B: WarmupRule(ScheduleKind.H1F1B, True, lambda i, n, m: min(n - i, m)),
+}
+
+
+def warmup_rule(kind: str) -> WarmupRule:
+    """The rule of ``kind``; ScheduleError naming the known kinds if there is none."""
+    try:
+        return WARMUP_RULES[ScheduleKind(kind)]
+    except ValueError:
+        raise ScheduleError(f"schedule {kind!r} is unknown; use gpipe, 1f1b or h1f1b") from None
+
+
+def default_warmups(kind: str, num_stages: int, num_microbatches: int) -> list[int]:
+    """The kind's own depth for every stage."""
+    depth = warmup_rule(kind).depth
+    return [depth(i, num_stages, num_microbatches) for i in range(num_stages)]
+
+
+def schedule_warmups(kind: str, warmups: Sequence[int], num_microbatches: int) -> tuple[int, ...]:
+    """The depths a schedule of ``kind`` runs over ``num_microbatches``: the given ones where
+    the kind lets the plan choose, the kind's own otherwise."""
+    if warmup_rule(kind).per_stage:
+        return tuple(warmups)
+    return tuple(default_warmups(kind, len(warmups), num_microbatches))
+
+
+def warmups_from_steps(steps: Sequence[int], num_microbatches: int) -> tuple[int, ...]:
+    """Depths that fall along the pipeline: the last stage runs 1, each stage before it its
+    successor's depth plus its step (at least 1); depths beyond M all behave as M."""
+    n = len(steps) + 1
+    warm = [1] * n
+    for i in range(n - 2, -1, -1):
+        warm[i] = warm[i + 1] + max(steps[i], 1)
+    return tuple(min(w, num_microbatches) for w in warm)
+
+
+def clamp_warmup(warmup: int, num_microbatches: int) -> int:
+    """A depth as a schedule runs it: at least 1 and at most the number of micro-batches."""
+    return max(1, min(int(warmup), num_microbatches))
+
+
+class ActionKind(str, enum.Enum):
+    """One step of a stage's list, printed as in torch.distributed.pipelining (``1F3``)."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+
+COMPUTE = (ActionKind.F, ActionKind.B)
+
+
+def _forward_order(warmup: int, num_microbatches: int) -> list[tuple[bool, int]]:
+    """(is forward, micro-batch) of each compute step, in order."""
+    m = num_microbatches
+    w = clamp_warmup(warmup, m)
+    out = [(True, k) for k in range(w)]
+    nxt = w
+    for k in range(m):
+        out.append((False, k))
+        if nxt < m:
+            out.append((True, nxt))
+            nxt += 1
+    return out
+
+
+def compute_order(warmup: int, num_microbatches: int) -> list[tuple[ActionKind, int]]:
+    """A stage's compute steps: ``warmup`` forwards, then one backward, one forward..."""
+    return [(ActionKind.F if fwd else ActionKind.B, mb)
+            for fwd, mb in _forward_order(warmup, num_microbatches)]
+
+
+_AS_IS = {k: k for k in ActionKind}
+
+
+def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: int,
+                  receives: bool = True, tokens: dict | None = None) -> list[tuple[object, int]]:
+    """Stage ``stage``'s whole list: each compute followed by the send of what it produced,
+    and (``receives``) each receive posted one compute action ahead of its consumer, so the
+    transfer overlaps the compute before it. The simulator leaves receives out (posting one
+    costs nothing there) and passes ``tokens``, what to write for each ActionKind (its integer
+    codes): the search builds thousands of these lists."""
+    t = _AS_IS if tokens is None else tokens
+    first, last = stage == 0, stage == num_stages - 1
+    f, b = t[ActionKind.F], t[ActionKind.B]
+    send_f = None if last else t[ActionKind.SEND_F]
+    send_b = None if first else t[ActionKind.SEND_B]
+    recv_f = None if first or not receives else t[ActionKind.RECV_F]
+    recv_b = None if last or not receives else t[ActionKind.RECV_B]
+    order = _forward_order(warmup, num_microbatches)
+    out: list[tuple[object, int]] = []
+    append = out.append
+    if receives and (r := recv_f if order[0][0] else recv_b) is not None:
+        append((r, order[0][1]))
+    ahead = order[1:] + [None]
+    for (fwd, mb), nxt in zip(order, ahead):
+        if receives and nxt is not None and (r := recv_f if nxt[0] else recv_b) is not None:
+            append((r, nxt[1]))  # posted before this compute so it overlaps it
+        if fwd:
+            append((f, mb))
+            if send_f is not None:
+                append((send_f, mb))
+        else:
+            append((b, mb))
+            if send_b is not None:
+                append((send_b, mb))
+    return out

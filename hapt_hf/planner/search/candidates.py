@@ -1,0 +1,123 @@
+"""The analytic search: candidate shapes in order of their bound, partitioned and scored."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from hapt_hf.errors import PlanningError
+
+from ..cost_model import CostModel
+from .options import Layout, PlannerOptions
+from .partition import balanced_step_s, cut_times, estimate_s, partition_layers
+from .shapes import group_orders, micro_batch_options, shapes_for, width_options
+from .warmups import hapt_warmups, in_flight_guess
+
+__all__ = ["search_layouts"]
+
+
+@dataclass(order=True)
+class _Scored:
+    score: float
+    key: tuple
+    layout: Layout = field(compare=False)
+
+
+def _expand(cm: CostModel, shapes, mbs: int, m: int, options: PlannerOptions,
+            key: tuple) -> _Scored | None:
+    cap_guess = balanced_step_s(cm, shapes, mbs)
+    inflight = in_flight_guess(shapes, mbs, m, options.schedule, cm, cap_guess)
+    part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute,
+                            lower_bound_s=cap_guess)
+    if part is None:
+        return None
+    cuts = cut_times(cm, shapes, part.bounds, mbs)
+    warm = hapt_warmups(shapes, cuts, part.cap_s, m, options.schedule)
+    layout = Layout(tuple(shapes), part.bounds, part.recompute, mbs, warm, options.schedule)
+    return _Scored(estimate_s(cm, layout, m), key, layout)
+
+
+def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
+    """(bound, key, widths, mbs) for every stage-shape choice, most promising first."""
+    L = cm.model.num_layers
+    max_n = min(L, options.max_stages or L)
+    per_group = [width_options(g, global_batch, max_n) for g in cm.cluster.groups]
+    if math.prod(len(o) for o in per_group) > options.max_shape_combos:
+        # at scale, keep equal widths inside a group (unequal ones only where none is equal)
+        per_group = [[w for w in o if len(set(w)) == 1] or o for o in per_group]
+    total_static = cm.static_bytes(0, L)
+    out = []
+    for combo in itertools.product(*per_group):
+        n = sum(len(w) for w in combo)
+        if n > max_n:
+            continue
+        # every replica of a stage holds the stage's weights and optimizer state, so the
+        # stages' memories together must hold the whole model's at least once
+        if sum(cm.capacity_bytes(g) * len(ws) for g, ws in zip(cm.cluster.groups, combo)) \
+                < total_static:
+            continue
+        widths = {g.name: w for g, w in zip(cm.cluster.groups, combo)}
+        flat = [w for ws in combo for w in ws]
+        for mbs in micro_batch_options(global_batch, flat, options.micro_batch_sizes):
+            m = global_batch // mbs
+            rate = sum(cm.replica_rate(g, mbs // w) * w
+                       for g, ws in zip(cm.cluster.groups, combo) for w in ws)
+            bound = (m + n - 1) * mbs / rate
+            out.append((bound, (n, mbs, tuple(combo)), widths, mbs))
+    out.sort(key=lambda c: (c[0], c[1]))
+    return out
+
+
+def _signature(cm: CostModel, layout: Layout) -> tuple:
+    """What prices a layout: its GPUs, widths, places, links and cuts (not group names)."""
+    sh = layout.shapes
+    gpus = tuple((s.group.gpu, s.width, s.offset, s.group.gpus_per_node, s.group.intra_node,
+                  s.group.inter_node) for s in sh)
+    links = tuple(cm.group_link(a.group.name, b.group.name) if a.group.name != b.group.name
+                  else None for a, b in zip(sh, sh[1:]))
+    return gpus, links, layout.bounds, layout.micro_batch_size
+
+
+def _twin(cm: CostModel, a: _Scored, b: _Scored) -> bool:
+    return math.isclose(a.score, b.score, rel_tol=1e-12) and \
+        _signature(cm, a.layout) == _signature(cm, b.layout)
+
+
+def search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
+    orders = group_orders(cm.cluster)
+    if not orders:
+        raise PlanningError("no order of the groups has a link between every pair of "
+                            "neighbours; add links under 'links:' so the groups form a chain")
+    best: list[_Scored] = []
+    tried = expanded = last_gain = 0
+    keep = max(options.simulate_top, options.simulate_top_cheap)
+    order_score = [math.inf] * len(orders)
+    active = list(range(len(orders)))
+    for bound, key, widths, mbs in _candidates(cm, global_batch, options):
+        if len(best) >= options.simulate_top and bound > best[options.simulate_top - 1].score:
+            break
+        if tried >= options.max_expansions or tried - last_gain > options.patience:
+            break
+        if expanded == options.order_probe and len(orders) > options.orders_kept:
+            # the first candidates rank the orders (links and memory by position decide it);
+            # later ones try only the best few orders
+            ranked = sorted(range(len(orders)), key=lambda o: (order_score[o], o))
+            active = sorted(ranked[:options.orders_kept])
+        m = global_batch // mbs
+        any_fit = False
+        for oi in active:
+            tried += 1
+            sc = _expand(cm, shapes_for(orders[oi], widths), mbs, m, options, key + (oi,))
+            if sc is None:
+                continue
+            any_fit = True
+            order_score[oi] = min(order_score[oi], sc.score)
+            if any(_twin(cm, sc, b) for b in best):
+                continue  # an order of alike groups that prices the same: keep one
+            if len(best) < options.simulate_top or sc < best[options.simulate_top - 1]:
+                last_gain = tried
+            best.append(sc)
+            best.sort()
+            del best[keep:]
+        expanded += any_fit
+    return best, tried

@@ -1,0 +1,140 @@
+"""plan_job: the search over each layer unit, the baselines as candidates, the final plan."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from hapt_hf.core.layers import BLOCK, HALF, block_boundary_in_halves
+from hapt_hf.errors import PlanningError
+
+from ..cluster import Cluster
+from ..cost_model import CostModel
+from ..model_spec import ModelSpec
+from ..plan import Plan
+from ..profile import Profile
+from ..simulate import SimResult
+from .baselines import baseline_plans
+from .candidates import search_layouts
+from .infeasible import does_not_fit
+from .options import BaselineResult, Layout, PlannerOptions, PlanResult
+from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
+from .refine import as_schedule, refine_boundaries
+from .replays import simulate_layout
+from .warmups import refine_warmups
+
+__all__ = ["plan_job"]
+
+
+def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
+             profile: Profile | None = None,
+             options: PlannerOptions = PlannerOptions()) -> PlanResult:
+    """Search the plan with the least simulated iteration time that fits every GPU's memory.
+
+    ``options.layer_unit`` says whether stages may end inside a block (its attention half on one
+    stage, its MLP half on the next); baselines always cut whole blocks, as frameworks do."""
+    t0 = time.perf_counter()
+    if global_batch_size < 1:
+        raise PlanningError(f"global_batch_size {global_batch_size} must be >= 1")
+    if not cluster.groups:
+        raise PlanningError(f"cluster {cluster.name!r} has no groups; list at least one")
+    if options.micro_batch_sizes is not None and \
+            not any(global_batch_size % m == 0 for m in options.micro_batch_sizes):
+        raise PlanningError(f"micro_batch_sizes {list(options.micro_batch_sizes)}: none divides "
+                            f"global_batch_size {global_batch_size}; give a divisor of it")
+    models = _unit_models(model, options.layer_unit)
+    profile = profile if profile is not None else cluster_profile(cluster, model)
+    cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
+    baselines: dict[str, BaselineResult] = {}
+    if options.include_baselines:
+        baselines = baseline_plans(model, cluster, global_batch_size, profile, options, cm)
+    found, tried, failure = [], 0, None
+    for unit_model in models:
+        unit_cm = cm if unit_model is model else CostModel(
+            unit_model, cluster, profile, options.efficiency, options.memory_headroom)
+        try:
+            lay, final, n = _search_unit(unit_cm, global_batch_size, options, baselines)
+        except PlanningError as e:  # the other unit may still fit
+            failure = failure or e
+            continue
+        tried += n
+        found.append((final.iteration_s, len(found), unit_cm, lay, final))
+    if not found:
+        raise failure
+    _, _, unit_cm, lay, final = min(found, key=lambda f: f[:2])
+    base_times = {k: b.sim.iteration_s for k, b in baselines.items()
+                  if b.sim is not None and b.sim.feasible}
+    plan = layout_to_plan(unit_cm, lay, global_batch_size, final, base_times).validate()
+    return PlanResult(plan, final, baselines, time.perf_counter() - t0,
+                      physical_limit_s(cm, global_batch_size), tried)
+
+
+def _unit_models(model: ModelSpec, layer_unit: str) -> list[ModelSpec]:
+    """The layer sequences to search: whole blocks, halves, or both (blocks first)."""
+    if model.layer_unit == HALF or layer_unit == BLOCK:
+        return [model]
+    if layer_unit == HALF:
+        try:
+            return [model.split_blocks()]
+        except ValueError as e:
+            raise PlanningError(str(e)) from None
+    return [model, model.split_blocks()] if model.can_split_blocks else [model]
+
+
+def _in_units(cm: CostModel, plan: Plan) -> Layout:
+    """A whole-block (baseline) plan as a layout over ``cm``'s layer sequence."""
+    lay = layout_of_plan(cm, plan)
+    if cm.model.layer_unit == plan.layer_unit:
+        return lay
+    half = {b: block_boundary_in_halves(b, plan.num_blocks()) for bnd in lay.bounds for b in bnd}
+    return replace(lay, bounds=tuple((half[a], half[b]) for a, b in lay.bounds))
+
+
+def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
+                 baselines: dict[str, BaselineResult]) -> tuple[Layout, SimResult, int]:
+    """The best layout over ``cm``'s layer sequence, never slower than a baseline's."""
+    top, tried = search_layouts(cm, global_batch_size, options)
+    scored: list[tuple[SimResult, Layout]] = []
+    # the analytic ranking is rough: replay more candidates when replays are cheap
+    top = [sc for i, sc in enumerate(top) if i < options.simulate_top or
+           sc.layout.num_stages * global_batch_size // sc.layout.micro_batch_size <= 512]
+    for sc in top:
+        m = global_batch_size // sc.layout.micro_batch_size
+        lay, r = refine_warmups(cm, sc.layout, m)
+        scored.append((r, lay))
+    for b in baselines.values():
+        if b.plan is not None:
+            lay = as_schedule(_in_units(cm, b.plan), options.schedule,
+                               b.plan.num_microbatches)
+            scored.append((simulate_layout(cm, lay, b.plan.num_microbatches), lay))
+    own = len(top)
+    feasible = [(r.iteration_s, i, lay, r) for i, (r, lay) in enumerate(scored) if r.feasible]
+    if not feasible:
+        raise does_not_fit(cm, global_batch_size, options)
+    feasible.sort(key=lambda x: x[:2])
+    # the partition balances compute only; moving boundaries by simulation also weighs
+    # transfers, all-reduce and the optimizer step, so every finalist gets a share of it:
+    # the search's own candidates and the best baseline
+    finalists = [(r, lay) for _, i, lay, r in feasible if i < own]
+    finalists += [(r, lay) for _, i, lay, r in feasible if i >= own][:1]
+    share = max(options.max_refine_simulations // len(finalists), 8)
+    refined = []
+    for r, lay in finalists:
+        m = global_batch_size // lay.micro_batch_size
+        lay, r = refine_boundaries(cm, lay, r, m, options, share)
+        lay, r = refine_warmups(cm, lay, m, r)
+        refined.append((r.iteration_s, len(refined), lay))
+    _, _, lay = min(refined)
+    m = global_batch_size // lay.micro_batch_size
+    final = simulate_layout(cm, lay, m, exact=True, record_events=True)
+    if not final.feasible:  # extrapolation cannot change feasibility; guard anyway
+        raise PlanningError(f"the chosen plan cannot run: {final.reason}")
+    # never return a plan slower than a baseline's (the extrapolated ranking could err)
+    for b in baselines.values():
+        if b.sim is None or not b.sim.feasible or b.plan is None or \
+                b.sim.iteration_s >= final.iteration_s:
+            continue
+        blay = as_schedule(_in_units(cm, b.plan), options.schedule, b.plan.num_microbatches)
+        r = simulate_layout(cm, blay, b.plan.num_microbatches, exact=True, record_events=True)
+        if r.feasible and r.iteration_s < final.iteration_s:
+            lay, final = blay, r
+    return lay, final, tried

@@ -1,0 +1,115 @@
+"""The search's settings and records: what the user asks for, a candidate, the result."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hapt_hf.core.layers import BLOCK, HALF
+from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
+from hapt_hf.errors import PlanningError
+
+from ..cost_model import DEFAULT_EFFICIENCY, StageShape
+from ..plan import Plan
+from ..simulate import SimResult
+
+__all__ = ["LAYER_UNIT_OPTIONS", "PlanningError", "PlannerOptions", "Layout", "BaselineResult",
+           "PlanResult"]
+
+
+LAYER_UNIT_OPTIONS = ("auto", BLOCK, HALF)
+"""What the search may cut between: whole blocks, block halves, or both (keep the faster)."""
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """What the search may choose and how long it may look (validated on creation)."""
+
+    schedule: str = ScheduleKind.H1F1B.value
+    """'gpipe', '1f1b' or 'h1f1b' (1F1B with per-stage warm-up depths)."""
+    micro_batch_sizes: tuple[int, ...] | None = None
+    """Micro-batch sizes to consider; None: every size the widths and global batch allow."""
+    allow_recompute: bool = True
+    """Let a stage recompute its blocks' activations when that is the only way it fits."""
+    memory_headroom: float = 0.9
+    """Fraction of each GPU's memory a plan may use."""
+    max_stages: int | None = None
+    """Upper bound on the pipeline depth; None: the number of layers."""
+    efficiency: float = DEFAULT_EFFICIENCY
+    """Fraction of peak TFLOP/s assumed where no profile measured a layer."""
+    simulate_top: int = 4
+    """How many of the best analytic candidates are replayed in the simulator."""
+    simulate_top_cheap: int = 12
+    """Replayed instead when a candidate's replay is cheap (stages x micro-batches <= 512)."""
+    max_expansions: int = 1500
+    """Cap on (shapes, micro-batch, order) partitions tried: bounds the search time."""
+    patience: int = 300
+    """Stop after this many partitions in a row that do not enter the best few."""
+    order_probe: int = 3
+    """Candidates that try every group order before the search keeps only the best orders."""
+    orders_kept: int = 4
+    """Group orders kept after the probe."""
+    max_shape_combos: int = 5000
+    """Above this many ways to cut the groups, only equal widths inside a group are tried."""
+    max_refine_simulations: int = 60
+    """Cap on simulations spent moving layer boundaries of the best plan."""
+    include_baselines: bool = True
+    """Score the baselines too and keep the planner's plan no slower than any of them."""
+    layer_unit: str = LAYER_UNIT_OPTIONS[0]
+    """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
+    fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep
+    the faster plan; whole blocks on a tie, and where the family's blocks cannot be halved)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanningError(f"schedule {self.schedule!r} is unknown; use one of {SCHEDULES}")
+        if not 0 < self.memory_headroom <= 1:
+            raise PlanningError(f"memory_headroom {self.memory_headroom} must be in (0, 1]: "
+                                "the fraction of each GPU's memory a plan may use")
+        if self.max_stages is not None and self.max_stages < 1:
+            raise PlanningError(f"max_stages {self.max_stages} must be >= 1 (or None)")
+        if self.micro_batch_sizes is not None and any(m < 1 for m in self.micro_batch_sizes):
+            raise PlanningError(f"micro_batch_sizes {self.micro_batch_sizes} must all be >= 1")
+        if not 0 < self.efficiency <= 1:
+            raise PlanningError(f"efficiency {self.efficiency} must be in (0, 1]")
+        if self.layer_unit not in LAYER_UNIT_OPTIONS:
+            raise PlanningError(f"layer_unit {self.layer_unit!r} is unknown; use one of "
+                                f"{LAYER_UNIT_OPTIONS}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A candidate pipeline before it becomes a Plan."""
+
+    shapes: tuple[StageShape, ...]
+    bounds: tuple[tuple[int, int], ...]
+    recompute: tuple[bool, ...]
+    micro_batch_size: int
+    warmups: tuple[int, ...]
+    schedule: str
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.shapes)
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """One baseline split scored by the same simulator, or why it has no plan."""
+
+    name: str
+    plan: Plan | None
+    sim: SimResult | None
+    reason: str = ""
+    """Why the baseline has no plan (e.g. it does not fit in memory)."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The search's plan, its full replay, the baselines and what the search cost."""
+
+    plan: Plan
+    sim: SimResult
+    baselines: dict[str, BaselineResult]
+    search_time_s: float
+    physical_limit_s: float
+    """Forward + backward work of the global batch over the sum of every GPU's speed."""
+    candidates_tried: int = 0

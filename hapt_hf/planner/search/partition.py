@@ -1,0 +1,128 @@
+"""Layer ranges: the min-max partition under memory, and HAPT's formula that scores it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cost_model import CostModel, StageShape
+from .options import Layout
+
+__all__ = ["Partition", "partition_layers", "recompute_flags", "cut_times", "balanced_step_s",
+           "estimate_s"]
+
+
+@dataclass(frozen=True)
+class Partition:
+    bounds: tuple[tuple[int, int], ...]
+    recompute: tuple[bool, ...]
+    cap_s: float
+
+
+def _stage_reach(cm: CostModel, sh: StageShape, samples: int, in_flight: int, a: int, cap: float,
+                 limit: int, allow_rc: bool, mem_pre, mem_pre_rc) -> tuple[int, bool]:
+    """Farthest end b (<= limit) of a stage starting at a; (a, _) when nothing fits."""
+    t = cm.table(sh.group, samples)
+    capacity = cm.capacity_bytes(sh.group)
+    best = (a, False)
+    for rc in ((False, True) if allow_rc else (False,)):
+        pre_t = t.fb_rc if rc else t.fb
+        mp = mem_pre_rc if rc else mem_pre
+        b = min(limit, cm.max_layers_fitting(pre_t, a, cap),
+                cm.max_layers_fitting(mp, a, capacity))
+        while b > a and mp[b] - mp[a] + cm.working_bytes(samples, a, b) > capacity:
+            b -= 1
+        if b > best[0]:
+            best = (b, rc)
+    return best
+
+
+def _mem_prefix(cm: CostModel, samples: int, in_flight: int, rc: bool) -> list[float]:
+    return cm.memory_prefix(samples, in_flight, rc)
+
+
+def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
+                     allow_recompute: bool, rel_tol: float = 1e-3,
+                     lower_bound_s: float = 0.0) -> Partition | None:
+    """Min-max contiguous partition of the layers over ``shapes`` (no empty stage) under every
+    stage's memory; None if no partition fits."""
+    n, L = len(shapes), cm.model.num_layers
+    if n > L:
+        return None
+    info = []
+    for sh, k in zip(shapes, in_flight):
+        s = mbs // sh.width
+        info.append((sh, s, k, _mem_prefix(cm, s, k, False),
+                     _mem_prefix(cm, s, k, True) if allow_recompute else None))
+
+    def greedy(cap: float):
+        a, bounds, rcs = 0, [], []
+        for i, (sh, s, k, mp, mpr) in enumerate(info):
+            limit = L - (n - i - 1)
+            b, rc = _stage_reach(cm, sh, s, k, a, cap, limit, allow_recompute, mp, mpr)
+            if b <= a:
+                return None
+            bounds.append((a, b))
+            rcs.append(rc)
+            a = b
+        return (tuple(bounds), tuple(rcs)) if a == L else None
+
+    # no partition beats the perfectly balanced step, so start there and double until it fits
+    top = max(cm.table(sh.group, s).fb_rc[-1] for sh, s, *_ in info) * 1.001
+    lo = min(lower_bound_s, top) if lower_bound_s > 0 else 0.0
+    hi = max(lo * 1.25, top * 1e-3)
+    got = greedy(hi)
+    while got is None and hi < top:
+        lo, hi = hi, min(hi * 2, top)
+        got = greedy(hi)
+    if got is None:
+        return None
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        g = greedy(mid)
+        if g is None:
+            lo = mid
+        else:
+            hi, got = mid, g
+    return Partition(got[0], got[1], hi)
+
+
+def recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):
+    """Per stage: recompute off if it fits without, on if only that fits; None if one cannot."""
+    rcs = []
+    for sh, (a, b), w in zip(shapes, bounds, warm):
+        s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
+        if cm.memory_bytes(s, a, b, w, False) <= cap:
+            rcs.append(False)
+        elif allow_rc and cm.memory_bytes(s, a, b, w, True) <= cap:
+            rcs.append(True)
+        else:
+            return None
+    return tuple(rcs)
+
+
+def cut_times(cm: CostModel, shapes, bounds, mbs: int) -> list[float]:
+    return [cm.cut_s(shapes[i], shapes[i + 1], bounds[i][1] - 1, mbs)
+            for i in range(len(shapes) - 1)]
+
+
+def balanced_step_s(cm: CostModel, shapes, mbs: int) -> float:
+    """Per-micro-batch time if every stage carried work in proportion to its speed."""
+    rate = sum(cm.replica_rate(sh.group, mbs // sh.width) * sh.width for sh in shapes)
+    return mbs / rate
+
+
+def estimate_s(cm: CostModel, layout: Layout, num_microbatches: int) -> float:
+    """HAPT's pipeline formula: fill and drain plus (M - 1) times the slowest stage or cut."""
+    costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
+                           layout.recompute)
+    st = costs.stages
+    steps = [c.forward_s + c.backward_s for c in st]
+    cuts = [c.send_forward_s for c in st[:-1]]
+    period = max(steps + cuts)
+    # the drain runs upstream: stage i's last backward ends the earlier by the backward and
+    # cut times of the stages before it, so its all-reduce and step overlap theirs (the part
+    # of its all-reduce that its own last backward hides adds nothing)
+    tail, ahead = 0.0, 0.0
+    for i, c in enumerate(st):
+        tail = max(tail, c.allreduce_after_s + c.update_s - ahead)
+        ahead += c.backward_s + (cuts[i - 1] if i > 0 else 0.0)
+    return sum(steps) + 2 * sum(cuts) + (num_microbatches - 1) * period + tail

@@ -1,0 +1,67 @@
+"""Between the search's layouts and Plans, and the physical limit every plan is measured by."""
+from __future__ import annotations
+
+from ..cluster import Cluster
+from ..cost_model import CostModel
+from ..model_spec import ModelSpec
+from ..plan import Plan, PlanPrediction, StagePlan, StagePrediction
+from ..profile import Profile, load_sailor_profiles
+from ..simulate import SimResult
+from .options import Layout
+
+__all__ = ["layout_to_plan", "layout_of_plan", "physical_limit_s", "cluster_profile"]
+
+
+def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimResult | None,
+                   baselines: dict[str, float] | None = None) -> Plan:
+    first = cm.cluster.first_ranks()
+    mbs = layout.micro_batch_size
+    costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), mbs, layout.recompute)
+    stages = []
+    for i, (sh, bnd, rc, w, c) in enumerate(zip(layout.shapes, layout.bounds, layout.recompute,
+                                                 layout.warmups, costs.stages)):
+        r0 = first[sh.group.name] + sh.offset
+        peak = sim.peak_memory_bytes[i] if sim and sim.peak_memory_bytes else 0.0
+        stages.append(StagePlan(
+            index=i, layers=bnd, group=sh.group.name, device_type=sh.group.gpu.name,
+            ranks=tuple(range(r0, r0 + sh.width)), warmup=w, recompute=rc,
+            predicted=StagePrediction(c.forward_s, c.backward_s, peak)))
+    m = cm.model
+    pred = PlanPrediction()
+    if sim is not None and sim.feasible:
+        pred = PlanPrediction(sim.iteration_s, global_batch * m.seq_len / sim.iteration_s,
+                              sim.bubble_fraction)
+    return Plan(model_name=m.name, num_layers=m.num_layers, seq_len=m.seq_len,
+                global_batch_size=global_batch, micro_batch_size=mbs,
+                num_microbatches=global_batch // mbs, schedule=layout.schedule,
+                stages=tuple(stages), dtype=m.dtype, predicted=pred,
+                cluster_name=cm.cluster.name, baselines=dict(baselines or {}),
+                layer_unit=m.layer_unit)
+
+
+def layout_of_plan(cm: CostModel, plan: Plan) -> Layout:
+    return Layout(tuple(cm.shapes_of(plan)), tuple(s.layers for s in plan.stages),
+                  tuple(s.recompute for s in plan.stages), plan.micro_batch_size,
+                  tuple(plan.warmups()), plan.schedule)
+
+
+def physical_limit_s(cm: CostModel, global_batch: int) -> float:
+    """Global batch x (forward + backward time per sample) over the sum of all GPUs' speeds.
+
+    A GPU's speed is samples per second through the whole model at its best per-replica batch:
+    analytic figures do not depend on the batch; with a profile, the best of the batch sizes it
+    measured for that device (and 1)."""
+    rate = 0.0
+    for g in cm.cluster.groups:
+        sizes = {1}
+        if cm.profile is not None:
+            sizes.update(cm.profile.micro_batches(g.gpu.name))
+        rate += g.size / cm.best_sample_time_s(g, sorted(sizes))
+    return global_batch / rate
+
+
+def cluster_profile(cluster: Cluster, model: ModelSpec) -> Profile | None:
+    """The measured profiles a cluster file names (``profiles:``), or None."""
+    if cluster.profiles is None:
+        return None
+    return load_sailor_profiles(cluster.profiles, model)

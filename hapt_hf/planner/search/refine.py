@@ -1,0 +1,87 @@
+"""Refinement by simulation: move layer boundaries of a finalist while its replay improves."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hapt_hf.core.schedules import ScheduleKind
+
+from ..cost_model import CostModel
+from ..simulate import SimResult
+from .options import Layout, PlannerOptions
+from .replays import better, simulate_layout
+from .warmups import hapt_warmups
+
+__all__ = ["as_schedule", "refine_boundaries"]
+
+
+def as_schedule(layout: Layout, schedule: str, m: int) -> Layout:
+    """The same partition under the planner's schedule. 1F1B is H-1F1B with one warm-up step
+    per stage, so a 1F1B baseline keeps its depths (and its replay) under H-1F1B."""
+    if layout.schedule == schedule:
+        return layout
+    if schedule == ScheduleKind.H1F1B and layout.schedule == ScheduleKind.ONE_F_ONE_B:
+        return replace(layout, schedule=schedule)
+    n = layout.num_stages
+    return replace(layout, schedule=schedule,
+                   warmups=hapt_warmups(layout.shapes, [0.0] * (n - 1), 1.0, m, schedule))
+
+
+def _fits_recompute(cm: CostModel, layout: Layout, i: int, a: int, b: int, in_flight: int,
+                    allow_rc: bool) -> bool | None:
+    """Recompute flag that lets stage i hold [a, b), preferring none; None if neither fits."""
+    sh = layout.shapes[i]
+    s = layout.micro_batch_size // sh.width
+    cap = cm.capacity_bytes(sh.group)
+    for rc in ((False, True) if allow_rc else (False,)):
+        if cm.memory_bytes(s, a, b, in_flight, rc) <= cap:
+            return rc
+    return None
+
+
+def _moves(n: int):
+    """Boundary moves: one boundary by one layer, or two neighbouring boundaries together
+    (which shifts a whole stage by one layer)."""
+    for i in range(n - 1):
+        for d in (-1, 1):
+            yield (i,), d
+    for i in range(n - 2):
+        for d in (-1, 1):
+            yield (i, i + 1), d
+
+
+def _moved(layout: Layout, idx: tuple[int, ...], d: int):
+    edges = [a for a, _ in layout.bounds] + [layout.bounds[-1][1]]
+    for i in idx:
+        edges[i + 1] += d
+    if any(b <= a for a, b in zip(edges, edges[1:])):
+        return None
+    return tuple(zip(edges, edges[1:]))
+
+
+def refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
+                       options: PlannerOptions, budget: int) -> tuple[Layout, SimResult]:
+    """Move layer boundaries by one while the replay improves (at most ``budget`` replays)."""
+    improved = True
+    while improved and budget > 0:
+        improved = False
+        for idx, d in _moves(layout.num_stages):
+            if budget <= 0:
+                break
+            bounds = _moved(layout, idx, d)
+            if bounds is None:
+                continue
+            inflight = sim.peak_in_flight or layout.warmups
+            rcs = []
+            for j, (a, b) in enumerate(bounds):
+                rc = _fits_recompute(cm, layout, j, a, b, inflight[j], options.allow_recompute)
+                if rc is None:
+                    break
+                rcs.append(rc)
+            if len(rcs) != len(bounds):
+                continue
+            cand = replace(layout, bounds=bounds, recompute=tuple(rcs))
+            budget -= 1
+            r = simulate_layout(cm, cand, m)
+            if better(r, sim):
+                layout, sim, improved = cand, r, True
+    return layout, sim

@@ -1,0 +1,104 @@
+"""The profile store: a JSON file of measured layer timings and links, and how to measure.
+
+The file has one format with :meth:`hapt_hf.planner.profile.Profile.save`, so the planner reads
+a store as a profile.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hapt_hf.errors import ProfileError
+from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey, link_pair
+
+__all__ = ["ProfilerError", "ProfilerOptions", "ProfileStore"]
+
+
+class ProfilerError(ProfileError):
+    """Bad profiler input (micro-batch sizes, store file...); the message says the fix."""
+
+
+@dataclass(frozen=True)
+class ProfilerOptions:
+    """How to measure.
+
+    Args:
+        micro_batches: samples per forward on one device; one entry per size in the store.
+        warmup: untimed forward+backward passes before timing (allocator, kernel caches); the
+            first also counts the activation memory, the last sizes the timing windows.
+        repeats: timed windows; the median is reported, the spread is (p75 - p25) / median.
+        min_window_s: each window repeats the pass until it lasts this long, so a CPU quota's
+            10 ms throttling periods average out instead of landing in a single sample.
+        attn_implementation: as the runtime builds its stages ("eager" or "sdpa").
+    """
+
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    warmup: int = 2
+    repeats: int = 5
+    min_window_s: float = 0.05
+    attn_implementation: str = "eager"
+    budget_s: float = 4.0
+    """Timed seconds one entry aims at: slow layers get fewer windows (never under 3)."""
+
+    def __post_init__(self) -> None:
+        if not self.micro_batches or any(not isinstance(b, int) or b < 1
+                                         for b in self.micro_batches):
+            raise ProfilerError(f"micro_batches {self.micro_batches!r} must be positive "
+                                "integers, e.g. --micro-batches 1,2,4")
+        if self.repeats < 1 or self.warmup < 1:
+            raise ProfilerError(f"repeats ({self.repeats}) and warmup ({self.warmup}) must be "
+                                ">= 1")
+        if self.min_window_s < 0:
+            raise ProfilerError(f"min_window_s ({self.min_window_s}) must be >= 0")
+
+
+@dataclass
+class ProfileStore:
+    """A JSON file of measured layer timings and links; created on first save."""
+
+    path: Path
+    timings: dict[ProfileKey, LayerTiming] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkMeasurement] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "ProfileStore":
+        store = cls(Path(path))
+        if store.path.exists():
+            store._read()
+        return store
+
+    def _read(self) -> None:
+        try:
+            profile = Profile.load(self.path)  # one file format with Profile.save
+        except ProfileError as e:
+            raise ProfilerError(f"profile store {self.path}: {e}; delete it or pass another "
+                                "--store") from None
+        self.timings.update(profile.timings)
+        for m in profile.links:
+            self.links[link_pair(m.a, m.b)] = m
+
+    def get(self, key: ProfileKey) -> LayerTiming | None:
+        return self.timings.get(key)
+
+    def put(self, key: ProfileKey, timing: LayerTiming) -> None:
+        self.timings[key] = timing
+
+    def put_link(self, m: LinkMeasurement) -> None:
+        self.links[link_pair(m.a, m.b)] = m
+
+    def save(self) -> None:
+        """Write atomically (a reader never sees half a file), sorted so diffs stay readable."""
+        data = self.to_profile().to_dict()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)
+
+    def to_profile(self) -> Profile:
+        return Profile(timings=dict(sorted(self.timings.items())),
+                       links=[m for _, m in sorted(self.links.items())],
+                       source=str(self.path))
