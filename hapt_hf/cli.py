@@ -7,6 +7,10 @@
 A user mistake (a wrong cluster file, an unknown model, a hand-edited plan that does not add up,
 a model that fits nowhere) ends with one line ``hapt-hf: error: <message>`` on stderr and exit
 code 2; nothing is written unless planning succeeded.
+
+Length: over 400 lines because ``plan`` and ``simulate`` resolve the same job (flags, then the
+cluster file's ``job:``: model, batch, precision, attention) and check a hand-edited plan
+against it; the resolution and the checks are shared, so they stay in the one module.
 """
 from __future__ import annotations
 
@@ -31,7 +35,6 @@ DEMO_CLUSTER = "v100x8_a100x4"
 DEMO_MODEL = "gpt2"
 DEMO_SEQ_LEN = 1024
 DEMO_GLOBAL_BATCH = 64
-DEFAULT_DTYPE = "fp16"  # what GPUs train in; a job may say fp32 or bf16
 
 
 class UsageError(ValueError):
@@ -49,6 +52,8 @@ class JobInputs:
     global_batch_size: int
     cluster_source: str
     """The file the cluster came from, or ``built-in <name>``."""
+    precision: Any = None
+    """The job's Precision, resolved on the cluster's devices (with why it was chosen)."""
 
 
 # -- resolving the inputs ----------------------------------------------------------------------
@@ -70,13 +75,14 @@ def load_cluster(name_or_path: str | None) -> tuple[Cluster, str]:
     return Cluster.load(builtin_cluster_path(name)), f"built-in {name}"
 
 
-def _model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str) -> ModelSpec:
+def _model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str,
+                attn: str | None = None) -> ModelSpec:
+    from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
     from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
 
-    if isinstance(model, dict):
-        return ModelSpec.from_job_dict(model, seq_len=seq_len, dtype=dtype)
-    if isinstance(model, str) and model:
-        return ModelSpec.from_name_or_path(model, seq_len=seq_len, dtype=dtype)
+    if (isinstance(model, str) and model) or isinstance(model, dict):
+        return ModelSpec.from_job_model(model, seq_len, dtype,
+                                        attn or DEFAULT_ATTN_IMPLEMENTATION)
     raise ModelSpecError(f"no model given: pass --model NAME_OR_PATH or set job.model in {where}")
 
 
@@ -105,9 +111,18 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
+def _precision_flag(precision: str | None, dtype: str | None) -> str | None:
+    """--precision, or the older --dtype (the same setting under its former name)."""
+    if precision is not None and dtype is not None and precision != dtype:
+        raise UsageError(f"--precision {precision} and --dtype {dtype} disagree; give "
+                         "--precision only (--dtype is its older name)")
+    return precision or dtype
+
+
 def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: int | None = None,
                 global_batch: int | None = None, dtype: str | None = None,
-                profile_store: str | None = None) -> JobInputs:
+                profile_store: str | None = None, precision: str | None = None,
+                attn_implementation: str | None = None) -> JobInputs:
     """Flags first, then the cluster file's ``job:``; with no cluster at all, the demo job."""
     cluster, source = load_cluster(cluster_arg)
     job = cluster.job
@@ -123,10 +138,11 @@ def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: i
     for flag, value in (("--seq-len", seq), ("--global-batch", gbs)):
         if int(value) < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
-    dt = _first(dtype, job.dtype, DEFAULT_DTYPE)
-    spec = _model_spec(model_arg, int(seq), dt, source)
+    prec = cluster.precision(_first(_precision_flag(precision, dtype), job.precision))
+    spec = _model_spec(model_arg, int(seq), prec.compute, source,
+                       _first(attn_implementation, job.attn_implementation))
     cluster, profile = _load_profile(cluster, spec, profile_store)
-    return JobInputs(cluster, spec, profile, int(gbs), source)
+    return JobInputs(cluster, spec, profile, int(gbs), source, prec)
 
 
 def capacities_gb(cluster: Cluster) -> dict[str, float]:
@@ -154,7 +170,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     job = resolve_job(args.cluster, model=args.model, seq_len=args.seq_len,
                       global_batch=args.global_batch, dtype=args.dtype,
-                      profile_store=args.profile)
+                      profile_store=args.profile, precision=args.precision,
+                      attn_implementation=args.attn_implementation)
     note = sys.stderr if args.json else sys.stdout
     if args.cluster is None:
         print(f"no --cluster given: planning {job.model.name} on the {job.cluster_source} "
@@ -184,6 +201,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         plan.save(args.output)
     _emit(report, plan, args.json)
+    print(f"precision: {job.precision.describe()}; attention: {plan.attn_implementation}",
+          file=note)
     written = [str(p) for p in (args.output, args.timeline) if p]
     if written:
         print(f"wrote {', '.join(written)}", file=note)
@@ -228,7 +247,7 @@ def _model_for(plan: Plan, model: ModelSpec, where: str) -> ModelSpec:
 def _spec_or_none(model: str | dict | None, plan: Plan) -> ModelSpec | None:
     from hapt_hf.planner.model_spec import ModelSpecError
     try:
-        return _model_spec(model, plan.seq_len, plan.dtype, "")
+        return _model_spec(model, plan.seq_len, plan.dtype, "", plan.attn_implementation)
     except ModelSpecError:
         return None
 
@@ -260,7 +279,8 @@ def _replayed_model(plan: Plan, where: str, flag: str | None, job_model: Any) ->
     if planned is None or flag is None:
         return flag if planned is None else name
     if flag != plan.model_name and not _same_model(
-            _model_spec(flag, plan.seq_len, plan.dtype, where), planned):
+            _model_spec(flag, plan.seq_len, plan.dtype, where, plan.attn_implementation),
+            planned):
         raise UsageError(f"--model {flag!r} is not the model {where} was made for "
                          f"({plan.model_name!r}); leave --model out to replay the plan's model, "
                          f"or re-plan for {flag!r}")
@@ -276,8 +296,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     cluster, _ = load_cluster(args.cluster)
     model_arg = _replayed_model(plan, args.plan, args.model, cluster.job.model)
     job = resolve_job(args.cluster, model=model_arg, seq_len=plan.seq_len,
-                      global_batch=plan.global_batch_size, dtype=plan.dtype,
-                      profile_store=args.profile)
+                      global_batch=plan.global_batch_size, precision=plan.dtype,
+                      profile_store=args.profile,
+                      attn_implementation=plan.attn_implementation)
     model = _model_for(plan, job.model, args.plan)
     if model.num_layers != plan.num_layers:
         raise PlanError(f"model.num_layers is {plan.num_layers} in {args.plan} but "
@@ -344,8 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample; default job.seq_len")
     p.add_argument("--global-batch", type=int, metavar="N",
                    help="samples per optimizer step; default job.global_batch_size")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="compute dtype (weights and optimizer state stay fp32); auto: bf16 "
+                        "where every GPU has it, else fp16 with dynamic loss scaling, fp32 on "
+                        "CPUs; default job.precision or auto")
     p.add_argument("--dtype", choices=("fp32", "fp16", "bf16"),
-                   help=f"training precision; default job.dtype or {DEFAULT_DTYPE}")
+                   help="older name of --precision (deprecated)")
+    p.add_argument("--attn-implementation", choices=("eager", "sdpa"),
+                   help="attention the runtime builds (eager keeps the s x s probabilities); "
+                        "default job.attn_implementation or sdpa")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "h1f1b"), default="h1f1b",
                    help="pipeline schedule (default h1f1b: 1F1B with per-stage warm-ups)")
     p.add_argument("--micro-batch", type=int, metavar="N",

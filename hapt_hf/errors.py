@@ -13,7 +13,7 @@ from __future__ import annotations
 
 __all__ = [
     "HaptError", "ModelSpecError", "UnsupportedModel", "ClusterError", "ProfileError",
-    "PlanError", "PlanningError", "ScheduleError", "CostModelError", "ConfigError",
+    "PlanError", "PlanningError", "PrecisionError", "ScheduleError", "CostModelError", "ConfigError",
     "StageBuildError", "CheckpointError", "DataError",
 ]
 
@@ -44,6 +44,10 @@ class PlanError(HaptError):
 
 class PlanningError(HaptError):
     """No plan is possible for the job, or a planner option is wrong."""
+
+
+class PrecisionError(PlanningError):
+    """A precision that is unknown, or that a device of the job cannot compute in."""
 
 
 class ScheduleError(HaptError):

@@ -1,12 +1,18 @@
 """Defaults that more than one layer of hapt_hf must agree on."""
 from __future__ import annotations
 
-__all__ = ["GRAD_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "DEFAULT_JOB_DTYPE"]
+__all__ = ["GRAD_BUCKET_BYTES", "DEFAULT_TIMEOUT_S", "ATTN_IMPLEMENTATIONS",
+           "DEFAULT_ATTN_IMPLEMENTATION"]
 
 GRAD_BUCKET_BYTES = 25 * 2**20
 """Gradient all-reduce bucket size (PyTorch DDP's default): the runtime's buckets and the
 cost model's estimate of how the all-reduce overlaps the last backward."""
 DEFAULT_TIMEOUT_S = 300.0
 """How long a rank waits for the others before the job ends with a message."""
-DEFAULT_JOB_DTYPE = "fp16"
-"""The precision a job is planned in when neither the command line nor ``job:`` names one."""
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+"""transformers' attention implementations a job may run: ``eager`` keeps the s x s attention
+probabilities for the backward, ``sdpa`` (fused scaled-dot-product kernels) keeps a per-row
+log-sum-exp instead."""
+DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+"""What the stage builder, the profiler and the planner's memory model assume unless a job says
+otherwise: the three must agree, or the planner budgets memory the runtime does not have."""

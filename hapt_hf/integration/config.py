@@ -5,6 +5,8 @@ A user writes one small YAML file next to their accelerate config::
     cluster: ../../hapt_hf/data/clusters/cpu_demo_4.yaml   # or `plan: plan.json`
     schedule: h1f1b
     global_batch_size: 8
+    precision: auto        # bf16 | fp16 | fp32 | auto (bf16 where every GPU has it)
+    attn_implementation: sdpa   # or eager; the planner budgets the memory of the one chosen
     planner: {}            # extra PlannerOptions fields, passed through
 
 Relative paths are resolved against the directory of the hapt config, so the file can be moved
@@ -20,13 +22,14 @@ from typing import Any
 
 import yaml
 
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
+from hapt_hf.core.precision import DTYPES, PRECISIONS, canonical_precision
 from hapt_hf.planner.plan import SCHEDULES
 
 __all__ = ["HaptConfigError", "HaptPlugin", "HaptConfig", "HAPT_CONFIG_ENV",
            "resolve_hapt_config_path"]
 
 HAPT_CONFIG_ENV = "HAPT_CONFIG"
-_DTYPES = ("fp32", "fp16", "bf16")
 
 
 class HaptConfigError(ValueError):
@@ -44,7 +47,12 @@ class HaptPlugin:
         schedule: Pipeline schedule: ``gpipe``, ``1f1b`` or ``h1f1b``.
         global_batch_size: Samples per optimizer step (the whole pipeline's batch).
         seq_len: Tokens per sample; the recipes' ``--seq_len`` overrides it.
-        dtype: Dtype the planner assumes for memory and speed (``fp32`` on CPU).
+        precision: ``auto``, ``bf16``, ``fp16`` or ``fp32``: the compute dtype (weights and
+            optimizer state stay fp32). ``auto`` (the default): bf16 where every GPU of the
+            cluster has it, else fp16 with dynamic loss scaling, fp32 on CPUs.
+        dtype: Older name of ``precision``, read as the same setting.
+        attn_implementation: ``eager`` or ``sdpa`` (None: sdpa, the runtime's default); the
+            planner budgets the memory the chosen one keeps.
         planner: Extra fields of ``PlannerOptions``, passed through unchanged.
         timeout_s: How long a rank waits for the others before the job ends with a message.
         source: Where this config was read from (for messages); not a YAML key.
@@ -55,7 +63,10 @@ class HaptPlugin:
     schedule: str = field(default="h1f1b", metadata={"help": f"One of {SCHEDULES}."})
     global_batch_size: int = field(default=8, metadata={"help": "Samples per optimizer step."})
     seq_len: int | None = field(default=None, metadata={"help": "Tokens per sample."})
-    dtype: str = field(default="fp32", metadata={"help": f"One of {_DTYPES}."})
+    precision: str | None = field(default=None, metadata={"help": f"One of {PRECISIONS}."})
+    dtype: str | None = field(default=None, metadata={"help": "Older name of precision."})
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": f"One of {ATTN_IMPLEMENTATIONS}; default sdpa."})
     planner: dict[str, Any] = field(default_factory=dict,
                                     metadata={"help": "Extra PlannerOptions fields."})
     timeout_s: float = field(default=300.0, metadata={"help": "Seconds before a stuck job ends."})
@@ -81,15 +92,32 @@ class HaptPlugin:
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise HaptConfigError(f"{where}: 'seq_len' is {self.seq_len!r}; it must be an "
                                   "integer >= 2")
-        if self.dtype not in _DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise HaptConfigError(f"{where}: 'dtype' is {self.dtype!r}; use one of "
-                                  f"{', '.join(_DTYPES)}")
+                                  f"{', '.join(DTYPES)} (or 'precision', its newer name)")
+        if self.precision is not None and canonical_precision(self.precision) is None:
+            raise HaptConfigError(f"{where}: 'precision' is {self.precision!r}; use one of "
+                                  f"{', '.join(PRECISIONS)}")
+        if None not in (self.precision, self.dtype) and self.precision != self.dtype:
+            raise HaptConfigError(f"{where}: 'precision' is {self.precision!r} but 'dtype' is "
+                                  f"{self.dtype!r}; keep 'precision' only (dtype is its older "
+                                  "name)")
+        if self.attn_implementation is not None and \
+                self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise HaptConfigError(f"{where}: 'attn_implementation' is "
+                                  f"{self.attn_implementation!r}; use one of "
+                                  f"{', '.join(ATTN_IMPLEMENTATIONS)}")
         if not isinstance(self.planner, dict):
             raise HaptConfigError(f"{where}: 'planner' must be a mapping of PlannerOptions "
                                   f"fields, got {type(self.planner).__name__}")
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise HaptConfigError(f"{where}: 'timeout_s' is {self.timeout_s!r}; it must be a "
                                   "positive number of seconds")
+
+    @property
+    def requested_precision(self) -> str | None:
+        """What the config asks for under either name; None: auto."""
+        return self.precision or self.dtype
 
     # -- reading ------------------------------------------------------------------------------
     @classmethod

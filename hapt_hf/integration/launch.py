@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.integration.config import HaptPlugin
 from hapt_hf.pipeline.families import supported_model_types
 from hapt_hf.planner.plan import Plan, PlanError
@@ -148,14 +149,30 @@ def _check_plan_against_cluster(plan: Plan, plugin: HaptPlugin) -> None:
                         "only one of 'plan' and 'cluster', or re-plan on this cluster")
 
 
+def _check_plan_against_settings(plan: Plan, plugin: HaptPlugin) -> None:
+    """A ready plan runs with its own precision and attention: one the config sets otherwise
+    cannot be honoured."""
+    asked = plugin.requested_precision
+    if asked not in (None, "auto") and asked != plan.dtype:
+        raise PlanError(f"{plugin.source}: precision {asked!r} but the plan {str(plugin.plan)!r} "
+                        f"was made for {plan.dtype}; remove 'precision' or re-plan")
+    if plugin.attn_implementation not in (None, plan.attn_implementation):
+        raise PlanError(f"{plugin.source}: attn_implementation {plugin.attn_implementation!r} "
+                        f"but the plan {str(plugin.plan)!r} budgets memory for "
+                        f"{plan.attn_implementation!r}; remove it or re-plan")
+
+
 def _plan_from_cluster(plugin: HaptPlugin, model_config: Any, seq_len: int) -> Plan:
     from hapt_hf.planner.cluster import Cluster
     from hapt_hf.planner.model_spec import ModelSpec
     from hapt_hf.planner.search import PlannerOptions, plan_job
 
     name = Path(str(getattr(model_config, "_name_or_path", "") or model_config.model_type)).name
-    spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=plugin.dtype, name=name)
     cluster = Cluster.load(plugin.cluster)
+    precision = cluster.precision(plugin.requested_precision)
+    spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=precision.compute, name=name,
+                                 attn_implementation=plugin.attn_implementation
+                                 or DEFAULT_ATTN_IMPLEMENTATION)
     try:
         # YAML gives lists where PlannerOptions keeps tuples (it is frozen and hashable).
         extra = {k: tuple(v) if isinstance(v, list) else v for k, v in plugin.planner.items()}
@@ -171,6 +188,7 @@ def _plan_on_rank0(plugin: HaptPlugin, model_config: Any, seq_len: int) -> dict[
     try:
         if plugin.plan is not None:
             plan = Plan.load(plugin.plan)
+            _check_plan_against_settings(plan, plugin)
             if plugin.cluster is not None:
                 _check_plan_against_cluster(plan, plugin)
         else:

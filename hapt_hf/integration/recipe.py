@@ -149,8 +149,8 @@ def _verify(trainer, runtime, rows: torch.Tensor, output_dir: Path, rank: int) -
         return
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(output_dir),
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(output_dir), attn_implementation=trainer.plan.attn_implementation).eval()
     with torch.no_grad():
         ref = model(input_ids=batch).logits.float()
     diff = (ref - logits).abs().max().item()
@@ -197,9 +197,9 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
 
     training_args = _training_args(args, plan, args.output_dir)
-    # The hapt config's dtype is the one precision setting: fp16/bf16 autocast on GPUs
-    # (the runtime ignores it on CPU, where the demo trains in fp32).
-    autocast = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plugin.dtype)
+    # The plan's precision (the hapt config's, resolved on the cluster) is the one setting:
+    # fp16/bf16 autocast on GPUs (the runtime ignores it on CPU, where the demo trains in fp32).
+    autocast = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.dtype)
     runtime = PipelineRuntime(plan, model_config, RuntimeConfig(
         timeout_s=plugin.timeout_s, seed=args.seed, autocast_dtype=autocast,
         checkpoint_dir=str(weights_dir) if weights_dir else None))

@@ -162,7 +162,8 @@ class PipelineRuntime:
         self.stage = build_stage(model_config, self.stage_plan.layers, seed=config.seed,
                                  checkpoint_dir=config.checkpoint_dir, device=self.device,
                                  recompute=self.stage_plan.recompute,
-                                 layer_unit=plan.layer_unit)
+                                 layer_unit=plan.layer_unit,
+                                 attn_implementation=plan.attn_implementation)
         self.hidden_size = int(model_config.hidden_size)
         self._tied = list(self.stage.tied_parameters())
         self._dp_group, self._tied_group = self._make_groups(model_config)

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, BlockPart, block_parts, num_layers
 from hapt_hf.errors import HaptError, StageBuildError
 from hapt_hf.pipeline import checkpoint_io
@@ -161,7 +162,7 @@ def build_stage(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     recompute: bool = False,
-    attn_implementation: str = "eager",
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     layer_unit: str = BLOCK,
 ) -> PipelineStage:
     """Build one rank's stage: built on meta, pruned to the stage, then materialised.
@@ -169,12 +170,15 @@ def build_stage(
     With `checkpoint_dir`, only the stage's tensors are read from the safetensors checkpoint.
     Otherwise the stage's weights equal, bit for bit, the same layers of
     `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)` (seed None: the current
-    RNG state is used as is). `attn_implementation` must match the reference the stage is compared
-    with ("eager" by default). `layer_unit="half"` reads `layer_range` over the sequence with every
-    block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]`.
+    RNG state is used as is). `attn_implementation` ("sdpa" by default, as the planner budgets)
+    must match the reference the stage is compared with. `layer_unit="half"` reads `layer_range`
+    over the sequence with every block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]`.
     """
     adapter = _adapter(config)
     _check_unit(layer_unit, adapter)
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise StageBuildError(f"attn_implementation {attn_implementation!r} is not supported; "
+                              f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
     span = _check_range(layer_range, config, layer_unit)
     config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
     config._attn_implementation = attn_implementation

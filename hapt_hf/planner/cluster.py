@@ -7,18 +7,23 @@ File format (YAML; bandwidths in gigabits per second, latencies in microseconds)
                                         # `sailor`: the measurements shipped in hapt_hf/data
     groups:
       - name: v100
-        gpu: V100-32                    # catalogue name; tflops:, memory_gb: override it, and
-        nodes: 1                        # an unknown name is accepted when both are given
+        gpu: V100-32                    # catalogue name; tflops:, memory_gb:, bf16: override
+        nodes: 1                        # it; an unknown name is accepted with tflops, memory_gb
         gpus_per_node: 8
         intra_node: {bandwidth_gbps: 200, latency_us: 10}
         inter_node: {bandwidth_gbps: 100, latency_us: 20}
     links:                              # between groups; a pair with no link cannot be neighbours
       - {between: [v100, a100], bandwidth_gbps: 5, latency_us: 1000}
-    job: {model: gpt2, seq_len: 1024, global_batch_size: 64, dtype: fp16}   # optional
+    job: {model: gpt2, seq_len: 1024, global_batch_size: 64,     # optional
+          precision: auto, attn_implementation: sdpa}
 
 A group that omits ``intra_node`` gets ``DEFAULT_INTRA_NODE`` (100 Gb/s, 10 us: PCIe-class, no
 NVLink) and one that omits ``inter_node`` gets ``DEFAULT_INTER_NODE`` (25 Gb/s, 20 us: a common
 datacentre Ethernet NIC), so a file left vague does not make links look faster than they are.
+
+Length: over 400 lines because every section of the file (groups, links, job, profiles) is
+parsed field by field, so that each message names its field; the parsers share one set of
+checks (``_positive``, ``_no_unknown_keys``) and stay beside the records they fill.
 """
 from __future__ import annotations
 
@@ -29,11 +34,12 @@ from typing import Any
 import yaml
 
 from hapt_hf.core.data import BUILTIN_PROFILES, CLUSTERS_DIR
-from hapt_hf.core.precision import DTYPES
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
+from hapt_hf.core.precision import AUTO, PRECISIONS, Precision, canonical_precision, resolve_precision
 from hapt_hf.core.ranks import first_ranks
 from hapt_hf.errors import ClusterError
 
-from .catalogue import GpuType, find_gpu, known_gpu_names
+from .catalogue import GpuType, find_gpu, known_gpu_names, looks_like_cpu
 
 __all__ = ["ClusterError", "GpuType", "LinkSpec", "GpuGroup", "GroupLink", "JobSpec", "Cluster",
            "builtin_cluster_path", "builtin_cluster_names"]
@@ -82,7 +88,15 @@ class JobSpec:
     model: dict | str | None = None
     seq_len: int | None = None
     global_batch_size: int | None = None
-    dtype: str | None = None
+    precision: str | None = None
+    """'auto' | 'bf16' | 'fp16' | 'fp32' (``dtype:`` is read as a deprecated alias)."""
+    attn_implementation: str | None = None
+    """'eager' | 'sdpa'; None: the runtime's default."""
+
+    @property
+    def dtype(self) -> str | None:
+        """The older name of ``precision``: the compute dtype it names, None for auto/unset."""
+        return None if self.precision in (None, AUTO) else self.precision
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,13 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return sum(g.size for g in self.groups)
+
+    def precision(self, requested: str | None = None) -> Precision:
+        """The precision a job asking for ``requested`` (None: auto) runs in on every device
+        of this cluster (see :func:`hapt_hf.core.precision.resolve_precision`)."""
+        devices = {g.gpu.name: g.gpu.bf16 for g in self.groups}
+        cpus = {g.gpu.name for g in self.groups if g.gpu.is_cpu}
+        return resolve_precision(requested, devices, cpus)
 
     def group(self, name: str) -> GpuGroup:
         for g in self.groups:
@@ -185,8 +206,8 @@ class Cluster:
 
 # --- parsing, one field at a time so every message can name its field ------------------------
 
-_GROUP_KEYS = {"name", "gpu", "tflops", "memory_gb", "nodes", "gpus_per_node", "intra_node",
-               "inter_node"}
+_GROUP_KEYS = {"name", "gpu", "tflops", "memory_gb", "bf16", "nodes", "gpus_per_node",
+               "intra_node", "inter_node"}
 
 
 def _no_unknown_keys(d: dict, known: set[str], where: str) -> None:
@@ -226,6 +247,10 @@ def _parse_gpu(d: dict, where: str) -> GpuType:
                            f"{', '.join(known_gpu_names())})")
     tflops = _positive(d["tflops"], f"{where}.tflops") if "tflops" in d else None
     memory = _positive(d["memory_gb"], f"{where}.memory_gb") if "memory_gb" in d else None
+    bf16 = d.get("bf16")
+    if bf16 is not None and not isinstance(bf16, bool):
+        raise ClusterError(f"{where}.bf16 must be true or false (whether the GPU computes in "
+                           f"bfloat16), got {bf16!r}")
     known = find_gpu(name)
     if known is None:
         if tflops is None or memory is None:
@@ -233,9 +258,12 @@ def _parse_gpu(d: dict, where: str) -> GpuType:
                 f"{where}.gpu: unknown GPU type {name!r}; use one of "
                 f"{', '.join(known_gpu_names())}, or give both tflops: (peak dense fp16/bf16 "
                 f"TFLOP/s) and memory_gb: for it")
-        return GpuType(name, float(tflops), float(memory))
+        cpu = looks_like_cpu(name)
+        return GpuType(name, float(tflops), float(memory), bf16=True if cpu else bf16,
+                       is_cpu=cpu)
     return GpuType(known.name, float(tflops if tflops is not None else known.tflops),
-                   float(memory if memory is not None else known.memory_gb), known.profile_names)
+                   float(memory if memory is not None else known.memory_gb), known.profile_names,
+                   known.bf16 if bf16 is None else bf16, known.is_cpu)
 
 
 def _parse_groups(raw) -> tuple[GpuGroup, ...]:
@@ -315,8 +343,10 @@ def _parse_job(raw) -> JobSpec:
     if raw is None:
         return JobSpec()
     if not isinstance(raw, dict):
-        raise ClusterError("job: must be a mapping {model, seq_len, global_batch_size, dtype}")
-    _no_unknown_keys(raw, {"model", "seq_len", "global_batch_size", "dtype"}, "job")
+        raise ClusterError("job: must be a mapping {model, seq_len, global_batch_size, "
+                           "precision, attn_implementation}")
+    _no_unknown_keys(raw, {"model", "seq_len", "global_batch_size", "precision", "dtype",
+                           "attn_implementation"}, "job")
     model = raw.get("model")
     if model is not None and not isinstance(model, (str, dict)):
         raise ClusterError("job.model must be a model name, a path or a mapping "
@@ -324,12 +354,28 @@ def _parse_job(raw) -> JobSpec:
     for k in ("seq_len", "global_batch_size"):
         if raw.get(k) is not None:
             _positive(raw[k], f"job.{k}", integer=True)
-    dtype = raw.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise ClusterError(f"job.dtype {dtype!r} is not known; use one of "
-                           f"{', '.join(DTYPES)}")
+    attn = raw.get("attn_implementation")
+    if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
+        raise ClusterError(f"job.attn_implementation {attn!r} is not known; use one of "
+                           f"{', '.join(ATTN_IMPLEMENTATIONS)}")
     return JobSpec(model=model, seq_len=raw.get("seq_len"),
-                   global_batch_size=raw.get("global_batch_size"), dtype=dtype)
+                   global_batch_size=raw.get("global_batch_size"),
+                   precision=_job_precision(raw), attn_implementation=attn)
+
+
+def _job_precision(raw: dict) -> str | None:
+    """``job.precision``, or the older ``job.dtype`` read as the same setting."""
+    given = {k: raw[k] for k in ("precision", "dtype") if raw.get(k) is not None}
+    for key, value in given.items():
+        if canonical_precision(value) is None:
+            raise ClusterError(f"job.{key} {value!r} is not known; use one of "
+                               f"{', '.join(PRECISIONS)}")
+    names = {canonical_precision(v) for v in given.values()}
+    if len(names) > 1:
+        raise ClusterError(f"job.precision {given['precision']!r} and job.dtype "
+                           f"{given['dtype']!r} disagree; keep precision only (dtype is its "
+                           "older name)")
+    return names.pop() if names else None
 
 
 def _parse_profiles(raw, base_dir: Path | None) -> Path | None:
@@ -355,9 +401,12 @@ def _link_dict(l: LinkSpec) -> dict[str, float]:
 
 
 def _group_dict(g: GpuGroup) -> dict[str, Any]:
-    return {"name": g.name, "gpu": g.gpu.name, "tflops": g.gpu.tflops,
-            "memory_gb": g.gpu.memory_gb, "nodes": g.nodes, "gpus_per_node": g.gpus_per_node,
-            "intra_node": _link_dict(g.intra_node), "inter_node": _link_dict(g.inter_node)}
+    out = {"name": g.name, "gpu": g.gpu.name, "tflops": g.gpu.tflops,
+           "memory_gb": g.gpu.memory_gb, "nodes": g.nodes, "gpus_per_node": g.gpus_per_node,
+           "intra_node": _link_dict(g.intra_node), "inter_node": _link_dict(g.inter_node)}
+    if g.gpu.bf16 is not None:
+        out["bf16"] = g.gpu.bf16
+    return out
 
 
 # --- built-in cluster files ----------------------------------------------------------------

@@ -20,9 +20,14 @@ Conventions:
   reverse layer order (each layer at the end of its own backward), a bucket goes on the replica
   link once its last byte is final and the link is free, one bucket after another. Only what
   runs past the end of the last backward adds to the iteration.
-* Memory per GPU: weights, gradients and Adam state take :data:`STATE_BYTES_PER_PARAM` bytes per
-  parameter, plus the activations kept for every micro-batch in flight, plus one layer's working
-  set. Recompute keeps only the blocks' inputs and pays one more forward in the backward.
+* Memory per GPU: fp32 weights, fp32 gradients and Adam state take :data:`STATE_BYTES_PER_PARAM`
+  (16) bytes per parameter in every precision, plus, for every micro-batch in flight, what its
+  layers keep for the backward (``act_keep_bytes`` per sample and ``act_keep_fixed_bytes``:
+  autocast's 16-bit weight copies), plus one layer's working set. Recompute keeps only the
+  blocks' inputs and pays one more forward in the backward.
+* Activations and their gradients cross stage boundaries at the compute dtype
+  (``act_out_bytes``); the data-parallel all-reduce moves the fp32 weight gradients
+  (:data:`~hapt_hf.core.precision.MASTER_BYTES` per parameter).
 
 Length: over 400 lines because every figure of a stage (time, transfer, all-reduce, memory) is
 priced from the same cached per-group layer tables of one :class:`CostModel`; the conventions
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
-from hapt_hf.core.precision import DTYPE_BYTES, DTYPES
+from hapt_hf.core.precision import MASTER_BYTES, STATE_BYTES_PER_PARAM
 from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
@@ -50,10 +55,8 @@ __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
 
-STATE_BYTES_PER_PARAM = dict.fromkeys(DTYPES, 16)
-"""Training state per parameter with Adam. Mixed precision (fp16/bf16): 2 (half weights) + 2
-(half gradients) + 4 (fp32 master weights) + 8 (fp32 Adam moments) = 16. Pure fp32: 4 (weights)
-+ 4 (gradients) + 8 (Adam moments) = 16. Both are 16, as in the ZeRO paper's accounting."""
+# STATE_BYTES_PER_PARAM (hapt_hf.core.precision): fp32 weights + fp32 gradients + two fp32 Adam
+# moments = 16 bytes, in every precision: 16-bit compute is autocast over the fp32 weights.
 
 # GRAD_BUCKET_BYTES (hapt_hf.core.defaults, DDP's ``bucket_cap_mb=25``): the runtime closes a
 # bucket once it holds at least this many bytes and all-reduces it as soon as the last backward
@@ -245,6 +248,10 @@ class CostModel:
         self.keep = _prefix(l.act_keep_bytes for l in layers)
         self.keep_rc = _prefix(l.act_in_bytes if b else l.act_keep_bytes
                                for l, b in zip(layers, self._is_block))
+        # per micro-batch whatever its size; a recomputed block keeps no weight copies
+        self.fixed = _prefix(l.act_keep_fixed_bytes for l in layers)
+        self.fixed_rc = _prefix(0.0 if b else l.act_keep_fixed_bytes
+                                for l, b in zip(layers, self._is_block))
         # running maximum of act_keep from each start layer: one layer's working set in O(1)
         self._keep_max = []
         for a in range(len(layers)):
@@ -253,8 +260,8 @@ class CostModel:
                 run = max(run, l.act_keep_bytes)
                 row.append(run)
             self._keep_max.append(row)
-        self.grad_dtype_bytes = DTYPE_BYTES.get(model.dtype, 4)
-        self.state_bytes = STATE_BYTES_PER_PARAM.get(model.dtype, 16)
+        self.grad_dtype_bytes = MASTER_BYTES  # weight gradients are fp32 in every precision
+        self.state_bytes = STATE_BYTES_PER_PARAM
 
     # -- lookups ---------------------------------------------------------------------------
     def group(self, name: str) -> GpuGroup:
@@ -323,8 +330,10 @@ class CostModel:
         return (self.params[b] - self.params[a]) * self.state_bytes
 
     def activation_bytes(self, samples: int, a: int, b: int, recompute: bool = False) -> float:
+        """What one micro-batch of ``samples`` keeps in layers [a, b) until its backward."""
         pre = self.keep_rc if recompute else self.keep
-        return samples * (pre[b] - pre[a])
+        fixed = self.fixed_rc if recompute else self.fixed
+        return samples * (pre[b] - pre[a]) + fixed[b] - fixed[a]
 
     def working_bytes(self, samples: int, a: int, b: int) -> float:
         return samples * self._keep_max[a][b - a - 1]
@@ -341,8 +350,10 @@ class CostModel:
         pre = self._mem_prefix.get(key)
         if pre is None:
             keep = self.keep_rc if recompute else self.keep
+            fixed = self.fixed_rc if recompute else self.fixed
             st = self.state_bytes
-            pre = [p * st + in_flight * samples * k for p, k in zip(self.params, keep)]
+            pre = [p * st + in_flight * (samples * k + f)
+                   for p, k, f in zip(self.params, keep, fixed)]
             self._mem_prefix[key] = pre
         return pre
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hapt_hf.core.defaults import DEFAULT_JOB_DTYPE
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.core.precision import Precision
 from hapt_hf.errors import ClusterError
 
 from .cluster import Cluster
@@ -28,6 +29,8 @@ class Job:
     global_batch_size: int
     profile: Profile | None
     """The measured figures the cluster file's ``profiles:`` names, or None."""
+    precision: Precision
+    """``job.precision`` resolved on the cluster's devices (``model.dtype`` is its compute)."""
 
 
 def load_job(path: str | os.PathLike) -> Job:
@@ -38,5 +41,7 @@ def load_job(path: str | os.PathLike) -> Job:
     if missing:
         raise ClusterError(f"{path}: job.{missing[0]} is missing; a job file names the model, "
                            "seq_len and global_batch_size under 'job:'")
-    model = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype or DEFAULT_JOB_DTYPE)
-    return Job(cluster, model, job.global_batch_size, cluster_profile(cluster, model))
+    precision = cluster.precision(job.precision)
+    model = ModelSpec.from_job_model(job.model, job.seq_len, precision.compute,
+                                     job.attn_implementation or DEFAULT_ATTN_IMPLEMENTATION)
+    return Job(cluster, model, job.global_batch_size, cluster_profile(cluster, model), precision)

@@ -8,19 +8,32 @@ The sequence is ``[embedding, block_0 .. block_{N-1}, head]``:
   head owns no copy of the embedding matrix, so ``total_params`` equals the model's parameter
   count; the head's FLOPs still include the vocabulary projection.
 
-Conventions (per sample = one sequence of ``seq_len`` tokens):
+Conventions (per sample = one sequence of ``seq_len`` tokens; ``dtype`` is the compute dtype):
 
-- FLOPs: ``2 * seq_len * (weights of every matmul applied to each token)`` plus, per block,
-  ``4 * seq_len**2 * attention_width`` for the score and context matmuls. The causal half is NOT
-  subtracted: dense kernels compute the whole square. Backward = 2x forward.
-- Activation memory kept for backward: the breakdown of Korthikanti et al., "Reducing Activation
-  Recomputation in Large Transformer Models" (2022), ``34*s*h + 5*a*s**2`` bytes at 16-bit, with
-  each tensor counted at the model's dtype, the MLP at its real width (SwiGLU keeps 4 tensors of
-  the intermediate width), what transformers' modules keep beyond the paper's fused kernels
-  (RMSNorm's normalised copy, the Python-written ``gelu_new``), and 1-byte dropout masks only
-  where the config's dropout is on. The ``5*a*s**2`` score terms are kept only with
-  ``eager_attention=True``: SDPA's fused kernels keep a per-row fp32 log-sum-exp instead. The
-  tests hold the estimate to within 10% of what autograd saves for a block on CPU.
+- FLOPs: ``2 * seq_len * (weights of every matmul applied to each token)`` plus, per block, the
+  score and context matmuls: ``eager`` computes the whole ``4 * seq_len**2 * attention_width``
+  square (backward 2x); ``sdpa``'s fused causal kernels skip the masked half (``2 * s**2 * aw``)
+  and recompute the scores in the backward (``5 * s**2 * aw``). Everything else: backward = 2x
+  forward.
+- Precision as the runtime trains (:mod:`hapt_hf.core.precision`): weights, gradients and Adam
+  state in fp32 (16 bytes per parameter), compute in ``dtype`` under autocast. The residual
+  stream, the norms (autocast runs them in fp32) and the loss's log-softmax stay fp32; matmul
+  inputs and outputs, Q/K/V and the MLP's tensors are ``dtype``. With a 16-bit ``dtype`` each
+  linear keeps its own cast of an fp32 input (LLaMA's q, k, v each), and every micro-batch in
+  flight keeps autocast's 16-bit copies of the layer's matmul weights
+  (``LayerSpec.act_keep_fixed_bytes``, whatever the micro-batch size).
+- Activation memory kept for backward: the tensor-by-tensor breakdown of Korthikanti et al.,
+  "Reducing Activation Recomputation in Large Transformer Models" (2022), with each tensor at
+  the dtype above, the MLP at its real width (SwiGLU keeps 4 tensors of the intermediate width),
+  what transformers' modules keep beyond the paper's fused kernels (RMSNorm's normalised copy,
+  the Python-written ``gelu_new``) and 1-byte dropout masks where the config's dropout is on
+  (GPU kernels; PyTorch's CPU dropout keeps wider masks). ``eager`` attention keeps the s x s
+  probabilities (fp32 softmax output, plus its 16-bit copy under autocast, plus dropout mask and
+  output); ``sdpa`` keeps a per-row fp32 log-sum-exp instead, and an s x s fp32 mask per block
+  where a sliding window shorter than ``seq_len`` makes the mask explicit. tests/planner/
+  test_memory_model.py holds every family to within 10% of what autograd saves on CPU.
+- Bytes sent to the next stage (``act_out_bytes``) are at the compute dtype; what a stage keeps
+  of its input for recompute (``act_in_bytes``) is the fp32 residual stream.
 
 Half blocks (HAPT's fine-grained layers, :meth:`ModelSpec.split_blocks`): each block becomes an
 attention half (input norm, attention, residual) and an MLP half (post-attention norm, MLP,
@@ -40,9 +53,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
 from hapt_hf.core.layers import BLOCK, HALF, num_layers
-from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, canonical_dtype
+from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, MASTER_BYTES, canonical_dtype
 from hapt_hf.errors import ModelSpecError, UnsupportedModel
 
 from .model_configs import (BUILTIN_MODELS, HUB_ALIASES, PROFILE_NAMES, config_from_job_dict,
@@ -82,6 +96,10 @@ class LayerSpec:
     """Bytes per sample this layer keeps alive for its backward pass."""
     act_in_bytes: float = 0.0
     """Bytes per sample of this layer's input (what recompute keeps instead of act_keep)."""
+    act_keep_fixed_bytes: float = 0.0
+    """Bytes per micro-batch in flight, whatever its size, kept for the backward: autocast's
+    16-bit copies of the layer's matmul weights (0 in fp32; recompute keeps none), and GPT-2's
+    position ids, one row for the whole micro-batch."""
     profile_signature: str = ""
     """For a block half: the whole block's signature, looked up when a profile has no entry
     for the half itself; '' otherwise."""
@@ -122,6 +140,20 @@ class _Shape:
     """Tensors of the MLP width the activation keeps beyond its input (HF's gelu_new: 3)."""
     max_positions: int | None
     """Learned position table size (gpt2/opt): seq_len may not exceed it; None for RoPE."""
+    attn_inputs: int = 1
+    """Linears that read the attention norm's output (fused QKV: 1; q, k, v apart: 3): under
+    autocast each keeps its own 16-bit cast of it."""
+    mlp_inputs: int = 1
+    """Linears that read the MLP norm's output (SwiGLU's gate and up: 2)."""
+    rms_norm: bool = False
+    """RMSNorm (keeps its input and the normalised copy) instead of LayerNorm (its input)."""
+    position_ids: str = ""
+    """Learned positions' indices the embedding keeps: 'per_batch' (one row per micro-batch,
+    GPT-2), 'per_sample' (OPT, from the attention mask) or '' (RoPE: none)."""
+    final_norm: bool = True
+    """The head starts with a norm (OPT with post-norm blocks has none)."""
+    sliding_window: int | None = None
+    """Attention window shorter than the model's reach (Mistral), or None."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +171,7 @@ class ModelSpec:
     seq_len: int
     """Tokens per sample the per-layer figures assume."""
     dtype: str
-    """'fp32' | 'fp16' | 'bf16': bytes per activation element and per parameter."""
+    """'fp32' | 'fp16' | 'bf16': the compute dtype (weights and optimizer state stay fp32)."""
     tied_embeddings: bool
     """Input embedding and LM head share one matrix (owned by the embedding layer)."""
     layers: tuple[LayerSpec, ...]
@@ -155,6 +187,8 @@ class ModelSpec:
     ``[embedding, b0.attn, b0.mlp, b1.attn, ..., head]``."""
     half_layers: tuple[LayerSpec, ...] = ()
     """The half-block sequence :meth:`split_blocks` returns; () where blocks cannot be halved."""
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
+    """'eager' | 'sdpa': the attention the runtime builds, which sets what attention keeps."""
 
     @property
     def num_layers(self) -> int:
@@ -202,13 +236,15 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config, seq_len: int, dtype: str = "fp32", name: str | None = None,
-                    profile_name: str | None = None, eager_attention: bool = False) -> "ModelSpec":
+                    profile_name: str | None = None,
+                    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
         """From a transformers ``PretrainedConfig`` (or a config path / built-in name, as
         :func:`model_config` reads them); no weights are created."""
         if isinstance(config, (str, Path)):
             name = name or str(config)
             config = model_config(config)
         dtype = _check_dtype(dtype)
+        eager_attention = _check_attn(attn_implementation) == "eager"
         family = getattr(config, "model_type", None)
         reader = _READERS.get(family)
         if reader is None:
@@ -225,30 +261,35 @@ class ModelSpec:
                    seq_len=int(seq_len), dtype=dtype, tied_embeddings=shape.tied, layers=layers,
                    num_heads=shape.heads, num_kv_heads=shape.kv_heads,
                    intermediate_size=shape.intermediate, profile_name=profile_name,
-                   half_layers=halves)
+                   half_layers=halves, attn_implementation=attn_implementation)
 
     @classmethod
-    def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32") -> "ModelSpec":
+    def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32",
+                          attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
         """A local config.json / directory holding one, or a built-in name (``BUILTIN_MODELS``)."""
         key = HUB_ALIASES.get(str(name_or_path), str(name_or_path))
         return cls.from_config(model_config(name_or_path), seq_len, dtype, name=str(name_or_path),
-                               profile_name=PROFILE_NAMES.get(key))
+                               profile_name=PROFILE_NAMES.get(key),
+                               attn_implementation=attn_implementation)
 
     @classmethod
-    def from_job_dict(cls, d: dict, seq_len: int, dtype: str) -> "ModelSpec":
+    def from_job_dict(cls, d: dict, seq_len: int, dtype: str,
+                      attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
         """From a scenario's ``job: model: {family, hidden_size, num_layers, ...}`` mapping."""
         config = config_from_job_dict(d, seq_len)
         name = d.get("name") or d.get("profile_name") or f"{d['family']}-h{d['hidden_size']}"
         return cls.from_config(config, seq_len, dtype, name=str(name),
-                               profile_name=d.get("profile_name"))
+                               profile_name=d.get("profile_name"),
+                               attn_implementation=attn_implementation)
 
     @classmethod
-    def from_job_model(cls, model: dict | str, seq_len: int, dtype: str) -> "ModelSpec":
+    def from_job_model(cls, model: dict | str, seq_len: int, dtype: str,
+                       attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
         """A ``job: model:`` value: a mapping (``from_job_dict``) or a name/path."""
         if isinstance(model, dict):
-            return cls.from_job_dict(model, seq_len, dtype)
+            return cls.from_job_dict(model, seq_len, dtype, attn_implementation)
         if isinstance(model, (str, Path)):
-            return cls.from_name_or_path(str(model), seq_len, dtype)
+            return cls.from_name_or_path(str(model), seq_len, dtype, attn_implementation)
         raise ModelSpecError(f"job.model must be a model name, a path or a mapping, "
                              f"got {type(model).__name__}")
 
@@ -264,6 +305,13 @@ def _act_extra(name: str) -> int:
     # three more tensors than a fused activation; the others are single fused kernels
     # ReLU's saved output is the very tensor the next matmul keeps, so it adds one less
     return {"gelu_new": 3, "relu": -1}.get(name, 0)
+
+
+def _sliding_window(c) -> int | None:
+    """Mistral's window, or Qwen2's where ``use_sliding_window`` turns it on."""
+    on = c.model_type == "mistral" or bool(getattr(c, "use_sliding_window", False))
+    window = getattr(c, "sliding_window", None) if on else None
+    return int(window) if window else None
 
 
 def _tied(config) -> bool:
@@ -287,7 +335,8 @@ def _gpt2_shape(c) -> _Shape:
                   attn_matmul=4 * h * h,
                   head_params=ln + (0 if tied else v * h), head_matmul=v * h,
                   gated_mlp=False, attn_dropout=c.attn_pdrop > 0, resid_dropout=c.resid_pdrop > 0,
-                  act_extra=_act_extra(c.activation_function), max_positions=c.n_positions)
+                  act_extra=_act_extra(c.activation_function), max_positions=c.n_positions,
+                  attn_inputs=1, mlp_inputs=1, position_ids="per_batch")
 
 
 def _llama_shape(c) -> _Shape:
@@ -310,7 +359,9 @@ def _llama_shape(c) -> _Shape:
                   attn_params=attn + h, attn_matmul=h * heads * hd + 2 * h * kv * hd + heads * hd * h,
                   head_params=h + (0 if tied else v * h), head_matmul=v * h,
                   gated_mlp=True, attn_dropout=getattr(c, "attention_dropout", 0) > 0,
-                  resid_dropout=False, act_extra=_act_extra(c.hidden_act), max_positions=None)
+                  resid_dropout=False, act_extra=_act_extra(c.hidden_act), max_positions=None,
+                  attn_inputs=3, mlp_inputs=2, rms_norm=True,
+                  sliding_window=_sliding_window(c))
 
 
 def _opt_shape(c) -> _Shape:
@@ -319,8 +370,8 @@ def _opt_shape(c) -> _Shape:
     ln = 2 * h if getattr(c, "layer_norm_elementwise_affine", True) else 0
     block = 4 * _linear(h, h, bias) + _linear(h, f, bias) + _linear(f, h, bias) + 2 * ln
     proj_mm = proj * h if proj != h else 0  # project_in / project_out, no bias
-    final_ln = ln if c.do_layer_norm_before and not getattr(c, "_remove_final_layer_norm", False) \
-        else 0
+    has_final_ln = c.do_layer_norm_before and not getattr(c, "_remove_final_layer_norm", False)
+    final_ln = ln if has_final_ln else 0
     tied = _tied(c)
     # learned positions carry OPT's offset of 2 extra rows
     embed = v * proj + (c.max_position_embeddings + 2) * h + proj_mm
@@ -334,7 +385,9 @@ def _opt_shape(c) -> _Shape:
                   head_matmul=proj_mm + v * proj,
                   gated_mlp=False, attn_dropout=c.attention_dropout > 0,
                   resid_dropout=c.dropout > 0, act_extra=_act_extra(c.activation_function),
-                  max_positions=c.max_position_embeddings)
+                  max_positions=c.max_position_embeddings, attn_inputs=3, mlp_inputs=1,
+                  position_ids="per_sample",
+                  final_norm=bool(has_final_ln))
 
 
 _READERS = {"gpt2": _gpt2_shape, "llama": _llama_shape, "mistral": _llama_shape,
@@ -343,75 +396,120 @@ _READERS = {"gpt2": _gpt2_shape, "llama": _llama_shape, "mistral": _llama_shape,
 
 # --- per-sample figures ---------------------------------------------------------------------
 
-def _block_keep_bytes(s: int, x: _Shape, b: int, eager_attention: bool) -> float:
-    """Korthikanti et al.'s per-block breakdown, tensor by tensor, at ``b`` bytes per element."""
-    return sum(_half_keep_bytes(s, x, b, eager_attention))
-
-
-def _half_keep_bytes(s: int, x: _Shape, b: int, eager_attention: bool) -> tuple[float, float]:
-    """(attention half, MLP half) of :func:`_block_keep_bytes`: each half has one norm and one
-    residual-dropout mask, so those split evenly."""
+def _half_keep_bytes(s: int, x: _Shape, c: int, eager: bool) -> tuple[float, float]:
+    """Bytes per sample a block keeps for its backward, as (attention half, MLP half), at ``c``
+    bytes per compute element; each half has one norm and one residual-dropout mask."""
     h, aw, kvw, i = x.hidden, x.heads * x.head_dim, x.kv_heads * x.head_dim, x.intermediate
-    # attention: QKV input, Q, K, V, out-projection input
-    attn = b * s * (h + aw + 2 * kvw + aw)
-    if eager_attention:  # softmax output, plus its dropout mask (1 B) and dropout output
-        attn += x.heads * s * s * ((2 * b + 1) if x.attn_dropout else b)
-        attn += 2 * b * s * (aw - kvw)  # grouped K/V are copied to every head before matmul
+    mixed = c != MASTER_BYTES
+    # fp32 linears share their input; under autocast each keeps its own 16-bit cast of it
+    attn = (x.attn_inputs if mixed else 1) * c * s * h
+    attn += c * s * (aw + 2 * kvw + aw)  # Q, K, V, out-projection input
+    if eager:  # fp32 softmax output, its 16-bit copy, dropout mask (1 B) and output
+        per_score = MASTER_BYTES + (c if mixed else 0) + ((1 + c) if x.attn_dropout else 0)
+        attn += x.heads * s * s * per_score
+        attn += 2 * c * s * (aw - kvw)  # grouped K/V are copied to every head before matmul
     else:  # fused kernels keep the fp32 log-sum-exp per row and head
         attn += 4 * x.heads * s
-    # MLP: input, then gate/up/act/product (SwiGLU) or fc1 output + activation output (GeLU)
-    mlp = b * s * h + ((4 if x.gated_mlp else 2) + x.act_extra) * b * s * i
-    # LayerNorm keeps its input; transformers' RMSNorm keeps its input and the normalised copy
-    norms = (4 if x.gated_mlp else 2) * b * s * h
-    masks = 2 * s * h if x.resid_dropout else 0  # attention-output and MLP-output dropout masks
-    shared = (norms + masks) / 2
-    return float(attn + shared), float(mlp + shared)
+        if x.sliding_window is not None and x.sliding_window < s:
+            attn += 4 * s * s  # the window's explicit mask, as the kernel's float mask
+    # MLP: input(s), then gate/up/act/product (SwiGLU) or fc1 output + activation (GeLU)
+    mlp = (x.mlp_inputs if mixed else 1) * c * s * h
+    mlp += ((4 if x.gated_mlp else 2) + x.act_extra) * c * s * i
+    # norms run in fp32 on the fp32 residual stream: LayerNorm keeps its input, RMSNorm its
+    # input and the normalised copy
+    norm = (2 if x.rms_norm else 1) * MASTER_BYTES * s * h
+    mask = s * h if x.resid_dropout else 0  # attention-output / MLP-output dropout mask
+    return float(attn + norm + mask), float(mlp + norm + mask)
 
 
-def _layers(x: _Shape, s: int, dtype: str, eager_attention: bool) -> tuple[LayerSpec, ...]:
-    b = DTYPE_BYTES[dtype]
-    hidden_bytes = float(b * s * x.hidden)
+def _weight_copies(matmul_weights: int, c: int) -> float:
+    """Autocast's 16-bit copies of a layer's matmul weights, kept per micro-batch in flight."""
+    return float(c * matmul_weights) if c != MASTER_BYTES else 0.0
+
+
+def _attention_flops(s: int, x: _Shape, eager: bool) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the score and context matmuls of one block."""
+    square = 4.0 * s * s * x.heads * x.head_dim
+    if eager:
+        return square, 2 * square
+    # causal fused kernels skip the masked half and recompute the scores in the backward
+    return square / 2, 1.25 * square
+
+
+def _embedding(x: _Shape, s: int, c: int, tag: str) -> LayerSpec:
+    fwd = 2.0 * s * x.embed_matmul
+    proj = x.embed_matmul // x.hidden  # OPT's project_in width (0: none)
+    # a lookup's backward needs only the indices: token ids, and position ids where learned;
+    # OPT's project_in also keeps its input
+    ids = _INDEX_BYTES * s * (2 if x.position_ids == "per_sample" else 1)
+    shared = _INDEX_BYTES * s if x.position_ids == "per_batch" else 0
+    return LayerSpec(0, "embedding", f"{x.family}-embedding:v{x.vocab}:{tag}", x.embed_params,
+                     fwd, 2 * fwd, float(c * s * x.hidden), act_keep_bytes=float(ids + c * s * proj),
+                     act_in_bytes=float(_INDEX_BYTES * s),
+                     act_keep_fixed_bytes=_weight_copies(x.embed_matmul, c) + shared)
+
+
+def _head(x: _Shape, s: int, c: int, tag: str) -> LayerSpec:
+    fwd = 2.0 * s * x.head_matmul
+    proj = x.embed_matmul // x.hidden
+    norm = (2 if x.rms_norm else 1) * MASTER_BYTES * s * x.hidden if x.final_norm else 0
+    # LM head input (after OPT's project_out, which keeps its own input), the loss's fp32
+    # log-softmax over the vocabulary, and the int64 labels
+    inputs = c * s * (x.hidden + proj if proj else x.hidden)
+    keep = norm + inputs + MASTER_BYTES * s * x.vocab + _INDEX_BYTES * s
+    return LayerSpec(1 + x.num_blocks, "head", f"{x.family}-head:v{x.vocab}:{tag}",
+                     x.head_params, fwd, 2 * fwd, 0.0, float(keep),
+                     float(MASTER_BYTES * s * x.hidden),
+                     act_keep_fixed_bytes=_weight_copies(x.head_matmul, c))
+
+
+def _layers(x: _Shape, s: int, dtype: str, eager: bool) -> tuple[LayerSpec, ...]:
+    c = DTYPE_BYTES[dtype]
     tag = f"h{x.hidden}:s{s}:{dtype}"
     attn_sig = f"a{x.heads}:kv{x.kv_heads}" + ("" if x.head_dim * x.heads == x.hidden
                                                  else f":d{x.head_dim}")
-    embed_fwd = 2.0 * s * x.embed_matmul
-    # backward of a lookup needs only the token ids; OPT's project_in also keeps its input
-    proj_in_bytes = b * s * (x.embed_matmul // x.hidden)
-    embedding = LayerSpec(0, "embedding", f"{x.family}-embedding:v{x.vocab}:{tag}",
-                          x.embed_params, embed_fwd, 2 * embed_fwd, hidden_bytes,
-                          act_keep_bytes=float(_INDEX_BYTES * s + proj_in_bytes),
-                          act_in_bytes=float(_INDEX_BYTES * s))
-    block_fwd = 2.0 * s * x.block_matmul + 4.0 * s * s * x.heads * x.head_dim
-    block_sig = f"{x.family}:h{x.hidden}:i{x.intermediate}:{attn_sig}:s{s}:{dtype}"
-    keep = _block_keep_bytes(s, x, b, eager_attention)
-    blocks = [LayerSpec(1 + k, "block", block_sig, x.block_params, block_fwd, 2 * block_fwd,
-                        hidden_bytes, keep, hidden_bytes) for k in range(x.num_blocks)]
-    head_fwd = 2.0 * s * x.head_matmul
-    # head keeps the final norm's input, OPT's project_out input, the LM head's input and the
-    # logits (model dtype + an fp32 copy for the softmax of the loss)
-    lm_in_bytes = b * s * (x.embed_matmul // x.hidden or x.hidden)
-    head_keep = hidden_bytes * (2 if x.embed_matmul else 1) + lm_in_bytes + s * x.vocab * (b + 4)
-    head = LayerSpec(1 + x.num_blocks, "head", f"{x.family}-head:v{x.vocab}:{tag}",
-                     x.head_params, head_fwd, 2 * head_fwd, 0.0, float(head_keep), hidden_bytes)
-    return (embedding, *blocks, head)
+    att_f, att_b = _attention_flops(s, x, eager)
+    block_fwd = 2.0 * s * x.block_matmul + att_f
+    block_bwd = 4.0 * s * x.block_matmul + att_b
+    # eager blocks keep more and run longer: a profile measured for one is not the other's
+    block_sig = f"{x.family}:h{x.hidden}:i{x.intermediate}:{attn_sig}:s{s}:{dtype}" + \
+        (":eager" if eager else "")
+    keep = sum(_half_keep_bytes(s, x, c, eager))
+    blocks = [LayerSpec(1 + k, "block", block_sig, x.block_params, block_fwd, block_bwd,
+                        float(c * s * x.hidden), keep, float(MASTER_BYTES * s * x.hidden),
+                        act_keep_fixed_bytes=_weight_copies(x.block_matmul, c))
+              for k in range(x.num_blocks)]
+    return (_embedding(x, s, c, tag), *blocks, _head(x, s, c, tag))
 
 
 def _half_layers(layers: tuple[LayerSpec, ...], x: _Shape, s: int, dtype: str,
-                 eager_attention: bool) -> tuple[LayerSpec, ...]:
+                 eager: bool) -> tuple[LayerSpec, ...]:
     """``[embedding, b0.attn, b0.mlp, ..., head]`` from the whole-block sequence."""
-    keep = _half_keep_bytes(s, x, DTYPE_BYTES[dtype], eager_attention)
-    attn_fwd = 2.0 * s * x.attn_matmul + 4.0 * s * s * x.heads * x.head_dim
+    c = DTYPE_BYTES[dtype]
+    keep = _half_keep_bytes(s, x, c, eager)
+    att_f, att_b = _attention_flops(s, x, eager)
+    attn_fwd = 2.0 * s * x.attn_matmul + att_f
+    attn_bwd = 4.0 * s * x.attn_matmul + att_b
     out = [layers[0]]
     for block in layers[1:-1]:
-        halves = (("attn", x.attn_params, attn_fwd, keep[0]),
-                  ("mlp", block.params - x.attn_params, block.fwd_flops - attn_fwd, keep[1]))
-        for tag, params, fwd, kept in halves:
+        halves = (("attn", x.attn_params, attn_fwd, attn_bwd, keep[0], x.attn_matmul),
+                  ("mlp", block.params - x.attn_params, block.fwd_flops - attn_fwd,
+                   block.bwd_flops - attn_bwd, keep[1], x.block_matmul - x.attn_matmul))
+        for tag, params, fwd, bwd, kept, matmul in halves:
             out.append(LayerSpec(len(out), "block", f"{block.signature}:{tag}", params, fwd,
-                                 2 * fwd, block.act_out_bytes, kept, block.act_in_bytes,
+                                 bwd, block.act_out_bytes, kept, block.act_in_bytes,
                                  profile_signature=block.signature,
-                                 profile_share=fwd / block.fwd_flops))
+                                 profile_share=fwd / block.fwd_flops,
+                                 act_keep_fixed_bytes=_weight_copies(matmul, c)))
     out.append(replace(layers[-1], index=len(out)))
     return tuple(out)
+
+
+def _check_attn(attn_implementation: str) -> str:
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ModelSpecError(f"attn_implementation {attn_implementation!r} is not known; use "
+                             f"one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    return attn_implementation
 
 
 def _check_dtype(dtype: str) -> str:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.core.files import write_atomic
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, num_blocks
+from hapt_hf.core.precision import DTYPES, Precision
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, warmup_rule
 from hapt_hf.errors import PlanError
 
@@ -131,6 +133,16 @@ class Plan:
     layer_unit: str = BLOCK
     """'block': ``num_layers = blocks + 2``; 'half': each block is two layers (attention half,
     then MLP half), ``num_layers = 2 * blocks + 2``."""
+    loss_scaling: str | None = None
+    """'dynamic' (fp16 compute) or None; with ``dtype`` it is the plan's ``precision``."""
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
+    """'eager' | 'sdpa': the attention the plan's memory was budgeted for; the runtime builds
+    its stages with it."""
+
+    @property
+    def precision(self) -> Precision:
+        """Compute dtype and loss scaling (fp32 master weights and Adam state in every one)."""
+        return Precision(self.dtype, self.loss_scaling)
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -171,6 +183,10 @@ class Plan:
         if self.layer_unit == HALF and self.num_layers % 2:
             raise PlanError(f"layer_unit 'half' needs an even num_layers (2 * blocks + 2), got "
                             f"{self.num_layers}; fix model.num_layers or use layer_unit 'block'")
+        self._validate_precision()
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise PlanError(f"attn_implementation {self.attn_implementation!r} is unknown; use "
+                            f"one of {ATTN_IMPLEMENTATIONS}")
         if not self.stages:
             raise PlanError("the plan has no stages; it needs at least one")
         if self.micro_batch_size < 1 or self.num_microbatches < 1:
@@ -221,6 +237,16 @@ class Plan:
                             f"for {world_size}")
         return self
 
+    def _validate_precision(self) -> None:
+        if self.dtype not in DTYPES:
+            raise PlanError(f"precision.compute (dtype) {self.dtype!r} is unknown; use one of "
+                            f"{DTYPES}")
+        needed = Precision.of(self.dtype).loss_scaling
+        if self.loss_scaling != needed:
+            raise PlanError(f"precision: compute {self.dtype} with loss_scaling "
+                            f"{self.loss_scaling!r}; {self.dtype} trains with loss_scaling "
+                            f"{needed!r} (dynamic for fp16 only: bf16 and fp32 need none)")
+
     # -- serialisation -------------------------------------------------------------------
     def num_blocks(self) -> int:
         """Transformer blocks of the model the plan cuts (from num_layers and layer_unit)."""
@@ -236,6 +262,8 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "num_microbatches": self.num_microbatches,
             "dtype": self.dtype,
+            "precision": self.precision.to_dict(),
+            "attn_implementation": self.attn_implementation,
             "schedule": self.schedule,
             "stages": [s.to_dict() for s in self.stages],
             "predicted": asdict(self.predicted),
@@ -264,11 +292,13 @@ class Plan:
                 num_microbatches=int(d["num_microbatches"]),
                 schedule=str(d.get("schedule", ScheduleKind.ONE_F_ONE_B.value)),
                 stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
-                dtype=str(d.get("dtype", "fp32")),
                 predicted=PlanPrediction(**d.get("predicted", {})),
                 cluster_name=str(d.get("cluster", "")),
                 baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
                 layer_unit=str(d.get("layer_unit", BLOCK)),
+                attn_implementation=str(d.get("attn_implementation",
+                                              DEFAULT_ATTN_IMPLEMENTATION)),
+                **_precision_fields(d),
             )
         except KeyError as e:
             raise PlanError(f"plan is missing field {e.args[0]!r}; see docs/architecture.md") from None
@@ -283,17 +313,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically: a crash never leaves a half-written plan.json."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json() + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return write_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
@@ -307,3 +327,21 @@ class Plan:
             raise PlanError(f"plan file {str(path)!r} is not valid JSON (line {e.lineno}: "
                             f"{e.msg})") from None
         return cls.from_dict(data)
+
+
+def _precision_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """``dtype`` and ``loss_scaling`` from a plan's ``precision`` block; a plan written before
+    it existed takes them from ``dtype`` (fp32 if absent) and the loss scaling it needs."""
+    dtype = str(d.get("dtype", "fp32"))
+    p = d.get("precision")
+    if p is None:
+        return {"dtype": dtype, "loss_scaling": Precision.of(dtype).loss_scaling}
+    if not isinstance(p, dict) or "compute" not in p:
+        raise PlanError("precision must be a mapping {compute: bf16|fp16|fp32, loss_scaling: "
+                        "dynamic|null}")
+    compute = str(p["compute"])
+    if "dtype" in d and str(d["dtype"]) != compute:
+        raise PlanError(f"dtype {d['dtype']!r} and precision.compute {compute!r} disagree; "
+                        "make them equal (dtype is kept for older readers)")
+    scaling = p.get("loss_scaling")
+    return {"dtype": compute, "loss_scaling": None if scaling is None else str(scaling)}

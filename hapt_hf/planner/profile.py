@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hapt_hf.core.files import write_atomic
 from hapt_hf.errors import ProfileError
 
 from .catalogue import device_names
@@ -44,6 +45,10 @@ class LayerTiming:
     peak_memory_bytes: float = 0.0
     spread: float = 0.0
     """Relative spread of the repeated measurements (e.g. IQR / median)."""
+    kept_bytes: float = 0.0
+    """Bytes autograd saved for the backward of one micro-batch (saved-tensor hooks, weights
+    excluded): what ``LayerSpec.act_keep_bytes`` and ``act_keep_fixed_bytes`` predict; 0 if not
+    measured."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class Profile:
         return cls(timings, links, str(d.get("source", "")))
 
     def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path) -> "Profile":
@@ -150,7 +155,7 @@ def _record(rec: dict, where: str) -> tuple[ProfileKey, LayerTiming]:
 def _scale(t: LayerTiming, f: float) -> LayerTiming:
     # the optimizer step touches the same parameters whatever the micro-batch
     return LayerTiming(t.forward_s * f, t.backward_s * f, t.update_s, t.peak_memory_bytes * f,
-                       t.spread)
+                       t.spread, t.kept_bytes * f)
 
 
 def _line(mb: int, p: tuple[int, LayerTiming], q: tuple[int, LayerTiming]) -> LayerTiming:
@@ -162,13 +167,15 @@ def _line(mb: int, p: tuple[int, LayerTiming], q: tuple[int, LayerTiming]) -> La
 
     return LayerTiming(at(a.forward_s, b.forward_s), at(a.backward_s, b.backward_s),
                        at(a.update_s, b.update_s),
-                       at(a.peak_memory_bytes, b.peak_memory_bytes), max(a.spread, b.spread))
+                       at(a.peak_memory_bytes, b.peak_memory_bytes), max(a.spread, b.spread),
+                       at(a.kept_bytes, b.kept_bytes))
 
 
 def _floor(t: LayerTiming, low: LayerTiming) -> LayerTiming:
     return LayerTiming(*(max(x, y) for x, y in zip(
         (t.forward_s, t.backward_s, t.update_s, t.peak_memory_bytes),
-        (low.forward_s, low.backward_s, low.update_s, low.peak_memory_bytes))), spread=t.spread)
+        (low.forward_s, low.backward_s, low.update_s, low.peak_memory_bytes))), spread=t.spread,
+        kept_bytes=max(t.kept_bytes, low.kept_bytes))
 
 
 def _estimate(points: list[tuple[int, LayerTiming]], mb: int) -> LayerTiming:

@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.precision import DTYPES
 from hapt_hf.errors import HaptError
 from hapt_hf.planner.model_spec import model_config
@@ -25,12 +26,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-name", required=True,
                    help="device type name as the cluster file names it, e.g. A100-40")
     p.add_argument("--store", required=True, help="profile store JSON (created if absent)")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                   help="compute dtype the job trains in (16 bits: autocast over fp32 weights)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=4.0,
                    help="timed seconds per entry; slow layers get fewer repeats (at least 3)")
-    p.add_argument("--attn-implementation", default="eager", choices=["eager", "sdpa"])
+    p.add_argument("--attn-implementation", default=DEFAULT_ATTN_IMPLEMENTATION,
+                   choices=ATTN_IMPLEMENTATIONS, help="as the job's hapt config sets it")
     return p
 
 

@@ -3,7 +3,10 @@
 Every block of a model has the same shape, so only ONE block is timed, with the embedding and
 the head, for each micro-batch size the search will try: forward and backward time (median of
 repeated windows, CUDA events on GPUs, wall clock on CPUs), the optimizer step of the layer's
-parameters, and the activation memory one micro-batch keeps. Between groups, point-to-point
+parameters, and the memory one micro-batch keeps: the bytes autograd saves for its backward
+(saved-tensor hooks, ``kept_bytes``, what the planner's memory model predicts) and, on a GPU,
+the allocator's peak. Layers run as the job will: fp32 weights, the job's compute dtype under
+autocast, and the job's attention implementation. Between groups, point-to-point
 transfers of a few sizes are timed and fitted as ``latency + bytes / bandwidth``.
 
 Results live in a readable JSON profile store (:mod:`hapt_hf.profiling.store`) keyed by (device
@@ -24,13 +27,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from hapt_hf.core.precision import TORCH_DTYPE_NAMES
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey
 
 from .store import ProfilerError, ProfilerOptions, ProfileStore
 
-__all__ = ["profile_model", "time_layer", "measure_link", "fit_link", "profile_group_leaders"]
+__all__ = ["profile_model", "time_layer", "measure_link", "fit_link", "profile_group_leaders",
+           "LayerMemory", "layer_memory"]
 
 
 # -- timing one layer ------------------------------------------------------------------------
@@ -43,6 +47,13 @@ class _LayerRun:
     inputs: tuple
     out_grad: object | None
     """Gradient fed to a non-scalar output's backward (None: the output is the loss)."""
+    dtype: str = "fp32"
+    """Compute dtype: 16 bits run under autocast over the fp32 weights."""
+
+    def forward(self):
+        from .memory import compute_context
+        with compute_context(self.dtype, self.inputs[0].device):
+            return self.stage(self.inputs[0], **self.inputs[1])
 
 
 class _Clock:
@@ -72,12 +83,12 @@ def time_layer(run: _LayerRun, options: ProfilerOptions, device: str) -> LayerTi
     clock = _Clock(device)
 
     def one_pass() -> tuple[float, float]:
-        tf, out = clock.measure(lambda: run.stage(run.inputs[0], **run.inputs[1]))
+        tf, out = clock.measure(run.forward)
         tb, _ = clock.measure(lambda: out.backward(run.out_grad))
         return tf, tb
 
     t0 = time.perf_counter()
-    memory = _activation_bytes(run, device)  # the first warm-up pass
+    memory, kept = _activation_bytes(run, device)  # the first warm-up pass
     first = time.perf_counter() - t0
     for _ in range(options.warmup - 1):
         first = sum(one_pass())
@@ -92,7 +103,7 @@ def time_layer(run: _LayerRun, options: ProfilerOptions, device: str) -> LayerTi
         bwd.append(sum(p[1] for p in passes) / per_window)
     totals = sorted(f + b for f, b in zip(fwd, bwd))
     return LayerTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd),
-                       peak_memory_bytes=memory, spread=_spread(totals))
+                       peak_memory_bytes=memory, spread=_spread(totals), kept_bytes=kept)
 
 
 def _spread(sorted_values: list[float]) -> float:
@@ -116,37 +127,25 @@ def _update_s(stage, clock: _Clock) -> float:
     return statistics.median(times)
 
 
-def _activation_bytes(run: _LayerRun, device: str) -> float:
-    """Memory one micro-batch's forward keeps until its backward, weights excluded.
-
-    GPU: the allocator's peak over forward+backward above what was allocated before. CPU: the
-    tensors autograd saves for backward (counted once per storage, parameters excluded), plus
-    the output.
-    """
+def _activation_bytes(run: _LayerRun, device: str) -> tuple[float, float]:
+    """(peak, kept): memory one micro-batch's forward holds until its backward, weights
+    excluded. kept: the tensors autograd saves (:func:`~.memory.saved_tensor_bytes`). peak:
+    on a GPU the allocator's peak over forward + backward above what was allocated before; on
+    a CPU the saved tensors plus the output."""
     import torch
-    if torch.device(device).type == "cuda":
+
+    from .memory import saved_tensor_bytes
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        out = run.stage(run.inputs[0], **run.inputs[1])
-        out.backward(run.out_grad)
-        torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device) - base)
-    weights = {p.untyped_storage().data_ptr() for p in run.stage.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in weights:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run.stage(run.inputs[0], **run.inputs[1])
-    total = sum(seen.values()) + (0 if out.untyped_storage().data_ptr() in seen
-                                  else out.untyped_storage().nbytes())
+    kept, out = saved_tensor_bytes(run.stage, run.forward)
     out.backward(run.out_grad)
-    return float(total)
+    if cuda:
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - base), kept
+    return kept + out.untyped_storage().nbytes(), kept
 
 
 # -- which layers, built how -----------------------------------------------------------------
@@ -159,8 +158,9 @@ def _representatives(spec: ModelSpec) -> list[LayerSpec]:
     return list(seen.values())
 
 
-def _build_layer(config, layer: LayerSpec, dtype: str, device: str, options: ProfilerOptions):
-    """The one-layer stage the runtime would run for ``layer``, from a model cut short."""
+def _build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions):
+    """The one-layer stage the runtime would run for ``layer``, from a model cut short, with
+    fp32 weights (16-bit compute is autocast's, as in the runtime)."""
     from hapt_hf.pipeline.stage import build_stage  # imports torch: see the module docstring
 
     # Build a model of as few blocks as reach this layer, not the whole model.
@@ -170,30 +170,25 @@ def _build_layer(config, layer: LayerSpec, dtype: str, device: str, options: Pro
     if isinstance(getattr(small, "layer_types", None), list):
         small.layer_types = small.layer_types[:nblocks]
     index = {"embedding": 0, "block": layer.index, "head": nblocks + 1}[layer.kind]
-    stage = build_stage(small, (index, index + 1), seed=0, dtype=_torch_dtype(dtype),
-                        device=device, attn_implementation=options.attn_implementation)
+    stage = build_stage(small, (index, index + 1), seed=0, device=device,
+                        attn_implementation=options.attn_implementation)
     return stage.train()
-
-
-def _torch_dtype(dtype: str):
-    import torch
-    return getattr(torch, TORCH_DTYPE_NAMES[dtype])
 
 
 def _layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: str,
                device: str) -> _LayerRun:
-    """One micro-batch's inputs for a layer of ``kind`` (fixed seed: same data every time)."""
+    """One micro-batch's inputs for a layer of ``kind`` (fixed seed: same data every time);
+    the residual stream between layers is fp32 whatever the compute dtype."""
     import torch
-    tdtype = _torch_dtype(dtype)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), generator=gen)
     hidden = torch.randn(micro_batch, seq_len, config.hidden_size, generator=gen)
     if kind == "embedding":
-        return _LayerRun(stage, (ids.to(device), {}), hidden.to(device, tdtype))
-    x = hidden.to(device, tdtype).requires_grad_(True)  # a pipeline stage also sends dX back
+        return _LayerRun(stage, (ids.to(device), {}), hidden.to(device), dtype)
+    x = hidden.to(device).requires_grad_(True)  # a pipeline stage also sends dX back
     if kind == "head":
-        return _LayerRun(stage, (x, {"labels": ids.to(device)}), None)
-    return _LayerRun(stage, (x, {}), torch.randn(x.shape, generator=gen).to(device, tdtype))
+        return _LayerRun(stage, (x, {"labels": ids.to(device)}), None, dtype)
+    return _LayerRun(stage, (x, {}), torch.randn(x.shape, generator=gen).to(device), dtype)
 
 
 def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32",
@@ -205,7 +200,8 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
     Returns a Profile of exactly the entries this model needs on ``device_name``; the store (if
     given) gains what was measured and is saved (unless ``save`` is False).
     """
-    spec = ModelSpec.from_config(config, seq_len, dtype)
+    spec = ModelSpec.from_config(config, seq_len, dtype,
+                                 attn_implementation=options.attn_implementation)
     timings: dict[ProfileKey, LayerTiming] = {}
     for layer in _representatives(spec):
         stage, update_s = None, 0.0
@@ -214,7 +210,7 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
             hit = store.get(key) if store is not None else None
             if hit is None:
                 if stage is None:
-                    stage = _build_layer(config, layer, spec.dtype, device, options)
+                    stage = _build_layer(config, layer, device, options)
                 run = _layer_run(stage, config, layer.kind, mb, seq_len, spec.dtype, device)
                 hit = time_layer(run, options, device)
                 if not update_s:  # the optimizer step does not depend on the micro-batch
@@ -230,6 +226,41 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
         store.save()
     return Profile(timings=timings, links=list(store.links.values()) if store else [],
                    source=str(store.path) if store else "")
+
+
+# -- the memory model against autograd ------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer of a model: what the planner budgets per micro-batch and what autograd keeps."""
+
+    kind: str
+    """'embedding' | 'block' | 'head'."""
+    planned_bytes: float
+    """``act_keep_bytes * micro_batch + act_keep_fixed_bytes`` of the planner's LayerSpec."""
+    measured_bytes: float
+    """Bytes autograd saved for the backward of the same layer as the runtime builds it."""
+
+    @property
+    def ratio(self) -> float:
+        return self.planned_bytes / self.measured_bytes
+
+
+def layer_memory(config, seq_len: int, dtype: str = "fp32",
+                 attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
+                 micro_batch: int = 1, device: str = "cpu") -> list[LayerMemory]:
+    """The planner's kept bytes beside autograd's, for each distinct layer of ``config``."""
+    from .memory import saved_tensor_bytes
+    spec = ModelSpec.from_config(config, seq_len, dtype, attn_implementation=attn_implementation)
+    options = ProfilerOptions(attn_implementation=attn_implementation)
+    out = []
+    for layer in _representatives(spec):
+        stage = _build_layer(config, layer, device, options)
+        run = _layer_run(stage, config, layer.kind, micro_batch, seq_len, spec.dtype, device)
+        measured, _ = saved_tensor_bytes(stage, run.forward)
+        planned = layer.act_keep_bytes * micro_batch + layer.act_keep_fixed_bytes
+        out.append(LayerMemory(layer.kind, planned, measured))
+    return out
 
 
 # -- links -----------------------------------------------------------------------------------
@@ -285,12 +316,13 @@ def _keep_busy_until_all_done(config, seq_len: int, dtype: str, micro_batch: int
     import torch
     import torch.distributed as dist
     everyone_done = dist.all_reduce(torch.ones(1), async_op=True)
-    spec = ModelSpec.from_config(config, seq_len, dtype)
+    spec = ModelSpec.from_config(config, seq_len, dtype,
+                                 attn_implementation=options.attn_implementation)
     block = next(l for l in _representatives(spec) if l.kind == "block")
-    run = _layer_run(_build_layer(config, block, spec.dtype, "cpu", options), config,
+    run = _layer_run(_build_layer(config, block, "cpu", options), config,
                      block.kind, micro_batch, seq_len, spec.dtype, "cpu")
     while not everyone_done.is_completed():
-        run.stage(run.inputs[0], **run.inputs[1]).backward(run.out_grad)
+        run.forward().backward(run.out_grad)
     everyone_done.wait()
 
 

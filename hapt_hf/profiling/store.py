@@ -5,12 +5,10 @@ a store as a profile.
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.errors import ProfileError
 from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey, link_pair
 
@@ -32,14 +30,15 @@ class ProfilerOptions:
         repeats: timed windows; the median is reported, the spread is (p75 - p25) / median.
         min_window_s: each window repeats the pass until it lasts this long, so a CPU quota's
             10 ms throttling periods average out instead of landing in a single sample.
-        attn_implementation: as the runtime builds its stages ("eager" or "sdpa").
+        attn_implementation: as the job's runtime builds its stages ("eager" or "sdpa"; the
+            default is the runtime's).
     """
 
     micro_batches: tuple[int, ...] = (1, 2, 4)
     warmup: int = 2
     repeats: int = 5
     min_window_s: float = 0.05
-    attn_implementation: str = "eager"
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     budget_s: float = 4.0
     """Timed seconds one entry aims at: slow layers get fewer windows (never under 3)."""
 
@@ -51,6 +50,9 @@ class ProfilerOptions:
         if self.repeats < 1 or self.warmup < 1:
             raise ProfilerError(f"repeats ({self.repeats}) and warmup ({self.warmup}) must be "
                                 ">= 1")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ProfilerError(f"attn_implementation {self.attn_implementation!r} is not "
+                                f"known; use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
         if self.min_window_s < 0:
             raise ProfilerError(f"min_window_s ({self.min_window_s}) must be >= 0")
 
@@ -91,12 +93,7 @@ class ProfileStore:
 
     def save(self) -> None:
         """Write atomically (a reader never sees half a file), sorted so diffs stay readable."""
-        data = self.to_profile().to_dict()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)
+        self.to_profile().save(self.path)
 
     def to_profile(self) -> Profile:
         return Profile(timings=dict(sorted(self.timings.items())),

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.integration.data import TextDataConfig, epoch_order, load_text_dataset
 from hapt_hf.planner.plan import Plan, StagePlan
 
@@ -45,7 +46,7 @@ def _losses(out: Path) -> list[float]:
 
 def _check_checkpoint(out: Path) -> AutoModelForCausalLM:
     """from_pretrained on one process; its logits equal the pipeline's on the same batch."""
-    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(out, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION).eval()
     saved = torch.load(out / "verify_logits.pt")
     with torch.no_grad():
         logits = model(input_ids=saved["input_ids"]).logits
@@ -90,7 +91,7 @@ def _reference_losses(steps: int) -> list[float]:
 
     config = AutoConfig.from_pretrained(LLAMA)
     torch.manual_seed(0)  # the stages' weights equal this model's (RuntimeConfig.seed = 0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     tok = AutoTokenizer.from_pretrained(RECIPES / "data" / "tokenizer")
     rows, _ = load_text_dataset(TextDataConfig(RECIPES / "data" / "tiny_corpus.jsonl",
                                                seq_len=SEQ), tok)

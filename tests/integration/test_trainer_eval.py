@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.testing import run_ranks
 
@@ -72,7 +73,7 @@ def _weights(trainer) -> dict:
 def _reference():
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)  # the stages' weights equal this model's (RuntimeConfig.seed = 0)
-    return AutoModelForCausalLM.from_config(_config(), attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_config(_config(), attn_implementation=DEFAULT_ATTN_IMPLEMENTATION).eval()
 
 
 # -- evaluation and prediction equal model.eval() on one process ------------------------------

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.testing import run_ranks
 
@@ -84,7 +85,7 @@ def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
     plan = make_plan(layout, schedule)
     rt = PipelineRuntime(plan, config, RuntimeConfig(timeout_s=60, seed=7))
     torch.manual_seed(7)
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     batches = make_batches(config.vocab_size, seed=11)
     errors: list[str] = []
     norms: list[float] = []
@@ -176,7 +177,7 @@ def accumulation_errors(rank: int, family: str, layout: Layout) -> list[str]:
     config = tiny_config(family, sum(layout.blocks))
     rt = PipelineRuntime(make_plan(layout, "1f1b"), config, RuntimeConfig(timeout_s=60, seed=3))
     torch.manual_seed(3)
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     errors: list[str] = []
     for b in make_batches(config.vocab_size, seed=5)[:2]:
         rt.forward_backward(b)

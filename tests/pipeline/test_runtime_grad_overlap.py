@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.testing import run_ranks
 from tests.pipeline.test_runtime_equivalence import (Layout, _compare, make_batches, make_plan,
                                                      tiny_config)
@@ -41,7 +42,7 @@ def run_case(family: str, layout: str, overlap: bool, freeze: bool) -> dict:
                          RuntimeConfig(timeout_s=60, seed=5, overlap_grad_sync=overlap,
                                        grad_bucket_bytes=SMALL_BUCKET))
     torch.manual_seed(5)
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     errors: list[str] = []
     launches = []
     for i, b in enumerate(make_batches(config.vocab_size, seed=13)[:2]):

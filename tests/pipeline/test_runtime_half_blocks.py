@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.testing import run_ranks
 from tests.pipeline.test_runtime_equivalence import (MBS, SEQ, M, _compare,
@@ -31,7 +32,7 @@ def run_family(rank: int, family: str) -> dict:
     config = tiny_config(family, BLOCKS)
     rt = PipelineRuntime(half_plan(), config, RuntimeConfig(timeout_s=60, seed=7))
     torch.manual_seed(7)
-    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     errors: list[str] = []
     batches = make_batches(config.vocab_size, seed=11)[:2]
     opt = torch.optim.SGD(rt.parameters(), lr=0.1)

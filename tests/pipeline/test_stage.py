@@ -20,6 +20,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline import stage as stage_module
 from hapt_hf.pipeline.stage import PipelineStage, StageBuildError, StageInputError, build_stage, supported_families
@@ -65,7 +66,7 @@ def opt(blocks: int = 6, projected: bool = False) -> OPTConfig:
 
 def reference(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
 
 
 def batch(padded: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -280,7 +281,7 @@ def test_gathered_stages_save_and_load_as_full_model(tmp_path) -> None:
     stages = [build_stage(config, r, seed=5) for r in [(0, 2), (2, 4)]]
     full = checkpoint_io.gather_state_dicts(s.hf_state_dict() for s in stages)
     checkpoint_io.save_full_checkpoint(full, config, tmp_path, tied_keys=["lm_head.weight"])
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, full[key]), key
     with pytest.raises(checkpoint_io.CheckpointError, match="appears in two stages"):

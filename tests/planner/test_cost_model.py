@@ -86,7 +86,7 @@ def test_ring_allreduce_uses_inter_node_link_when_the_stage_spans_nodes():
     m = toy_model()
     cm = CostModel(m, two_groups())
     a = cm.group("a")
-    nbytes = 2 * 1000 * 2  # two blocks of 1000 fp16 gradients
+    nbytes = 2 * 1000 * 4  # two blocks of 1000 gradients: fp32 in every precision
     inside = cm.allreduce_s(StageShape(a, 2, 0), 1, 3)
     assert inside == pytest.approx(2 * 1 / 2 * nbytes / (100e9 / 8) + 2 * 1 * 10e-6)
     spans = cm.allreduce_s(StageShape(a, 4, 0), 1, 3)
@@ -97,7 +97,7 @@ def test_ring_allreduce_uses_inter_node_link_when_the_stage_spans_nodes():
 def test_memory_counts_state_in_flight_activations_and_one_working_set():
     m = toy_model()
     cm = CostModel(m, two_groups())
-    static = (1000 + 1000) * STATE_BYTES_PER_PARAM["fp16"]
+    static = (1000 + 1000) * STATE_BYTES_PER_PARAM
     mem = cm.memory_bytes(samples=2, a=1, b=3, in_flight=3)
     assert mem == pytest.approx(static + 3 * 2 * 20e6 + 2 * 10e6)
     rc = cm.memory_bytes(samples=2, a=1, b=3, in_flight=3, recompute=True)
@@ -171,8 +171,8 @@ def test_buckets_cut_the_byte_stream_and_the_rest_goes_last():
 
 
 def big_model(blocks: int = 8) -> ModelSpec:
-    """Blocks of 2**24 fp16 gradients (32 MiB: 1.28 buckets each)."""
-    p = 2**24
+    """Blocks of 2**23 fp32 gradients (32 MiB: 1.28 buckets each)."""
+    p = 2**23
     layers = [LayerSpec(0, "embedding", "emb", p, 1e10, 2e10, 1e6, 1e6, 0.0)]
     for i in range(blocks):
         layers.append(LayerSpec(i + 1, "block", "blk", p, 1e12, 2e12, 1e6, 10e6, 1e6))

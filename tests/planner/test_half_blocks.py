@@ -46,6 +46,7 @@ def test_half_params_and_flops_match_the_real_modules(key):
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     spec = ModelSpec.from_config(cfg, seq_len=SEQ)
     half = spec.split_blocks()
+    eager = ModelSpec.from_config(cfg, seq_len=SEQ, attn_implementation="eager").split_blocks()
     assert half.layer_unit == "half" and half.num_layers == 2 * cfg.num_hidden_layers + 2
     assert half.total_params == spec.total_params
     blocks = model.transformer.h if key == "gpt2" else model.model.layers
@@ -56,10 +57,16 @@ def test_half_params_and_flops_match_the_real_modules(key):
         attn_mods = [getattr(block, n) for n in attn_names]
         mlp_mods = [getattr(block, n) for n in mlp_names]
         assert (a.params, m.params) == (_numel(*attn_mods), _numel(*mlp_mods))
-        assert a.fwd_flops == 2 * SEQ * _matmul(*attn_mods) + 4 * SEQ ** 2 * attn_width
-        assert m.fwd_flops == 2 * SEQ * _matmul(*mlp_mods)
+        # sdpa: causal kernels compute half the score square, and recompute it in the backward
+        assert a.fwd_flops == 2 * SEQ * _matmul(*attn_mods) + 2 * SEQ ** 2 * attn_width
+        assert a.bwd_flops == 4 * SEQ * _matmul(*attn_mods) + 5 * SEQ ** 2 * attn_width
+        assert m.fwd_flops == 2 * SEQ * _matmul(*mlp_mods) and m.bwd_flops == 2 * m.fwd_flops
+        e = eager.layers[1 + 2 * i]  # eager computes the whole square
+        assert e.fwd_flops == 2 * SEQ * _matmul(*attn_mods) + 4 * SEQ ** 2 * attn_width
+        assert e.bwd_flops == 2 * e.fwd_flops
         whole = spec.layers[1 + i]
         assert a.fwd_flops + m.fwd_flops == whole.fwd_flops
+        assert a.bwd_flops + m.bwd_flops == whole.bwd_flops
         assert a.act_keep_bytes + m.act_keep_bytes == whole.act_keep_bytes
         assert a.act_keep_bytes > 0 and m.act_keep_bytes > 0
         # both halves send the residual stream, like the whole block

@@ -192,7 +192,8 @@ def test_extrapolated_replay_is_not_fooled_by_a_slow_start():
     from hapt_hf.planner.search import Layout, cluster_profile, simulate_layout
     cluster = Cluster.load(scenario_path("harp_3groups_1p3b"))
     job = cluster.job
-    model = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype)
+    # eager attention: the FLOPs (and so the stage times) the layout below was cut for
+    model = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype, "eager")
     cm = CostModel(model.split_blocks(), cluster, cluster_profile(cluster, model))
     g = {x.name: x for x in cluster.groups}
     layout = Layout((StageShape(g["a100"], 2, 0), StageShape(g["v100"], 4, 0),

@@ -1,6 +1,8 @@
 """Between the search's layouts and Plans, and the physical limit every plan is measured by."""
 from __future__ import annotations
 
+from hapt_hf.core.precision import Precision
+
 from ..cluster import Cluster
 from ..cost_model import CostModel
 from ..model_spec import ModelSpec
@@ -35,6 +37,8 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
                 global_batch_size=global_batch, micro_batch_size=mbs,
                 num_microbatches=global_batch // mbs, schedule=layout.schedule,
                 stages=tuple(stages), dtype=m.dtype, predicted=pred,
+                attn_implementation=m.attn_implementation,
+                loss_scaling=Precision.of(m.dtype).loss_scaling,
                 cluster_name=cm.cluster.name, baselines=dict(baselines or {}),
                 layer_unit=m.layer_unit)
 

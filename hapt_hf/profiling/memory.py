@@ -1,0 +1,49 @@
+"""What autograd really keeps for a backward, and the precision a layer computes in.
+
+The profiler, the memory-model benchmark and its test all measure the same way: every tensor
+autograd saves during a forward, counted once per storage, parameters excluded (the weights are
+budgeted apart, as training state). That is what a micro-batch in flight holds until its
+backward, on any device.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, TypeVar
+
+import torch
+
+from hapt_hf.core.precision import TORCH_DTYPE_NAMES
+
+__all__ = ["saved_tensor_bytes", "compute_context", "torch_dtype"]
+
+T = TypeVar("T")
+
+
+def saved_tensor_bytes(module: torch.nn.Module, forward: Callable[[], T]) -> tuple[float, T]:
+    """(bytes autograd saves while ``forward()`` runs, its result); ``module``'s parameters
+    are not counted, every other storage once however many tensors view it."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return float(sum(seen.values())), out
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of one of hapt_hf's precision names."""
+    return getattr(torch, TORCH_DTYPE_NAMES[dtype])
+
+
+def compute_context(dtype: str, device: str | torch.device):
+    """Autocast to ``dtype`` over fp32 weights (how the runtime computes in 16 bits), or
+    nothing for fp32."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
