@@ -11,7 +11,8 @@ from transformers import GPT2Config
 
 from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.model_spec import ModelSpec
-from hapt_hf.planner.profile import LinkMeasurement, Profile, cluster_with_links
+from hapt_hf.planner.profile import (LayerTiming, LinkMeasurement, Profile, ProfileKey,
+                                     cluster_with_links)
 from hapt_hf.profiling import (ProfilerError, ProfilerOptions, ProfileStore, cli_main, fit_link,
                                profile_model, profiler)
 
@@ -61,9 +62,10 @@ def test_figures_in_a_sane_range(measured):
     assert large.forward_s + large.backward_s > small.forward_s + small.backward_s
     # activations kept grow with the micro-batch; per sample within 3x of ModelSpec's formula
     assert large.peak_memory_bytes > 3 * small.peak_memory_bytes
-    eager = ModelSpec.from_config(_config(), SEQ, eager_attention=True).layers[1]
+    # (the config's dropout is on: PyTorch's CPU masks are wider than the model's 1-byte ones)
     per_sample = small.peak_memory_bytes / 2
-    assert eager.act_keep_bytes / 3 < per_sample < 3 * eager.act_keep_bytes
+    assert block.act_keep_bytes / 3 < per_sample < 3 * block.act_keep_bytes
+    assert 0 < small.kept_bytes < small.peak_memory_bytes  # the output is not saved
 
 
 def test_second_profile_reads_the_store(measured, monkeypatch):
@@ -205,3 +207,42 @@ def test_group_leaders_profile_with_busy_peers_and_all_get_the_merged_profile(tm
     outs = [json.loads(r.output.strip().splitlines()[-1]) for r in results]
     # the leader done first kept computing until the other finished, then both timed the link
     assert outs == [{"devices": ["cpu-a", "cpu-b"], "links": 1}] * 2
+
+
+def test_profile_runs_the_jobs_precision_and_attention(tmp_path):
+    # bf16 under autocast with eager attention: the block gets the eager signature, and the
+    # bytes autograd kept match the planner's figure for that precision and attention
+    cfg = GPT2Config(**{**CONFIG, "n_layer": 2, "attn_pdrop": 0.0, "resid_pdrop": 0.0,
+                        "embd_pdrop": 0.0})
+    opts = replace(FAST, micro_batches=(2,), attn_implementation="eager")
+    store = ProfileStore.open(tmp_path / "s.json")
+    prof = profile_model(cfg, device_name="tb-a", seq_len=SEQ, dtype="bf16", options=opts,
+                         store=store)
+    spec = ModelSpec.from_config(cfg, SEQ, "bf16", attn_implementation="eager")
+    for layer in spec.layers[:2] + spec.layers[-1:]:
+        t = prof.timings[ProfileKey("tb-a", layer.signature, 2, SEQ, "bf16")]
+        planned = 2 * layer.act_keep_bytes + layer.act_keep_fixed_bytes
+        assert t.kept_bytes == pytest.approx(planned, rel=0.10), layer.kind
+    assert spec.layers[1].signature.endswith(":eager")
+    assert Profile.load(tmp_path / "s.json").timings == prof.timings  # kept_bytes stored too
+    with pytest.raises(ProfilerError, match="attn_implementation 'flash'"):
+        ProfilerOptions(attn_implementation="flash")
+
+
+def test_store_write_is_atomic(tmp_path, monkeypatch):
+    # a failing write leaves the previous store whole and no temporary file behind
+    path = tmp_path / "s.json"
+    store = ProfileStore(path)
+    store.put(ProfileKey("d", "sig", 1, 8, "fp32"), LayerTiming(1.0, 2.0))
+    store.save()
+    before = path.read_text()
+    store.put(ProfileKey("d", "sig", 2, 8, "fp32"), LayerTiming(2.0, 4.0))
+
+    def torn(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("os.replace", torn)
+    with pytest.raises(OSError, match="disk full"):
+        store.save()
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
