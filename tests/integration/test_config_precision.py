@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-
 from hapt_hf.integration.config import HaptConfigError, HaptPlugin
 from hapt_hf.integration.launch import LaunchEnv, resolve_plan
 from hapt_hf.planner.model_spec import model_config
