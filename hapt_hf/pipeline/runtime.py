@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer
+from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer, failed_during
 from hapt_hf.pipeline.schedule import Piece, RankWork, max_in_flight, rank_work, replica_slice
 from hapt_hf.planner.cost_model import GRAD_BUCKET_BYTES
 from hapt_hf.planner.plan import Plan, StagePlan
@@ -140,7 +140,6 @@ class PipelineRuntime:
             raise RuntimeSetupError("torch.distributed is not initialised; call "
                                     "hapt_hf.pipeline.init_distributed() first")
         plan.validate(world_size=dist.get_world_size())
-        from hapt_hf.pipeline.stage import build_stage
         self.plan = plan
         self.config = config
         self.rank = dist.get_rank()
@@ -149,15 +148,15 @@ class PipelineRuntime:
         self.work: RankWork = rank_work(plan, self.rank, self.schedule)
         self.stage_plan: StagePlan = self.work.stage
         self.device = torch.device(config.device or _default_device())
-        self.stage = build_stage(model_config, self.stage_plan.layers, seed=config.seed,
-                                 checkpoint_dir=config.checkpoint_dir, device=self.device,
-                                 recompute=self.stage_plan.recompute,
-                                 layer_unit=plan.layer_unit)
-        self.hidden_size = int(model_config.hidden_size)
-        self._tied = list(self.stage.tied_parameters())
-        self._dp_group, self._tied_group = self._make_groups(model_config)
-        self.channel = FailureChannel(f"rt{next(_runtime_ids)}", self.rank, config.timeout_s)
         self._all_ranks = tuple(range(plan.world_size))
+        # The channel comes first: a rank that fails while building its stage (a damaged
+        # checkpoint file, say) or dies in the first collectives is named by the others.
+        self.channel = FailureChannel(f"rt{next(_runtime_ids)}", self.rank, config.timeout_s)
+        try:
+            self._set_up(model_config)
+        except BaseException:
+            self.channel.close()
+            raise
         # who takes part in this rank's gradient all-reduces (its replicas, the tied group)
         self._grad_peers = tuple(sorted(set(self.stage_plan.ranks) | (
             set(self.work.tied_ranks) if self._tied_group is not None else set())))
@@ -167,6 +166,19 @@ class PipelineRuntime:
         """Most micro-batches whose forward state this rank kept at once (measured)."""
         self._live = 0
         self._buckets: _GradBuckets | None = None
+
+    def _set_up(self, model_config: PretrainedConfig) -> None:
+        """Build this rank's stage (every rank refuses if one cannot) and the process groups."""
+        from hapt_hf.pipeline.stage import build_stage
+        s = self.stage_plan.index
+        self.stage = self.channel.agree("the stage build", s, lambda: build_stage(
+            model_config, self.stage_plan.layers, seed=self.config.seed,
+            checkpoint_dir=self.config.checkpoint_dir, device=self.device,
+            recompute=self.stage_plan.recompute, layer_unit=self.plan.layer_unit))
+        self.hidden_size = int(model_config.hidden_size)
+        self._tied = list(self.stage.tied_parameters())
+        with self.channel.collective("the process-group set-up", s, self._all_ranks):
+            self._dp_group, self._tied_group = self._make_groups(model_config)
 
     @property
     def bucket_launch_s(self) -> list[float]:
@@ -339,8 +351,7 @@ class PipelineRuntime:
             except PipelineFailure:
                 raise
             except Exception as e:  # noqa: BLE001 - recorded for every rank, then re-raised
-                msg = (f"rank {self.rank} failed during {a.kind.value} (stage {s}, micro-batch "
-                       f"{k}): {type(e).__name__}: {e}")
+                msg = failed_during(self.rank, f"{a.kind.value} (stage {s}, micro-batch {k})", e)
                 raise PipelineFailure(self.channel.record(msg)) from e
             if a.kind is ActionKind.B and self.work.is_first:
                 mbs.pop(k, None)
@@ -393,7 +404,8 @@ class PipelineRuntime:
             buf = torch.empty((p.size, seq, self.hidden_size), dtype=dtype, device=self.device)
             what = (f"{kind} of micro-batch {k} from rank {p.peer} "
                     f"(stage {self.plan.stage_of_rank(p.peer).index})")
-            out.append(Transfer(dist.irecv(buf, p.peer, tag=k), p.peer, what, buf))
+            out.append(self.channel.start(lambda: dist.irecv(buf, p.peer, tag=k), p.peer, what,
+                                          buf, self.stage_plan.index))
         return out
 
     def _post_send(self, pieces: tuple[Piece, ...], k: int, t: Tensor, kind: str) -> list[Transfer]:
@@ -403,7 +415,8 @@ class PipelineRuntime:
         for p in pieces:
             buf = t[p.start:p.stop].contiguous()
             what = f"{kind} of micro-batch {k} to rank {p.peer}"
-            out.append(Transfer(dist.isend(buf, p.peer, tag=k), p.peer, what, buf))
+            out.append(self.channel.start(lambda: dist.isend(buf, p.peer, tag=k), p.peer, what,
+                                          buf, self.stage_plan.index))
         return out
 
     # -- internals -------------------------------------------------------------------------
