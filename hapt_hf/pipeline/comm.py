@@ -150,8 +150,9 @@ class FailureChannel:
         # intervals, and at least a second, so that a live rank starved of CPU for a moment
         # on a loaded machine is not taken for a stopped one.
         self._window_s = min(self.timeout_s / 2, max(3 * self._interval, 1.0))
-        # long enough for another rank's grace waits plus its heartbeat window
-        self._linger_s = self._window_s + 2 * self.grace_s + 2 * self._interval
+        # Rank 0 (the store's host) stays this long after it has a record: a rank that began
+        # finding who stopped before the record existed needs its window and one grace wait.
+        self._linger_s = self._window_s + self.grace_s + 2 * self._interval
         self._thread = threading.Thread(target=self._watch, name="hapt-watchdog", daemon=True)
         self._thread.start()
 
@@ -276,6 +277,8 @@ class FailureChannel:
         """The failure this rank raises after a transfer or collective failed: the first
         recorded one with what this rank was doing or, if none is recorded, this rank's own
         finding about who stopped, recorded as the first."""
+        # no longer blocked: the watchdog must not end the process while this thread reports
+        self._wait = None
         first = self.first_failure(wait_s=self.grace_s)
         if first is None:
             culprit = self._who_stopped(suspects)
@@ -325,7 +328,7 @@ class FailureChannel:
                 w = waits[r]
                 if r in silent:
                     doing = w.doing() if w else "computing, not waiting for any rank"
-                    return _Culprit(r, f"no heartbeat; it was last {doing}",
+                    return _Culprit(r, f"no heartbeat; last seen {doing}",
                                     self._chain(parent, r))
                 if w is None:
                     idle.append(r)
@@ -416,7 +419,7 @@ class FailureChannel:
                 w = self._published_wait(peer)
                 doing = w.doing() if w else "computing, not waiting for any rank"
                 return self.record(f"rank {peer} stopped answering (no heartbeat for "
-                                   f"{now - last[1]:.0f} s; it was last {doing}) while rank "
+                                   f"{now - last[1]:.0f} s; last seen {doing}) while rank "
                                    f"{self.rank} was waiting for {wait.what}")
         first = self._read(0.0)
         if first is not None and now - wait.since > self.grace_s * 2:

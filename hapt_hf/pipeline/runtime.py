@@ -23,7 +23,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
 __all__ = ["Batch", "RuntimeConfig", "StepResult", "RuntimeSetupError", "BatchError",
-           "PipelineFailure", "init_distributed", "PipelineRuntime"]
+           "PipelineFailure", "init_distributed", "exit_distributed", "PipelineRuntime"]
 
 _runtime_ids = itertools.count()
 
@@ -119,6 +119,38 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def exit_distributed(code: int = 0) -> NoReturn:
+    """End a process that used torch.distributed: destroy the process group, run the ``atexit``
+    handlers, flush stdout and stderr, and exit with ``code`` without finalizing the interpreter.
+
+    Why not a normal exit: a Gloo worker thread frees a finished collective (an all-reduce, the
+    all-gather behind ``all_gather_object``) only a moment after the collective has returned to
+    Python, and freeing its tensors' Python objects needs the GIL. On a loaded machine that
+    moment can come after the main thread has begun finalizing the interpreter; CPython then
+    ends the worker thread (``pthread_exit``) as it asks for the GIL, and that unwinding through
+    the work's destructor, which must not throw, calls ``std::terminate``: "terminate called
+    without an active exception", exit 134, after the program had printed its result (seen in
+    a core dump: ``take_gil`` <- ``THPVariable_dealloc`` <- ``~AsyncAllgatherWork`` <-
+    ``ProcessGroupGloo::runLoop`` while the main thread was in ``Py_FinalizeEx``). Neither
+    ``destroy_process_group`` (Gloo's ``shutdown()`` leaves the worker threads running) nor any
+    other call waits for those threads; a process that does not finalize cannot race them. The
+    same holds for any daemon thread inside a C++ call at exit (a store call of the failure
+    channel's watchdog, a runtime that was not shut down).
+    """
+    import atexit
+    import sys
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what a normal exit runs before finalizing: loggers, writers
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code)
 
 
 @dataclass

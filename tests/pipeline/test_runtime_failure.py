@@ -137,8 +137,10 @@ def _kill_once_the_others_end(tmp: Path, world_size: int) -> None:
 
 
 def four_rank_worker(rank: int, world_size: int, how: str, tmp: str) -> str:
-    """``how`` happens to rank 2: "kill" (SIGKILL), "stop" (SIGSTOP) or "raise" at its second
-    forward of the second iteration, or "corrupt": its checkpoint file is truncated."""
+    """``how`` happens to rank 2: "kill" (SIGKILL) or "raise" at its second forward of the
+    second iteration; "stop" (SIGSTOP) as the second iteration starts, while its neighbours
+    (ranks 1 and 3) are still busy for a moment, so that rank 0, waiting for rank 1, is the
+    first to time out, on a live rank; or "corrupt": its checkpoint file is truncated."""
     import torch
 
     from hapt_hf.pipeline import Batch, PipelineFailure, PipelineRuntime, RuntimeConfig
@@ -165,12 +167,15 @@ def four_rank_worker(rank: int, world_size: int, how: str, tmp: str) -> str:
             _mark_fault(tmp_path)
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if how == "stop":
-                _kill_once_the_others_end(tmp_path, world_size)
-                os.kill(os.getpid(), signal.SIGSTOP)
             raise ValueError("boom")
 
-    if rank == VICTIM:
+    if how == "stop" and rank == VICTIM:
+        _mark_fault(tmp_path)
+        _kill_once_the_others_end(tmp_path, world_size)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif how == "stop" and rank in (VICTIM - 1, VICTIM + 1):
+        time.sleep(1.5)
+    elif rank == VICTIM:
         rt.stage.register_forward_pre_hook(fault)
     try:
         rt.forward_backward(batch)
@@ -218,9 +223,11 @@ def test_four_ranks_every_survivor_names_the_faulty_middle_rank(tmp_path, how):
         for other in (0, 1, 3):
             assert f"rank {other} stopped answering" not in text, (o.rank, text)
             assert f"rank {other} failed" not in text, (o.rank, text)
-        # within the bound: what a wait may last, plus the window that tells who stopped
+        # within the bound: what a wait may last (the process group's timeout), plus finding
+        # who stopped (a 1 s heartbeat window and two 0.5 s grace waits), rank 0 keeping the
+        # store up meanwhile (1.9 s), and slack for a loaded machine
         took = o.ended_at - fault_at
-        assert took < BOUND4_S + 4.0, (o.rank, took, text)
+        assert took < BOUND4_S + 6.0, (o.rank, took, text)
         if how == "stop":  # given up while rank 2 was still frozen, not when it was killed
             assert o.ended_at < victim.ended_at, (o.rank, o.ended_at, victim.ended_at)
     if how == "corrupt":
