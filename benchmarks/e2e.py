@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import sys
 import time
@@ -228,7 +227,7 @@ def _ddp_step(cfg: RaceConfig, config, rank: int):
 def worker(cfg: RaceConfig) -> None:
     import torch
     import torch.distributed as dist
-    from hapt_hf.pipeline import Batch, init_distributed
+    from hapt_hf.pipeline import Batch, exit_distributed, init_distributed
     from hapt_hf.planner.plan import Plan
 
     rank, _ = init_distributed(timeout_s=600)
@@ -258,12 +257,9 @@ def worker(cfg: RaceConfig) -> None:
                                                                       planned["links"]),
                                     **planned}), flush=True)
     dist.barrier()  # every send is delivered: nothing is left on the shim's link threads
-    dist.destroy_process_group()
-    sys.stderr.flush()
-    # The interpreter's own tear-down destroys the torch objects that hooks and link threads of
-    # the testbed still reference, in an order that aborted a rank now and then ("terminate
-    # called without an active exception") after the race had finished; skip it.
-    os._exit(0)
+    # a normal exit aborted a rank now and then after the race had finished ("terminate called
+    # without an active exception"): see exit_distributed
+    exit_distributed(0)
 
 
 # -- the driver ------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class RankOutcome:
     """The last lines the process wrote to stderr (useful when it died without a result)."""
     elapsed_s: float = 0.0
     """Seconds from the start of ``fn`` to its result or error (0 if the process died)."""
+    ended_at: float | None = None
+    """``time.monotonic()`` (one clock for every process of the machine) when the parent saw
+    the process end, within 0.2 s; None if it was still running at the deadline."""
 
     @property
     def ok(self) -> bool:
@@ -125,6 +128,7 @@ def _child(ref: _FnRef, rank: int, world_size: int, port: int, args: tuple, env:
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **env})
     start = time.monotonic()
+    ok = False
     try:
         import torch
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -134,13 +138,22 @@ def _child(ref: _FnRef, rank: int, world_size: int, port: int, args: tuple, env:
                                     timeout=datetime.timedelta(seconds=pg_timeout_s))
         value = ref.load()(rank, world_size, *args)
         results.put((rank, True, value, time.monotonic() - start))
+        ok = True
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc(), time.monotonic() - start))
     results.close()
     results.join_thread()
     sys.stderr.flush()
-    # skip interpreter teardown: destroying a process group whose peers are gone can block
-    os._exit(0)
+    # skip interpreter teardown: destroying a process group whose peers are gone can block;
+    # a rank whose function raised exits non-zero, as the program it stands for would
+    os._exit(0 if ok else 1)
+
+
+def _note_ended(procs: list, ended: dict[int, float], first: int = 0) -> None:
+    """Note when each process (numbered from ``first``) is first seen to have ended."""
+    for r, p in enumerate(procs, start=first):
+        if r not in ended and not p.is_alive():
+            ended[r] = time.monotonic()
 
 
 def _tail(path: str, lines: int = 30) -> str:
@@ -183,8 +196,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     for p in procs:
         p.start()
     got: dict[int, tuple[bool, Any, float]] = {}
+    ended: dict[int, float] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < world_size and time.monotonic() < deadline:
+        _note_ended(procs, ended)
         try:
             rank, ok, payload, took = results.get(timeout=0.2)
             got[rank] = (ok, payload, took)
@@ -204,18 +219,21 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             killed.add(r)
             p.kill()
             p.join(timeout=5)
+        else:
+            _note_ended([p], ended, first=r)
     outcomes = []
     for r, p in enumerate(procs):
         tail = _tail(paths[r])
         if r in got:
             ok, payload, took = got[r]
             outcomes.append(RankOutcome(r, payload if ok else None, None if ok else payload,
-                                        p.exitcode, tail, took))
+                                        p.exitcode, tail, took, ended.get(r)))
         else:
             why = (f"rank {r} was still running after {timeout_s:.0f} s and was killed"
                    if r in killed else f"rank {r} died with exit code {p.exitcode} "
                    "before returning a result")
-            outcomes.append(RankOutcome(r, None, why, p.exitcode, tail))
+            outcomes.append(RankOutcome(r, None, why, p.exitcode, tail,
+                                        ended_at=ended.get(r)))
     if check and any(not o.ok for o in outcomes):
         raise DistributedRunError("\n\n".join(
             f"--- rank {o.rank} (exit {o.exitcode}) ---\n{o.error}\n{o.stderr_tail}"

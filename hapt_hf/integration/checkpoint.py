@@ -29,18 +29,19 @@ import torch
 import torch.distributed as dist
 
 from hapt_hf.pipeline import checkpoint_io
-from hapt_hf.planner.plan import Plan
+from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
+from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["CheckpointError", "rank_state_file", "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "load_stage_weights",
-           "check_resumable", "barrier", "fsync_path", "fsync_tree"]
+           "load_trainer_state", "load_checkpoint", "check_resumable", "barrier", "fsync_path",
+           "fsync_tree"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
+TRAINER_STATE = "trainer_state.json"
 TMP_PREFIX = ".tmp-"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the message says what is wrong with it."""
 
 
 def barrier() -> None:
@@ -119,12 +120,46 @@ def save_rank_state(tmp: Path, rank: int, optimizer, scheduler) -> None:
 
 
 def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler) -> None:
-    # Our own file, written by save_rank_state: it holds Python RNG tuples, hence weights_only=False.
-    state = torch.load(rank_state_file(ckpt, rank), map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
+    path = rank_state_file(ckpt, rank)
+    try:
+        # Our own file, written by save_rank_state: it holds Python RNG tuples, hence
+        # weights_only=False. A damaged pickle or zip raises almost anything.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        parts = state["optimizer"], state["scheduler"], state["rng"]
+    except Exception as e:  # noqa: BLE001 - one message naming the file
+        raise damaged_file(path, e) from None
+    optimizer.load_state_dict(parts[0])
+    if scheduler is not None and parts[1] is not None:
+        scheduler.load_state_dict(parts[1])
+    _set_rng_state(parts[2])
+
+
+def load_trainer_state(ckpt: Path):
+    """The checkpoint's ``TrainerState``, a damaged ``trainer_state.json`` named."""
+    from transformers import TrainerState
+
+    path = Path(ckpt) / TRAINER_STATE
+    try:
+        return TrainerState.load_from_json(str(path))
+    except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+        raise damaged_file(path, e) from None
+
+
+def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):
+    """Resume every rank from ``ckpt``; returns the checkpoint's ``TrainerState``.
+
+    Each rank reads its own part (stage tensors, its ``hapt_rank{r}.pt``); the ranks then agree
+    on the outcome (``FailureChannel.agree``), so a file that is damaged or missing on any rank
+    ends every rank with the same CheckpointError naming it, before training writes anything.
+    """
+    def load():
+        check_resumable(ckpt, runtime.plan, runtime.plan.world_size)
+        state = load_trainer_state(ckpt)
+        load_stage_weights(runtime.stage, ckpt)
+        load_rank_state(ckpt, runtime.rank, optimizer, scheduler)
+        return state
+    return runtime.channel.agree("loading the checkpoint", runtime.stage_plan.index, load,
+                                 refusals=(CheckpointError,))
 
 
 def save_hf_model(state_dict: dict, config, out_dir: Path, tied_keys: list[str]) -> None:
@@ -134,10 +169,7 @@ def save_hf_model(state_dict: dict, config, out_dir: Path, tied_keys: list[str])
 
 def load_stage_weights(stage: torch.nn.Module, ckpt: Path) -> None:
     """Copy this stage's own tensors from the checkpoint's model.safetensors into the stage."""
-    try:
-        checkpoint_io.load_stage_tensors(stage, ckpt)
-    except checkpoint_io.CheckpointError as e:
-        raise CheckpointError(str(e)) from None
+    checkpoint_io.load_stage_tensors(stage, ckpt)
 
 
 def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
@@ -151,7 +183,10 @@ def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
     if missing:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {missing}; it was not written "
                               f"by a {world_size}-rank HaptTrainer run (or is damaged)")
-    saved = Plan.load(ckpt / "plan.json")
+    try:
+        saved = Plan.load(ckpt / "plan.json")
+    except PlanError as e:
+        raise damaged_file(ckpt / "plan.json", e) from None
     if [(s.layers, s.ranks) for s in saved.stages] != [(s.layers, s.ranks) for s in plan.stages]:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} was written under another plan (stages "
                               f"{[list(s.layers) for s in saved.stages]}) than this run's "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from hapt_hf.integration import checkpoint as ckpt_io
 from hapt_hf.integration.config import HaptConfigError, HaptPlugin
@@ -20,6 +21,7 @@ from hapt_hf.integration.data import DataError, TextDataConfig, load_text_datase
 from hapt_hf.integration.launch import (LaunchEnv, LaunchError, check_model_family, format_plan,
                                         init_process_group, read_launch_env, resolve_plan,
                                         write_plan)
+from hapt_hf.pipeline.comm import PipelineFailure
 from hapt_hf.planner.plan import PlanError
 
 __all__ = ["RecipeDefaults", "build_parser", "main"]
@@ -193,7 +195,6 @@ def _run(args, defaults: RecipeDefaults) -> None:
 
 def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, tokenizer,
            train_rows, eval_rows) -> None:
-    from hapt_hf.integration.trainer import HaptTrainer
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
 
     training_args = _training_args(args, plan, args.output_dir)
@@ -203,16 +204,41 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
     runtime = PipelineRuntime(plan, model_config, RuntimeConfig(
         timeout_s=plugin.timeout_s, seed=args.seed, autocast_dtype=autocast,
         checkpoint_dir=str(weights_dir) if weights_dir else None))
-    if getattr(args, "lora_r", 0):
-        from hapt_hf.integration.lora import apply_lora
-        apply_lora(runtime.stage, args.lora_r)
+    try:
+        if getattr(args, "lora_r", 0):
+            from hapt_hf.integration.lora import apply_lora
+            apply_lora(runtime.stage, args.lora_r)
+        _fit(args, plan, launch, runtime, training_args, tokenizer, train_rows, eval_rows)
+    finally:
+        runtime.shutdown()  # the watchdog thread ends before the process group goes
+    if launch.is_main:
+        print(f"saved a Hugging Face checkpoint to {args.output_dir} (load it with "
+              f"AutoModelForCausalLM.from_pretrained({str(args.output_dir)!r})) and the plan "
+              f"that ran to {Path(args.output_dir) / 'plan.json'}", flush=True)
+
+
+class _WritePlanAtStart(TrainerCallback):
+    """Writes plan.json as training begins: after a resumed checkpoint has loaded (and been
+    agreed on) on every rank, so that a refused run leaves the output directory as it was."""
+
+    def __init__(self, plan, output_dir: str, launch: LaunchEnv) -> None:
+        self.plan, self.output_dir, self.launch = plan, output_dir, launch
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        write_plan(self.plan, self.output_dir, self.launch)
+
+
+def _fit(args, plan, launch, runtime, training_args, tokenizer, train_rows, eval_rows) -> None:
+    from hapt_hf.integration.trainer import HaptTrainer
+
     # a held-out slice smaller than a global batch cannot be evaluated: the run goes without
     can_evaluate = len(eval_rows) >= plan.global_batch_size
+
     trainer = HaptTrainer(runtime, plan, training_args, train_dataset=train_rows,
                           eval_dataset=eval_rows if can_evaluate else None,
                           processing_class=tokenizer)
-    # Everything is checked: from here on the output directory is written.
-    write_plan(plan, args.output_dir, launch)
+    # Everything else is checked: the output directory is written from the start of training.
+    trainer.add_callback(_WritePlanAtStart(plan, args.output_dir, launch))
     resume = args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
     if can_evaluate and not args.eval_steps:
@@ -225,11 +251,6 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
     if args.verify_checkpoint:
         _verify(trainer, runtime, eval_rows if can_evaluate else train_rows,
                 Path(args.output_dir), launch.rank)
-    runtime.shutdown()
-    if launch.is_main:
-        print(f"saved a Hugging Face checkpoint to {args.output_dir} (load it with "
-              f"AutoModelForCausalLM.from_pretrained({str(args.output_dir)!r})) and the plan "
-              f"that ran to {Path(args.output_dir) / 'plan.json'}", flush=True)
 
 
 def main(defaults: RecipeDefaults, argv: list[str] | None = None) -> int:
@@ -237,9 +258,14 @@ def main(defaults: RecipeDefaults, argv: list[str] | None = None) -> int:
     try:
         _run(args, defaults)
     except _user_errors() as e:
+        # every rank raises the same refusal (checks run on every rank, or are agreed on)
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except PipelineFailure as e:
+        # each rank names the one that failed and adds what it was doing itself
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         import torch.distributed as dist
         if dist.is_initialized():

@@ -42,7 +42,7 @@ from hapt_hf.planner.plan import Plan
 
 __all__ = ["HaptTrainer", "TrainingArgsError", "BatchMappingError"]
 
-TRAINER_STATE = "trainer_state.json"
+TRAINER_STATE = ckpt_io.TRAINER_STATE
 
 
 class TrainingArgsError(ValueError):
@@ -431,8 +431,6 @@ class HaptTrainer(Trainer):
 
     def _load_checkpoint(self, ckpt: Path) -> None:
         """Stage weights, this rank's optimizer/scheduler/RNG, and the trainer state."""
-        ckpt_io.check_resumable(ckpt, self.plan, self.plan.world_size)
-        ckpt_io.load_stage_weights(self.runtime.stage, ckpt)
-        ckpt_io.load_rank_state(ckpt, self.runtime.rank, self.optimizer, self.lr_scheduler)
-        self.state = TrainerState.load_from_json(str(ckpt / TRAINER_STATE))
+        self.state = ckpt_io.load_checkpoint(ckpt, self.runtime, self.optimizer,
+                                             self.lr_scheduler)
         self._load_callback_state()

@@ -1,9 +1,9 @@
 """Pipeline execution: stages, the runtime that runs a plan's schedule, and its transfers."""
 from hapt_hf.pipeline.comm import PipelineFailure
 from hapt_hf.pipeline.runtime import (Batch, PipelineRuntime, Prediction, RuntimeConfig,
-                                      StepResult, init_distributed)
+                                      StepResult, exit_distributed, init_distributed)
 from hapt_hf.pipeline.stage import PipelineStage, StageBuildError, build_stage, supported_families
 
 __all__ = ["Batch", "PipelineRuntime", "RuntimeConfig", "StepResult", "Prediction",
-           "PipelineFailure", "init_distributed", "build_stage", "PipelineStage",
-           "StageBuildError", "supported_families"]
+           "PipelineFailure", "init_distributed", "exit_distributed", "build_stage",
+           "PipelineStage", "StageBuildError", "supported_families"]

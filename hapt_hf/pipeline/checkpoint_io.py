@@ -12,13 +12,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
 __all__ = [
     "CheckpointError",
     "checkpoint_key_files",
+    "damaged_file",
     "copy_into",
     "gather_state_dicts",
     "load_stage_tensors",
@@ -31,7 +32,25 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot serve a stage (missing files or keys)."""
+    """A checkpoint that cannot be used: missing or damaged files, missing keys, another plan.
+    The one class for checkpoints (``hapt_hf.integration.checkpoint`` re-exports it)."""
+
+
+def damaged_file(path: str | Path, error: BaseException) -> CheckpointError:
+    """The one message for a checkpoint file that exists but cannot be read."""
+    reason = (str(error).splitlines() or [""])[0][:200]
+    return CheckpointError(
+        f"checkpoint file {str(path)!r} is damaged or incomplete ({type(error).__name__}: "
+        f"{reason}); use another checkpoint (to resume, pass the path of an earlier checkpoint-N "
+        "directory as resume_from_checkpoint), or write this one again")
+
+
+def _open(path: Path):
+    """``safe_open`` of one safetensors file, a damaged file named in a CheckpointError."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise damaged_file(path, e) from None
 
 
 def checkpoint_key_files(checkpoint_dir: str | Path) -> dict[str, Path]:
@@ -42,11 +61,14 @@ def checkpoint_key_files(checkpoint_dir: str | Path) -> dict[str, Path]:
     root = Path(checkpoint_dir)
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: root / name for key, name in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {key: root / name for key, name in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise damaged_file(index, e) from None
     single = root / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt", device="cpu") as handle:
+        with _open(single) as handle:
             return {key: single for key in handle.keys()}
     raise CheckpointError(
         f"checkpoint_dir {str(root)!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}; "
@@ -69,9 +91,12 @@ def read_tensors(
         by_file.setdefault(key_files[stored], []).append(key)
     tensors: dict[str, Tensor] = {}
     for path, wanted in by_file.items():
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
+        with _open(path) as handle:
             for key in wanted:
-                tensors[key] = handle.get_tensor(source[key])
+                try:
+                    tensors[key] = handle.get_tensor(source[key])
+                except SafetensorError as e:
+                    raise damaged_file(path, e) from None
     return tensors
 
 

@@ -23,21 +23,22 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer
+from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer, failed_during
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work, replica_slice
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
 __all__ = ["Batch", "RuntimeConfig", "StepResult", "Prediction", "RuntimeSetupError",
-           "BatchError", "PipelineFailure", "init_distributed", "PipelineRuntime"]
+           "BatchError", "PipelineFailure", "init_distributed", "exit_distributed",
+           "PipelineRuntime"]
 
 _runtime_ids = itertools.count()
 
@@ -131,6 +132,38 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def exit_distributed(code: int = 0) -> NoReturn:
+    """End a process that used torch.distributed: destroy the process group, run the ``atexit``
+    handlers, flush stdout and stderr, and exit with ``code`` without finalizing the interpreter.
+
+    Why not a normal exit: a Gloo worker thread frees a finished collective (an all-reduce, the
+    all-gather behind ``all_gather_object``) only a moment after the collective has returned to
+    Python, and freeing its tensors' Python objects needs the GIL. On a loaded machine that
+    moment can come after the main thread has begun finalizing the interpreter; CPython then
+    ends the worker thread (``pthread_exit``) as it asks for the GIL, and that unwinding through
+    the work's destructor, which must not throw, calls ``std::terminate``: "terminate called
+    without an active exception", exit 134, after the program had printed its result (seen in
+    a core dump: ``take_gil`` <- ``THPVariable_dealloc`` <- ``~AsyncAllgatherWork`` <-
+    ``ProcessGroupGloo::runLoop`` while the main thread was in ``Py_FinalizeEx``). Neither
+    ``destroy_process_group`` (Gloo's ``shutdown()`` leaves the worker threads running) nor any
+    other call waits for those threads; a process that does not finalize cannot race them. The
+    same holds for any daemon thread inside a C++ call at exit (a store call of the failure
+    channel's watchdog, a runtime that was not shut down).
+    """
+    import atexit
+    import sys
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what a normal exit runs before finalizing: loggers, writers
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code)
+
+
 @dataclass
 class _MicroBatch:
     """State of one micro-batch on this rank between its forward and its backward."""
@@ -150,7 +183,6 @@ class PipelineRuntime:
             raise RuntimeSetupError("torch.distributed is not initialised; call "
                                     "hapt_hf.pipeline.init_distributed() first")
         plan.validate(world_size=dist.get_world_size())
-        from hapt_hf.pipeline.stage import build_stage
         self.plan = plan
         self.config = config
         self.rank = dist.get_rank()
@@ -159,16 +191,15 @@ class PipelineRuntime:
         self.work: RankWork = rank_work(plan, self.rank, self.schedule)
         self.stage_plan: StagePlan = self.work.stage
         self.device = torch.device(config.device or _default_device())
-        self.stage = build_stage(model_config, self.stage_plan.layers, seed=config.seed,
-                                 checkpoint_dir=config.checkpoint_dir, device=self.device,
-                                 recompute=self.stage_plan.recompute,
-                                 layer_unit=plan.layer_unit,
-                                 attn_implementation=plan.attn_implementation)
-        self.hidden_size = int(model_config.hidden_size)
-        self._tied = list(self.stage.tied_parameters())
-        self._dp_group, self._tied_group = self._make_groups(model_config)
-        self.channel = FailureChannel(f"rt{next(_runtime_ids)}", self.rank, config.timeout_s)
         self._all_ranks = tuple(range(plan.world_size))
+        # The channel comes first: a rank that fails while building its stage (a damaged
+        # checkpoint file, say) or dies in the first collectives is named by the others.
+        self.channel = FailureChannel(f"rt{next(_runtime_ids)}", self.rank, config.timeout_s)
+        try:
+            self._set_up(model_config)
+        except BaseException:
+            self.channel.close()
+            raise
         # who takes part in this rank's gradient all-reduces (its replicas, the tied group)
         self._grad_peers = tuple(sorted(set(self.stage_plan.ranks) | (
             set(self.work.tied_ranks) if self._tied_group is not None else set())))
@@ -178,6 +209,20 @@ class PipelineRuntime:
         """Most micro-batches whose forward state this rank kept at once (measured)."""
         self._live = 0
         self._buckets: _GradBuckets | None = None
+
+    def _set_up(self, model_config: PretrainedConfig) -> None:
+        """Build this rank's stage (every rank refuses if one cannot) and the process groups."""
+        from hapt_hf.pipeline.stage import build_stage
+        s = self.stage_plan.index
+        self.stage = self.channel.agree("the stage build", s, lambda: build_stage(
+            model_config, self.stage_plan.layers, seed=self.config.seed,
+            checkpoint_dir=self.config.checkpoint_dir, device=self.device,
+            recompute=self.stage_plan.recompute, layer_unit=self.plan.layer_unit,
+            attn_implementation=self.plan.attn_implementation))
+        self.hidden_size = int(model_config.hidden_size)
+        self._tied = list(self.stage.tied_parameters())
+        with self.channel.collective("the process-group set-up", s, self._all_ranks):
+            self._dp_group, self._tied_group = self._make_groups(model_config)
 
     @property
     def bucket_launch_s(self) -> list[float]:
@@ -381,8 +426,7 @@ class PipelineRuntime:
             except PipelineFailure:
                 raise
             except Exception as e:  # noqa: BLE001 - recorded for every rank, then re-raised
-                msg = (f"rank {self.rank} failed during {a.kind.value} (stage {s}, micro-batch "
-                       f"{k}): {type(e).__name__}: {e}")
+                msg = failed_during(self.rank, f"{a.kind.value} (stage {s}, micro-batch {k})", e)
                 raise PipelineFailure(self.channel.record(msg)) from e
             if a.kind is ActionKind.B and self.work.is_first:
                 mbs.pop(k, None)
@@ -435,7 +479,8 @@ class PipelineRuntime:
             buf = torch.empty((p.size, seq, self.hidden_size), dtype=dtype, device=self.device)
             what = (f"{kind} of micro-batch {k} from rank {p.peer} "
                     f"(stage {self.plan.stage_of_rank(p.peer).index})")
-            out.append(Transfer(dist.irecv(buf, p.peer, tag=k), p.peer, what, buf))
+            out.append(self.channel.start(lambda: dist.irecv(buf, p.peer, tag=k), p.peer, what,
+                                          buf, self.stage_plan.index))
         return out
 
     def _post_send(self, pieces: tuple[Piece, ...], k: int, t: Tensor, kind: str) -> list[Transfer]:
@@ -445,7 +490,8 @@ class PipelineRuntime:
         for p in pieces:
             buf = t[p.start:p.stop].contiguous()
             what = f"{kind} of micro-batch {k} to rank {p.peer}"
-            out.append(Transfer(dist.isend(buf, p.peer, tag=k), p.peer, what, buf))
+            out.append(self.channel.start(lambda: dist.isend(buf, p.peer, tag=k), p.peer, what,
+                                          buf, self.stage_plan.index))
         return out
 
     # -- internals -------------------------------------------------------------------------

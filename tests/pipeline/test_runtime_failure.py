@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +101,134 @@ def test_rank_killed_in_the_gradient_all_reduce_is_named():
         stage = 0 if o.rank == 0 else 1
         assert f"rank {o.rank} (stage {stage}) was in the gradient all-reduce" in msg, msg
         assert o.value["elapsed"] < BOUND_S, o.value
+
+
+# -- four ranks, the faulty one in the middle: blaming a neighbour would be caught ---------------
+
+VICTIM = 2
+BOUND4_S = 4.0  # RuntimeConfig.timeout_s and the process group's timeout for these runs
+
+
+def _plan4() -> Plan:
+    """Four stages, one rank each: [embedding, b0], [b1], [b2], [head]; 1F1B."""
+    layers = ((0, 2), (2, 3), (3, 4), (4, 5))
+    stages = tuple(StagePlan(i, span, "cpu", "cpu", (i,), warmup=4 - i)
+                   for i, span in enumerate(layers))
+    return Plan("tiny", 5, 8, 8, 2, 4, "1f1b", stages).validate()
+
+
+def _config():
+    from transformers import GPT2Config
+    return GPT2Config(n_layer=3, n_embd=16, n_head=2, n_positions=16, vocab_size=50)
+
+
+def _mark_fault(tmp: Path) -> None:
+    (tmp / "fault").write_text(repr(time.monotonic()))
+
+
+def _kill_once_the_others_end(tmp: Path, world_size: int) -> None:
+    """A helper process that SIGKILLs this (frozen) rank once every other rank has ended, or
+    after 30 s: the survivors must have given up while it was still frozen."""
+    others = " ".join((tmp / f"pid{r}").read_text() for r in range(world_size) if r != VICTIM)
+    script = (f"for i in $(seq 150); do alive=0; for p in {others}; do "
+              f"kill -0 $p 2>/dev/null && alive=1; done; [ $alive = 0 ] && break; sleep 0.2; "
+              f"done; kill -9 {os.getpid()}")
+    subprocess.Popen(["sh", "-c", script], start_new_session=True)
+
+
+def four_rank_worker(rank: int, world_size: int, how: str, tmp: str) -> str:
+    """``how`` happens to rank 2: "kill" (SIGKILL) or "raise" at its second forward of the
+    second iteration; "stop" (SIGSTOP) as the second iteration starts, while its neighbours
+    (ranks 1 and 3) are still busy for a moment, so that rank 0, waiting for rank 1, is the
+    first to time out, on a live rank; or "corrupt": its checkpoint file is truncated."""
+    import torch
+
+    from hapt_hf.pipeline import Batch, PipelineFailure, PipelineRuntime, RuntimeConfig
+    from hapt_hf.pipeline.stage import StageBuildError
+    tmp_path = Path(tmp)
+    (tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+    ckpt = None
+    if how == "corrupt":
+        ckpt = str(tmp_path / ("bad" if rank == VICTIM else "good"))
+    try:
+        rt = PipelineRuntime(_plan4(), _config(),
+                             RuntimeConfig(timeout_s=BOUND4_S, checkpoint_dir=ckpt))
+    except StageBuildError:  # the damaged file, refused on every rank
+        if rank == VICTIM:
+            _mark_fault(tmp_path)
+        raise
+    batch = Batch(torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(0)))
+    rt.forward_backward(batch)
+    calls = []
+
+    def fault(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            _mark_fault(tmp_path)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("boom")
+
+    if how == "stop" and rank == VICTIM:
+        _mark_fault(tmp_path)
+        _kill_once_the_others_end(tmp_path, world_size)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif how == "stop" and rank in (VICTIM - 1, VICTIM + 1):
+        time.sleep(1.5)
+    elif rank == VICTIM:
+        rt.stage.register_forward_pre_hook(fault)
+    try:
+        rt.forward_backward(batch)
+    except PipelineFailure:
+        if rank == VICTIM and how == "raise":
+            time.sleep(BOUND4_S)  # stay alive: the others must not wait for this process
+        raise
+    return "finished the iteration"
+
+
+def _corrupt_checkpoints(tmp: Path) -> None:
+    from transformers import GPT2LMHeadModel
+    GPT2LMHeadModel(_config()).save_pretrained(tmp / "good")
+    shutil.copytree(tmp / "good", tmp / "bad")
+    data = (tmp / "bad" / "model.safetensors").read_bytes()
+    (tmp / "bad" / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+EXPECTED = {
+    "kill": "rank 2 stopped answering",
+    "stop": "rank 2 stopped answering (no heartbeat",
+    "raise": "rank 2 failed during F (stage 2, micro-batch 1): ValueError: boom",
+    "corrupt": "rank 2: checkpoint file",
+}
+
+
+@pytest.mark.parametrize("how", list(EXPECTED))
+def test_four_ranks_every_survivor_names_the_faulty_middle_rank(tmp_path, how):
+    if how == "corrupt":
+        _corrupt_checkpoints(tmp_path)
+    outs = run_ranks(four_rank_worker, 4, how, str(tmp_path), timeout_s=120,
+                     pg_timeout_s=BOUND4_S, check=False)
+    fault_at = float((tmp_path / "fault").read_text())
+    victim = outs[VICTIM]
+    if how in ("kill", "stop"):
+        assert victim.exitcode == -signal.SIGKILL, victim
+    else:
+        assert victim.exitcode == 1 and not victim.ok, victim
+    for o in outs:
+        if o.rank == VICTIM:
+            continue
+        text = f"{o.error}\n{o.stderr_tail}"
+        assert o.exitcode == 1 and not o.ok, (o.rank, o.exitcode, text)
+        assert EXPECTED[how] in text, (o.rank, text)
+        for other in (0, 1, 3):
+            assert f"rank {other} stopped answering" not in text, (o.rank, text)
+            assert f"rank {other} failed" not in text, (o.rank, text)
+        # within the bound: what a wait may last (the process group's timeout), plus finding
+        # who stopped (a 1 s heartbeat window and two 0.5 s grace waits), rank 0 keeping the
+        # store up meanwhile (1.9 s), and slack for a loaded machine
+        took = o.ended_at - fault_at
+        assert took < BOUND4_S + 6.0, (o.rank, took, text)
+        if how == "stop":  # given up while rank 2 was still frozen, not when it was killed
+            assert o.ended_at < victim.ended_at, (o.rank, o.ended_at, victim.ended_at)
+    if how == "corrupt":
+        assert "bad/model.safetensors" in victim.error and "damaged" in victim.error
