@@ -479,7 +479,7 @@ class PipelineRuntime:
             buf = torch.empty((p.size, seq, self.hidden_size), dtype=dtype, device=self.device)
             what = (f"{kind} of micro-batch {k} from rank {p.peer} "
                     f"(stage {self.plan.stage_of_rank(p.peer).index})")
-            out.append(self.channel.start(lambda: dist.irecv(buf, p.peer, tag=k), p.peer, what,
+            out.append(self.channel.start(lambda buf=buf, p=p: dist.irecv(buf, p.peer, tag=k), p.peer, what,
                                           buf, self.stage_plan.index))
         return out
 
@@ -490,7 +490,7 @@ class PipelineRuntime:
         for p in pieces:
             buf = t[p.start:p.stop].contiguous()
             what = f"{kind} of micro-batch {k} to rank {p.peer}"
-            out.append(self.channel.start(lambda: dist.isend(buf, p.peer, tag=k), p.peer, what,
+            out.append(self.channel.start(lambda buf=buf, p=p: dist.isend(buf, p.peer, tag=k), p.peer, what,
                                           buf, self.stage_plan.index))
         return out
 
