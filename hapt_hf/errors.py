@@ -14,7 +14,7 @@ from __future__ import annotations
 __all__ = [
     "HaptError", "ModelSpecError", "UnsupportedModel", "ClusterError", "ProfileError",
     "PlanError", "PlanningError", "ScheduleError", "CostModelError", "ConfigError",
-    "StageBuildError", "CheckpointError", "DataError",
+    "StageBuildError", "CheckpointError", "DataError", "TrainingArgsError", "LaunchError",
 ]
 
 
@@ -56,6 +56,14 @@ class CostModelError(HaptError):
 
 class ConfigError(HaptError):
     """A setting of the hapt config or of the runtime that cannot be honoured."""
+
+
+class TrainingArgsError(ConfigError):
+    """A ``TrainingArguments`` setting the pipeline trainer cannot honour."""
+
+
+class LaunchError(HaptError):
+    """The processes that were started do not form the job asked for."""
 
 
 class StageBuildError(HaptError):
