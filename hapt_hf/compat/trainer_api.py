@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import Trainer
 
-__all__ = ["TrainerHooks", "set_train_batch_size", "init_training_references", "learning_rate",
+__all__ = ["TrainerHooks", "set_train_batch_size", "prepare_state", "learning_rate",
            "determine_best_metric", "run_output_dir", "load_callback_state"]
 
 
@@ -40,8 +40,7 @@ def set_train_batch_size(trainer: Trainer, size: int) -> None:
     trainer._train_batch_size = size
 
 
-def init_training_references(trainer: Trainer, max_steps: int, num_epochs: int,
-                             trial: Any) -> None:
+def prepare_state(trainer: Trainer, max_steps: int, num_epochs: int, trial: Any) -> None:
     """What Trainer's loop records in ``state`` before the first step (steps, epochs, trial).
 
     Tested on transformers 5.23 (``TrainerState.init_training_references``).

@@ -133,7 +133,7 @@ class HaptTrainer(TrainerHooks, Trainer):
         resume = self._resolve_resume(resume_from_checkpoint)
         if resume is not None:
             self._load_checkpoint(resume)
-        trainer_api.init_training_references(self, max_steps, num_epochs, trial)
+        trainer_api.prepare_state(self, max_steps, num_epochs, trial)
         self.callback_handler.model = self.model
         self.callback_handler.optimizer = self.optimizer
         self.callback_handler.lr_scheduler = self.lr_scheduler
