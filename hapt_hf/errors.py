@@ -13,8 +13,9 @@ from __future__ import annotations
 
 __all__ = [
     "HaptError", "ModelSpecError", "UnsupportedModel", "ClusterError", "ProfileError",
-    "PlanError", "PlanningError", "PrecisionError", "ScheduleError", "CostModelError", "ConfigError",
-    "StageBuildError", "CheckpointError", "DataError",
+    "PlanError", "PlanningError", "PrecisionError", "ScheduleError", "CostModelError",
+    "ConfigError", "StageBuildError", "CheckpointError", "DataError", "TrainingArgsError",
+    "LaunchError",
 ]
 
 
@@ -60,6 +61,14 @@ class CostModelError(HaptError):
 
 class ConfigError(HaptError):
     """A setting of the hapt config or of the runtime that cannot be honoured."""
+
+
+class TrainingArgsError(ConfigError):
+    """A ``TrainingArguments`` setting the pipeline trainer cannot honour."""
+
+
+class LaunchError(HaptError):
+    """The processes that were started do not form the job asked for."""
 
 
 class StageBuildError(HaptError):

@@ -296,6 +296,7 @@ def test_missing_inputs_are_one_line(argv, field, capsys):
     _assert_user_error(*_run(argv, capsys), field)
 
 
+@pytest.mark.e2e
 def test_console_entry_in_a_fresh_process(tmp_path):
     cluster = _write(tmp_path, _BAD_CLUSTERS["negative_bandwidth"][0])
     env = dict(os.environ, PYTHONPATH=str(REPO))

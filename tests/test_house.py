@@ -6,7 +6,8 @@
 * no module of hapt_hf is longer than MAX_LINES unless its opening docstring says why
   (a paragraph starting with ``Length:``);
 * the benchmarks never import the command line, and nothing reads files from outside the
-  repository (``../shared``): tests and benchmarks read ``benchmarks/inputs.py``.
+  repository (``../shared``): tests and benchmarks read ``benchmarks/inputs.py``;
+* private torch / transformers / Trainer APIs are reached only through ``hapt_hf/compat/``.
 """
 from __future__ import annotations
 
@@ -154,3 +155,52 @@ def test_nothing_reads_files_from_outside_the_repository(folder):
             if p != Path(__file__).resolve()
             for i, line in enumerate(p.read_text().splitlines(), 1) if _OUTSIDE.search(line)]
     assert not hits, f"paths into ../shared: {hits}; read benchmarks/inputs.py instead"
+
+
+# -- private APIs of torch, transformers and Trainer -------------------------------------------
+
+PRIVATE_APIS = re.compile("|".join([
+    r"torch\.utils\._", r"_python_dispatch", r"_device_constructors", r"\._schema\b",
+    r"\._cdata\b", r"torch\._C\b", r"distributed_c10d\._", r"_get_default_store",
+    r"_attn_implementation", r"masking_utils", r"loss_utils", r"(?<![A-Za-z0-9])_name_or_path",
+    r"init_training_references", r"_get_learning_rate", r"_load_callback_state",
+    r"_determine_best_metric", r"_get_output_dir", r"\._train_batch_size\b", r"_save_checkpoint",
+    r"_load_best_model", r"\._modules\b", r"\._parameters\b", r"\._buffers\b",
+]))
+"""Names of private torch / transformers / Trainer APIs. (OPT's ``_remove_final_layer_norm``,
+read by the planner, is not one: it is a field of OPTConfig and of its config.json.)"""
+COMPAT = "hapt_hf/compat/"
+PENDING_PRIVATE = {
+    # pending: restructured on the runtime side; their private uses (the default store in
+    # comm.py) move to hapt_hf/compat/ once that work is merged
+    "hapt_hf/pipeline/runtime.py", "hapt_hf/pipeline/comm.py", "hapt_hf/pipeline/checkpoint_io.py",
+    "hapt_hf/integration/checkpoint.py", "hapt_hf/integration/recipe.py", "hapt_hf/testing.py",
+    "recipes/finetune_gpt2.py", "recipes/finetune_llama.py",
+}
+TESTBED_SITE = ROOT / "benchmarks" / "testbed" / "site"
+"""Loaded into the testbed's processes to slow torch's process groups down on purpose: it
+patches torch itself and is no part of the package."""
+
+
+def private_api_uses(path: Path, text: str | None = None) -> list[str]:
+    """``line: text`` of every private torch / transformers / Trainer name in a file."""
+    lines = (path.read_text() if text is None else text).splitlines()
+    return [f"{i}: {line.strip()}" for i, line in enumerate(lines, 1) if PRIVATE_APIS.search(line)]
+
+
+def test_private_apis_only_in_compat():
+    files = [p for p in _python_files(PACKAGE, ROOT / "recipes", ROOT / "benchmarks",
+                                      ROOT / "scripts") if TESTBED_SITE not in p.parents]
+    bad = {rel: hits for p in files
+           if not (rel := str(p.relative_to(ROOT))).startswith(COMPAT)
+           and rel not in PENDING_PRIVATE and (hits := private_api_uses(p))}
+    assert not bad, f"private torch/transformers/Trainer APIs outside {COMPAT}: {bad}"
+
+
+def test_private_api_check_finds_them():
+    probe = PACKAGE / "pipeline" / "probe.py"
+    text = ("from transformers.masking_utils import create_causal_mask\n"
+            "config._attn_implementation = 'eager'\n"
+            "node._modules[name]\n"
+            "p = args.model_name_or_path\n")
+    assert [h.split(":")[0] for h in private_api_uses(probe, text)] == ["1", "2", "3"]

@@ -76,6 +76,7 @@ def test_smoke_slowdown_and_shaped_link():
     assert _leftovers(tag) == []
 
 
+@pytest.mark.multiproc
 def test_cgroup_quota_applies_and_is_removed():
     ok, why = cgroup_available()
     if not ok:
@@ -93,6 +94,7 @@ def test_cgroup_quota_applies_and_is_removed():
     assert _leftovers(tag) == []
 
 
+@pytest.mark.multiproc
 def test_cpu_cap_gives_every_rank_the_same_quota_under_the_hook():
     ok, why = cgroup_available()
     if not ok:
@@ -111,6 +113,7 @@ def test_cpu_cap_gives_every_rank_the_same_quota_under_the_hook():
     assert _leftovers(tag) == []
 
 
+@pytest.mark.multiproc
 def test_cleanup_when_the_run_fails():
     ok, why = netns_available()
     if not ok:

@@ -1,4 +1,4 @@
-"""The hapt config (``hapt.yaml``) and the Accelerate-style plugin that reads it.
+"""The hapt config (``hapt.yaml``): what a user asks of hapt_hf for one training job.
 
 A user writes one small YAML file next to their accelerate config::
 
@@ -7,37 +7,46 @@ A user writes one small YAML file next to their accelerate config::
     global_batch_size: 8
     precision: auto        # bf16 | fp16 | fp32 | auto (bf16 where every GPU has it)
     attn_implementation: sdpa   # or eager; the planner budgets the memory of the one chosen
-    planner: {}            # extra PlannerOptions fields, passed through
+    planner: {}            # search options (PlannerOptions fields), e.g. {max_stages: 4}
 
 Relative paths are resolved against the directory of the hapt config, so the file can be moved
 together with the files it names. What the user asks for lives here; what is derived from it
-(the plan) lives in :class:`hapt_hf.planner.plan.Plan`.
+(the plan) lives in :class:`hapt_hf.planner.plan.Plan`. The ``planner:`` mapping is read into
+the search's own :class:`~hapt_hf.planner.search.PlannerOptions` (one list of options, each
+documented there) when the config is loaded, so every rank refuses a bad option alike.
+
+``HaptConfig`` is not an Accelerate plugin; ``HaptPlugin`` is its former name, kept so that
+existing scripts still import.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_TIMEOUT_S
 from hapt_hf.core.precision import DTYPES, PRECISIONS, canonical_precision
-from hapt_hf.planner.plan import SCHEDULES
+from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
+from hapt_hf.errors import ConfigError, HaptError
+from hapt_hf.planner.search import PlannerOptions
 
-__all__ = ["HaptConfigError", "HaptPlugin", "HaptConfig", "HAPT_CONFIG_ENV",
-           "resolve_hapt_config_path"]
+__all__ = ["HaptConfigError", "HaptConfig", "HaptPlugin", "PlannerOptions", "HAPT_CONFIG_ENV",
+           "resolve_hapt_config_path", "planner_options"]
 
 HAPT_CONFIG_ENV = "HAPT_CONFIG"
 
 
-class HaptConfigError(ValueError):
+class HaptConfigError(ConfigError):
     """A hapt config that cannot be used; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
-class HaptPlugin:
+class HaptConfig:
     """What a user asks of hapt_hf for one training job (the contents of ``hapt.yaml``).
 
     Args:
@@ -53,23 +62,27 @@ class HaptPlugin:
         dtype: Older name of ``precision``, read as the same setting.
         attn_implementation: ``eager`` or ``sdpa`` (None: sdpa, the runtime's default); the
             planner budgets the memory the chosen one keeps.
-        planner: Extra fields of ``PlannerOptions``, passed through unchanged.
+        planner: Search options (:class:`~hapt_hf.planner.search.PlannerOptions`, every field
+            documented there); a mapping is read into one and checked key by key on every
+            rank. Its ``schedule`` is this config's ``schedule``.
         timeout_s: How long a rank waits for the others before the job ends with a message.
         source: Where this config was read from (for messages); not a YAML key.
     """
 
     cluster: Path | None = field(default=None, metadata={"help": "Cluster YAML file to plan on."})
     plan: Path | None = field(default=None, metadata={"help": "Ready plan.json to run as is."})
-    schedule: str = field(default="h1f1b", metadata={"help": f"One of {SCHEDULES}."})
+    schedule: str = field(default=ScheduleKind.H1F1B.value,
+                          metadata={"help": f"One of {SCHEDULES}."})
     global_batch_size: int = field(default=8, metadata={"help": "Samples per optimizer step."})
     seq_len: int | None = field(default=None, metadata={"help": "Tokens per sample."})
     precision: str | None = field(default=None, metadata={"help": f"One of {PRECISIONS}."})
     dtype: str | None = field(default=None, metadata={"help": "Older name of precision."})
     attn_implementation: str | None = field(
         default=None, metadata={"help": f"One of {ATTN_IMPLEMENTATIONS}; default sdpa."})
-    planner: dict[str, Any] = field(default_factory=dict,
-                                    metadata={"help": "Extra PlannerOptions fields."})
-    timeout_s: float = field(default=300.0, metadata={"help": "Seconds before a stuck job ends."})
+    planner: PlannerOptions = field(default_factory=PlannerOptions,
+                                    metadata={"help": "Search options (PlannerOptions fields)."})
+    timeout_s: float = field(default=DEFAULT_TIMEOUT_S,
+                             metadata={"help": "Seconds before a stuck job ends."})
     source: str = field(default="<arguments>", metadata={"help": "Where the config came from."})
 
     def __post_init__(self) -> None:
@@ -107,9 +120,8 @@ class HaptPlugin:
             raise HaptConfigError(f"{where}: 'attn_implementation' is "
                                   f"{self.attn_implementation!r}; use one of "
                                   f"{', '.join(ATTN_IMPLEMENTATIONS)}")
-        if not isinstance(self.planner, dict):
-            raise HaptConfigError(f"{where}: 'planner' must be a mapping of PlannerOptions "
-                                  f"fields, got {type(self.planner).__name__}")
+        # frozen: the mapping a caller or the YAML gave becomes the typed options once, here
+        object.__setattr__(self, "planner", planner_options(self.planner, self.schedule, where))
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise HaptConfigError(f"{where}: 'timeout_s' is {self.timeout_s!r}; it must be a "
                                   "positive number of seconds")
@@ -122,7 +134,7 @@ class HaptPlugin:
     # -- reading ------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | None = None,
-                  source: str = "<dict>") -> "HaptPlugin":
+                  source: str = "<dict>") -> "HaptConfig":
         """Build from a parsed YAML mapping; paths are resolved against ``base_dir``."""
         if not isinstance(data, dict):
             raise HaptConfigError(f"{source}: a hapt config is a YAML mapping with keys such as "
@@ -143,7 +155,7 @@ class HaptPlugin:
         return cls(**kwargs, source=source)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "HaptPlugin":
+    def from_yaml(cls, path: str | os.PathLike) -> "HaptConfig":
         path = Path(path)
         if not path.is_file():
             raise HaptConfigError(f"hapt config {str(path)!r} does not exist; pass an existing "
@@ -159,13 +171,66 @@ class HaptPlugin:
         return cls.from_dict(data, base_dir=path.resolve().parent, source=str(path))
 
     @classmethod
-    def from_args_or_env(cls, path: str | None = None) -> "HaptPlugin":
-        """The plugin from ``--hapt_config`` if given, else from the ``HAPT_CONFIG`` variable."""
+    def from_args_or_env(cls, path: str | None = None) -> "HaptConfig":
+        """The config from ``--hapt_config`` if given, else from the ``HAPT_CONFIG`` variable."""
         return cls.from_yaml(resolve_hapt_config_path(path))
 
 
-# The contents of hapt.yaml; "plugin" is accelerate's word for the same object.
-HaptConfig = HaptPlugin
+# Former name of HaptConfig (it never was an Accelerate plugin); kept for existing imports.
+HaptPlugin = HaptConfig
+
+
+def _accepts(value: Any, hint: Any) -> bool:
+    """Whether a YAML value fits a PlannerOptions field's type (bool is no int, int is a float)."""
+    if hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(value, arm) for arm in typing.get_args(hint))
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        return isinstance(value, (list, tuple)) and all(_accepts(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def planner_options(given: Any, schedule: str, where: str) -> PlannerOptions:
+    """The ``planner:`` options as the search's ``PlannerOptions``, with ``schedule`` set.
+
+    A mapping is checked key by key (unknown key, wrong type, out-of-range value: one message
+    naming the key, and the valid keys); lists become tuples (the options are frozen).
+    """
+    if isinstance(given, PlannerOptions):
+        if given.schedule not in (schedule, PlannerOptions().schedule):
+            raise HaptConfigError(f"{where}: the planner options say schedule "
+                                  f"{given.schedule!r} but 'schedule' is {schedule!r}; set "
+                                  "'schedule' alone")
+        return replace(given, schedule=schedule)
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise HaptConfigError(f"{where}: 'planner' must be a mapping of search options, got "
+                              f"{type(given).__name__}")
+    hints = typing.get_type_hints(PlannerOptions)
+    valid = sorted(f.name for f in fields(PlannerOptions) if f.name != "schedule")
+    for key, value in given.items():
+        if key == "schedule":
+            raise HaptConfigError(f"{where}: 'planner' sets 'schedule'; set it at the top level "
+                                  "of the hapt config instead (schedule: h1f1b)")
+        if key not in hints:
+            raise HaptConfigError(f"{where}: 'planner' has unknown option {key!r}; the options "
+                                  f"are {valid}")
+        if not _accepts(value, hints[key]):
+            raise HaptConfigError(f"{where}: 'planner.{key}' is {value!r}; it must be "
+                                  f"{hints[key]}".replace("typing.", ""))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    try:
+        return PlannerOptions(**values, schedule=schedule)
+    except HaptError as e:  # a value out of range (PlanningError names the option)
+        raise HaptConfigError(f"{where}: 'planner': {e}") from None
 
 
 def resolve_hapt_config_path(path: str | None = None) -> Path:

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import torch
 
+from hapt_hf.errors import DataError
+
 __all__ = ["DataError", "TextDataConfig", "load_text_dataset", "pack_tokens", "epoch_order",
            "collate_causal_lm"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text"}
-
-
-class DataError(ValueError):
-    """A data file or column that cannot be used; the message names it and the fix."""
 
 
 @dataclass(frozen=True)

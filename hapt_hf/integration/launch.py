@@ -9,7 +9,9 @@ script that trusted ``torch.distributed`` defaults would train alone and think i
 
 Planning: with a cluster file rank 0 plans and broadcasts the plan (or its error, so a bad
 input ends every rank with the same message instead of a hang); every rank then checks the plan
-against the world it found.
+against the world it found. Only user errors (:class:`~hapt_hf.errors.HaptError`) become that
+message; anything else is a bug: rank 0 raises it with its traceback and the other ranks stop
+saying rank 0 failed.
 """
 from __future__ import annotations
 
@@ -23,22 +25,16 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.integration.config import HaptPlugin
-from hapt_hf.pipeline.families import supported_model_types
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_TIMEOUT_S
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
+from hapt_hf.core.layers import layer_name, num_layers
+from hapt_hf.errors import HaptError, LaunchError
+from hapt_hf.integration.config import HaptConfig
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group",
            "resolve_plan", "check_model_matches_plan", "format_plan", "SUPPORTED_MODEL_TYPES",
            "check_model_family", "print_main", "write_plan"]
-
-# Families the stage builder handles (GPT-2 shape, LLaMA shape).
-# One list, owned by the stage builder, so a family it learns is accepted here too.
-SUPPORTED_MODEL_TYPES = tuple(supported_model_types())
-
-
-class LaunchError(ValueError):
-    """The processes that were started do not form the job asked for; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, "single")
 
 
-def init_process_group(launch: LaunchEnv, timeout_s: float = 300.0) -> None:
+def init_process_group(launch: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join the job's process group (Gloo on CPU, NCCL on GPUs) unless already joined."""
     if dist.is_initialized():
         return
@@ -120,8 +116,7 @@ def check_model_family(model_config: Any) -> None:
 def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> None:
     """A plan made for another model or sequence length would cut the wrong layers."""
     blocks = int(getattr(model_config, "num_hidden_layers", getattr(model_config, "n_layer", 0)))
-    # a "half" plan cuts every block into its attention and MLP halves
-    expected = 2 * blocks + 2 if plan.layer_unit == "half" else blocks + 2
+    expected = num_layers(blocks, plan.layer_unit)
     if plan.num_layers != expected:
         raise PlanError(f"the plan cuts {plan.num_layers} layers but the model has {blocks} "
                         f"blocks (+ embedding and head = {expected} layers with layer_unit "
@@ -131,7 +126,7 @@ def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> Non
                         f"{seq_len}; pass --seq_len {plan.seq_len} or re-plan")
 
 
-def _check_plan_against_cluster(plan: Plan, plugin: HaptPlugin) -> None:
+def _check_plan_against_cluster(plan: Plan, plugin: HaptConfig) -> None:
     from hapt_hf.planner.cluster import Cluster  # the cluster file is only read when given
 
     cluster = Cluster.load(plugin.cluster)
@@ -149,7 +144,7 @@ def _check_plan_against_cluster(plan: Plan, plugin: HaptPlugin) -> None:
                         "only one of 'plan' and 'cluster', or re-plan on this cluster")
 
 
-def _check_plan_against_settings(plan: Plan, plugin: HaptPlugin) -> None:
+def _check_plan_against_settings(plan: Plan, plugin: HaptConfig) -> None:
     """A ready plan runs with its own precision and attention: one the config sets otherwise
     cannot be honoured."""
     asked = plugin.requested_precision
@@ -162,29 +157,30 @@ def _check_plan_against_settings(plan: Plan, plugin: HaptPlugin) -> None:
                         f"{plan.attn_implementation!r}; remove it or re-plan")
 
 
-def _plan_from_cluster(plugin: HaptPlugin, model_config: Any, seq_len: int) -> Plan:
+def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int) -> Plan:
     from hapt_hf.planner.cluster import Cluster
     from hapt_hf.planner.model_spec import ModelSpec
-    from hapt_hf.planner.search import PlannerOptions, plan_job
+    from hapt_hf.planner.search import plan_job
 
-    name = Path(str(getattr(model_config, "_name_or_path", "") or model_config.model_type)).name
+    name = Path(str(getattr(model_config, "name_or_path", "") or model_config.model_type)).name
     cluster = Cluster.load(plugin.cluster)
     precision = cluster.precision(plugin.requested_precision)
     spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=precision.compute, name=name,
                                  attn_implementation=plugin.attn_implementation
                                  or DEFAULT_ATTN_IMPLEMENTATION)
-    try:
-        # YAML gives lists where PlannerOptions keeps tuples (it is frozen and hashable).
-        extra = {k: tuple(v) if isinstance(v, list) else v for k, v in plugin.planner.items()}
-        options = PlannerOptions(**{"schedule": plugin.schedule, **extra})
-    except TypeError as e:
-        raise PlanError(f"{plugin.source}: 'planner' has an option PlannerOptions does not "
-                        f"take ({e}); remove it") from None
-    return plan_job(spec, cluster, plugin.global_batch_size, profile=None, options=options).plan
+    # plugin.planner was checked when the config was read, with plugin.schedule in it
+    return plan_job(spec, cluster, plugin.global_batch_size, profile=None,
+                    options=plugin.planner).plan
 
 
-def _plan_on_rank0(plugin: HaptPlugin, model_config: Any, seq_len: int) -> dict[str, Any]:
-    """The plan as a dict, or {'error': message} so every rank can raise the same error."""
+def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int
+                   ) -> tuple[dict[str, Any], BaseException | None]:
+    """The payload every rank receives, and the exception rank 0 re-raises, if any.
+
+    The payload is the plan as a dict, ``{'error': message}`` for a user error (every rank
+    raises it alike), or ``{'crash': description}`` for anything else: a bug, which rank 0
+    re-raises with its traceback while the others stop instead of waiting for a plan.
+    """
     try:
         if plugin.plan is not None:
             plan = Plan.load(plugin.plan)
@@ -193,18 +189,27 @@ def _plan_on_rank0(plugin: HaptPlugin, model_config: Any, seq_len: int) -> dict[
                 _check_plan_against_cluster(plan, plugin)
         else:
             plan = _plan_from_cluster(plugin, model_config, seq_len)
-        return plan.to_dict()
-    except ValueError as e:  # every user-input error of hapt_hf is a ValueError subclass
-        return {"error": str(e)}
+        return plan.to_dict(), None
+    except HaptError as e:
+        return {"error": str(e)}, None
+    except Exception as e:  # a bug: re-raised on rank 0 after the broadcast
+        return {"crash": f"{type(e).__name__}: {e}"}, e
 
 
-def resolve_plan(plugin: HaptPlugin, model_config: Any, seq_len: int,
+def resolve_plan(plugin: HaptConfig, model_config: Any, seq_len: int,
                  launch: LaunchEnv) -> Plan:
     """The same validated plan on every rank: rank 0 loads or plans, then broadcasts."""
-    payload = [_plan_on_rank0(plugin, model_config, seq_len) if launch.is_main else None]
+    payload, crash = _plan_on_rank0(plugin, model_config, seq_len) if launch.is_main \
+        else (None, None)
+    box = [payload]
     if launch.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    data = payload[0]
+        dist.broadcast_object_list(box, src=0)
+    data = box[0]
+    if crash is not None:
+        raise crash
+    if "crash" in data:
+        raise RuntimeError(f"rank 0 failed while planning ({data['crash']}); its traceback "
+                           "says where")
     if "error" in data:
         raise PlanError(data["error"])
     plan = Plan.from_dict(data)
@@ -216,24 +221,14 @@ def resolve_plan(plugin: HaptPlugin, model_config: Any, seq_len: int,
     return plan
 
 
-def _body_name(layer: int, layer_unit: str) -> str:
-    """A block's name in the plan table: ``b3``, or ``b3.attn`` / ``b3.mlp`` for its halves."""
-    if layer_unit != "half":
-        return f"b{layer - 1}"
-    block, second = divmod(layer - 1, 2)
-    return f"b{block}.{'mlp' if second else 'attn'}"
-
-
 def format_plan(plan: Plan) -> str:
     """A short table of the plan for the console (rank 0 prints it)."""
     lines = [f"hapt_hf plan: {plan.model_name or 'model'} | {plan.num_stages} stages on "
              f"{plan.world_size} ranks | schedule {plan.schedule} | global batch "
              f"{plan.global_batch_size} = {plan.num_microbatches} micro-batches x "
              f"{plan.micro_batch_size} | seq_len {plan.seq_len}"]
-    last = plan.num_layers - 1
     for s in plan.stages:
-        names = ["emb" if i == 0 else "head" if i == last else _body_name(i, plan.layer_unit)
-                 for i in range(*s.layers)]
+        names = [layer_name(i, plan.num_layers, plan.layer_unit) for i in range(*s.layers)]
         if len(names) > 5:  # keep one line per stage for deep models
             names = [names[0], "..", names[-1]]
         lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) "

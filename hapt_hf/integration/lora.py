@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from hapt_hf.errors import ConfigError
+
 __all__ = ["LoraSetupError", "apply_lora", "merge_lora", "LORA_TARGETS"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-class LoraSetupError(ValueError):
+class LoraSetupError(ConfigError):
     """LoRA cannot be applied as asked; the message says why."""
 
 

@@ -35,22 +35,19 @@ from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, PredictionOutput,
                                         TrainOutput, get_last_checkpoint, rotate_checkpoints,
                                         sort_checkpoints, speed_metrics)
 
+from hapt_hf.compat import trainer_api
+from hapt_hf.compat.trainer_api import TrainerHooks
+from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.integration import checkpoint as ckpt_io
-from hapt_hf.integration.data import DataError, epoch_order
+from hapt_hf.integration.data import epoch_order
+from hapt_hf.integration.trainer_checks import (BatchMappingError, as_rows, check_batch_mapping,
+                                                check_best_metric, check_enough)
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["HaptTrainer", "TrainingArgsError", "BatchMappingError"]
+__all__ = ["HaptTrainer", "TrainingArgsError", "BatchMappingError", "check_batch_mapping"]
 
 TRAINER_STATE = ckpt_io.TRAINER_STATE
-
-
-class TrainingArgsError(ValueError):
-    """A TrainingArguments setting HaptTrainer cannot honour; the message names it and the fix."""
-
-
-class BatchMappingError(TrainingArgsError):
-    """TrainingArguments whose batch sizes do not match the plan; the message gives the fix."""
 
 
 class _StageModel(nn.Module):
@@ -66,72 +63,7 @@ class _StageModel(nn.Module):
                            "use HaptTrainer.train/evaluate/predict or runtime.predict")
 
 
-def _group_fix(seq_len: int) -> str:
-    return (f"group the texts into blocks of {seq_len} tokens (hapt_hf.integration.data."
-            f"pack_tokens(texts, tokenizer, {seq_len}); --seq_len {seq_len} in the recipes)")
-
-
-def _as_rows(data: Any, field: str, plan: Plan) -> torch.Tensor:
-    """Packed token rows [samples, plan.seq_len] from a tensor or a dataset with 'input_ids';
-    rows of another or of uneven length are refused here, before any step runs."""
-    if isinstance(data, torch.Tensor):
-        rows = data
-    else:
-        try:
-            ids = data["input_ids"]
-        except (KeyError, TypeError, IndexError):
-            raise DataError(f"{field} has no 'input_ids' column; give packed token rows "
-                            f"[samples, {plan.seq_len}] (a tensor, or a dataset with an "
-                            "'input_ids' column)") from None
-        if not isinstance(ids, torch.Tensor):
-            ids = list(ids)
-            lengths = sorted({len(r) for r in ids})
-            if len(lengths) > 1:
-                raise DataError(f"{field} rows have uneven lengths ({lengths[0]} to "
-                                f"{lengths[-1]} tokens) but every row must hold the plan's "
-                                f"seq_len {plan.seq_len}; {_group_fix(plan.seq_len)}")
-        rows = torch.as_tensor(ids)
-    if rows.ndim != 2 or rows.is_floating_point():
-        raise DataError(f"{field} must be integer token rows [samples, seq_len]; got "
-                        f"{rows.dtype} {tuple(rows.shape)}; {_group_fix(plan.seq_len)}")
-    if rows.shape[1] != plan.seq_len:
-        raise DataError(f"{field} rows have {rows.shape[1]} tokens but the plan was made for "
-                        f"seq_len {plan.seq_len}; {_group_fix(plan.seq_len)}, or re-plan for "
-                        f"seq_len {rows.shape[1]}")
-    return rows.long()
-
-
-def _check_enough(rows: torch.Tensor, field: str, plan: Plan) -> None:
-    """Every step and every evaluation takes whole global batches."""
-    g = plan.global_batch_size
-    if len(rows) < g:
-        raise DataError(f"{field} has {len(rows)} samples, fewer than one global batch of the "
-                        f"plan ({g}); pass at least {g} samples, or re-plan for a smaller "
-                        "global batch")
-
-
-def _check_best_metric(args: TrainingArguments) -> None:
-    """HaptTrainer.evaluate reports the loss only: another best-model metric could not be
-    found at the first evaluation, after training started."""
-    metric = args.metric_for_best_model
-    if metric is not None and metric.removeprefix("eval_") != "loss":
-        raise TrainingArgsError(f"metric_for_best_model={metric!r} cannot be honoured: "
-                                "HaptTrainer evaluates the loss only; set "
-                                "metric_for_best_model='eval_loss'")
-
-
-def check_batch_mapping(args: TrainingArguments, plan: Plan) -> None:
-    if (args.per_device_train_batch_size, args.gradient_accumulation_steps) != (
-            plan.micro_batch_size, plan.num_microbatches):
-        raise BatchMappingError(
-            f"per_device_train_batch_size={args.per_device_train_batch_size} and "
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps} do not match the "
-            f"plan: set per_device_train_batch_size={plan.micro_batch_size} (the plan's "
-            f"micro_batch_size) and gradient_accumulation_steps={plan.num_microbatches} (its "
-            f"num_microbatches), or re-plan for another global batch")
-
-
-class HaptTrainer(Trainer):
+class HaptTrainer(TrainerHooks, Trainer):
     """A Trainer whose model is split into pipeline stages across ranks.
 
     Args:
@@ -148,7 +80,7 @@ class HaptTrainer(Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None,
                  callbacks=None, optimizers=(None, None)) -> None:
         check_batch_mapping(args, plan)
-        _check_best_metric(args)
+        check_best_metric(args)
         self.runtime = runtime
         self.plan = plan
         # the data is checked against the plan before Trainer creates the output directory
@@ -163,8 +95,8 @@ class HaptTrainer(Trainer):
     def _checked_rows(self, data: Any, field: str) -> torch.Tensor | None:
         if data is None:
             return None
-        rows = _as_rows(data, field, self.plan)
-        _check_enough(rows, field, self.plan)
+        rows = as_rows(data, field, self.plan)
+        check_enough(rows, field, self.plan)
         return rows
 
     def _batch(self, rows: torch.Tensor) -> Batch:
@@ -191,7 +123,7 @@ class HaptTrainer(Trainer):
         max_steps = args.max_steps if args.max_steps > 0 \
             else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
         num_epochs = math.ceil(max_steps / steps_per_epoch)
-        self._train_batch_size = self.plan.global_batch_size
+        trainer_api.set_train_batch_size(self, self.plan.global_batch_size)
         self.create_optimizer_and_scheduler(num_training_steps=max_steps)
         self.state = TrainerState(stateful_callbacks=[
             cb for cb in self.callback_handler.callbacks + [self.control]
@@ -201,7 +133,7 @@ class HaptTrainer(Trainer):
         resume = self._resolve_resume(resume_from_checkpoint)
         if resume is not None:
             self._load_checkpoint(resume)
-        self.state.init_training_references(self, max_steps, num_epochs, trial)
+        trainer_api.prepare_state(self, max_steps, num_epochs, trial)
         self.callback_handler.model = self.model
         self.callback_handler.optimizer = self.optimizer
         self.callback_handler.lr_scheduler = self.lr_scheduler
@@ -242,7 +174,7 @@ class HaptTrainer(Trainer):
         metrics["train_loss"] = total_loss / max(steps_run, 1)
         self.log(metrics)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self._load_best_model()
+            self.load_best_model()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
@@ -253,17 +185,17 @@ class HaptTrainer(Trainer):
             logs = {"loss": self._loss_since_log / (self.state.global_step - self._last_logged)}
             if grad_norm is not None:
                 logs["grad_norm"] = float(grad_norm)
-            logs["learning_rate"] = self._get_learning_rate()
+            logs["learning_rate"] = trainer_api.learning_rate(self)
             self._loss_since_log, self._last_logged = 0.0, self.state.global_step
             self.log(logs, start)
         if self.control.should_evaluate:
             metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
             # Trainer's own best-metric bookkeeping (state.best_metric, best_global_step)
-            is_new_best = self._determine_best_metric(metrics=metrics, trial=trial)
+            is_new_best = trainer_api.determine_best_metric(self, metrics, trial)
             if self.args.save_strategy == SaveStrategy.BEST:
                 self.control.should_save = is_new_best
         if self.control.should_save:
-            self._save_checkpoint(self.model, trial)
+            self.save_checkpoint(trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -313,7 +245,7 @@ class HaptTrainer(Trainer):
         Collective: every rank calls it. A last batch short of the global batch is filled with
         copies of its first row whose labels are all ignored, and their logits are dropped.
         """
-        rows = _as_rows(test_dataset, "test_dataset", self.plan)
+        rows = as_rows(test_dataset, "test_dataset", self.plan)
         if len(rows) == 0:
             raise DataError("test_dataset is empty; give at least one row to predict")
         g, start = self.plan.global_batch_size, time.time()
@@ -373,9 +305,11 @@ class HaptTrainer(Trainer):
             ckpt_io.fsync_path(out)
         ckpt_io.barrier()
 
-    def _save_checkpoint(self, model, trial) -> None:
+    def save_checkpoint(self, trial=None) -> None:
+        """Commit ``checkpoint-<step>`` atomically (collective): the gathered model, every
+        rank's optimizer and scheduler state, the plan, the arguments and the trainer state."""
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        run_dir = Path(self._get_output_dir(trial=trial))
+        run_dir = Path(trainer_api.run_output_dir(self, trial))
         rank = self.runtime.rank
         tmp = ckpt_io.begin_checkpoint(run_dir, name, rank)
         self._write_model(tmp)
@@ -402,7 +336,7 @@ class HaptTrainer(Trainer):
         if step == self.state.global_step or best.is_dir():
             self.state.best_model_checkpoint = str(best)
 
-    def _load_best_model(self) -> None:
+    def load_best_model(self) -> None:
         """Every rank reads its own stage's tensors of the best checkpoint; with
         ``save_total_limit=1`` the last checkpoint, if not the best, is then removed (as
         Trainer does)."""
@@ -433,4 +367,4 @@ class HaptTrainer(Trainer):
         """Stage weights, this rank's optimizer/scheduler/RNG, and the trainer state."""
         self.state = ckpt_io.load_checkpoint(ckpt, self.runtime, self.optimizer,
                                              self.lr_scheduler)
-        self._load_callback_state()
+        trainer_api.load_callback_state(self)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from hapt_hf.compat.transformers_api import SLIDING_ATTENTION, attention_mask as build_mask
 from hapt_hf.core.families import family
 
 __all__ = [
@@ -105,9 +105,9 @@ class FamilyAdapter:
         # packed sequences. Pass the same so the masks agree; blocks never see the cache.
         cache = DynamicCache(config=config) if getattr(config, "use_cache", False) else None
         mask_positions = self.mask_position_ids(position_ids)
-        masks = {kind: _mask_builder(kind)(config=config, inputs_embeds=hidden,
-                                           attention_mask=attention_mask, past_key_values=cache,
-                                           position_ids=mask_positions) for kind in kinds}
+        masks = {kind: build_mask(kind, config=config, inputs_embeds=hidden,
+                                  attention_mask=attention_mask, past_key_values=cache,
+                                  position_ids=mask_positions) for kind in kinds}
         rope = None
         if self.rotary_path is not None:
             rope = root.get_submodule(self.rotary_path)(hidden, position_ids=position_ids)
@@ -167,7 +167,7 @@ class _LlamaAdapter(FamilyAdapter):
         if layer_types:  # Qwen2: per-layer kinds
             return layer_types[block_index]
         # Mistral: one sliding window for every layer when the config sets one; LLaMA: none.
-        return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+        return SLIDING_ATTENTION if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,3 @@ def _has(root: nn.Module, path: str) -> bool:
         return root.get_submodule(path) is not None
     except AttributeError:
         return False
-
-
-def _mask_builder(kind: str):
-    return create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask

@@ -7,30 +7,25 @@ a stage owns the half-open range `layer_range` of it. The stage holds the full m
 paths, so its `state_dict()` keys are the full model's keys and its numerics are the full model's.
 Of a block cut between two stages, each holds only its half's submodules (norm and attention, or
 norm and MLP) under their full paths, and runs them in the order the block's own forward does.
-
-Length: over 400 lines because of the initialisation replay (`_InitReplay` and its helpers at
-the end): it serves `build_stage` alone and shares its private state with it.
+Without a checkpoint its weights come from a replay of the full model's seeded initialisation
+(:mod:`hapt_hf.pipeline.init_replay`).
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.compat.transformers_api import causal_lm_loss_sum
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, BlockPart, block_parts, num_layers
 from hapt_hf.errors import HaptError, StageBuildError
-from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.pipeline import checkpoint_io, init_replay
 from hapt_hf.pipeline.families import (
     FamilyAdapter,
     adapter_for,
@@ -38,8 +33,6 @@ from hapt_hf.pipeline.families import (
     supported_families,
     supported_model_types,
 )
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BlockPart", "PipelineStage", "StageBuildError", "StageInputError", "build_stage",
            "supported_families"]
@@ -109,8 +102,7 @@ class PipelineStage(nn.Module):
     def loss_sum(self, logits: Tensor, labels: Tensor) -> Tensor:
         """The last stage's loss: the SUM of the per-token cross-entropy over tokens whose shifted
         label is not -100 (0-dim), from its logits and the un-shifted `labels`."""
-        # num_items_in_batch=1 makes transformers' own loss a plain sum (divided by 1, exactly).
-        return ForCausalLMLoss(logits, labels, vocab_size=self.config.vocab_size, num_items_in_batch=1)
+        return causal_lm_loss_sum(logits, labels, self.config.vocab_size)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Parameters tied across the first and last stage, when they sit on different stages.
@@ -181,17 +173,17 @@ def build_stage(
                               f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
     span = _check_range(layer_range, config, layer_unit)
     config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
-    config._attn_implementation = attn_implementation
     if checkpoint_dir is not None:
-        full = _meta_model(config)
+        full = _meta_model(config, attn_implementation)
         stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
                               recompute, layer_unit)
         _materialise(stage)
         _load_checkpoint(stage, checkpoint_dir)
     else:
         rng_state = torch.get_rng_state()
-        trace = _InitReplay(owned_ops=None)
-        full = _construct(config, trace)  # the meta model the stage keeps its modules from
+        trace = init_replay.InitReplay(owned_ops=None)
+        # the meta model the stage keeps its modules from; its config carries the attention
+        full = init_replay.construct(config, trace, attn_implementation)
         stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
                               recompute, layer_unit)
         _seeded_init(stage, full, trace, seed, rng_state)
@@ -250,9 +242,9 @@ def _check_range(layer_range: tuple[int, int], config: PretrainedConfig,
     return (start, end)
 
 
-def _meta_model(config: PretrainedConfig) -> nn.Module:
+def _meta_model(config: PretrainedConfig, attn_implementation: str) -> nn.Module:
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
 
 
 def _stage_modules(full: nn.Module, adapter: FamilyAdapter, span: tuple[int, int],
@@ -292,9 +284,11 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, leaf = path.split(".")
     node = root
     for name in parents:
-        if name not in node._modules:
-            node.add_module(name, nn.ModuleDict())
-        node = node._modules[name]
+        child = dict(node.named_children()).get(name)
+        if child is None:
+            child = nn.ModuleDict()
+            node.add_module(name, child)
+        node = child
     node.add_module(leaf, module)
 
 
@@ -329,32 +323,16 @@ def _load_checkpoint(stage: PipelineStage, checkpoint_dir: str | Path) -> None:
         raise StageBuildError(str(err)) from None
 
 
-def _seeded_init(stage: PipelineStage, traced: nn.Module, trace: "_InitReplay", seed: int | None,
-                 rng_state: Tensor) -> None:
+def _seeded_init(stage: PipelineStage, traced: nn.Module, trace: init_replay.InitReplay,
+                 seed: int | None, rng_state: Tensor) -> None:
     """Weights equal, bit for bit, to the same layers of a full model built under `seed`.
 
-    `traced` is the full model built on meta under `trace`, which numbered every in-place op by
-    the storage it writes; once the model exists, the ops that write the stage's tensors are
-    known by position. A second construction under the seed runs those ops on CPU shadows of the
-    stage's tensors, and every other random op on a throw-away tensor of the same shape, which
-    consumes the generator exactly as the real build does (see `_InitReplay`). Should the model's
-    initialisation do something the replay cannot follow, it falls back to building the full
-    model on CPU once and keeping the stage's tensors: that fallback holds the whole model
-    transiently (a warning says so).
+    `traced` is the full model built on meta under `trace`; :func:`init_replay.seeded_values`
+    replays the seeded construction for the stage's tensors only (or, where it cannot, builds
+    the full model on CPU once).
     """
     keys = set(stage.state_dict().keys())
-    owned = {_storage_key(traced.state_dict(keep_vars=True)[k]) for k in keys}
-    try:
-        replay = _InitReplay(owned_ops={i for i, k in enumerate(trace.targets) if k in owned})
-        _reseed(seed, rng_state)
-        tensors = _construct(stage.config, replay).state_dict(keep_vars=True)
-        values = {k: replay.value_of(tensors[k], k) for k in keys}
-    except _ReplayUnsupported as why:
-        logger.warning("initialisation replay unsupported (%s); building the full model on CPU once", why)
-        full = _full_model_init(stage.config, seed, rng_state)
-        values = {k: full[k] for k in keys}
-        del full
-    _adopt(stage, values)
+    _adopt(stage, init_replay.seeded_values(stage.config, keys, traced, trace, seed, rng_state))
     _rebuild_rotary(stage)
 
 
@@ -367,133 +345,9 @@ def _adopt(stage: PipelineStage, values: dict[str, Tensor]) -> None:
     for name, old in stage.state_dict(keep_vars=True).items():
         path, _, attr = name.rpartition(".")
         module = stage.get_submodule(path)
-        if attr in module._parameters:
+        if isinstance(old, nn.Parameter):
             if id(old) not in made:
                 made[id(old)] = nn.Parameter(values[name].detach(), requires_grad=old.requires_grad)
-            module._parameters[attr] = made[id(old)]
-        else:
-            module._buffers[attr] = values[name].detach()
-
-
-def _full_model_init(config: PretrainedConfig, seed: int | None, state: Tensor) -> dict[str, Tensor]:
-    _reseed(seed, state)
-    return AutoModelForCausalLM.from_config(copy.deepcopy(config)).state_dict()
-
-
-def _reseed(seed: int | None, state: Tensor) -> None:
-    if seed is None:
-        torch.set_rng_state(state)
-    else:
-        torch.manual_seed(seed)
-
-
-def _construct(config: PretrainedConfig, replay: "_InitReplay") -> nn.Module:
-    with _MetaFactories(), replay:
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
-
-
-class _ReplayUnsupported(RuntimeError):
-    """The model's initialisation did something the meta replay cannot reproduce exactly."""
-
-
-# Constructors that carry data stay on CPU: transformers probes the device with torch.tensor([])
-# and skips weight initialisation under a meta device context, which would hide its RNG draws.
-_DATA_CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
-_FACTORIES = frozenset(f for f in _device_constructors() if f not in _DATA_CONSTRUCTORS)
-_RNG_INPLACE = frozenset({
-    torch.ops.aten.normal_, torch.ops.aten.uniform_, torch.ops.aten.random_,
-    torch.ops.aten.exponential_, torch.ops.aten.bernoulli_, torch.ops.aten.cauchy_,
-    torch.ops.aten.log_normal_, torch.ops.aten.geometric_,
-})
-_RNG_FACTORIES = frozenset({
-    torch.ops.aten.rand, torch.ops.aten.randn, torch.ops.aten.randint, torch.ops.aten.randperm,
-    torch.ops.aten.normal, torch.ops.aten.bernoulli, torch.ops.aten.multinomial,
-    torch.ops.aten.rand_like, torch.ops.aten.randn_like, torch.ops.aten.randint_like,
-})
-
-
-class _MetaFactories(TorchFunctionMode):
-    """Tensor factories default to the meta device, like `torch.device("meta")`, except torch.tensor."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _FACTORIES and kwargs.get("device") is None:
-            kwargs["device"] = "meta"
-        return func(*args, **kwargs)
-
-
-class _InitReplay(TorchDispatchMode):
-    """Numbers the in-place ops on meta tensors; replays the owned ones on CPU shadows."""
-
-    def __init__(self, owned_ops: set[int] | None) -> None:
-        super().__init__()
-        self.owned_ops = owned_ops
-        self.targets: list[int] = []
-        self._keep_alive: list[Tensor] = []  # storage keys are addresses: keep them unique
-        self._shadows: dict[int, Tensor] = {}
-        self._count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        target = _written_meta_arg(func, args)
-        if target is not None:
-            self._on_write(func, args, kwargs, target)
-            if func.overloadpacket in _RNG_INPLACE:
-                return args[0]  # on meta it changes nothing; skipping its slow decomposition
-        out = func(*args, **kwargs)
-        if func.overloadpacket in _RNG_FACTORIES and _is_meta(out):
-            # A fresh random tensor on meta drew nothing; its real twin would have.
-            raise _ReplayUnsupported(f"random factory {func} on the meta device")
-        return out
-
-    def _on_write(self, func, args, kwargs, target: Tensor) -> None:
-        index, self._count = self._count, self._count + 1
-        self._keep_alive.append(target)
-        if self.owned_ops is None:
-            self.targets.append(_storage_key(target))
-        elif index in self.owned_ops:
-            func(*self._on_shadows(args), **kwargs)
-        elif func.overloadpacket in _RNG_INPLACE:
-            scratch = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype)
-            func(scratch, *args[1:], **kwargs)
-
-    def _on_shadows(self, args: tuple) -> list:
-        out = []
-        for arg in args:
-            if isinstance(arg, Tensor) and arg.is_meta:
-                key = _storage_key(arg)
-                if key not in self._shadows and arg is not args[0]:
-                    raise _ReplayUnsupported("an owned tensor is computed from a non-owned one")
-                arg = self._shadow(arg, key)
-            out.append(arg)
-        return out
-
-    def _shadow(self, tensor: Tensor, key: int) -> Tensor:
-        if key not in self._shadows:
-            numel = tensor.untyped_storage().nbytes() // tensor.element_size()
-            self._shadows[key] = torch.empty(numel, dtype=tensor.dtype)
-        return self._shadows[key].as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
-
-    def value_of(self, tensor: Tensor, name: str) -> Tensor:
-        """The replayed value of a final model tensor (it must have been written)."""
-        key = _storage_key(tensor)
-        if key not in self._shadows:
-            raise _ReplayUnsupported(f"{name} is never written during initialisation")
-        return self._shadow(tensor, key)
-
-
-def _written_meta_arg(func, args: tuple) -> Tensor | None:
-    """The meta tensor an in-place op writes (its first mutated argument), if any."""
-    for schema_arg, arg in zip(func._schema.arguments, args):
-        info = schema_arg.alias_info
-        if info is not None and info.is_write and isinstance(arg, Tensor) and arg.is_meta:
-            return arg
-    return None
-
-
-def _is_meta(out) -> bool:
-    return isinstance(out, Tensor) and out.is_meta
-
-
-def _storage_key(tensor: Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+            module.register_parameter(attr, made[id(old)])
+        else:  # a persistent buffer (state_dict holds no other)
+            module.register_buffer(attr, values[name].detach())

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage as TorchStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
+from hapt_hf.compat.transformers_api import causal_lm_loss_sum
 from hapt_hf.core.schedules import ScheduleKind, default_warmups
 from hapt_hf.errors import HaptError
 from hapt_hf.planner.plan import Plan
@@ -72,9 +73,7 @@ class _TokenMeanLoss:
     tokens: int = 1
 
     def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-        return ForCausalLMLoss(logits, labels, vocab_size=self.vocab_size,
-                               num_items_in_batch=1) / self.tokens
+        return causal_lm_loss_sum(logits, labels, self.vocab_size) / self.tokens
 
 
 class TorchPipeline:

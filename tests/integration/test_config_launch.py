@@ -60,6 +60,64 @@ def test_bad_hapt_config_names_the_field(tmp_path, text, field):
     assert field in str(err.value)
 
 
+@pytest.mark.parametrize("planner, words", [
+    ("{max_stage: 4}", ["unknown option 'max_stage'", "'max_stages'", "'memory_headroom'"]),
+    ("{memory_headroom: lots}", ["'planner.memory_headroom' is 'lots'", "float"]),
+    ("{allow_recompute: 1}", ["'planner.allow_recompute' is 1", "bool"]),
+    ("{micro_batch_sizes: [1, two]}", ["'planner.micro_batch_sizes'", "tuple[int, ...]"]),
+    ("{memory_headroom: 1.5}", ["'planner': memory_headroom 1.5 must be in (0, 1]"]),
+    ("{schedule: gpipe}", ["'planner' sets 'schedule'", "top level"]),
+    ("[max_stages]", ["'planner' must be a mapping"]),
+])
+def test_bad_planner_option_is_refused_when_the_config_is_read(tmp_path, planner, words):
+    # read on every rank: no rank gets as far as planning with an option it cannot use
+    path = _write(tmp_path / "hapt.yaml", f"cluster: {CLUSTER}\nplanner: {planner}\n")
+    with pytest.raises(HaptConfigError) as err:
+        HaptPlugin.from_yaml(path)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_planner_options_are_typed_and_carry_the_schedule(tmp_path):
+    from hapt_hf.integration.config import HaptConfig
+    from hapt_hf.planner.search import PlannerOptions
+
+    assert HaptPlugin is HaptConfig
+    path = _write(tmp_path / "hapt.yaml", f"cluster: {CLUSTER}\nschedule: 1f1b\n"
+                  "planner: {micro_batch_sizes: [1, 2], max_stages: 3}\n")
+    config = HaptConfig.from_yaml(path)
+    assert config.planner == PlannerOptions(schedule="1f1b", micro_batch_sizes=(1, 2),
+                                            max_stages=3)
+    assert HaptConfig(cluster=CLUSTER).planner == PlannerOptions()
+    made = HaptConfig(cluster=CLUSTER, schedule="gpipe", planner={"max_stages": 2})
+    assert made.planner == PlannerOptions(schedule="gpipe", max_stages=2)
+
+
+def test_user_errors_share_the_one_root():
+    from hapt_hf import errors
+    from hapt_hf.cli import UsageError
+    from hapt_hf.integration.lora import LoraSetupError
+    from hapt_hf.integration.trainer import BatchMappingError, TrainingArgsError
+
+    assert DataError is errors.DataError and LaunchError is errors.LaunchError
+    assert TrainingArgsError is errors.TrainingArgsError
+    for cls in (HaptConfigError, LoraSetupError, BatchMappingError):
+        assert issubclass(cls, errors.ConfigError), cls
+    assert issubclass(UsageError, errors.HaptError)
+
+
+def test_a_bug_while_planning_is_raised_not_reported_as_a_user_error(monkeypatch):
+    import hapt_hf.planner.search as search
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug inside the planner")
+
+    monkeypatch.setattr(search, "plan_job", broken)
+    plugin = HaptPlugin.from_yaml(RECIPES / "configs" / "hapt_cpu_demo.yaml")
+    with pytest.raises(ValueError, match="a bug inside the planner") as err:
+        resolve_plan(plugin, AutoConfig.from_pretrained(GPT2), 64, SINGLE)
+    assert not isinstance(err.value, PlanError)
+
+
 def test_hapt_config_path_from_argument_then_env(monkeypatch, tmp_path):
     monkeypatch.delenv("HAPT_CONFIG", raising=False)
     with pytest.raises(HaptConfigError, match="--hapt_config"):

@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
 CLUSTER = ROOT / "hapt_hf" / "data" / "clusters" / "cpu_demo_4.yaml"
 
+pytestmark = pytest.mark.e2e  # the recipes' own entry point, as a user runs them
+
 
 def _recipe(name: str):
     spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")

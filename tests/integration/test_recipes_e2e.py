@@ -19,7 +19,7 @@ from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.integration.data import TextDataConfig, epoch_order, load_text_dataset
 from hapt_hf.planner.plan import Plan, StagePlan
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"

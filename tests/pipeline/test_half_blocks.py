@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hapt_hf.pipeline import checkpoint_io
-from hapt_hf.pipeline import stage as stage_module
+from hapt_hf.pipeline import checkpoint_io, init_replay
 from hapt_hf.pipeline.stage import BlockPart, StageBuildError, block_parts, build_stage
 from tests.pipeline.test_stage import (TOL, assert_grads_match, batch, gpt2, llama, opt, qwen2,
                                        reference, run_chain, token_count)
@@ -67,7 +66,7 @@ def test_block_parts_merge_whole_blocks() -> None:
 def test_half_seed_init_is_bit_identical(family: Callable, monkeypatch) -> None:
     config = family(3)
     ref_state = reference(config, seed=3).state_dict()
-    monkeypatch.setattr(stage_module, "_full_model_init",
+    monkeypatch.setattr(init_replay, "full_model_init",
                         lambda *a, **k: pytest.fail("seed init fell back to the full model"))
     ranges = [(0, 2), (2, 5), (5, 8)]
     gathered = checkpoint_io.gather_state_dicts(

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.pipeline import checkpoint_io, init_replay
 from hapt_hf.pipeline import stage as stage_module
 from hapt_hf.pipeline.stage import PipelineStage, StageBuildError, StageInputError, build_stage, supported_families
 
@@ -211,7 +211,7 @@ def test_seed_init_is_bit_identical_without_building_the_full_model(family: Call
     def full_model_forbidden(*args, **kwargs):
         raise AssertionError("seed init fell back to building the full model")
 
-    monkeypatch.setattr(stage_module, "_full_model_init", full_model_forbidden)
+    monkeypatch.setattr(init_replay, "full_model_init", full_model_forbidden)
     ranges = [(0, 2), (2, 6), (6, 8)]
     gathered = checkpoint_io.gather_state_dicts(build_stage(config, r, seed=3).hf_state_dict() for r in ranges)
     # The replay consumed the generator exactly as the full build did.

@@ -1,0 +1,51 @@
+"""Private torch APIs the seeded stage initialisation needs (tested on torch 2.13).
+
+The replay of a model's initialisation (:mod:`hapt_hf.pipeline.init_replay`) intercepts every
+tensor factory and every in-place op: torch offers no public way to list the factories that
+take a ``device=`` argument, to subclass a dispatch mode, to read which argument an op
+writes, or to identify a storage.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import Tensor
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key"]
+
+
+class DispatchMode(TorchDispatchMode):
+    """torch's ``TorchDispatchMode``: a context that sees every aten op below autograd.
+
+    Subclasses define ``__torch_dispatch__(self, func, types, args, kwargs)``.
+    Tested on torch 2.13 (``torch.utils._python_dispatch``, present since torch 1.13).
+    """
+
+
+def device_factories() -> frozenset[Callable[..., Any]]:
+    """The tensor factories ``with torch.device(...)`` redirects (torch.empty, torch.zeros...).
+
+    Tested on torch 2.13 (``torch.utils._device._device_constructors``, since torch 2.0).
+    """
+    return frozenset(_device_constructors())
+
+
+def written_arguments(func: Any, args: tuple) -> list[int]:
+    """Positions, among ``args``, of the arguments the aten op ``func`` writes in place.
+
+    Read from the op's schema. Tested on torch 2.13 (``OpOverload._schema``,
+    ``Argument.alias_info.is_write``).
+    """
+    return [i for i, schema_arg in enumerate(func._schema.arguments[:len(args)])
+            if schema_arg.alias_info is not None and schema_arg.alias_info.is_write]
+
+
+def storage_key(tensor: Tensor) -> int:
+    """An identity of the tensor's storage, shared by its views, on every device (meta too).
+
+    Valid while the storage is alive. Tested on torch 2.13 (``UntypedStorage._cdata``; a
+    meta storage has no ``data_ptr`` to tell storages apart).
+    """
+    return tensor.untyped_storage()._cdata

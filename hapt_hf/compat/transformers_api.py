@@ -1,0 +1,43 @@
+"""transformers internals the pipeline stages call (tested on transformers 5.23).
+
+A stage must build the very masks and compute the very loss the full model does, so it calls
+the functions the model's own forward calls; transformers exports them from modules it does
+not document as public (``transformers.masking_utils``, ``transformers.loss.loss_utils``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+__all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum"]
+
+SLIDING_ATTENTION = "sliding_attention"
+"""The attention kind (``config.layer_types`` entry) masked by a sliding window."""
+
+
+def attention_mask(kind: str, *, config: Any, inputs_embeds: Tensor,
+                   attention_mask: Tensor | None, past_key_values: Any,
+                   position_ids: Tensor | None) -> Any:
+    """The mask a decoder layer of attention ``kind`` receives, as the full model builds it.
+
+    ``kind`` is ``"full_attention"`` or ``"sliding_attention"``; the result is in the form the
+    configured attention implementation expects (a tensor, a block mask, or None). Tested on
+    transformers 5.23 (``masking_utils.create_causal_mask`` and
+    ``create_sliding_window_causal_mask`` with ``inputs_embeds=``, no ``cache_position``).
+    """
+    build = create_sliding_window_causal_mask if kind == SLIDING_ATTENTION \
+        else create_causal_mask
+    return build(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                 past_key_values=past_key_values, position_ids=position_ids)
+
+
+def causal_lm_loss_sum(logits: Tensor, labels: Tensor, vocab_size: int) -> Tensor:
+    """The SUM of per-token cross-entropies over shifted labels that are not -100 (0-dim).
+
+    transformers' own causal-LM loss (what ``model(labels=...)`` computes), made a plain sum
+    by ``num_items_in_batch=1``. Tested on transformers 5.23 (``loss.loss_utils.ForCausalLMLoss``).
+    """
+    return ForCausalLMLoss(logits, labels, vocab_size=vocab_size, num_items_in_batch=1)
