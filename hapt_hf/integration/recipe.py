@@ -199,10 +199,9 @@ def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, toke
 
     training_args = _training_args(args, plan, args.output_dir)
     # The plan's precision (the hapt config's, resolved on the cluster) is the one setting:
-    # fp16/bf16 autocast on GPUs (the runtime ignores it on CPU, where the demo trains in fp32).
-    autocast = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(plan.dtype)
+    # the runtime autocasts to it and scales the loss where it says so.
     runtime = PipelineRuntime(plan, model_config, RuntimeConfig(
-        timeout_s=plugin.timeout_s, seed=args.seed, autocast_dtype=autocast,
+        timeout_s=plugin.timeout_s, seed=args.seed,
         checkpoint_dir=str(weights_dir) if weights_dir else None))
     try:
         if getattr(args, "lora_r", 0):
