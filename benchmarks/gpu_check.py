@@ -29,7 +29,6 @@ downloaded) and each 16-bit dtype it prints three markdown tables:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path

@@ -323,7 +323,9 @@ class PipelineRuntime:
 
     # -- public steps ----------------------------------------------------------------------
     def forward_backward(self, batch: Batch) -> float:
-        """One iteration's forwards and backwards; gradients added to ``.grad`` of every rank."""
+        """One iteration's forwards and backwards; gradients added to ``.grad`` of every rank
+        (unscaled under loss scaling; the overflow decision and the scale's update belong to
+        :meth:`train_step`)."""
         ids, labels, mask = self._check_batch(batch)
         self._update_buckets()
         stash = self._stash_grads()
@@ -382,8 +384,8 @@ class PipelineRuntime:
             for p in self.parameters():
                 if p.grad is not None and id(p) not in tied:
                     stats[0] += p.grad.detach().double().pow(2).sum()
-        if check and grads:
-            stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in grads))
+        if check and grads:  # one device-side flag, no host sync per gradient
+            stats[1] = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).double()
         what = "the gradient-norm all-reduce" if not check else "the overflow check"
         with self.channel.collective(what, self.stage_plan.index, self._all_ranks):
             dist.all_reduce(stats)
