@@ -4,8 +4,9 @@ A checkpoint directory ``checkpoint-N`` holds:
 
 * ``config.json`` + ``model.safetensors``: the whole model gathered from every stage, a standard
   Hugging Face checkpoint (``from_pretrained`` loads it; a tied LM head is stored once);
-* ``hapt_rank{r}.pt``: rank r's optimizer and LR-scheduler state and RNG states (each stage's
-  optimizer state stays with the stage that owns the parameters);
+* ``hapt_rank{r}.pt``: rank r's optimizer and LR-scheduler state, RNG states and, with fp16's
+  dynamic loss scaling, the loss scaler's state (each stage's optimizer state stays with the
+  stage that owns the parameters; the scale is the same on every rank);
 * ``plan.json``, ``trainer_state.json``, ``training_args.bin``.
 
 Atomicity: every rank writes into ``.tmp-checkpoint-N`` and fsyncs its files; after a barrier
@@ -111,21 +112,25 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_rank_state(tmp: Path, rank: int, optimizer, scheduler) -> None:
+def save_rank_state(tmp: Path, rank: int, optimizer, scheduler, loss_scaler=None) -> None:
     path = rank_state_file(tmp, rank)
     torch.save({"optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": _rng_state()}, path)
+                "rng": _rng_state(),
+                "loss_scale": loss_scaler.state_dict() if loss_scaler is not None else None},
+               path)
     fsync_path(path)
 
 
-def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler) -> None:
+def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler, loss_scaler=None) -> None:
     path = rank_state_file(ckpt, rank)
     try:
         # Our own file, written by save_rank_state: it holds Python RNG tuples, hence
         # weights_only=False. A damaged pickle or zip raises almost anything.
         state = torch.load(path, map_location="cpu", weights_only=False)
         parts = state["optimizer"], state["scheduler"], state["rng"]
+        if loss_scaler is not None:  # a loss-scaling run's checkpoint (same plan: checked)
+            loss_scaler.load_state_dict(state["loss_scale"])
     except Exception as e:  # noqa: BLE001 - one message naming the file
         raise damaged_file(path, e) from None
     optimizer.load_state_dict(parts[0])
@@ -156,7 +161,7 @@ def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):
         check_resumable(ckpt, runtime.plan, runtime.plan.world_size)
         state = load_trainer_state(ckpt)
         load_stage_weights(runtime.stage, ckpt)
-        load_rank_state(ckpt, runtime.rank, optimizer, scheduler)
+        load_rank_state(ckpt, runtime.rank, optimizer, scheduler, runtime.loss_scaler)
         return state
     return runtime.channel.agree("loading the checkpoint", runtime.stage_plan.index, load,
                                  refusals=(CheckpointError,))
@@ -192,3 +197,8 @@ def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
                               f"{[list(s.layers) for s in saved.stages]}) than this run's "
                               f"({[list(s.layers) for s in plan.stages]}); resume with the same "
                               "plan (pass the checkpoint's plan.json as 'plan' in the hapt config)")
+    if saved.precision.to_dict() != plan.precision.to_dict():
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} was written training in "
+                              f"{saved.precision.describe()}, this run trains in "
+                              f"{plan.precision.describe()}; resume with the checkpoint's "
+                              "precision (its plan.json as 'plan' in the hapt config)")

@@ -42,6 +42,7 @@ from hapt_hf.integration import checkpoint as ckpt_io
 from hapt_hf.integration.data import epoch_order
 from hapt_hf.integration.trainer_checks import (BatchMappingError, as_rows, check_batch_mapping,
                                                 check_best_metric, check_enough)
+from hapt_hf.integration.precision import training_args_precision_mismatch
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 from hapt_hf.planner.plan import Plan
 
@@ -81,6 +82,8 @@ class HaptTrainer(TrainerHooks, Trainer):
                  callbacks=None, optimizers=(None, None)) -> None:
         check_batch_mapping(args, plan)
         check_best_metric(args)
+        if (mismatch := training_args_precision_mismatch(args, plan)) is not None:
+            raise TrainingArgsError(mismatch)
         self.runtime = runtime
         self.plan = plan
         # the data is checked against the plan before Trainer creates the output directory
@@ -313,7 +316,8 @@ class HaptTrainer(TrainerHooks, Trainer):
         rank = self.runtime.rank
         tmp = ckpt_io.begin_checkpoint(run_dir, name, rank)
         self._write_model(tmp)
-        ckpt_io.save_rank_state(tmp, rank, self.optimizer, self.lr_scheduler)
+        ckpt_io.save_rank_state(tmp, rank, self.optimizer, self.lr_scheduler,
+                                self.runtime.loss_scaler)
         self._track_best_checkpoint(run_dir)
         if rank == 0:
             self.plan.save(tmp / "plan.json")

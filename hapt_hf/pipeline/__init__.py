@@ -1,9 +1,10 @@
 """Pipeline execution: stages, the runtime that runs a plan's schedule, and its transfers."""
 from hapt_hf.pipeline.comm import PipelineFailure
+from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.runtime import (Batch, PipelineRuntime, Prediction, RuntimeConfig,
                                       StepResult, exit_distributed, init_distributed)
 from hapt_hf.pipeline.stage import PipelineStage, StageBuildError, build_stage, supported_families
 
 __all__ = ["Batch", "PipelineRuntime", "RuntimeConfig", "StepResult", "Prediction",
            "PipelineFailure", "init_distributed", "exit_distributed", "build_stage",
-           "PipelineStage", "StageBuildError", "supported_families"]
+           "PipelineStage", "StageBuildError", "supported_families", "DynamicLossScaler"]

@@ -13,6 +13,12 @@ The replicas of a stage all-reduce their gradients in buckets of about ``GRAD_BU
 backward, a hook on every trainable parameter counts the gradients made final, and each bucket
 is launched (asynchronously) once all of its gradients are, in bucket order, so the transfer
 overlaps the rest of that backward. The step waits for every bucket before it returns.
+
+Precision comes from the plan (:mod:`hapt_hf.pipeline.precision`): fp32 modules and optimizer
+state, the forward under autocast to the plan's compute dtype (on CPU too), activations and
+their gradients on the wire in that dtype. A plan with dynamic loss scaling (fp16) scales the
+last stage's loss, unscales every gradient after the all-reduces and lets the whole job decide
+together whether a step overflowed (:mod:`hapt_hf.pipeline.loss_scale`).
 """
 from __future__ import annotations
 
@@ -31,7 +37,9 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer, failed_during
+from hapt_hf.pipeline.loss_scale import DEFAULT_GROWTH_INTERVAL, DEFAULT_INIT_SCALE, DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work, replica_slice
+from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, torch_dtype
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
@@ -72,7 +80,8 @@ class RuntimeConfig:
     checkpoint_dir: str | None = None
     """Local Hugging Face checkpoint (safetensors) to load this stage's weights from."""
     autocast_dtype: torch.dtype | None = None
-    """bf16 / fp16 autocast for the forward on GPUs (ignored on CPU)."""
+    """None: compute in the plan's precision (autocast on CUDA and CPU for bf16 / fp16). Set,
+    it must equal the plan's compute dtype; another is refused, naming both."""
     device: str | None = None
     """Default: cuda:LOCAL_RANK if CUDA is available, else cpu."""
     overlap_grad_sync: bool = True
@@ -82,6 +91,12 @@ class RuntimeConfig:
     grad_bucket_bytes: int = GRAD_BUCKET_BYTES
     """Gradient bytes per all-reduce bucket (a bucket closes once it holds at least this many).
     The planner's cost model prices the default."""
+    loss_scale_init: float | None = None
+    """First loss scale of a plan with dynamic loss scaling (fp16); None: 2**16, as
+    ``torch.amp.GradScaler``. Refused for a plan without loss scaling."""
+    loss_scale_growth_interval: int | None = None
+    """Clean steps in a row before the loss scale doubles; None: 2000, as GradScaler. Refused
+    for a plan without loss scaling."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -93,6 +108,30 @@ class RuntimeConfig:
         if self.autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise RuntimeSetupError(f"RuntimeConfig.autocast_dtype must be torch.bfloat16, "
                                     f"torch.float16 or None, got {self.autocast_dtype}")
+        if self.loss_scale_init is not None and not self.loss_scale_init > 0:
+            raise RuntimeSetupError(f"RuntimeConfig.loss_scale_init must be > 0, got "
+                                    f"{self.loss_scale_init}; the default is 2**16")
+        g = self.loss_scale_growth_interval
+        if g is not None and not (isinstance(g, int) and g >= 1):
+            raise RuntimeSetupError(f"RuntimeConfig.loss_scale_growth_interval must be an "
+                                    f"integer >= 1, got {g!r}; the default is 2000")
+
+    def loss_scaler(self, plan: Plan) -> DynamicLossScaler | None:
+        """The loss scaler the plan's precision asks for (None: no loss scaling); loss-scale
+        settings given for a plan that has none are refused."""
+        given = [f"{n}={v}" for n, v in (("loss_scale_init", self.loss_scale_init),
+                                         ("loss_scale_growth_interval",
+                                          self.loss_scale_growth_interval)) if v is not None]
+        if plan.loss_scaling is None:
+            if given:
+                raise RuntimeSetupError(f"RuntimeConfig.{given[0]} but the plan computes in "
+                                        f"{plan.dtype} without loss scaling (only fp16 plans "
+                                        "scale the loss); leave it unset")
+            return None
+        return DynamicLossScaler(
+            DEFAULT_INIT_SCALE if self.loss_scale_init is None else self.loss_scale_init,
+            DEFAULT_GROWTH_INTERVAL if self.loss_scale_growth_interval is None
+            else self.loss_scale_growth_interval)
 
 
 @dataclass(frozen=True)
@@ -100,7 +139,12 @@ class StepResult:
     loss: float
     """Mean loss over the non-ignored tokens of the global batch (same on every rank)."""
     grad_norm: float | None
-    """Global gradient norm before clipping (None when not clipped)."""
+    """Global gradient norm before clipping (None when not clipped); inf or NaN on a step
+    skipped for an overflow."""
+    skipped: bool = False
+    """The optimizer step was skipped on every rank: a gradient overflowed (loss scaling)."""
+    loss_scale: float | None = None
+    """The loss scale this step's backward ran with (None: no loss scaling)."""
 
 
 @dataclass(frozen=True)
@@ -183,8 +227,15 @@ class PipelineRuntime:
             raise RuntimeSetupError("torch.distributed is not initialised; call "
                                     "hapt_hf.pipeline.init_distributed() first")
         plan.validate(world_size=dist.get_world_size())
+        mismatch = autocast_mismatch(plan.dtype, config.autocast_dtype)
+        if mismatch:
+            raise RuntimeSetupError(mismatch)
         self.plan = plan
         self.config = config
+        self.loss_scaler: DynamicLossScaler | None = config.loss_scaler(plan)
+        """The job's loss scale (fp16 plans); its state goes into checkpoints."""
+        self.wire_dtype = torch_dtype(plan.dtype)
+        """Activations and their gradients cross stage boundaries in the compute dtype."""
         self.rank = dist.get_rank()
         self.schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
                                        plan.warmups())
@@ -220,6 +271,8 @@ class PipelineRuntime:
             recompute=self.stage_plan.recompute, layer_unit=self.plan.layer_unit,
             attn_implementation=self.plan.attn_implementation))
         self.hidden_size = int(model_config.hidden_size)
+        # what a stage's input and output are under autocast: the fp32 residual stream
+        self._stream_dtype = next(self.stage.parameters()).dtype
         self._tied = list(self.stage.tied_parameters())
         with self.channel.collective("the process-group set-up", s, self._all_ranks):
             self._dp_group, self._tied_group = self._make_groups(model_config)
@@ -270,7 +323,9 @@ class PipelineRuntime:
 
     # -- public steps ----------------------------------------------------------------------
     def forward_backward(self, batch: Batch) -> float:
-        """One iteration's forwards and backwards; gradients added to ``.grad`` of every rank."""
+        """One iteration's forwards and backwards; gradients added to ``.grad`` of every rank
+        (unscaled under loss scaling; the overflow decision and the scale's update belong to
+        :meth:`train_step`)."""
         ids, labels, mask = self._check_batch(batch)
         self._update_buckets()
         stash = self._stash_grads()
@@ -279,8 +334,20 @@ class PipelineRuntime:
         with self.channel.collective("the gradient all-reduce", self.stage_plan.index,
                                      self._grad_peers):
             self._sync_grads()
+        self._unscale_grads()
         self._restore_grads(stash)
         return self._global_loss(loss_sum, tokens)
+
+    def _unscale_grads(self) -> None:
+        """Divide this iteration's gradients by the loss scale the last stage multiplied the
+        loss by (a power of two: exact), so that ``.grad`` holds the true gradients; an
+        overflow stays inf or NaN for the check that follows."""
+        if self.loss_scaler is None:
+            return
+        inv = 1.0 / self.loss_scaler.scale
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(inv)
 
     def evaluate(self, batch: Batch) -> float:
         """Forward only, in eval mode (see :meth:`_inference`); the same loss definition as
@@ -294,32 +361,68 @@ class PipelineRuntime:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every gradient so that the global norm (each parameter once) is <= max_norm."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.work.replica == 0:  # replicas hold the same gradients after the all-reduce
-            tied = {id(p) for p in self._tied} if self.work.is_last else set()
-            for p in self.parameters():
-                if p.grad is not None and id(p) not in tied:
-                    sq += p.grad.detach().double().pow(2).sum()
-        with self.channel.collective("the gradient-norm all-reduce", self.stage_plan.index,
-                                     self._all_ranks):
-            dist.all_reduce(sq)
-        norm = math.sqrt(sq.item())
+        sq, _ = self._grad_stats(norm=True, check=False)
+        norm = math.sqrt(sq)
+        self._clip(norm, max_norm)
+        return norm
+
+    def _clip(self, norm: float, max_norm: float) -> None:
         coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             for p in self.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
-        return norm
+
+    def _grad_stats(self, norm: bool, check: bool) -> tuple[float, bool]:
+        """From ONE all-reduce over every rank: the squared global gradient norm, each
+        parameter counted once (0 unless ``norm``), and whether any rank holds an inf or NaN
+        gradient (False unless ``check``): the job's one overflow decision."""
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
+        if norm and self.work.replica == 0:  # replicas hold the same gradients after the sum
+            tied = {id(p) for p in self._tied} if self.work.is_last else set()
+            for p in self.parameters():
+                if p.grad is not None and id(p) not in tied:
+                    stats[0] += p.grad.detach().double().pow(2).sum()
+        if check and grads:  # one device-side flag, no host sync per gradient
+            stats[1] = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).double()
+        what = "the gradient-norm all-reduce" if not check else "the overflow check"
+        with self.channel.collective(what, self.stage_plan.index, self._all_ranks):
+            dist.all_reduce(stats)
+        return float(stats[0].item()), bool(stats[1].item() > 0)
 
     def train_step(self, batch: Batch, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
                    max_grad_norm: float | None = None) -> StepResult:
+        """Zero, run the iteration, clip, step the optimizer and the LR scheduler.
+
+        With loss scaling, the overflow flag rides in the clipping's all-reduce (one collective
+        over every rank either way). On an overflow anywhere, every rank drops its gradients,
+        skips the optimizer and the LR-scheduler step (as ``Trainer`` does for a step its
+        GradScaler skipped) and halves the scale; the loss is reported all the same.
+        """
         optimizer.zero_grad(set_to_none=True)
+        scale = None if self.loss_scaler is None else self.loss_scaler.scale
         loss = self.forward_backward(batch)
-        norm = self.clip_grad_norm_(max_grad_norm) if max_grad_norm is not None else None
+        clip = max_grad_norm is not None
+        if self.loss_scaler is None:
+            return self._step(optimizer, lr_scheduler, StepResult(
+                loss, self.clip_grad_norm_(max_grad_norm) if clip else None))
+        sq, overflow = self._grad_stats(norm=clip, check=True)
+        norm = math.sqrt(sq) if clip else None
+        self.loss_scaler.update(overflow)
+        if overflow:
+            optimizer.zero_grad(set_to_none=True)
+            return StepResult(loss, norm, skipped=True, loss_scale=scale)
+        if clip:
+            self._clip(norm, max_grad_norm)
+        return self._step(optimizer, lr_scheduler, StepResult(loss, norm, loss_scale=scale))
+
+    @staticmethod
+    def _step(optimizer: torch.optim.Optimizer, lr_scheduler: Any, result: StepResult) -> StepResult:
         optimizer.step()
         if lr_scheduler is not None:
             lr_scheduler.step()
-        return StepResult(loss, norm)
+        return result
 
     def predict(self, batch: Batch) -> Prediction:
         """Loss and full logits of one global batch, forward only, in eval mode (see
@@ -441,6 +544,7 @@ class PipelineRuntime:
         else:
             self.channel.wait(m.recv, self.stage_plan.index)
             x = torch.cat([t.buffer for t in m.recv]) if len(m.recv) > 1 else m.recv[0].buffer
+            x = x.to(self._stream_dtype)  # from the wire's compute dtype
             x.requires_grad_(backward)
         m.recv = []
         kwargs: dict[str, Any] = {}
@@ -463,7 +567,8 @@ class PipelineRuntime:
 
     def _backward(self, m: _MicroBatch) -> None:
         if self.work.is_last:
-            m.output.backward()
+            scaler = self.loss_scaler
+            (m.output if scaler is None else m.output * scaler.scale).backward()
         else:
             self.channel.wait(m.grad_recv, self.stage_plan.index)
             bufs = [t.buffer for t in m.grad_recv]
@@ -473,24 +578,23 @@ class PipelineRuntime:
         self._live -= 1
 
     def _post_recv(self, pieces: tuple[Piece, ...], k: int, seq: int, kind: str) -> list[Transfer]:
-        dtype = next(self.stage.parameters()).dtype
         out = []
         for p in pieces:
-            buf = torch.empty((p.size, seq, self.hidden_size), dtype=dtype, device=self.device)
+            buf = torch.empty((p.size, seq, self.hidden_size), dtype=self.wire_dtype,
+                              device=self.device)
             what = (f"{kind} of micro-batch {k} from rank {p.peer} "
                     f"(stage {self.plan.stage_of_rank(p.peer).index})")
-            out.append(self.channel.start(lambda buf=buf, p=p: dist.irecv(buf, p.peer, tag=k), p.peer, what,
+            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.irecv(b, q, tag=k), p.peer, what,
                                           buf, self.stage_plan.index))
         return out
 
     def _post_send(self, pieces: tuple[Piece, ...], k: int, t: Tensor, kind: str) -> list[Transfer]:
-        dtype = next(self.stage.parameters()).dtype
-        t = t.detach().to(dtype)
+        t = t.detach().to(self.wire_dtype)
         out = []
         for p in pieces:
             buf = t[p.start:p.stop].contiguous()
             what = f"{kind} of micro-batch {k} to rank {p.peer}"
-            out.append(self.channel.start(lambda buf=buf, p=p: dist.isend(buf, p.peer, tag=k), p.peer, what,
+            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.isend(b, q, tag=k), p.peer, what,
                                           buf, self.stage_plan.index))
         return out
 
@@ -501,9 +605,7 @@ class PipelineRuntime:
         return slice(base + lo, base + hi)
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.config.autocast_dtype is not None:
-            return torch.autocast("cuda", dtype=self.config.autocast_dtype)
-        return contextlib.nullcontext()
+        return compute_context(self.plan.dtype, self.device)
 
     def _check_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor | None]:
         ids = batch.input_ids

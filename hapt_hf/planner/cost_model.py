@@ -402,7 +402,6 @@ class CostModel:
     def cut_s(self, left: StageShape, right: StageShape, last_layer: int, mbs: int) -> float:
         """Seconds to move one micro-batch's activations (or their gradients) across the cut
         after layer ``last_layer`` between two neighbouring stages."""
-        per_sample = self.model.layers[last_layer].act_out_bytes
         if left.group.name != right.group.name:
             link = self.group_link(left.group.name, right.group.name)
             if link is None:
@@ -410,12 +409,12 @@ class CostModel:
                     f"groups {left.group.name!r} and {right.group.name!r} are neighbours in the "
                     "pipeline but the cluster has no link between them; add one under 'links:' "
                     "or order the stages so that neighbours are linked")
-            return link.transfer_s(mbs * per_sample)
+            return link.transfer_s(self.model.boundary_bytes(last_layer, mbs))
         g = left.group
         same_node = (left.first_node == left.last_node == right.first_node == right.last_node)
         link = g.intra_node if same_node else g.inter_node
         samples = max(mbs // left.width, mbs // right.width)
-        return link.transfer_s(samples * per_sample)
+        return link.transfer_s(self.model.boundary_bytes(last_layer, samples))
 
     # -- whole plans -----------------------------------------------------------------------
     def shapes_of(self, plan: Plan) -> list[StageShape]:

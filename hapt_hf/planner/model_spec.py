@@ -231,6 +231,12 @@ class ModelSpec:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    def boundary_bytes(self, last_layer: int, samples: int) -> float:
+        """Bytes that cross a stage boundary after layer ``last_layer`` for ``samples`` samples
+        (one micro-batch's activations forward, the same again as their gradient backward), at
+        the compute dtype: what the runtime sends and the cost model prices."""
+        return samples * self.layers[last_layer].act_out_bytes
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

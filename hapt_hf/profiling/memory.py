@@ -7,12 +7,12 @@ backward, on any device.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, TypeVar
 
 import torch
 
-from hapt_hf.core.precision import TORCH_DTYPE_NAMES
+# the runtime's own: the profiler times layers in exactly the precision the runtime runs
+from hapt_hf.pipeline.precision import compute_context, torch_dtype
 
 __all__ = ["saved_tensor_bytes", "compute_context", "torch_dtype"]
 
@@ -34,16 +34,3 @@ def saved_tensor_bytes(module: torch.nn.Module, forward: Callable[[], T]) -> tup
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()
     return float(sum(seen.values())), out
-
-
-def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of one of hapt_hf's precision names."""
-    return getattr(torch, TORCH_DTYPE_NAMES[dtype])
-
-
-def compute_context(dtype: str, device: str | torch.device):
-    """Autocast to ``dtype`` over fp32 weights (how the runtime computes in 16 bits), or
-    nothing for fp32."""
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
