@@ -20,8 +20,7 @@ either honoured or refused by name (:data:`HONOURED_ACCELERATOR_ARGS`).
 """
 from __future__ import annotations
 
-import inspect
-import math
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +37,9 @@ from hapt_hf.integration.accelerate_objects import (AccelerateSettingError, Glob
                                                     PipelineEngine, PipelineModelView,
                                                     PipelineOptimizer, PipelineScheduler,
                                                     unchanged)
+from hapt_hf.integration.accelerate_settings import (HONOURED_ACCELERATOR_ARGS,
+                                                     MIXED_PRECISION_TO_PLAN,
+                                                     check_accelerator_arguments)
 from hapt_hf.integration.config import HaptConfig
 from hapt_hf.integration.launch import (format_plan, init_process_group, read_launch_env,
                                         resolve_plan)
@@ -48,18 +50,6 @@ from hapt_hf.planner.plan import Plan
 __all__ = ["HaptAccelerator", "AccelerateSettingError", "HONOURED_ACCELERATOR_ARGS",
            "MIXED_PRECISION_TO_PLAN"]
 
-# Accelerator arguments the pipeline acts on; any other one given away from its default is
-# refused with its name (see _check_arguments).
-HONOURED_ACCELERATOR_ARGS: dict[str, str] = {
-    "mixed_precision": "the plan's precision (bf16 / fp16 / no = fp32)",
-    "gradient_accumulation_steps": "global batch = DataLoader batch_size x this",
-    "cpu": "every rank on the CPU (Gloo)",
-    "log_with": "trackers on the main process", "project_dir": "trackers' logging directory",
-    "device_placement": "True only: the runtime places each stage's inputs itself",
-    "step_scheduler_with_optimizer": "True only: one scheduler step per optimizer step",
-}
-MIXED_PRECISION_TO_PLAN = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
-_MUST_STAY = {"device_placement": True, "step_scheduler_with_optimizer": True}
 STATE_FILE = "hapt_accelerate_rank{rank}.pt"
 
 
@@ -74,11 +64,14 @@ class HaptAccelerator(Accelerator):
 
     def __init__(self, *args: Any, hapt_plugin: HaptConfig | str | Path | None = None,
                  **kwargs: Any) -> None:
-        _check_arguments(args, kwargs)
+        check_accelerator_arguments(args, kwargs)
         self.hapt_config = hapt_plugin if isinstance(hapt_plugin, HaptConfig) \
             else HaptConfig.from_args_or_env(None if hapt_plugin is None else str(hapt_plugin))
         self.launch = read_launch_env()  # refuses accelerate's one-process MULTI_CPU start
         init_process_group(self.launch, self.hapt_config.timeout_s)
+        if "cpu" not in kwargs:  # accelerate launch's use_cpu, or a machine without CUDA
+            kwargs["cpu"] = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") \
+                or not torch.cuda.is_available()
         super().__init__(**kwargs)
         self._check_state()
         self.engine: PipelineEngine | None = None
@@ -380,38 +373,3 @@ def _row_length(dataset: Any) -> int:
     except (TypeError, KeyError, IndexError):
         raise DataError("cannot read the sequence length from the dataset's first row; set "
                         "seq_len in the hapt config") from None
-
-
-def _check_arguments(args: tuple, kwargs: dict[str, Any]) -> None:
-    """Refuse, by name, every Accelerator argument given away from its default that the
-    pipeline does not honour (:data:`HONOURED_ACCELERATOR_ARGS`)."""
-    if args:
-        raise AccelerateSettingError("pass HaptAccelerator's arguments by name")
-    params = inspect.signature(Accelerator.__init__).parameters
-    for name, value in kwargs.items():
-        if name not in params:
-            raise AccelerateSettingError(f"HaptAccelerator got an unknown argument {name!r}")
-        if name in _MUST_STAY and value != _MUST_STAY[name]:
-            raise AccelerateSettingError(f"Accelerator({name}={value!r}) cannot be honoured "
-                                         f"with a hapt plan: {HONOURED_ACCELERATOR_ARGS[name]}")
-        if name == "project_config" and value is not None:
-            _check_project_config(value)
-            continue
-        if name not in HONOURED_ACCELERATOR_ARGS and value is not params[name].default:
-            raise AccelerateSettingError(f"Accelerator({name}=...) cannot be honoured with a "
-                                         "hapt plan: the pipeline runtime does not implement "
-                                         "it; leave it out")
-    steps = kwargs.get("gradient_accumulation_steps", 1)
-    if not (isinstance(steps, int) and steps >= 1) or math.isnan(steps):
-        raise AccelerateSettingError(f"gradient_accumulation_steps={steps!r}: give an int >= 1")
-
-
-def _check_project_config(config: Any) -> None:
-    """Only the directories of a ProjectConfiguration are honoured."""
-    from accelerate.utils import ProjectConfiguration
-
-    default = ProjectConfiguration()
-    for name in ("automatic_checkpoint_naming", "total_limit", "iteration", "save_on_each_node"):
-        if getattr(config, name) != getattr(default, name):
-            raise AccelerateSettingError(f"ProjectConfiguration({name}=...) cannot be honoured "
-                                         "with a hapt plan; pass save_state an output_dir")

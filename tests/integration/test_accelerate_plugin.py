@@ -3,7 +3,6 @@ process: same losses, same weights, exact resume, a checkpoint from_pretrained l
 Accelerate setting honoured or refused by name."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +148,136 @@ def test_loop_matches_one_process_and_resumes(tmp_path):
     with torch.no_grad():
         mine = loaded(input_ids=torch.from_numpy(ids).long()).logits
     torch.testing.assert_close(mine, torch.from_numpy(logits), rtol=RTOL, atol=ATOL)
+
+
+# -- every Accelerate setting: honoured or refused by name ------------------------------------
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"rng_types": ["torch"]}, "rng_types"), ({"split_batches": True}, "split_batches"),
+    ({"dynamo_backend": "inductor"}, "dynamo_backend"),
+    ({"kwargs_handlers": [object()]}, "kwargs_handlers"),
+    ({"dataloader_config": object()}, "dataloader_config"),
+    ({"fsdp_plugin": object()}, "fsdp_plugin"), ({"deepspeed_plugin": object()}, "deepspeed_plugin"),
+    ({"megatron_lm_plugin": object()}, "megatron_lm_plugin"),
+    ({"device_placement": False}, "device_placement"),
+    ({"step_scheduler_with_optimizer": False}, "step_scheduler_with_optimizer"),
+])
+def test_unhonoured_accelerator_argument_is_refused_by_name(kwargs, name):
+    from hapt_hf.integration.accelerate_settings import (AccelerateSettingError,
+                                                         check_accelerator_arguments)
+    with pytest.raises(AccelerateSettingError, match=name):
+        check_accelerator_arguments((), kwargs)
+
+
+def test_project_config_checkpoint_naming_is_refused():
+    from accelerate.utils import ProjectConfiguration
+
+    from hapt_hf.integration.accelerate_settings import (AccelerateSettingError,
+                                                         check_accelerator_arguments)
+    check_accelerator_arguments((), {"project_config": ProjectConfiguration(project_dir="x"),
+                          "mixed_precision": "bf16", "gradient_accumulation_steps": 2,
+                          "log_with": "tensorboard", "cpu": True})
+    with pytest.raises(AccelerateSettingError, match="automatic_checkpoint_naming"):
+        check_accelerator_arguments((), {"project_config": ProjectConfiguration(
+            automatic_checkpoint_naming=True)})
+
+
+def settings(rank: int, world: int, tmp: str) -> dict:
+    """One-rank checks of what each honoured setting changes, and each refusal's message."""
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+    from transformers import AutoModelForCausalLM
+
+    def attempt(fn):
+        try:
+            return fn()
+        except ValueError as e:
+            return f"error: {e}"
+
+    def build(mp="no", ga=GA, bs=BS, **cfg):
+        acc = HaptAccelerator(cpu=True, mixed_precision=mp, gradient_accumulation_steps=ga,
+                              hapt_plugin=_hapt_config(Path(tmp), 1, **cfg)
+                              if "plan" not in cfg else cfg["plan"])
+        model = AutoModelForCausalLM.from_config(_config())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dl = torch.utils.data.DataLoader(_Rows(2 * G), batch_size=bs)
+        return acc, *acc.prepare(model, opt, dl)
+
+    out = {}
+    acc, model, opt, dl = build()
+    out["rows"] = [len(b["input_ids"]) for b in dl]
+    out["gathered"] = float(acc.gather(torch.tensor(2.0))), float(acc.reduce(torch.tensor(3.0)))
+    batch = next(iter(dl))
+    model.train()
+    loss = model(**batch).loss
+    out["backward_other"] = attempt(lambda: acc.backward(loss * 2))
+    out["clip_subset"] = attempt(lambda: acc.clip_grad_norm_(list(model.parameters())[:1], 1.0))
+    out["norm_type"] = attempt(lambda: acc.clip_grad_norm_(model.parameters(), 1.0, 1))
+    acc.backward(loss)
+    out["skip"] = [len(list(acc.skip_first_batches(dl, 1)))]
+    out["ga_conflict"] = attempt(lambda: build(ga=1))
+    return out
+
+
+def precision(rank: int, world: int, tmp: str, mp: str, asked: str | None) -> str:
+    """The plan's precision under Accelerator(mixed_precision=mp) and hapt precision asked."""
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+    from hapt_hf.integration.config import HaptConfig
+    from transformers import AutoModelForCausalLM
+
+    cluster = Path(tmp) / "one.yaml"
+    cluster.write_text("name: one\ngroups:\n  - {name: a, gpu: cpu-a, tflops: 0.1, memory_gb: 8,"
+                       " nodes: 1, gpus_per_node: 1}\n")
+    cfg = HaptConfig(cluster=cluster, global_batch_size=4 * G, seq_len=SEQ, precision=asked)
+    try:
+        acc = HaptAccelerator(cpu=True, mixed_precision=mp, gradient_accumulation_steps=4,
+                              hapt_plugin=cfg)
+        acc.prepare(AutoModelForCausalLM.from_config(_config()),
+                    torch.utils.data.DataLoader(_Rows(4 * G), batch_size=G))
+    except ValueError as e:
+        return f"error: {e}"
+    return acc.plan.dtype
+
+
+@pytest.mark.multiproc
+def test_settings_honoured_or_refused(tmp_path):
+    got = run_ranks(settings, 1, str(tmp_path), timeout_s=120)[0].value
+    assert got["rows"] == [G, G]  # batch_size x gradient_accumulation_steps rows per step
+    assert got["gathered"] == (2.0, 3.0)  # one copy of the loop: nothing to concatenate
+    assert "not the .loss" in got["backward_other"]
+    assert "subset" in got["clip_subset"] and "norm_type=1" in got["norm_type"]
+    assert got["skip"] == [1]
+    assert "gradient_accumulation_steps=1" in got["ga_conflict"] and "global_batch_size" in \
+        got["ga_conflict"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mp, asked, expect", [
+    ("bf16", None, "bf16"),  # honoured: the plan is made for it
+    ("bf16", "fp32", "mixed_precision='bf16' (= bf16) but the hapt config"),
+])
+def test_mixed_precision_drives_the_plan(tmp_path, mp, asked, expect):
+    got = run_ranks(precision, 1, str(tmp_path), mp, asked, timeout_s=120)[0].value
+    assert expect in got, got
+
+
+@pytest.mark.e2e
+def test_example_runs_under_accelerate_launch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HAPT_CONFIG": str(root / "recipes/configs/hapt_cpu_demo.yaml"),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "recipes/configs/accelerate_cpu.yaml"), "--num_processes", "4",
+           str(root / "examples/accelerate_loop.py"), "--output_dir", str(tmp_path),
+           "--max_steps", "3"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 3 loss" in run.stdout and "eval loss" in run.stdout
+    assert (tmp_path / "state" / "hapt_rank3.pt").is_file()
+    assert list((tmp_path / "accelerate_loop").rglob("events.out.tfevents*"))
+    AutoModelForCausalLM.from_pretrained(str(tmp_path))
