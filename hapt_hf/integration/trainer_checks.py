@@ -142,7 +142,10 @@ def check_batch_mapping(args: TrainingArguments, plan: Plan) -> None:
 def check_training_args_honoured(args: TrainingArguments) -> None:
     """Refuse any TrainingArguments field set away from its default that HaptTrainer does not
     act on (see :data:`HONOURED_TRAINING_ARGS`): one message naming it and why."""
-    defaults = type(args)(output_dir=args.output_dir)
+    # the defaults given the honoured settings: __post_init__ derives fields from them
+    # (use_cpu=True turns dataloader_pin_memory off), which is no setting of the user's
+    init = {f.name for f in fields(args) if f.init}
+    defaults = type(args)(**{n: getattr(args, n) for n in HONOURED_TRAINING_ARGS if n in init})
     for f in fields(args):
         if not f.init or f.name in HONOURED_TRAINING_ARGS:
             continue
