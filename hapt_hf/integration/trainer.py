@@ -41,7 +41,8 @@ from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.integration import checkpoint as ckpt_io
 from hapt_hf.integration.data import epoch_order
 from hapt_hf.integration.trainer_checks import (BatchMappingError, as_rows, check_batch_mapping,
-                                                check_best_metric, check_enough)
+                                                check_best_metric, check_enough,
+                                                check_training_args_honoured, wants_recompute)
 from hapt_hf.integration.precision import training_args_precision_mismatch
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 from hapt_hf.planner.plan import Plan
@@ -80,10 +81,18 @@ class HaptTrainer(TrainerHooks, Trainer):
     def __init__(self, runtime: PipelineRuntime, plan: Plan, args: TrainingArguments,
                  train_dataset=None, eval_dataset=None, processing_class=None,
                  callbacks=None, optimizers=(None, None)) -> None:
+        check_training_args_honoured(args)
         check_batch_mapping(args, plan)
         check_best_metric(args)
         if (mismatch := training_args_precision_mismatch(args, plan)) is not None:
             raise TrainingArgsError(mismatch)
+        if args.use_cpu and runtime.device.type != "cpu":
+            raise TrainingArgsError(f"TrainingArguments(use_cpu=True) but the runtime runs on "
+                                    f"{runtime.device}; build it with RuntimeConfig(device='cpu')"
+                                    " or leave use_cpu False")
+        if wants_recompute(args):
+            # activation checkpointing is the stages' own recompute (numerics unchanged)
+            runtime.stage.recompute = True
         self.runtime = runtime
         self.plan = plan
         # the data is checked against the plan before Trainer creates the output directory

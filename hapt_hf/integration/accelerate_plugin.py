@@ -1,0 +1,375 @@
+"""``HaptAccelerator``: a user's own Accelerate loop on a hapt plan, two lines changed.
+
+```python
+accelerator = HaptAccelerator(mixed_precision="bf16", gradient_accumulation_steps=4,
+                              hapt_plugin="hapt.yaml")        # was: Accelerator(...)
+model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+for batch in train_dl:                       # one global batch per step
+    loss = model(**batch).loss               # the whole pipeline step: forwards and backwards
+    accelerator.backward(loss)               # checks it is that loss
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the global norm, every stage
+    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+```
+
+``prepare`` plans (rank 0 plans or loads the plan and broadcasts it, as the recipes do),
+builds only this rank's stage and copies its tensors from the model the loop built (or, for a
+model built on the meta device, reads only them from its checkpoint directory), points the
+optimizer at the stage's parameters and wraps the DataLoaders to yield global batches (the
+DataLoader's batch_size x gradient_accumulation_steps rows). Every Accelerator argument is
+either honoured or refused by name (:data:`HONOURED_ACCELERATOR_ARGS`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import nn
+
+from hapt_hf.errors import CheckpointError, DataError
+from hapt_hf.integration import checkpoint as ckpt_io
+from hapt_hf.integration.accelerate_objects import (AccelerateSettingError, GlobalBatchLoader,
+                                                    PipelineEngine, PipelineModelView,
+                                                    PipelineOptimizer, PipelineScheduler,
+                                                    unchanged)
+from hapt_hf.integration.accelerate_settings import (HONOURED_ACCELERATOR_ARGS,
+                                                     MIXED_PRECISION_TO_PLAN,
+                                                     check_accelerator_arguments)
+from hapt_hf.integration.config import HaptConfig
+from hapt_hf.integration.launch import (format_plan, init_process_group, read_launch_env,
+                                        resolve_plan)
+from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+from hapt_hf.planner.plan import Plan
+
+__all__ = ["HaptAccelerator", "AccelerateSettingError", "HONOURED_ACCELERATOR_ARGS",
+           "MIXED_PRECISION_TO_PLAN"]
+
+STATE_FILE = "hapt_accelerate_rank{rank}.pt"
+
+
+class HaptAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``prepare`` puts the model on a hapt plan.
+
+    Args:
+        hapt_plugin: The hapt config: a :class:`HaptConfig`, a path to ``hapt.yaml``, or None
+            to read the ``HAPT_CONFIG`` variable (``HAPT_CONFIG=hapt.yaml accelerate launch``).
+        *args, **kwargs: ``Accelerator``'s own; those a pipeline cannot honour are refused.
+    """
+
+    def __init__(self, *args: Any, hapt_plugin: HaptConfig | str | Path | None = None,
+                 **kwargs: Any) -> None:
+        check_accelerator_arguments(args, kwargs)
+        self.hapt_config = hapt_plugin if isinstance(hapt_plugin, HaptConfig) \
+            else HaptConfig.from_args_or_env(None if hapt_plugin is None else str(hapt_plugin))
+        self.launch = read_launch_env()  # refuses accelerate's one-process MULTI_CPU start
+        init_process_group(self.launch, self.hapt_config.timeout_s)
+        if "cpu" not in kwargs:  # accelerate launch's use_cpu, or a machine without CUDA
+            kwargs["cpu"] = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") \
+                or not torch.cuda.is_available()
+        super().__init__(**kwargs)
+        self._check_state()
+        self.engine: PipelineEngine | None = None
+        self.plan: Plan | None = None
+        self.hapt_optimizers: list[PipelineOptimizer] = []
+        self.hapt_schedulers: list[PipelineScheduler] = []
+        self.hapt_loaders: list[GlobalBatchLoader] = []
+
+    def _check_state(self) -> None:
+        if self.num_processes != self.launch.world_size:
+            raise AccelerateSettingError(
+                f"Accelerate sees {self.num_processes} process(es) but {self.launch.world_size} "
+                "were started (no GPU and cpu not set?); pass cpu=True or launch with "
+                "recipes/configs/accelerate_cpu.yaml (use_cpu: true)")
+        other = {DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM}
+        if self.distributed_type in other:
+            raise AccelerateSettingError(f"distributed_type {self.distributed_type} (from the "
+                                         "accelerate config) cannot run with a hapt plan; use "
+                                         "MULTI_GPU (use_cpu: true on CPUs)")
+        dynamo = getattr(self.state, "dynamo_plugin", None)
+        if dynamo is not None and str(dynamo.backend).split(".")[-1] not in ("NO", "no"):
+            raise AccelerateSettingError(f"dynamo_backend {dynamo.backend} cannot be honoured: "
+                                         "pipeline stages are not compiled; set it to 'no'")
+        if self.mixed_precision not in MIXED_PRECISION_TO_PLAN:
+            raise AccelerateSettingError(f"mixed_precision={self.mixed_precision!r} cannot be "
+                                         f"honoured; use one of {sorted(MIXED_PRECISION_TO_PLAN)}")
+
+    # -- prepare ------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        if device_placement is not None:
+            raise AccelerateSettingError("prepare(device_placement=...) cannot be honoured: the "
+                                         "runtime places each stage's inputs; leave it out")
+        models = [a for a in args if isinstance(a, nn.Module)]
+        loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
+        if len(models) > 1:
+            raise AccelerateSettingError("prepare got several models; a hapt plan runs one")
+        if models and self.engine is not None:
+            raise AccelerateSettingError("prepare got a model a second time; prepare it once")
+        if models:
+            self._build(models[0], loaders)
+        if self.engine is None:
+            raise AccelerateSettingError("prepare the model first, together with the training "
+                                         "DataLoader (its batch_size sets the global batch)")
+        out = [self._prepare_one(a, models[0] if models else None) for a in args]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _prepare_one(self, obj: Any, model: nn.Module | None) -> Any:
+        if isinstance(obj, nn.Module):
+            return self.engine
+        if isinstance(obj, torch.optim.Optimizer):
+            return self._optimizer(obj, model)
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            sched = PipelineScheduler(obj, self.hapt_optimizers)
+            self.hapt_schedulers.append(sched)
+            return sched
+        if isinstance(obj, torch.utils.data.DataLoader):
+            loader = GlobalBatchLoader(obj, self.plan.global_batch_size)
+            self.hapt_loaders.append(loader)
+            return loader
+        raise AccelerateSettingError(f"prepare got a {type(obj).__name__}; with a hapt plan it "
+                                     "takes the model, optimizers, LR schedulers and DataLoaders")
+
+    def _build(self, model: nn.Module, loaders: list) -> None:
+        if not loaders:
+            raise AccelerateSettingError("prepare the model together with the training "
+                                         "DataLoader: its batch_size x gradient_accumulation_steps"
+                                         " is the global batch the plan is made for")
+        train = loaders[0]
+        rows = (train.batch_size or 0) * self.gradient_accumulation_steps
+        cfg = self.hapt_config
+        if rows != cfg.global_batch_size:
+            raise AccelerateSettingError(
+                f"the training DataLoader's batch_size={train.batch_size} x "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} = {rows} rows "
+                f"per step, but the hapt config ({cfg.source}) says global_batch_size: "
+                f"{cfg.global_batch_size}; make the two agree")
+        seq_len = cfg.seq_len or _row_length(train.dataset)
+        precision = MIXED_PRECISION_TO_PLAN[self.mixed_precision]
+        asked = cfg.requested_precision
+        if asked not in (None, "auto", precision):
+            raise AccelerateSettingError(
+                f"Accelerator mixed_precision={self.mixed_precision!r} (= {precision}) but the "
+                f"hapt config ({cfg.source}) says precision: {asked}; make the two agree")
+        planned = replace(cfg, precision=precision, dtype=None) if cfg.plan is None else cfg
+        self.plan = resolve_plan(planned, model.config, seq_len, self.launch)
+        if self.plan.dtype != precision:
+            raise AccelerateSettingError(
+                f"Accelerator mixed_precision={self.mixed_precision!r} but the plan "
+                f"{cfg.plan} computes in {self.plan.dtype}; set mixed_precision to match or "
+                "re-plan")
+        self.print(format_plan(self.plan))
+        self.engine = PipelineEngine(self._runtime(model, cfg))
+        self.engine.train(model.training)
+
+    def _runtime(self, model: nn.Module, cfg: HaptConfig) -> PipelineRuntime:
+        on_meta = any(p.is_meta for p in model.parameters())
+        source = str(getattr(model.config, "name_or_path", "") or "")
+        if on_meta and not list(Path(source or "/nonexistent").glob("*.safetensors")):
+            raise AccelerateSettingError(
+                f"the model is on the meta device and its config's name_or_path {source!r} is no "
+                "directory with safetensors weights; build it from a local checkpoint's config")
+        with torch.random.fork_rng(devices=[]):  # the loop's RNG stays as one process has it
+            runtime = PipelineRuntime(self.plan, model.config, RuntimeConfig(
+                timeout_s=cfg.timeout_s, checkpoint_dir=source if on_meta else None))
+        if not on_meta:  # the loop's own weights, however it made them
+            full = model.state_dict()
+            for key, target in runtime.stage.state_dict(keep_vars=True).items():
+                checkpoint_io.copy_into(target, full[key], key)
+        return runtime
+
+    def _optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None
+                   ) -> PipelineOptimizer:
+        """Point the user's optimizer, in place, at this rank's stage parameters (by the full
+        model's names), so that an LR scheduler built on it drives the stage's groups."""
+        if model is None:
+            raise AccelerateSettingError("prepare the optimizer together with its model")
+        if optimizer.state:
+            raise AccelerateSettingError("the optimizer has taken steps before prepare; prepare "
+                                         "it before training (or load its state with load_state)")
+        names: dict[int, list[str]] = {}  # a tied weight has several names
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(n)
+        stage = dict(self.engine.stage.named_parameters(remove_duplicate=False))
+        for group in optimizer.param_groups:
+            mine = [stage[n] for p in group["params"] for n in names.get(id(p), [])
+                    if n in stage]
+            group["params"] = list({id(p): p for p in mine}.values())
+        wrapped = PipelineOptimizer(optimizer, self.engine.runtime)
+        self.hapt_optimizers.append(wrapped)
+        return wrapped
+
+    # -- the step -----------------------------------------------------------------------------
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        if kwargs:
+            raise AccelerateSettingError(f"accelerator.backward({sorted(kwargs)[0]}=...) cannot "
+                                         "be honoured: the pipeline ran the backward in model()")
+        self._engine().check_backward(loss)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        if norm_type != 2:
+            raise AccelerateSettingError(f"clip_grad_norm_(norm_type={norm_type}) cannot be "
+                                         "honoured: the pipeline clips by the 2-norm")
+        self._check_all_parameters(parameters, "clip_grad_norm_")
+        norm = self._engine().runtime.clip_grad_norm_(float(max_norm))
+        for opt in self.hapt_optimizers:
+            opt.grad_norm = norm
+        return torch.tensor(norm)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        self._check_all_parameters(parameters, "clip_grad_value_")
+        torch.nn.utils.clip_grad_value_(list(self._engine().stage.parameters()), clip_value)
+
+    def _check_all_parameters(self, parameters: Any, what: str) -> None:
+        given = {id(p) for p in ([parameters] if isinstance(parameters, torch.Tensor)
+                                 else parameters)}
+        if given != self._engine().parameters_ids():
+            raise AccelerateSettingError(f"{what} got a subset of the parameters; with a hapt "
+                                         "plan it clips model.parameters() as a whole")
+
+    def accumulate(self, *models: Any):
+        """Each step of a prepared DataLoader is already the whole accumulated batch."""
+        return unchanged()
+
+    def no_sync(self, model: Any):
+        """Gradients are summed inside each step; calls to model() add up until zero_grad."""
+        return unchanged()
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(o.step_was_skipped for o in self.hapt_optimizers)
+
+    # -- values: the pipeline's ranks are ONE copy of the loop -------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """Identity: every rank holds the loop's one global batch, so its values are already
+        what one process gathering them would hold."""
+        return tensor
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        return input_data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        if reduction not in ("sum", "mean", "none", None):
+            raise AccelerateSettingError(f"reduce(reduction={reduction!r}): use sum or mean")
+        return tensor if scale == 1.0 else tensor * scale
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0,
+                             pad_first: bool = False) -> Any:
+        return tensor
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> GlobalBatchLoader:
+        if not isinstance(dataloader, GlobalBatchLoader):
+            raise AccelerateSettingError("skip_first_batches takes a DataLoader returned by "
+                                         "prepare")
+        return dataloader.skipping(num_batches)
+
+    # -- the model out ------------------------------------------------------------------------
+    def unwrap_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        return PipelineModelView(model) if isinstance(model, PipelineEngine) else model
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> dict:
+        """The full model's state dict on the main process, {} on the others (collective)."""
+        return self._engine().runtime.gather_state_dict(dst=0) or {}
+
+    def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB",
+                   safe_serialization: bool = True) -> None:
+        PipelineModelView(self._engine()).save_pretrained(
+            save_directory, safe_serialization=safe_serialization)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **kwargs: Any) -> str:
+        """Commit ``output_dir`` atomically (collective): the gathered model, each rank's
+        optimizer, scheduler, RNG and loss-scaler state, the loaders' positions, the registered
+        objects and the plan."""
+        if output_dir is None or kwargs or not safe_serialization:
+            raise AccelerateSettingError("save_state needs an output_dir (automatic checkpoint "
+                                         "naming and save_model_func kwargs are not supported "
+                                         "with a hapt plan)")
+        runtime, out = self._engine().runtime, Path(output_dir)
+        rank = runtime.rank
+        if rank == 0:
+            shutil.rmtree(out.parent / f"{ckpt_io.TMP_PREFIX}{out.name}", ignore_errors=True)
+        tmp = ckpt_io.begin_checkpoint(out.parent, out.name, rank)
+        full = runtime.gather_state_dict(dst=0)
+        if rank == 0:
+            ckpt_io.save_hf_model(full, runtime.stage.config, tmp, _tied_keys(runtime))
+            self.plan.save(tmp / "plan.json")
+        opt, sched = self._single_optimizer()
+        ckpt_io.save_rank_state(tmp, rank, opt, sched, runtime.loss_scaler)
+        extra = {"loaders": [d.state_dict() for d in self.hapt_loaders],
+                 "custom": [o.state_dict() for o in self._custom_objects]}
+        torch.save(extra, tmp / STATE_FILE.format(rank=rank))
+        ckpt_io.commit_checkpoint(tmp, out, rank)
+        return str(out)
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        """Every rank reads its own part; the ranks agree on the outcome before going on."""
+        if input_dir is None or kwargs:
+            raise AccelerateSettingError("load_state needs an input_dir written by save_state")
+        runtime, ckpt = self._engine().runtime, Path(input_dir)
+
+        def load() -> None:
+            _check_state_dir(ckpt, self.plan)
+            ckpt_io.load_stage_weights(runtime.stage, ckpt)
+            opt, sched = self._single_optimizer()
+            ckpt_io.load_rank_state(ckpt, runtime.rank, opt, sched, runtime.loss_scaler)
+            path = ckpt / STATE_FILE.format(rank=runtime.rank)
+            try:
+                extra = torch.load(path, map_location="cpu", weights_only=False)
+            except Exception as e:  # noqa: BLE001 - one message naming the file
+                raise checkpoint_io.damaged_file(path, e) from None
+            for loader, state in zip(self.hapt_loaders, extra["loaders"]):
+                loader.load_state_dict(state)
+            for obj, state in zip(self._custom_objects, extra["custom"]):
+                obj.load_state_dict(state)
+        runtime.channel.agree("loading the state", runtime.stage_plan.index, load,
+                              refusals=(CheckpointError, ckpt_io.CheckpointError))
+
+    def _single_optimizer(self) -> tuple[Any, Any]:
+        if len(self.hapt_optimizers) > 1 or len(self.hapt_schedulers) > 1:
+            raise AccelerateSettingError("save_state / load_state with a hapt plan keep one "
+                                         "optimizer and one LR scheduler; prepare one of each")
+        opt = self.hapt_optimizers[0].optimizer if self.hapt_optimizers else None
+        sched = self.hapt_schedulers[0].scheduler if self.hapt_schedulers else None
+        if opt is None:
+            raise AccelerateSettingError("save_state / load_state need a prepared optimizer")
+        return opt, sched
+
+    def _engine(self) -> PipelineEngine:
+        if self.engine is None:
+            raise AccelerateSettingError("call accelerator.prepare(model, ...) first")
+        return self.engine
+
+
+def _tied_keys(runtime: PipelineRuntime) -> list[str]:
+    tied = getattr(runtime.stage.config, "tie_word_embeddings", False)
+    return [runtime.stage.adapter.output_embedding_key] if tied else []
+
+
+def _check_state_dir(ckpt: Path, plan: Plan) -> None:
+    """Refuse a state directory that is incomplete or was saved under another plan."""
+    needed = ["plan.json", "model.safetensors"] + [
+        n.format(rank=r) for r in range(plan.world_size)
+        for n in (ckpt_io.RANK_STATE, STATE_FILE)]
+    missing = [n for n in needed if not (ckpt / n).is_file()]
+    if missing:
+        raise CheckpointError(f"load_state: {str(ckpt)!r} lacks {missing}; give a directory "
+                              f"written by save_state of a {plan.world_size}-rank hapt run")
+    saved = Plan.load(ckpt / "plan.json")
+    if [(s.layers, s.ranks) for s in saved.stages] != [(s.layers, s.ranks) for s in plan.stages]:
+        raise CheckpointError(f"load_state: {str(ckpt)!r} was saved under another plan; load it "
+                              "with the same plan (its plan.json as 'plan' in the hapt config)")
+
+
+def _row_length(dataset: Any) -> int:
+    """The sequence length of the data, read from its first row (no RNG drawn)."""
+    try:
+        return len(dataset[0]["input_ids"])
+    except (TypeError, KeyError, IndexError):
+        raise DataError("cannot read the sequence length from the dataset's first row; set "
+                        "seq_len in the hapt config") from None

@@ -1,0 +1,283 @@
+"""An ordinary Accelerate loop on a hapt plan (HaptAccelerator) against plain Accelerate on one
+process: same losses, same weights, exact resume, a checkpoint from_pretrained loads; every
+Accelerate setting honoured or refused by name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.testing import run_ranks
+
+SEQ, VOCAB, BS, GA = 8, 97, 2, 2
+G = BS * GA
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def _config():
+    from transformers import GPT2Config
+    return GPT2Config(n_layer=4, n_embd=32, n_head=2, n_positions=32, vocab_size=VOCAB,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+
+
+def _plan_file(tmp: Path, world: int = 4) -> Path:
+    """Uneven stages under H-1F1B: emb + 2 blocks | 1 block on two replicas | 1 block + head."""
+    if world == 1:
+        stages = (StagePlan(0, (0, 6), "cpu", "cpu", (0,), 1),)
+    else:
+        stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2),
+                  StagePlan(1, (3, 5), "cpu", "cpu", (1, 2), 2),
+                  StagePlan(2, (5, 6), "cpu", "cpu", (3,), 1))
+    plan = Plan("tiny-gpt2", 6, SEQ, G, BS, GA, "h1f1b", stages).validate(world_size=world)
+    return plan.save(tmp / "plan.json")
+
+
+def _hapt_config(tmp: Path, world: int = 4, **kw):
+    from hapt_hf.integration.config import HaptConfig
+    return HaptConfig(plan=_plan_file(tmp, world), schedule="h1f1b", global_batch_size=G,
+                      seq_len=SEQ, timeout_s=60, **kw)
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.rows = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _np(t):
+    return t.detach().float().numpy().copy()
+
+
+def loop(rank: int, world: int, tmp: str, hapt: bool, steps: int, save_at: int | None = None,
+         resume: str | None = None, out: str | None = None) -> dict:
+    """The user's loop; only the Accelerator line differs between the two runs."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+
+    set_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
+    dl = torch.utils.data.DataLoader(_Rows(7 * BS), batch_size=BS, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 1, 10)
+    if hapt:
+        acc = HaptAccelerator(cpu=True, gradient_accumulation_steps=GA,
+                              hapt_plugin=_hapt_config(Path(tmp)))
+    else:
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=GA)
+    model, optimizer, dl, scheduler = acc.prepare(model, optimizer, dl, scheduler)
+    model.train()
+    done = 0
+    if resume:
+        acc.load_state(resume)
+        done = save_at
+    losses, micro, norms = [], [], []
+    for batch in dl:
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            micro.append(loss.item())
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if acc.sync_gradients:
+            losses.append(sum(micro) / len(micro))
+            micro = []
+            done += 1
+            if done == save_at and not resume:
+                acc.save_state(str(Path(tmp) / "state"))
+            if done == steps:
+                break
+    result = {"losses": losses, "lr": scheduler.get_last_lr(), "norms": norms}
+    state = acc.get_state_dict(model)
+    if out:
+        acc.unwrap_model(model).save_pretrained(out, state_dict=state,
+                                                is_main_process=acc.is_main_process)
+        acc.wait_for_everyone()
+        model.eval()
+        with torch.no_grad():
+            first = next(iter(dl))
+            logits = model(**first).logits
+        result["eval"] = (_np(first["input_ids"]), None if logits is None else _np(logits))
+    if acc.is_main_process:
+        result["weights"] = {k: _np(v) for k, v in state.items()}
+    return result
+
+
+@pytest.mark.multiproc
+def test_loop_matches_one_process_and_resumes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = run_ranks(loop, 1, str(tmp_path / "ref"), False, 3, timeout_s=240)[0].value
+    (tmp_path / "ref").mkdir(exist_ok=True)
+    (tmp_path / "run").mkdir()
+    out = tmp_path / "model"
+    full = run_ranks(loop, 4, str(tmp_path / "run"), True, 3, 2, None, str(out),
+                     timeout_s=240)
+    got = full[0].value
+    assert len(got["losses"]) == 3 and all(o.value["losses"] == got["losses"] for o in full)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]),
+                               rtol=RTOL, atol=ATOL)
+    assert got["lr"] == pytest.approx(ref["lr"])
+    assert set(got["weights"]) == set(ref["weights"])
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(torch.from_numpy(got["weights"][k]), torch.from_numpy(v),
+                                   rtol=RTOL, atol=ATOL, msg=k)
+    # resumed from the state saved after step 2: ends exactly where the whole run ended
+    resumed = run_ranks(loop, 4, str(tmp_path / "run"), True, 3, 2,
+                        str(tmp_path / "run" / "state"), timeout_s=240)[0].value
+    assert resumed["losses"] == got["losses"][2:]
+    for k, v in got["weights"].items():
+        assert (resumed["weights"][k] == v).all(), k
+    # the saved model loads on one process and gives the pipeline's logits
+    ids, logits = got["eval"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        mine = loaded(input_ids=torch.from_numpy(ids).long()).logits
+    torch.testing.assert_close(mine, torch.from_numpy(logits), rtol=RTOL, atol=ATOL)
+
+
+# -- every Accelerate setting: honoured or refused by name ------------------------------------
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"rng_types": ["torch"]}, "rng_types"), ({"split_batches": True}, "split_batches"),
+    ({"dynamo_backend": "inductor"}, "dynamo_backend"),
+    ({"kwargs_handlers": [object()]}, "kwargs_handlers"),
+    ({"dataloader_config": object()}, "dataloader_config"),
+    ({"fsdp_plugin": object()}, "fsdp_plugin"), ({"deepspeed_plugin": object()}, "deepspeed_plugin"),
+    ({"megatron_lm_plugin": object()}, "megatron_lm_plugin"),
+    ({"device_placement": False}, "device_placement"),
+    ({"step_scheduler_with_optimizer": False}, "step_scheduler_with_optimizer"),
+])
+def test_unhonoured_accelerator_argument_is_refused_by_name(kwargs, name):
+    from hapt_hf.integration.accelerate_settings import (AccelerateSettingError,
+                                                         check_accelerator_arguments)
+    with pytest.raises(AccelerateSettingError, match=name):
+        check_accelerator_arguments((), kwargs)
+
+
+def test_project_config_checkpoint_naming_is_refused():
+    from accelerate.utils import ProjectConfiguration
+
+    from hapt_hf.integration.accelerate_settings import (AccelerateSettingError,
+                                                         check_accelerator_arguments)
+    check_accelerator_arguments((), {"project_config": ProjectConfiguration(project_dir="x"),
+                          "mixed_precision": "bf16", "gradient_accumulation_steps": 2,
+                          "log_with": "tensorboard", "cpu": True})
+    with pytest.raises(AccelerateSettingError, match="automatic_checkpoint_naming"):
+        check_accelerator_arguments((), {"project_config": ProjectConfiguration(
+            automatic_checkpoint_naming=True)})
+
+
+def settings(rank: int, world: int, tmp: str) -> dict:
+    """One-rank checks of what each honoured setting changes, and each refusal's message."""
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+    from transformers import AutoModelForCausalLM
+
+    def attempt(fn):
+        try:
+            return fn()
+        except ValueError as e:
+            return f"error: {e}"
+
+    def build(mp="no", ga=GA, bs=BS, **cfg):
+        acc = HaptAccelerator(cpu=True, mixed_precision=mp, gradient_accumulation_steps=ga,
+                              hapt_plugin=_hapt_config(Path(tmp), 1, **cfg)
+                              if "plan" not in cfg else cfg["plan"])
+        model = AutoModelForCausalLM.from_config(_config())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dl = torch.utils.data.DataLoader(_Rows(2 * G), batch_size=bs)
+        return acc, *acc.prepare(model, opt, dl)
+
+    out = {}
+    acc, model, opt, dl = build()
+    out["rows"] = [len(b["input_ids"]) for b in dl]
+    out["gathered"] = float(acc.gather(torch.tensor(2.0))), float(acc.reduce(torch.tensor(3.0)))
+    batch = next(iter(dl))
+    model.train()
+    loss = model(**batch).loss
+    out["backward_other"] = attempt(lambda: acc.backward(loss * 2))
+    out["clip_subset"] = attempt(lambda: acc.clip_grad_norm_(list(model.parameters())[:1], 1.0))
+    out["norm_type"] = attempt(lambda: acc.clip_grad_norm_(model.parameters(), 1.0, 1))
+    acc.backward(loss)
+    out["skip"] = [len(list(acc.skip_first_batches(dl, 1)))]
+    out["ga_conflict"] = attempt(lambda: build(ga=1))
+    return out
+
+
+def precision(rank: int, world: int, tmp: str, mp: str, asked: str | None) -> str:
+    """The plan's precision under Accelerator(mixed_precision=mp) and hapt precision asked."""
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+    from hapt_hf.integration.config import HaptConfig
+    from transformers import AutoModelForCausalLM
+
+    cluster = Path(tmp) / "one.yaml"
+    cluster.write_text("name: one\ngroups:\n  - {name: a, gpu: cpu-a, tflops: 0.1, memory_gb: 8,"
+                       " nodes: 1, gpus_per_node: 1}\n")
+    cfg = HaptConfig(cluster=cluster, global_batch_size=4 * G, seq_len=SEQ, precision=asked)
+    try:
+        acc = HaptAccelerator(cpu=True, mixed_precision=mp, gradient_accumulation_steps=4,
+                              hapt_plugin=cfg)
+        acc.prepare(AutoModelForCausalLM.from_config(_config()),
+                    torch.utils.data.DataLoader(_Rows(4 * G), batch_size=G))
+    except ValueError as e:
+        return f"error: {e}"
+    return acc.plan.dtype
+
+
+@pytest.mark.multiproc
+def test_settings_honoured_or_refused(tmp_path):
+    got = run_ranks(settings, 1, str(tmp_path), timeout_s=120)[0].value
+    assert got["rows"] == [G, G]  # batch_size x gradient_accumulation_steps rows per step
+    assert got["gathered"] == (2.0, 3.0)  # one copy of the loop: nothing to concatenate
+    assert "not the .loss" in got["backward_other"]
+    assert "subset" in got["clip_subset"] and "norm_type=1" in got["norm_type"]
+    assert got["skip"] == [1]
+    assert "gradient_accumulation_steps=1" in got["ga_conflict"] and "global_batch_size" in \
+        got["ga_conflict"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mp, asked, expect", [
+    ("bf16", None, "bf16"),  # honoured: the plan is made for it
+    ("bf16", "fp32", "mixed_precision='bf16' (= bf16) but the hapt config"),
+])
+def test_mixed_precision_drives_the_plan(tmp_path, mp, asked, expect):
+    got = run_ranks(precision, 1, str(tmp_path), mp, asked, timeout_s=120)[0].value
+    assert expect in got, got
+
+
+@pytest.mark.e2e
+def test_example_runs_under_accelerate_launch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HAPT_CONFIG": str(root / "recipes/configs/hapt_cpu_demo.yaml"),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "recipes/configs/accelerate_cpu.yaml"), "--num_processes", "4",
+           str(root / "examples/accelerate_loop.py"), "--output_dir", str(tmp_path),
+           "--max_steps", "3"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 3 loss" in run.stdout and "eval loss" in run.stdout
+    assert (tmp_path / "state" / "hapt_rank3.pt").is_file()
+    assert list((tmp_path / "accelerate_loop").rglob("events.out.tfevents*"))
+    AutoModelForCausalLM.from_pretrained(str(tmp_path))

@@ -1,0 +1,69 @@
+"""Every TrainingArguments option a user sets is honoured by HaptTrainer or refused by name."""
+from __future__ import annotations
+
+import pytest
+
+from hapt_hf.errors import TrainingArgsError
+from hapt_hf.integration.trainer_checks import (HONOURED_TRAINING_ARGS,
+                                                check_training_args_honoured, wants_recompute)
+
+
+def _args(tmp_path, **kw):
+    from transformers import TrainingArguments
+    return TrainingArguments(output_dir=str(tmp_path), report_to=[], **kw)
+
+
+@pytest.mark.parametrize("setting", [
+    {"label_smoothing_factor": 0.1}, {"per_device_eval_batch_size": 4},
+    {"dataloader_num_workers": 2}, {"torch_compile": True}, {"data_seed": 3},
+    {"eval_on_start": True}, {"save_only_model": True}, {"activation_checkpointing_kwargs":
+                                                         {"use_reentrant": False}},
+])
+def test_unhonoured_option_is_refused_by_name(tmp_path, setting):
+    (name, value), = setting.items()
+    with pytest.raises(TrainingArgsError, match=rf"TrainingArguments\({name}=") as e:
+        check_training_args_honoured(_args(tmp_path, **setting))
+    assert "cannot be honoured" in str(e.value)
+
+
+@pytest.mark.parametrize("setting", [
+    {"learning_rate": 1e-4}, {"warmup_steps": 3}, {"max_grad_norm": 0.5}, {"seed": 7},
+    {"logging_steps": 2}, {"save_total_limit": 1}, {"disable_tqdm": True},
+    {"lr_scheduler_type": "cosine"}, {"gradient_checkpointing": True},
+])
+def test_honoured_option_passes(tmp_path, setting):
+    assert set(setting) <= set(HONOURED_TRAINING_ARGS)
+    check_training_args_honoured(_args(tmp_path, **setting))
+
+
+def test_gradient_checkpointing_maps_to_recompute(tmp_path):
+    assert wants_recompute(_args(tmp_path, gradient_checkpointing=True))
+    assert not wants_recompute(_args(tmp_path))
+
+
+def recompute_worker(rank: int, world: int, out: str, kw: dict):
+    from transformers import GPT2Config, TrainingArguments
+
+    from hapt_hf.integration.trainer import HaptTrainer
+    from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+    from hapt_hf.planner.plan import Plan, StagePlan
+
+    plan = Plan("t", 4, 8, 2, 1, 2, "1f1b", (StagePlan(0, (0, 4), "cpu", "cpu", (0,), 1),))
+    runtime = PipelineRuntime(plan, GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50),
+                              RuntimeConfig(timeout_s=60))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=2, report_to=[], **kw)
+    try:
+        HaptTrainer(runtime, plan, args)
+    except TrainingArgsError as e:
+        return str(e)
+    return runtime.stage.recompute
+
+
+@pytest.mark.multiproc
+def test_trainer_honours_checkpointing_and_refuses_label_smoothing(tmp_path):
+    from hapt_hf.testing import run_ranks
+    on = run_ranks(recompute_worker, 1, str(tmp_path), {"gradient_checkpointing": True})
+    assert on[0].value is True
+    off = run_ranks(recompute_worker, 1, str(tmp_path), {"label_smoothing_factor": 0.1})
+    assert "label_smoothing_factor=0.1" in off[0].value
