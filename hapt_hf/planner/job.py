@@ -56,7 +56,7 @@ def load_job(source: str | os.PathLike | Cluster, *, model: str | dict | None = 
     name the cluster (default: the path).
     """
     cluster = source if isinstance(source, Cluster) else Cluster.load(source)
-    where = where or str(source if not isinstance(source, Cluster) else cluster.name)
+    where = where or (cluster.name if isinstance(source, Cluster) else str(source))
     flags = flags or {}
     job = cluster.job
     values = dict(zip(JOB_FIELDS, (_first(model, job.model), _first(seq_len, job.seq_len),
