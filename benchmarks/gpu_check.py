@@ -253,13 +253,9 @@ def _batches(size: Size, plan: Plan, steps: int) -> list:
 def train_curves(rank: int, world_size: int, size_name: str, args_dict: dict) -> dict:
     """One rank of the loss-curve runs: fp32, bf16, fp16 in turn on the same data."""
     import torch
-    import torch.distributed as dist
 
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig, init_distributed
-    if args_dict["device"] == "cpu":
-        dist.init_process_group("gloo")
-    else:
-        init_distributed()
+    init_distributed(backend="gloo" if args_dict["device"] == "cpu" else None)
     size, curves = SIZES[size_name], {}
     for dtype in ("fp32", "bf16", "fp16"):
         plan = _plan(size, world_size, dtype, args_dict["micro_batch"], args_dict["microbatches"],

@@ -17,7 +17,6 @@ imported by pytest's ``importlib`` mode can define their workers at module level
 """
 from __future__ import annotations
 
-import datetime
 import importlib
 import importlib.util
 import inspect
@@ -132,10 +131,9 @@ def _child(ref: _FnRef, rank: int, world_size: int, port: int, args: tuple, env:
     try:
         import torch
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        if init_pg:
-            import torch.distributed as dist
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=pg_timeout_s))
+        if init_pg:  # from the variables set above, as under torchrun; Gloo even with a GPU
+            from hapt_hf.pipeline.process_group import init_distributed
+            init_distributed(pg_timeout_s, backend="gloo")
         value = ref.load()(rank, world_size, *args)
         results.put((rank, True, value, time.monotonic() - start))
         ok = True

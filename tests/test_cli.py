@@ -296,6 +296,15 @@ def test_missing_inputs_are_one_line(argv, field, capsys):
     _assert_user_error(*_run(argv, capsys), field)
 
 
+def test_a_job_field_neither_the_file_nor_a_flag_gives_names_both(tmp_path, capsys):
+    cluster = tmp_path / "no_seq.yaml"
+    cluster.write_text(SMALL_CLUSTER.replace("  seq_len: 128\n", ""))
+    code, out, err = _run(["plan", "--cluster", cluster], capsys)
+    _assert_user_error(code, out, err, "pass --seq-len N or set job.seq_len")
+    code, out, err = _run(["plan", "--cluster", cluster, "--seq-len", "64"], capsys)
+    assert code == 0, err
+
+
 @pytest.mark.e2e
 def test_console_entry_in_a_fresh_process(tmp_path):
     cluster = _write(tmp_path, _BAD_CLUSTERS["negative_bandwidth"][0])

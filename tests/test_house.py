@@ -24,10 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hapt_hf"
 MAX_LINES = 400
 LENGTH_NOTE = "Length:"
-PENDING_LENGTH = {
-    # restructured on the runtime side; the exemption goes when it is split or says why
-    "hapt_hf/pipeline/runtime.py",
-}
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -119,7 +115,7 @@ def test_modules_are_short_or_say_why():
         rel = str(path.relative_to(ROOT))
         lines = len(path.read_text().splitlines())
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        if lines > MAX_LINES and LENGTH_NOTE not in doc and rel not in PENDING_LENGTH:
+        if lines > MAX_LINES and LENGTH_NOTE not in doc:
             long.append(f"{rel} ({lines} lines)")
     assert not long, (f"modules over {MAX_LINES} lines whose docstring does not say why "
                       f"(a paragraph starting '{LENGTH_NOTE}'): {long}")
@@ -170,13 +166,6 @@ PRIVATE_APIS = re.compile("|".join([
 """Names of private torch / transformers / Trainer APIs. (OPT's ``_remove_final_layer_norm``,
 read by the planner, is not one: it is a field of OPTConfig and of its config.json.)"""
 COMPAT = "hapt_hf/compat/"
-PENDING_PRIVATE = {
-    # pending: restructured on the runtime side; their private uses (the default store in
-    # comm.py) move to hapt_hf/compat/ once that work is merged
-    "hapt_hf/pipeline/runtime.py", "hapt_hf/pipeline/comm.py", "hapt_hf/pipeline/checkpoint_io.py",
-    "hapt_hf/integration/checkpoint.py", "hapt_hf/integration/recipe.py", "hapt_hf/testing.py",
-    "recipes/finetune_gpt2.py", "recipes/finetune_llama.py",
-}
 TESTBED_SITE = ROOT / "benchmarks" / "testbed" / "site"
 """Loaded into the testbed's processes to slow torch's process groups down on purpose: it
 patches torch itself and is no part of the package."""
@@ -193,7 +182,7 @@ def test_private_apis_only_in_compat():
                                       ROOT / "scripts") if TESTBED_SITE not in p.parents]
     bad = {rel: hits for p in files
            if not (rel := str(p.relative_to(ROOT))).startswith(COMPAT)
-           and rel not in PENDING_PRIVATE and (hits := private_api_uses(p))}
+           and (hits := private_api_uses(p))}
     assert not bad, f"private torch/transformers/Trainer APIs outside {COMPAT}: {bad}"
 
 

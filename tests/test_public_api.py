@@ -140,3 +140,37 @@ def test_architecture_doc_plan_example_has_the_fields_plan_writes():
     # the example's stages read back as the stages they describe
     stages = [StagePlan.from_dict(s) for s in example["stages"]]
     assert [s.layers for s in stages] == [tuple(s["layers"]) for s in example["stages"]]
+
+
+def test_every_pipeline_and_integration_error_is_a_user_error_under_the_root():
+    import importlib
+    import pkgutil
+
+    import hapt_hf.integration
+    import hapt_hf.pipeline
+    from hapt_hf import errors
+    from hapt_hf.pipeline.comm import PipelineFailure
+    from hapt_hf.pipeline.init_replay import ReplayUnsupported
+
+    # not user errors: a rank that failed, and a signal the stage builder catches itself
+    # (the model's initialisation cannot be replayed: the full model is built instead)
+    not_user_errors = {PipelineFailure, ReplayUnsupported}
+    found = {}
+    for package in (hapt_hf.pipeline, hapt_hf.integration):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            for name in getattr(module, "__all__", ()):
+                obj = getattr(module, name)
+                if isinstance(obj, type) and issubclass(obj, Exception):
+                    found[f"{info.name}.{name}"] = obj
+    assert "hapt_hf.pipeline.runtime.RuntimeSetupError" in found  # the walk saw the runtime
+    outside = [n for n, cls in found.items()
+               if cls not in not_user_errors and not issubclass(cls, errors.HaptError)]
+    assert not outside, f"errors outside the HaptError root: {outside}"
+    # handlers must tell these apart from user errors
+    assert not any(issubclass(cls, errors.HaptError) for cls in not_user_errors)
+    from hapt_hf.integration import trainer_checkpoint
+    from hapt_hf.pipeline import checkpoint_io, runtime
+    assert checkpoint_io.CheckpointError is trainer_checkpoint.CheckpointError is errors.CheckpointError
+    assert issubclass(runtime.RuntimeSetupError, errors.ConfigError)
+    assert issubclass(runtime.BatchError, errors.DataError)

@@ -18,9 +18,12 @@ __all__ = ["UsageError", "JobInputs", "load_cluster", "resolve_job", "model_spec
            "DEMO_CLUSTER", "DEMO_MODEL"]
 
 DEMO_CLUSTER = "v100x8_a100x4"
+"""The built-in cluster planned without --cluster; its ``job:`` names the demo job."""
 DEMO_MODEL = "gpt2"
-DEMO_SEQ_LEN = 1024
-DEMO_GLOBAL_BATCH = 64
+"""The model of the demo cluster's ``job:`` (named in the help text)."""
+JOB_FLAGS = {"model": "--model NAME_OR_PATH", "seq_len": "--seq-len N",
+             "global_batch_size": "--global-batch N"}
+"""The flag that stands in for each field of a cluster file's ``job:``."""
 
 
 class UsageError(HaptError):
@@ -70,15 +73,14 @@ def model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str,
     return ModelSpec.from_job_model(model, seq_len, dtype, attn or DEFAULT_ATTN_IMPLEMENTATION)
 
 
-def _load_profile(cluster: Cluster, model: ModelSpec, store: str | None = None
-                  ) -> tuple[Cluster, Profile | None]:
-    """Measured figures: the cluster file's ``profiles:``, then a ``hapt-hf profile`` store.
+def _with_store(cluster: Cluster, profile: Profile | None, store: str | None
+                ) -> tuple[Cluster, Profile | None]:
+    """Measured figures: the cluster file's ``profiles:`` (``profile``), then a ``hapt-hf
+    profile`` store.
 
     The store wins where both measured the same thing, and its measured links replace the
     cluster file's link figures, so a plan follows what this machine's devices really do.
     """
-    from hapt_hf.planner.search import cluster_profile
-    profile = cluster_profile(cluster, model)
     if store is None:
         return cluster, profile
     if not Path(store).is_file():
@@ -88,11 +90,6 @@ def _load_profile(cluster: Cluster, model: ModelSpec, store: str | None = None
     measured = Profile.load(store)
     profile = measured if profile is None else profile.merge(measured)
     return cluster_with_links(cluster, measured), profile
-
-
-def _first(*values: Any) -> Any:
-    """The first value given (a flag of 0 counts as given, and is then rejected as such)."""
-    return next((v for v in values if v is not None), None)
 
 
 def _precision_flag(precision: str | None, dtype: str | None) -> str | None:
@@ -109,25 +106,14 @@ def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: i
                 attn_implementation: str | None = None) -> JobInputs:
     """Flags first, then the cluster file's ``job:``; with no cluster at all, the demo job.
 
-    The file alone is read as :func:`hapt_hf.planner.job.load_job` reads it (the same model
-    reader, dtype default and ``profiles:``); here each flag may stand in for a missing field.
+    The file and the flags are read by :func:`hapt_hf.planner.job.load_job` (the flags as
+    values that take precedence), then a ``--profile`` store is merged in.
     """
+    from hapt_hf.planner.job import load_job
+
     cluster, source = load_cluster(cluster_arg)
-    job = cluster.job
-    demo = cluster_arg is None
-    model_arg = _first(model, job.model, DEMO_MODEL if demo else None)
-    seq = _first(seq_len, job.seq_len, DEMO_SEQ_LEN if demo else None)
-    gbs = _first(global_batch, job.global_batch_size, DEMO_GLOBAL_BATCH if demo else None)
-    if seq is None:
-        raise UsageError(f"no sequence length: pass --seq-len N or set job.seq_len in {source}")
-    if gbs is None:
-        raise UsageError(f"no global batch: pass --global-batch N or set "
-                         f"job.global_batch_size in {source}")
-    for flag, value in (("--seq-len", seq), ("--global-batch", gbs)):
-        if int(value) < 1:
-            raise UsageError(f"{flag} must be a positive integer, got {value}")
-    prec = cluster.precision(_first(_precision_flag(precision, dtype), job.precision))
-    spec = model_spec(model_arg, int(seq), prec.compute, source,
-                      _first(attn_implementation, job.attn_implementation))
-    cluster, profile = _load_profile(cluster, spec, profile_store)
-    return JobInputs(cluster, spec, profile, int(gbs), source, prec)
+    job = load_job(cluster, model=model, seq_len=seq_len, global_batch_size=global_batch,
+                   precision=_precision_flag(precision, dtype),
+                   attn_implementation=attn_implementation, flags=JOB_FLAGS, where=source)
+    cluster, profile = _with_store(job.cluster, job.profile, profile_store)
+    return JobInputs(cluster, job.model, profile, job.global_batch_size, source, job.precision)

@@ -1,9 +1,11 @@
-"""Private torch APIs the seeded stage initialisation needs (tested on torch 2.13).
+"""Private torch APIs hapt_hf needs (tested on torch 2.13).
 
 The replay of a model's initialisation (:mod:`hapt_hf.pipeline.init_replay`) intercepts every
 tensor factory and every in-place op: torch offers no public way to list the factories that
 take a ``device=`` argument, to subclass a dispatch mode, to read which argument an op
-writes, or to identify a storage.
+writes, or to identify a storage. The pipeline's failure records
+(:mod:`hapt_hf.pipeline.comm`) live in the rendezvous store the launcher set up, which torch
+hands out only through a private accessor.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from torch import Tensor
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key"]
+__all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "default_store"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -49,3 +51,14 @@ def storage_key(tensor: Tensor) -> int:
     meta storage has no ``data_ptr`` to tell storages apart).
     """
     return tensor.untyped_storage()._cdata
+
+
+def default_store() -> Any:
+    """The default process group's rendezvous store (a ``torch.distributed.Store``): the one
+    every launcher (torchrun, accelerate, ``env://``) already set up, shared by every rank.
+
+    Tested on torch 2.13 (``torch.distributed.distributed_c10d._get_default_store``, since
+    torch 1.8); the process group must be initialised.
+    """
+    from torch.distributed import distributed_c10d
+    return distributed_c10d._get_default_store()

@@ -18,11 +18,9 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
 import torch.distributed as dist
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_TIMEOUT_S
@@ -30,6 +28,7 @@ from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
 from hapt_hf.core.layers import layer_name, num_layers
 from hapt_hf.errors import HaptError, LaunchError
 from hapt_hf.integration.config import HaptConfig
+from hapt_hf.pipeline.process_group import init_distributed
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group",
@@ -84,25 +83,19 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
 
 
 def init_process_group(launch: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the job's process group (Gloo on CPU, NCCL on GPUs) unless already joined."""
+    """Join the job's process group (Gloo on CPU, NCCL on GPUs) unless already joined: the
+    pipeline's one set-up (:func:`~hapt_hf.pipeline.process_group.init_distributed`), after an
+    ``mpirun`` launch has been given the variables torchrun sets."""
     if dist.is_initialized():
         return
-    if launch.world_size == 1:
-        # A one-rank plan run as `python recipe.py`: the runtime still talks through a group.
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        return
-    if launch.launcher == "mpirun":
+    if launch.launcher == "mpirun" and launch.world_size > 1:
         # env:// reads these names; mpirun sets its own.
         os.environ.setdefault("RANK", str(launch.rank))
         os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
         os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(launch.local_rank)
-    dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    init_distributed(timeout_s, single_process=launch.world_size == 1)
 
 
 def check_model_family(model_config: Any) -> None:

@@ -15,14 +15,13 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from hapt_hf.integration import checkpoint as ckpt_io
-from hapt_hf.integration.config import HaptConfigError, HaptPlugin
+from hapt_hf.errors import HaptError
+from hapt_hf.integration.config import HaptPlugin
 from hapt_hf.integration.data import DataError, TextDataConfig, load_text_dataset
 from hapt_hf.integration.launch import (LaunchEnv, LaunchError, check_model_family, format_plan,
                                         init_process_group, read_launch_env, resolve_plan,
                                         write_plan)
 from hapt_hf.pipeline.comm import PipelineFailure
-from hapt_hf.planner.plan import PlanError
 
 __all__ = ["RecipeDefaults", "build_parser", "main"]
 
@@ -37,19 +36,6 @@ class RecipeDefaults:
     """Directory with the built-in small model's config.json."""
     data_file: Path
     tokenizer_dir: Path
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from hapt_hf.integration.trainer import TrainingArgsError
-    from hapt_hf.pipeline.runtime import BatchError, RuntimeSetupError
-    from hapt_hf.pipeline.stage import StageBuildError
-    from hapt_hf.planner.cluster import ClusterError
-    from hapt_hf.planner.model_spec import ModelSpecError
-    from hapt_hf.planner.search import PlanningError
-    from hapt_hf.integration.lora import LoraSetupError
-    return (HaptConfigError, DataError, LoraSetupError, LaunchError, PlanError, ClusterError, ModelSpecError,
-            PlanningError, StageBuildError, RuntimeSetupError, BatchError, TrainingArgsError,
-            ckpt_io.CheckpointError)
 
 
 def build_parser(defaults: RecipeDefaults) -> argparse.ArgumentParser:
@@ -267,8 +253,9 @@ def main(defaults: RecipeDefaults, argv: list[str] | None = None) -> int:
     args = build_parser(defaults).parse_args(argv)
     try:
         _run(args, defaults)
-    except _user_errors() as e:
-        # every rank raises the same refusal (checks run on every rank, or are agreed on)
+    except HaptError as e:
+        # a user error: every rank raises the same refusal (checks run on every rank, or are
+        # agreed on); anything else is a bug and keeps its traceback
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -38,7 +38,7 @@ from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, PredictionOutput,
 from hapt_hf.compat import trainer_api
 from hapt_hf.compat.trainer_api import TrainerHooks
 from hapt_hf.errors import DataError, TrainingArgsError
-from hapt_hf.integration import checkpoint as ckpt_io
+from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.data import epoch_order
 from hapt_hf.integration.trainer_checks import (BatchMappingError, as_rows, check_batch_mapping,
                                                 check_best_metric, check_enough,

@@ -2,7 +2,9 @@
 
 A rank never reads the whole model: `safe_open` reads the file header, then `get_tensor` reads
 only the keys asked for. Checkpoints are the Hugging Face layout: `model.safetensors`, or shards
-listed by `model.safetensors.index.json`.
+listed by `model.safetensors.index.json`. The checkpoint directories of a training run (optimizer
+state, trainer state, atomic commit) are :mod:`hapt_hf.integration.trainer_checkpoint`'s.
+Every refusal is a :class:`hapt_hf.errors.CheckpointError`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from hapt_hf.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",
@@ -29,11 +33,6 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing or damaged files, missing keys, another plan.
-    The one class for checkpoints (``hapt_hf.integration.checkpoint`` re-exports it)."""
 
 
 def damaged_file(path: str | Path, error: BaseException) -> CheckpointError:

@@ -47,6 +47,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+from hapt_hf.compat.torch_api import default_store
+
 __all__ = ["PipelineFailure", "Transfer", "FailureChannel"]
 
 _FAILURE_KEY = "failure"
@@ -120,13 +122,6 @@ def _short(error: Exception) -> str:
     return text.split(". This is typically")[0][:160] or type(error).__name__
 
 
-def _default_store() -> dist.Store:
-    # The rendezvous store every launcher (torchrun, accelerate, env://) already set up; torch
-    # exposes it only through this private accessor.
-    from torch.distributed import distributed_c10d
-    return distributed_c10d._get_default_store()
-
-
 def failed_during(rank: int, what: str, error: BaseException) -> str:
     """The record of a rank that raised: ``rank R failed during <what>: <Type>: <error>``."""
     return f"rank {rank} failed during {what}: {type(error).__name__}: {error}"
@@ -142,7 +137,7 @@ class FailureChannel:
         self.world_size = world_size if world_size is not None else dist.get_world_size()
         self.timeout_s = float(timeout_s)
         self.grace_s = min(grace_s, self.timeout_s / 2)
-        self._store = dist.PrefixStore(f"hapt_hf/{namespace}/", store or _default_store())
+        self._store = dist.PrefixStore(f"hapt_hf/{namespace}/", store or default_store())
         self._wait: _Wait | None = None
         self._published = ""  # the wait/R entry as last written
         self._seen: str | None = None  # a record read earlier: the store may be gone later

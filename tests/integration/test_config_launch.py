@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from hapt_hf.integration import checkpoint as ckpt_io
+from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.config import HaptConfigError, HaptPlugin, resolve_hapt_config_path
 from hapt_hf.integration.data import (DataError, TextDataConfig, epoch_order, load_text_dataset,
                                       pack_tokens)

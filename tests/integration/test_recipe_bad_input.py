@@ -116,3 +116,30 @@ def test_validation_file_smaller_than_a_global_batch(capsys, tmp_path):
     msg = _run(capsys, "finetune_gpt2", tmp_path / "out", "--hapt_config", str(hapt),
                "--validation_file", str(small))
     assert "--validation_file needs at least one global batch (4 samples)" in msg
+
+
+@pytest.mark.parametrize("error", ["ProfileError", "CostModelError", "CheckpointError"])
+def test_every_user_error_ends_the_recipe_with_one_message(capsys, tmp_path, monkeypatch, error):
+    # the handler catches the root, not a list of areas that misses the ones added later
+    from hapt_hf import errors
+    from hapt_hf.integration import recipe
+
+    def refuse(args, defaults):
+        raise getattr(errors, error)("a refusal naming the field and the fix")
+
+    monkeypatch.setattr(recipe, "_run", refuse)
+    module = _recipe("finetune_gpt2")
+    assert module.main(module.DEFAULTS, ["--output_dir", str(tmp_path / "out")]) == 2
+    assert "error: a refusal naming the field and the fix" in capsys.readouterr().err
+
+
+def test_a_bug_in_the_recipe_keeps_its_traceback(tmp_path, monkeypatch):
+    from hapt_hf.integration import recipe
+
+    def bug(args, defaults):
+        raise KeyError("a programming error")
+
+    monkeypatch.setattr(recipe, "_run", bug)
+    module = _recipe("finetune_gpt2")
+    with pytest.raises(KeyError, match="a programming error"):
+        module.main(module.DEFAULTS, ["--output_dir", str(tmp_path / "out")])

@@ -123,7 +123,7 @@ def test_fp16_resume_continues_with_the_saved_loss_scale_exactly(tmp_path):
 
 
 def test_a_checkpoint_of_another_precision_is_refused(tmp_path):
-    from hapt_hf.integration.checkpoint import CheckpointError, check_resumable
+    from hapt_hf.integration.trainer_checkpoint import CheckpointError, check_resumable
     for name in ("trainer_state.json", "model.safetensors", "hapt_rank0.pt", "hapt_rank1.pt"):
         (tmp_path / name).write_text("")
     _plan("fp16").save(tmp_path / "plan.json")

@@ -1,5 +1,8 @@
 """Atomic, per-stage training checkpoints for :class:`~hapt_hf.integration.trainer.HaptTrainer`.
 
+The checkpoint directories of a training run, as ``Trainer`` saves and resumes them; the
+tensor files inside are read and written by :mod:`hapt_hf.pipeline.checkpoint_io`.
+
 A checkpoint directory ``checkpoint-N`` holds:
 
 * ``config.json`` + ``model.safetensors``: the whole model gathered from every stage, a standard

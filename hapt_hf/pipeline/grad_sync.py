@@ -1,0 +1,251 @@
+"""Gradient sums of one rank: its replicas' all-reduce in buckets, the tied embedding's sum,
+and the gradient statistics the whole job agrees on (norm, overflow) with clipping and unscaling.
+
+The replicas of a stage all-reduce their gradients in buckets of about ``GRAD_BUCKET_BYTES``
+(the cost model's figure), in reverse parameter order, as DDP does: during the iteration's last
+backward, a hook on every trainable parameter counts the gradients made final, and each bucket
+is launched (asynchronously) once all of its gradients are, in bucket order, so the transfer
+overlaps the rest of that backward. :meth:`GradSync.sync` launches what is left, sums the tied
+embedding over the first and the last stage's ranks and waits for every bucket.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["GradSync", "GradBuckets", "all_reduce_flat"]
+
+
+class GradSync:
+    """The gradients of one stage replica and the groups they are summed in.
+
+    Args:
+        stage: this rank's stage (its ``tied_parameters()`` are summed over ``tied_group``).
+        dp_group: the stage's replicas (None: a stage of width 1).
+        tied_group: the first and the last stage's ranks (None: no tied embedding to sum).
+        bucket_bytes: gradient bytes per replica all-reduce bucket.
+        overlap: launch buckets during the iteration's last backward.
+    """
+
+    def __init__(self, stage: torch.nn.Module, dp_group: Any, tied_group: Any,
+                 bucket_bytes: int, overlap: bool) -> None:
+        self.stage = stage
+        self.dp_group, self.tied_group = dp_group, tied_group
+        self.tied = list(stage.tied_parameters())
+        self.bucket_bytes, self.overlap = bucket_bytes, overlap
+        self.buckets: GradBuckets | None = None
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.stage.parameters())
+
+    def release_groups(self) -> None:
+        """Forget the groups (the runtime is shut down; the groups themselves stay)."""
+        self.dp_group = self.tied_group = None
+
+    def update_buckets(self) -> None:
+        """Bucket the parameters that train now: adapters added or parameters frozen after the
+        runtime was built (LoRA through the recipe) change them."""
+        if self.dp_group is None:
+            return
+        # frozen parameters (e.g. a LoRA base) take no part; every replica freezes the same
+        # ones. Tied ones are summed over the tied group, which holds the replicas too.
+        tied = {id(p) for p in self.tied}
+        params = [p for p in self.parameters() if p.requires_grad and id(p) not in tied]
+        # the buckets hold these parameters, so an id here cannot belong to a new one
+        if self.buckets is not None and self.buckets.ids == [id(p) for p in params]:
+            return
+        if self.buckets is not None:
+            self.buckets.close()
+        self.buckets = GradBuckets(params, self.dp_group, self.bucket_bytes, self.overlap)
+
+    @contextlib.contextmanager
+    def last_backward(self) -> Iterator[None]:
+        """Around the iteration's last backward, which makes every gradient final: the bucket
+        hooks launch buckets during it."""
+        if self.buckets is None:
+            yield
+            return
+        self.buckets.arm()
+        yield
+        self.buckets.backward_done()
+
+    def launch_s(self) -> list[float]:
+        return [] if self.buckets is None else self.buckets.launch_s()
+
+    def stash(self) -> list[Tensor | None]:
+        """Set aside the gradients already there (accumulation): they must not be all-reduced
+        a second time."""
+        stash = [p.grad for p in self.parameters()]
+        for p in self.parameters():
+            p.grad = None
+        return stash
+
+    def restore(self, stash: list[Tensor | None]) -> None:
+        for p, old in zip(self.parameters(), stash):
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
+
+    def sync(self) -> None:
+        """Finish the gradient all-reduce: launch the buckets the last backward did not (all of
+        them without overlap), sum the tied embedding, wait for every bucket."""
+        # frozen parameters (e.g. a LoRA base) take no part; every replica freezes the same ones
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        for p in trainable:
+            if p.grad is None:  # unused in this iteration: still part of the all-reduce
+                p.grad = torch.zeros_like(p)
+        if self.buckets is not None:
+            self.buckets.launch_rest()
+        tied = [p.grad for p in self.tied if p.requires_grad]
+        if self.tied_group is not None and tied:
+            all_reduce_flat(tied, self.tied_group)
+        if self.buckets is not None:
+            self.buckets.wait()
+
+    def unscale(self, scale: float) -> None:
+        """Divide every gradient by the loss scale (a power of two: exact); an overflow stays
+        inf or NaN for the check that follows."""
+        inv = 1.0 / scale
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(inv)
+
+    def local_stats(self, norm: bool, check: bool, skip_tied: bool,
+                    device: torch.device) -> Tensor:
+        """[this rank's share of the squared global norm (0 unless ``norm``), 1.0 if it holds
+        an inf or NaN gradient (0 unless ``check``)], float64 on ``device``, to be summed over
+        every rank. ``skip_tied``: the tied copy is counted on the first stage."""
+        stats = torch.zeros(2, dtype=torch.float64, device=device)
+        grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
+        if norm:
+            tied = {id(p) for p in self.tied} if skip_tied else set()
+            for p in self.parameters():
+                if p.grad is not None and id(p) not in tied:
+                    stats[0] += p.grad.detach().double().pow(2).sum()
+        if check and grads:  # one device-side flag, no host sync per gradient
+            stats[1] = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).double()
+        return stats
+
+    def clip(self, norm: float, max_norm: float) -> None:
+        coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+
+class GradBuckets:
+    """One stage's replica all-reduce in buckets, launched in bucket order as the iteration's
+    last backward makes their gradients final (DDP's reducer, without its gradient views)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: Any, bucket_bytes: int,
+                 overlap: bool) -> None:
+        self.ids = [id(p) for p in params]
+        # reverse parameter order is roughly the order the backward finishes them
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        cur, size = [], 0
+        for p in reversed(params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(cur)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.group = group
+        self.armed = False
+        self._reset()
+        self._times: tuple[list[float], float] = ([], 0.0)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in params] if overlap else []
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _reset(self) -> None:
+        self._missing = [len(b) for b in self.buckets]
+        self._seen: set[int] = set()
+        self._next = 0
+        self._works: list[tuple[int, Tensor, Any]] = []
+        self._launched: list[float] = []
+        self._backward_end = None
+
+    def arm(self) -> None:
+        """Count the gradients of the backward that starts now (the iteration's last)."""
+        self._reset()
+        self.armed = True
+
+    def backward_done(self) -> None:
+        self.armed = False
+        self._backward_end = time.perf_counter()
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        # fires once per backward for each parameter whose gradient it accumulated
+        if not self.armed:
+            return
+        i = self._bucket_of[id(p)]
+        if id(p) in self._seen:
+            if i < self._next:  # its bucket is already on the wire without this gradient
+                raise RuntimeError("a parameter received a second gradient in one backward "
+                                   "after its bucket was all-reduced; set "
+                                   "RuntimeConfig(overlap_grad_sync=False)")
+            return
+        self._seen.add(id(p))
+        self._missing[i] -= 1
+        # buckets go in order on every replica: collectives must match across the group
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        grads = [p.grad for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._works.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self._launched.append(time.perf_counter())
+        self._next = i + 1
+
+    def launch_rest(self) -> None:
+        """Launch what the backward left (every bucket when nothing was armed); every
+        gradient must exist by now."""
+        self.armed = False
+        if self._backward_end is None:  # no armed backward ran: nothing was launched yet
+            self._reset()
+            self._backward_end = time.perf_counter()
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+
+    def wait(self) -> None:
+        """Wait for every bucket and write the sums back into the gradients."""
+        works, self._works = self._works, []
+        for i, flat, work in works:
+            work.wait()
+            offset = 0
+            for p in self.buckets[i]:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+        self._times = (self._launched, self._backward_end or 0.0)
+        self._reset()
+
+    def launch_s(self) -> list[float]:
+        launched, end = self._times
+        return [t - end for t in launched]
+
+
+def all_reduce_flat(grads: list[Tensor], group) -> None:
+    """One all-reduce (SUM) over the concatenation of ``grads`` instead of one per tensor."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n

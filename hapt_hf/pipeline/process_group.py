@@ -1,0 +1,115 @@
+"""The process groups of a hapt_hf job: set up once, from what the launcher set, and ended.
+
+:func:`init_distributed` is the one set-up of the default process group: the runtime's users,
+the recipes (through :func:`hapt_hf.integration.launch.init_process_group`, which first makes an
+``mpirun`` launch look like torchrun's), the benchmarks and the multi-process test helper
+(:func:`hapt_hf.testing.run_ranks`) all call it. Gloo on CPU, NCCL on CUDA (each rank on the
+GPU ``LOCAL_RANK`` names); its timeout, ``DEFAULT_TIMEOUT_S`` unless given, bounds every
+collective. :func:`stage_groups` makes the subgroups the runtime sums gradients in, and
+:func:`exit_distributed` ends a process that used any of them.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+from typing import Any, NoReturn, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hapt_hf.core.defaults import DEFAULT_TIMEOUT_S
+from hapt_hf.pipeline.runtime_types import RuntimeSetupError
+from hapt_hf.planner.plan import Plan
+
+__all__ = ["init_distributed", "exit_distributed", "stage_groups", "local_device"]
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What ``torchrun`` / ``accelerate launch`` set and the ``env://`` rendezvous reads."""
+
+
+def local_device() -> str:
+    """This rank's device: ``cuda:LOCAL_RANK`` if CUDA is available, else ``cpu``."""
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return "cpu"
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, *, backend: str | None = None,
+                     single_process: bool = False) -> tuple[int, int]:
+    """Set up the default process group from the environment torchrun/accelerate set.
+
+    Gloo on CPU, NCCL on CUDA (``backend`` overrides: the CPU tests and benchmarks ask for
+    Gloo on any machine). ``single_process``: a one-rank job started without a launcher, a
+    group of one over an in-memory store. Returns (rank, world_size); a no-op if already
+    initialised.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if single_process:
+        # a one-rank plan run as `python recipe.py`: the runtime still talks through a group
+        dist.init_process_group(backend or "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return 0, 1
+    missing = [k for k in LAUNCH_VARIABLES if k not in os.environ]
+    if missing:
+        raise RuntimeSetupError(f"environment variable(s) {missing} are not set; start the "
+                                "script with `torchrun` or `accelerate launch`, which set them")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def stage_groups(plan: Plan, rank: int, tied_ranks: Sequence[int],
+                 tied_embeddings: bool) -> tuple[Any, Any]:
+    """(this rank's replica group, its tied-embedding group); None where it has none.
+
+    ``new_group`` is collective over the default group: every rank creates every group, in the
+    same order, and keeps the ones it belongs to. The tied group (the first and the last stage's
+    ranks) exists when the model ties its embeddings and they sit on different stages.
+    """
+    mine = None
+    for st in plan.stages:
+        if st.dp > 1:
+            g = dist.new_group(list(st.ranks))
+            if rank in st.ranks:
+                mine = g
+    tied = None
+    if tied_embeddings and plan.num_stages > 1:
+        g = dist.new_group(list(tied_ranks))
+        if rank in tied_ranks:
+            tied = g
+    return mine, tied
+
+
+def exit_distributed(code: int = 0) -> NoReturn:
+    """End a process that used torch.distributed: destroy the process group, run the ``atexit``
+    handlers, flush stdout and stderr, and exit with ``code`` without finalizing the interpreter.
+
+    Why not a normal exit: a Gloo worker thread frees a finished collective (an all-reduce, the
+    all-gather behind ``all_gather_object``) only a moment after the collective has returned to
+    Python, and freeing its tensors' Python objects needs the GIL. On a loaded machine that
+    moment can come after the main thread has begun finalizing the interpreter; CPython then
+    ends the worker thread (``pthread_exit``) as it asks for the GIL, and that unwinding through
+    the work's destructor, which must not throw, calls ``std::terminate``: "terminate called
+    without an active exception", exit 134, after the program had printed its result (seen in
+    a core dump: ``take_gil`` <- ``THPVariable_dealloc`` <- ``~AsyncAllgatherWork`` <-
+    ``ProcessGroupGloo::runLoop`` while the main thread was in ``Py_FinalizeEx``). Neither
+    ``destroy_process_group`` (Gloo's ``shutdown()`` leaves the worker threads running) nor any
+    other call waits for those threads; a process that does not finalize cannot race them. The
+    same holds for any daemon thread inside a C++ call at exit (a store call of the failure
+    channel's watchdog, a runtime that was not shut down).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what a normal exit runs before finalizing: loggers, writers
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code)
