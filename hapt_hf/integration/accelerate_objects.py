@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hapt_hf.errors import ConfigError, DataError
-from hapt_hf.integration import checkpoint as ckpt_io
+from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 
 __all__ = ["AccelerateSettingError", "PipelineEngine", "PipelineOptimizer", "PipelineScheduler",

@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from hapt_hf.errors import CheckpointError, DataError
-from hapt_hf.integration import checkpoint as ckpt_io
+from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.accelerate_objects import (AccelerateSettingError, GlobalBatchLoader,
                                                     PipelineEngine, PipelineModelView,
                                                     PipelineOptimizer, PipelineScheduler,
