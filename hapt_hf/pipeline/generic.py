@@ -178,6 +178,9 @@ def _clean(entry: tuple) -> tuple:
 
 def refusal(config: PretrainedConfig) -> str | None:
     """Why this config's settings cannot be cut into stages exactly, or None."""
+    if getattr(config, "is_encoder_decoder", False):
+        return (f"{config.model_type!r} is an encoder-decoder model (config.is_encoder_decoder); only "
+                "decoder-only causal LMs can be cut into pipeline stages")
     if getattr(config, "output_router_logits", False):
         return ("config.output_router_logits is True: the router's auxiliary loss is a non-linear "
                 "function of every layer's routing over the whole batch, which pipeline stages and "

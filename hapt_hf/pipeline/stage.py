@@ -175,13 +175,20 @@ def build_stage(
         _check_unit(layer_unit, adapter)
     span = _check_range(layer_range, config, layer_unit)
     config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
-    if checkpoint_dir is not None:
-        full = _meta_model(config, attn_implementation)
-    else:
-        rng_state = torch.get_rng_state()
-        trace = init_replay.InitReplay(owned_ops=None)
-        # the meta model the stage keeps its modules from; its config carries the attention
-        full = init_replay.construct(config, trace, attn_implementation)
+    try:
+        if checkpoint_dir is not None:
+            full = _meta_model(config, attn_implementation)
+        else:
+            rng_state = torch.get_rng_state()
+            trace = init_replay.InitReplay(owned_ops=None)
+            # the meta model the stage keeps its modules from; its config carries the attention
+            full = init_replay.construct(config, trace, attn_implementation)
+    except ValueError as err:  # transformers refuses an attention the model does not implement
+        if "attention implementation" not in str(err):
+            raise
+        raise StageBuildError(
+            f"config.model_type {config.model_type!r} does not support attn_implementation "
+            f"{attn_implementation!r}; set attn_implementation to 'eager' (hapt config / plan)") from None
     if adapter is None:
         adapter = _generic(full, layer_unit)
     stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
@@ -229,7 +236,8 @@ def _adapter(config: PretrainedConfig) -> FamilyAdapter | None:
     adapter = adapter_for(model_type) if model_type else None
     problem = adapter.check_config(config) if adapter is not None else refusal(config)
     if problem is not None:
-        raise StageBuildError(problem)
+        raise StageBuildError(f"config.model_type {model_type!r} is not supported: {problem}"
+                              if adapter is None else problem)
     return adapter
 
 
