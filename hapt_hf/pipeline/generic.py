@@ -181,6 +181,10 @@ def refusal(config: PretrainedConfig) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return (f"{config.model_type!r} is an encoder-decoder model (config.is_encoder_decoder); only "
                 "decoder-only causal LMs can be cut into pipeline stages")
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        return (f"config.layer_types holds {sorted(kinds)}: only full and sliding-window attention "
+                "layers are cut (layers with recurrent or other per-layer state are not)")
     if getattr(config, "output_router_logits", False):
         return ("config.output_router_logits is True: the router's auxiliary loss is a non-linear "
                 "function of every layer's routing over the whole batch, which pipeline stages and "
