@@ -1,20 +1,27 @@
-"""Write docs/models.md: which of transformers' causal LMs the stage builder cuts into stages.
+"""Check which of transformers' causal LMs the stage builder cuts exactly; write the verified list.
 
 For every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a tiny config from the type's own
 config class (hapt_hf.pipeline.coverage.tiny_config), then a chain of 2 stages compared with the
 full model (logits, summed loss, every gradient; atol 4e-5). A type is
 
-- **tested**: in tests/pipeline/test_generic_stage.py (chains of 2 and 3 stages);
-- **works**: the chain check below passes;
-- **refused**: the builder refuses it (its message is the reason);
-- **differs / fails**: built, but the chain does not match or raised (listed as not supported);
-- **no tiny config**: the type's config class could not be built small here (not checked).
+- **tested**: verified, and in tests/pipeline/test_generic_stage.py (chains of 2 and 3 stages);
+- **works**: verified: the chain check below passes;
+- **refused: recurrent/hybrid layers**: its config has layers with per-layer state (mamba, ...);
+- **refused: not one layer stack**: not one embedding, one decoder-layer list and one head;
+- **not verified: ...**: the chain differs from the full model, the check crashed, or no tiny
+  config could be built here. The builder refuses it and names the reason.
 
-    python3 scripts/model_matrix.py            # rewrites docs/models.md
+The generic stage builder accepts exactly the verified types (hapt_hf/core/families.py reads
+hapt_hf/data/model_matrix.json, which this script writes with docs/models.md).
+
+    python3 scripts/model_matrix.py              # every type: rewrites the JSON and docs/models.md
+    python3 scripts/model_matrix.py --type X     # check one type on this transformers, print it
 """
 from __future__ import annotations
 
+import argparse
 import collections
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -24,6 +31,7 @@ warnings.filterwarnings("ignore")
 import transformers  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
+from hapt_hf.core.families import MATRIX_FILE, VERIFIED_STATUSES  # noqa: E402
 from hapt_hf.errors import HaptError  # noqa: E402
 from hapt_hf.pipeline.coverage import chain_ranges, check_chain, tiny_config  # noqa: E402
 
@@ -32,27 +40,30 @@ MAX_PARAMS = 5_000_000
 TESTED = ("gpt2", "llama", "mistral", "qwen2", "opt", "qwen3", "phi3", "phi", "gemma", "gemma2",
           "gemma3_text", "gpt_neox", "falcon", "stablelm", "olmo2", "granite", "starcoder2", "gptj",
           "bloom", "mixtral", "qwen2_moe", "cohere")
+RECURRENT = "refused: recurrent/hybrid layers"
+NOT_A_STACK = "refused: not one layer stack"
 
 
 def classify(model_type: str) -> tuple[str, str]:
     try:
         config = tiny_config(model_type, blocks=2)
     except Exception as err:  # noqa: BLE001 - any failure of a third-party config is reported
-        return "no tiny config", _short(err)
+        return "not verified: no tiny config", _short(err)
     try:
         size = _meta_params(config)
     except Exception as err:  # noqa: BLE001
-        return "fails", f"{type(err).__name__}: {_short(err)}"
+        return "not verified: check crashed", f"{type(err).__name__}: {_short(err)}"
     if size > MAX_PARAMS:  # sizes the tiny config could not reach (other field names)
-        return "no tiny config", f"{size / 1e6:.0f}M parameters with the small sizes set"
+        return "not verified: no tiny config", f"{size / 1e6:.0f}M parameters with the small sizes set"
     try:
-        r = check_chain(config, chain_ranges(2, 2))
+        r = check_chain(config, chain_ranges(2, 2), unverified=True)
     except HaptError as err:
-        return "refused", _short(err)
+        return (RECURRENT if "layer_types" in str(err) else NOT_A_STACK), _short(err)
     except Exception as err:  # noqa: BLE001
-        return "fails", f"{type(err).__name__}: {_short(err)}"
+        return "not verified: check crashed", f"{type(err).__name__}: {_short(err)}"
     if max(r.logits, r.grads) > ATOL:
-        return "differs", f"max |logits diff| {r.logits:.2e}, max |grad diff| {r.grads:.2e}"
+        return ("not verified: chain differs from the full model",
+                f"max |logits diff| {r.logits:.2e}, max |grad diff| {r.grads:.2e}")
     return ("tested" if model_type in TESTED else "works"), f"{r.params_matched} parameters matched"
 
 
@@ -69,25 +80,44 @@ def _short(err: Exception) -> str:
     return (text[:220] + "...") if len(text) > 220 else text
 
 
-def main(out: Path) -> None:
-    transformers.logging.set_verbosity_error()
-    rows = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        status, why = classify(model_type)
-        rows.append((model_type, status, why.replace("|", "\\|")))
-        print(model_type, status, why[:100], file=sys.stderr, flush=True)
-    counts = collections.Counter(s for _, s, _ in rows)
+def markdown(matrix: dict) -> str:
+    """docs/models.md from the matrix (tests/pipeline/test_model_matrix.py checks they agree)."""
+    rows = matrix["types"]
+    counts = collections.Counter(e["status"] for e in rows.values())
     lines = ["# Supported models", "",
-             f"Generated by `python3 scripts/model_matrix.py` on transformers {transformers.__version__} "
+             f"Generated by `python3 scripts/model_matrix.py` on transformers {matrix['transformers']} "
              "from `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: each type built tiny (2 blocks, hidden 64, "
              "dropout off, fp32) and cut into 2 stages whose logits, summed loss and gradients are "
              "compared with the full model. `tested`: also in tests/pipeline/test_generic_stage.py. "
-             "Only `tested` and `works` types are supported.", "",
+             f"The stage builder and the planner accept exactly the {' and '.join(VERIFIED_STATUSES)} "
+             "types (the list is hapt_hf/data/model_matrix.json); every other type is refused with "
+             "its status below. To check one type on your transformers: "
+             "`python3 scripts/model_matrix.py --type X`.", "",
              "Totals: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()), "",
              "| model type | status | detail |", "|---|---|---|"]
-    lines += [f"| {t} | {s} | {w} |" for t, s, w in rows]
-    out.write_text("\n".join(lines) + "\n")
+    lines += [f"| {t} | {e['status']} | {e['detail'].replace('|', chr(92) + '|')} |"
+              for t, e in sorted(rows.items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--type", help="check this one model type and print its status")
+    args = parser.parse_args(argv)
+    transformers.logging.set_verbosity_error()
+    if args.type:
+        status, why = classify(args.type)
+        print(f"{args.type}: {status} ({why})")
+        sys.exit(0 if status in VERIFIED_STATUSES else 1)
+    types = {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        status, why = classify(model_type)
+        types[model_type] = {"status": status, "detail": why}
+        print(model_type, status, why[:100], file=sys.stderr, flush=True)
+    matrix = {"transformers": transformers.__version__, "types": types}
+    MATRIX_FILE.write_text(json.dumps(matrix, indent=1, sort_keys=True) + "\n")
+    (Path(__file__).resolve().parent.parent / "docs" / "models.md").write_text(markdown(matrix))
 
 
 if __name__ == "__main__":
-    main(Path(__file__).resolve().parent.parent / "docs" / "models.md")
+    main()

@@ -77,8 +77,10 @@ def attention_for(config: PretrainedConfig) -> str:
 
 
 def check_chain(config: PretrainedConfig, ranges: list[tuple[int, int]], layer_unit: str = "block",
-                seed: int = 0) -> ChainResult:
-    """Run the full model and the chain of stages over ``ranges`` on one batch (with padding)."""
+                seed: int = 0, unverified: bool = False) -> ChainResult:
+    """Run the full model and the chain of stages over ``ranges`` on one batch (with padding).
+
+    ``unverified`` builds types not yet verified (the check that verifies them)."""
     attn = attention_for(config)
     torch.manual_seed(seed)
     full = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
@@ -92,7 +94,8 @@ def check_chain(config: PretrainedConfig, ranges: list[tuple[int, int]], layer_u
     logits_ref = full(input_ids=ids, attention_mask=mask).logits
     loss_ref = causal_lm_loss_sum(logits_ref, labels, config.vocab_size)
     loss_ref.backward()
-    stages = [build_stage(config, r, seed=seed, layer_unit=layer_unit, attn_implementation=attn) for r in ranges]
+    stages = [build_stage(config, r, seed=seed, layer_unit=layer_unit, attn_implementation=attn,
+                          unverified=unverified) for r in ranges]
     for s in stages:
         s.train()
     x = ids

@@ -23,17 +23,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.compat.transformers_api import causal_lm_loss_sum, init_module_buffers
+from hapt_hf.core.families import generic_refusal
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, BlockPart, block_parts, num_layers
 from hapt_hf.errors import HaptError, StageBuildError
 from hapt_hf.pipeline import checkpoint_io, init_replay
 from hapt_hf.pipeline.generic import GenericAdapter, bind_shells, generic_adapter, refusal
-from hapt_hf.pipeline.families import (
-    FamilyAdapter,
-    adapter_for,
-    num_blocks,
-    supported_families,
-    supported_model_types,
-)
+from hapt_hf.pipeline.families import FamilyAdapter, adapter_for, num_blocks, supported_families
 
 __all__ = ["BlockPart", "PipelineStage", "StageBuildError", "StageInputError", "build_stage",
            "supported_families"]
@@ -157,6 +152,7 @@ def build_stage(
     recompute: bool = False,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     layer_unit: str = BLOCK,
+    unverified: bool = False,
 ) -> PipelineStage:
     """Build one rank's stage: built on meta, pruned to the stage, then materialised.
 
@@ -166,8 +162,9 @@ def build_stage(
     RNG state is used as is). `attn_implementation` ("sdpa" by default, as the planner budgets)
     must match the reference the stage is compared with. `layer_unit="half"` reads `layer_range`
     over the sequence with every block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]`.
+    A type without a hand-written family must be verified (core/families.py) unless `unverified`.
     """
-    adapter = _adapter(config)
+    adapter = _adapter(config, unverified)
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise StageBuildError(f"attn_implementation {attn_implementation!r} is not supported; "
                               f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
@@ -229,15 +226,18 @@ def _check_materialised(stage: PipelineStage) -> None:
         raise RuntimeError(f"stage tensors left unmaterialised (a family adapter misses them): {left}")
 
 
-def _adapter(config: PretrainedConfig) -> FamilyAdapter | None:
+def _adapter(config: PretrainedConfig, unverified: bool) -> FamilyAdapter | None:
     """The hand-written adapter of the config's family, or None: the generic one, read off the
-    built model (:mod:`hapt_hf.pipeline.generic`), serves every other causal LM."""
+    built model (:mod:`hapt_hf.pipeline.generic`), serves the verified causal LMs."""
     model_type = getattr(config, "model_type", None)
     adapter = adapter_for(model_type) if model_type else None
     problem = adapter.check_config(config) if adapter is not None else refusal(config)
     if problem is not None:
         raise StageBuildError(f"config.model_type {model_type!r} is not supported: {problem}"
                               if adapter is None else problem)
+    problem = None if adapter is not None or unverified else generic_refusal(str(model_type))
+    if problem is not None:
+        raise StageBuildError(problem)
     return adapter
 
 
@@ -246,9 +246,8 @@ def _generic(full: nn.Module, layer_unit: str) -> GenericAdapter:
         adapter = generic_adapter(full)
     except StageBuildError as err:
         raise StageBuildError(
-            f"config.model_type {full.config.model_type!r} is not supported: {err} Supported: "
-            f"{', '.join(supported_model_types())} (family shapes: {', '.join(supported_families())}) "
-            "and decoder-only causal LMs of one layer stack (docs/models.md)") from None
+            f"config.model_type {full.config.model_type!r} is not supported: {err} (the accepted "
+            "types are listed in docs/models.md)") from None
     _check_unit(layer_unit, adapter)
     return adapter
 
