@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-__all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum"]
+__all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum", "init_module_buffers"]
 
 SLIDING_ATTENTION = "sliding_attention"
 """The attention kind (``config.layer_types`` entry) masked by a sliding window."""
@@ -41,3 +41,22 @@ def causal_lm_loss_sum(logits: Tensor, labels: Tensor, vocab_size: int) -> Tenso
     by ``num_items_in_batch=1``. Tested on transformers 5.23 (``loss.loss_utils.ForCausalLMLoss``).
     """
     return ForCausalLMLoss(logits, labels, vocab_size=vocab_size, num_items_in_batch=1)
+
+
+def init_module_buffers(model: Any, module: Any) -> None:
+    """Fill ``module``'s computed (non-persistent) buffers as ``model``'s initialisation does.
+
+    Buffers such as GPT-J's sinusoidal position table are neither in a checkpoint nor drawn from
+    the RNG: the model's ``_init_weights`` writes them. Called on one module (not its children);
+    the module's own parameters and the RNG state are restored around it, so only buffers change.
+    Tested on transformers 5.23 (``PreTrainedModel._init_weights``).
+    """
+    import torch
+
+    rng = torch.get_rng_state()
+    params = {n: p.detach().clone() for n, p in module.named_parameters(recurse=False)}
+    with torch.no_grad():
+        model._init_weights(module)
+        for n, p in module.named_parameters(recurse=False):
+            p.copy_(params[n])
+    torch.set_rng_state(rng)

@@ -22,17 +22,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.compat.transformers_api import causal_lm_loss_sum
+from hapt_hf.compat.transformers_api import causal_lm_loss_sum, init_module_buffers
+from hapt_hf.core.families import generic_refusal
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, BlockPart, block_parts, num_layers
 from hapt_hf.errors import HaptError, StageBuildError
 from hapt_hf.pipeline import checkpoint_io, init_replay
-from hapt_hf.pipeline.families import (
-    FamilyAdapter,
-    adapter_for,
-    num_blocks,
-    supported_families,
-    supported_model_types,
-)
+from hapt_hf.pipeline.generic import GenericAdapter, bind_shells, generic_adapter, refusal
+from hapt_hf.pipeline.families import FamilyAdapter, adapter_for, num_blocks, supported_families
 
 __all__ = ["BlockPart", "PipelineStage", "StageBuildError", "StageInputError", "build_stage",
            "supported_families"]
@@ -156,6 +152,7 @@ def build_stage(
     recompute: bool = False,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     layer_unit: str = BLOCK,
+    unverified: bool = False,
 ) -> PipelineStage:
     """Build one rank's stage: built on meta, pruned to the stage, then materialised.
 
@@ -165,28 +162,43 @@ def build_stage(
     RNG state is used as is). `attn_implementation` ("sdpa" by default, as the planner budgets)
     must match the reference the stage is compared with. `layer_unit="half"` reads `layer_range`
     over the sequence with every block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]`.
+    A type without a hand-written family must be verified (core/families.py) unless `unverified`.
     """
-    adapter = _adapter(config)
-    _check_unit(layer_unit, adapter)
+    adapter = _adapter(config, unverified)
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise StageBuildError(f"attn_implementation {attn_implementation!r} is not supported; "
                               f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if adapter is not None:
+        _check_unit(layer_unit, adapter)
     span = _check_range(layer_range, config, layer_unit)
     config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
+    try:
+        if checkpoint_dir is not None:
+            full = _meta_model(config, attn_implementation)
+        else:
+            rng_state = torch.get_rng_state()
+            trace = init_replay.InitReplay(owned_ops=None)
+            # the meta model the stage keeps its modules from; its config carries the attention
+            full = init_replay.construct(config, trace, attn_implementation)
+    except ValueError as err:  # transformers refuses an attention the model does not implement
+        if "attention implementation" not in str(err):
+            raise
+        raise StageBuildError(
+            f"config.model_type {config.model_type!r} does not support attn_implementation "
+            f"{attn_implementation!r}; set attn_implementation to 'eager' (hapt config / plan)") from None
+    if adapter is None:
+        adapter = _generic(full, layer_unit)
+    stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
+                          recompute, layer_unit)
     if checkpoint_dir is not None:
-        full = _meta_model(config, attn_implementation)
-        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
-                              recompute, layer_unit)
         _materialise(stage)
         _load_checkpoint(stage, checkpoint_dir)
     else:
-        rng_state = torch.get_rng_state()
-        trace = init_replay.InitReplay(owned_ops=None)
-        # the meta model the stage keeps its modules from; its config carries the attention
-        full = init_replay.construct(config, trace, attn_implementation)
-        stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
-                              recompute, layer_unit)
         _seeded_init(stage, full, trace, seed, rng_state)
+    _fill_computed_buffers(stage, full)
+    if isinstance(adapter, GenericAdapter):
+        # the emptied full model becomes the shell the stage runs the model's own forward through
+        stage.adapter = bind_shells(adapter, full)
     del full  # only the stage's modules stay referenced
     _check_materialised(stage)
     stage.to(device=device, dtype=dtype)
@@ -195,23 +207,48 @@ def build_stage(
     return stage
 
 
+def _fill_computed_buffers(stage: PipelineStage, full: nn.Module) -> None:
+    """Non-persistent buffers left on meta (GPT-J's position table): computed as the model's own
+    initialisation computes them (the rotary module is rebuilt separately)."""
+    for _, module in stage.named_modules():
+        metas = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
+        if not metas:
+            continue
+        for name in metas:
+            old = module.get_buffer(name)
+            module.register_buffer(name, torch.empty(old.shape, dtype=old.dtype), persistent=False)
+        init_module_buffers(full, module)
+
+
 def _check_materialised(stage: PipelineStage) -> None:
     left = [n for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"stage tensors left unmaterialised (a family adapter misses them): {left}")
 
 
-def _adapter(config: PretrainedConfig) -> FamilyAdapter:
+def _adapter(config: PretrainedConfig, unverified: bool) -> FamilyAdapter | None:
+    """The hand-written adapter of the config's family, or None: the generic one, read off the
+    built model (:mod:`hapt_hf.pipeline.generic`), serves the verified causal LMs."""
     model_type = getattr(config, "model_type", None)
     adapter = adapter_for(model_type) if model_type else None
-    if adapter is None:
-        raise StageBuildError(
-            f"config.model_type {model_type!r} is not supported; supported model types: "
-            f"{', '.join(supported_model_types())} (family shapes: {', '.join(supported_families())})"
-        )
-    problem = adapter.check_config(config)
+    problem = adapter.check_config(config) if adapter is not None else refusal(config)
+    if problem is not None:
+        raise StageBuildError(f"config.model_type {model_type!r} is not supported: {problem}"
+                              if adapter is None else problem)
+    problem = None if adapter is not None or unverified else generic_refusal(str(model_type))
     if problem is not None:
         raise StageBuildError(problem)
+    return adapter
+
+
+def _generic(full: nn.Module, layer_unit: str) -> GenericAdapter:
+    try:
+        adapter = generic_adapter(full)
+    except StageBuildError as err:
+        raise StageBuildError(
+            f"config.model_type {full.config.model_type!r} is not supported: {err} (the accepted "
+            "types are listed in docs/models.md)") from None
+    _check_unit(layer_unit, adapter)
     return adapter
 
 
@@ -221,7 +258,13 @@ def _check_unit(layer_unit: str, adapter: FamilyAdapter) -> None:
     if layer_unit == HALF and adapter.attention_half is None:
         raise StageBuildError(
             f"layer_unit 'half' is not supported for the {adapter.name} family (its blocks cannot "
-            f"be cut in two exactly); use layer_unit 'block' (re-plan with whole blocks)")
+            f"be cut in two exactly{_half_reason(adapter)}); use layer_unit 'block' (re-plan with "
+            "whole blocks)")
+
+
+def _half_reason(adapter: FamilyAdapter) -> str:
+    reason = getattr(adapter, "half_refusal", "")
+    return f": {reason}" if reason else ""
 
 
 def _check_range(layer_range: tuple[int, int], config: PretrainedConfig,

@@ -1,0 +1,127 @@
+"""Which causal LMs the stage builder cuts: tiny configs and the chain check behind docs/models.md.
+
+``tiny_config(model_type)`` builds a small config (a few blocks, hidden 64, dropout off) from the
+model type's own config class; ``check_chain(config, cuts)`` builds the full model and a chain
+of stages with the same seed and compares logits, summed loss and every parameter's gradient.
+tests/pipeline/test_generic_stage.py and scripts/model_matrix.py both use them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from hapt_hf.compat.transformers_api import causal_lm_loss_sum
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.pipeline.stage import build_stage
+
+__all__ = ["ChainResult", "attention_for", "tiny_config", "check_chain", "chain_ranges"]
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+_SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
+          "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+          "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+          "sliding_window": 6, "rotary_dim": 8, "output_router_logits": False}
+
+
+def tiny_config(model_type: str, blocks: int = 3) -> PretrainedConfig:
+    """A small config of ``model_type``: ``blocks`` layers, hidden 64, every dropout off, fp32.
+
+    Where the config has per-layer attention kinds with a sliding window, they alternate
+    sliding / full so both masks are exercised.
+    """
+    default = AutoConfig.for_model(model_type)
+    known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    sizes = {k: v for k, v in _SIZES.items() if k in known}
+    config = AutoConfig.for_model(model_type, num_hidden_layers=blocks, **sizes)
+    kinds = getattr(config, "layer_types", None)
+    if kinds and "sliding_attention" in kinds:
+        config = AutoConfig.for_model(
+            model_type, num_hidden_layers=blocks, **sizes,
+            layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(blocks)])
+    for name, value in list(config.to_dict().items()):
+        if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+            setattr(config, name, 0.0)
+    return config
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    """Largest absolute differences of a chain of stages against the full model."""
+
+    logits: float
+    loss: float
+    grads: float
+    params_matched: int
+    """Parameters of the full model whose gradient was compared (all of them, once)."""
+
+
+def chain_ranges(blocks: int, stages: int, layer_unit: str = "block") -> list[tuple[int, int]]:
+    """Even cuts of the layer sequence into ``stages`` contiguous ranges."""
+    total = blocks + 2 if layer_unit == "block" else 2 * blocks + 2
+    bounds = [round(i * total / stages) for i in range(stages + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def attention_for(config: PretrainedConfig) -> str:
+    """The builder's default attention (sdpa) where the model offers it, else eager."""
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
+    except ValueError:
+        return "eager"
+    return DEFAULT_ATTN_IMPLEMENTATION
+
+
+def check_chain(config: PretrainedConfig, ranges: list[tuple[int, int]], layer_unit: str = "block",
+                seed: int = 0, unverified: bool = False) -> ChainResult:
+    """Run the full model and the chain of stages over ``ranges`` on one batch (with padding).
+
+    ``unverified`` builds types not yet verified (the check that verifies them)."""
+    attn = attention_for(config)
+    torch.manual_seed(seed)
+    full = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    full.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :2] = 0  # left padding: masks and positions must follow it
+    labels = ids.clone()
+    labels[0, :3] = -100
+    logits_ref = full(input_ids=ids, attention_mask=mask).logits
+    loss_ref = causal_lm_loss_sum(logits_ref, labels, config.vocab_size)
+    loss_ref.backward()
+    stages = [build_stage(config, r, seed=seed, layer_unit=layer_unit, attn_implementation=attn,
+                          unverified=unverified) for r in ranges]
+    for s in stages:
+        s.train()
+    x = ids
+    for s in stages[:-1]:
+        x = s(x, attention_mask=mask)
+    logits = stages[-1](x, attention_mask=mask)
+    loss = stages[-1].loss_sum(logits, labels)
+    loss.backward()
+    ref = dict(full.named_parameters())  # a tied head is listed once, as the embedding
+    got = _chain_grads(stages)
+    if set(got) != set(ref):
+        raise AssertionError(f"the chain's parameters differ from the full model's: "
+                             f"{sorted(set(got) ^ set(ref))}")
+    grads = max((got[n] - p.grad).abs().max().item() for n, p in ref.items())
+    return ChainResult(logits=(logits - logits_ref).abs().max().item(),
+                       loss=abs(loss.item() - loss_ref.item()), grads=grads, params_matched=len(got))
+
+
+def _chain_grads(stages) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient over the chain; a tied head's gradient added to the embedding's,
+    as the runtime sums them."""
+    got: dict[str, torch.Tensor] = {}
+    for s in stages:
+        tied = s.tied_parameters()
+        for name, p in s.named_parameters():
+            if tied and s.is_last and name == s.adapter.output_embedding_key:
+                name = s.adapter.input_embedding_key
+            got[name] = got[name] + p.grad if name in got else p.grad.clone()
+    return got
