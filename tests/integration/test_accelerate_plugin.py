@@ -281,3 +281,185 @@ def test_example_runs_under_accelerate_launch(tmp_path):
     assert (tmp_path / "state" / "hapt_rank3.pt").is_file()
     assert list((tmp_path / "accelerate_loop").rglob("events.out.tfevents*"))
     AutoModelForCausalLM.from_pretrained(str(tmp_path))
+
+
+# -- the calls a loop makes around the step, on 2 ranks against one process -----------------
+
+class _FileTracker:
+    """A GeneralTracker appending each ``log`` call, with the rank that made it, to a file."""
+
+    @staticmethod
+    def make(path: str, rank: int):
+        from accelerate.tracking import GeneralTracker
+
+        class Tracker(GeneralTracker):
+            name, requires_logging_directory, main_process_only = "file", False, False
+
+            @property
+            def tracker(self):
+                return path
+
+            def store_init_configuration(self, values):
+                pass
+
+            def log(self, values, step=None, **kwargs):
+                with open(path, "a") as f:
+                    f.write(f"{rank} {step} {values['loss']!r}\n")
+        return Tracker()
+
+
+def _two_stage_config(tmp: Path, dtype: str):
+    from hapt_hf.integration.config import HaptConfig
+    stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2),
+              StagePlan(1, (3, 6), "cpu", "cpu", (1,), 1))
+    plan = Plan("tiny-gpt2", 6, SEQ, G, BS, GA, "h1f1b", stages, dtype=dtype).validate(
+        world_size=2)
+    return HaptConfig(plan=plan.save(tmp / f"plan_{dtype}.json"), schedule="h1f1b",
+                      global_batch_size=G, seq_len=SEQ, timeout_s=60)
+
+
+def _wrap(acc, model, how: str):
+    """The context a loop puts around its step: each must leave the step as it is."""
+    import contextlib
+    return {"none": contextlib.nullcontext, "autocast": acc.autocast,
+            "no_sync": lambda: acc.no_sync(model),
+            "accumulate": lambda: acc.accumulate(model)}[how]()
+
+
+def calls(rank: int, world: int, tmp: str, mp: str, how: str, steps: int = 2) -> dict:
+    """Two steps of a loop that logs, prints, waits, saves with save_model and evaluates."""
+    import contextlib
+    import io
+    import time
+
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM
+
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+
+    set_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
+    dl = torch.utils.data.DataLoader(_Rows(steps * G), batch_size=BS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    log = str(Path(tmp) / "log.txt")
+    acc = HaptAccelerator(cpu=True, mixed_precision=mp, gradient_accumulation_steps=GA,
+                          log_with=[_FileTracker.make(log, rank)],
+                          hapt_plugin=_two_stage_config(Path(tmp), MIXED[mp]))
+    model, optimizer, dl = acc.prepare(model, optimizer, dl)
+    acc.init_trackers("calls")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        acc.print("from the main process")
+    if rank == 1:  # the other rank is late: wait_for_everyone must hold rank 0 until it is done
+        time.sleep(1.0)
+        (Path(tmp) / "late").write_text("done")
+    acc.wait_for_everyone()
+    seen_late = (Path(tmp) / "late").is_file()
+    model.train()
+    losses = []
+    for step, batch in enumerate(dl):
+        with _wrap(acc, model, how):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        acc.log({"loss": loss.item()}, step=step)
+        losses.append(loss.item())
+    acc.save_model(model, str(Path(tmp) / "saved"))
+    state = acc.get_state_dict(model)
+    model.eval()
+    with torch.no_grad():
+        first = next(iter(dl))
+        out = model(**first)
+    acc.end_training()  # last: it ends the process group, as with plain Accelerate
+    return {"losses": losses, "printed": printed.getvalue(), "late": seen_late,
+            "main": (acc.is_main_process, acc.is_local_main_process),
+            "eval": (float(out.loss), None if out.logits is None else _np(out.logits)),
+            "weights": {k: _np(v) for k, v in state.items()}}
+
+
+MIXED = {"no": "fp32", "bf16": "bf16"}
+
+
+def _one_process(mp: str, steps: int = 2) -> dict:
+    """The same loop as one plain process: global batches, the forward under autocast for bf16
+    (fp32 weights, as Accelerate's mixed precision)."""
+    import contextlib
+
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM
+
+    set_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows = _Rows(steps * G).rows
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if mp == "bf16" \
+        else contextlib.nullcontext()
+    losses = []
+    for b in rows.split(G):
+        with amp:
+            loss = model(input_ids=b, labels=b).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad(), amp:
+        out = model(input_ids=rows[:G], labels=rows[:G])
+    return {"losses": losses, "eval": (float(out.loss), _np(out.logits)),
+            "weights": {k: _np(v) for k, v in model.state_dict().items()}}
+
+
+def _close(got: dict, ref: dict, rtol: float, atol: float) -> None:
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               rtol=rtol, atol=atol)
+    assert got["eval"][0] == pytest.approx(ref["eval"][0], rel=rtol, abs=atol)
+    torch.testing.assert_close(torch.from_numpy(got["eval"][1]), torch.from_numpy(ref["eval"][1]),
+                               rtol=rtol, atol=atol)
+    for k, v in got["weights"].items():
+        torch.testing.assert_close(torch.from_numpy(v), torch.from_numpy(ref["weights"][k]),
+                                   rtol=rtol, atol=atol, msg=k)
+
+
+def _check_calls(outs, tmp: Path, steps: int = 2) -> None:
+    """print, is_(local_)main_process, wait_for_everyone, log and save_model, as Accelerate."""
+    from transformers import AutoModelForCausalLM
+
+    got = outs[0].value
+    assert [o.value["printed"] for o in outs] == ["from the main process\n", ""]
+    assert [o.value["main"] for o in outs] == [(True, True), (False, False)]
+    assert got["late"]
+    lines = (tmp / "log.txt").read_text().split("\n")[:-1]  # one record per step, rank 0's
+    assert lines == [f"0 {s} {loss!r}" for s, loss in enumerate(got["losses"])]
+    assert [o.value["eval"][1] is None for o in outs] == [False, True]  # logits on rank 0
+    assert outs[1].value["weights"] == {}
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp / "saved")).state_dict()
+    for k, v in got["weights"].items():
+        assert torch.equal(loaded[k], torch.from_numpy(v)), k
+    assert len(got["losses"]) == steps
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("how", ["none", "no_sync", "accumulate"])
+def test_loop_calls_match_one_process(tmp_path, how):
+    outs = run_ranks(calls, 2, str(tmp_path), "no", how, timeout_s=180)
+    _check_calls(outs, tmp_path)
+    assert outs[0].value["losses"] == outs[1].value["losses"]
+    _close(outs[0].value, _one_process("no"), RTOL, ATOL)
+
+
+@pytest.mark.multiproc
+def test_bf16_trains_as_one_process_under_autocast(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = run_ranks(calls, 2, str(tmp_path / "a"), "bf16", "none", timeout_s=180)
+    under = run_ranks(calls, 2, str(tmp_path / "b"), "bf16", "autocast", timeout_s=180)
+    _check_calls(plain, tmp_path / "a")
+    got = plain[0].value
+    assert under[0].value["losses"] == got["losses"]  # autocast: the plan already computes bf16
+    # near one process's bf16 autocast (the stage boundary adds one bf16 rounding of the
+    # residual stream: a few bf16 ulps on the logits), and not fp32's numbers
+    _close(got, _one_process("bf16"), 4e-2, 4e-2)
+    assert got["losses"] != _one_process("no")["losses"]
