@@ -235,6 +235,15 @@ class HaptAccelerator(Accelerator):
         """Each step of a prepared DataLoader is already the whole accumulated batch."""
         return unchanged()
 
+    def autocast(self, autocast_handler: Any = None):
+        """Accelerate's own: the plan's forward already runs under autocast to its precision,
+        so the region computes as it would anyway; another handler cannot be honoured."""
+        if autocast_handler is not None:
+            raise AccelerateSettingError("accelerator.autocast(autocast_handler=...) cannot be "
+                                         "honoured: the plan computes every forward in its own "
+                                         "precision (mixed_precision); leave the handler out")
+        return super().autocast()
+
     def no_sync(self, model: Any):
         """Gradients are summed inside each step; calls to model() add up until zero_grad."""
         return unchanged()

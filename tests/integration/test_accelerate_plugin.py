@@ -215,6 +215,8 @@ def settings(rank: int, world: int, tmp: str) -> dict:
     acc.backward(loss)
     out["skip"] = [len(list(acc.skip_first_batches(dl, 1)))]
     out["ga_conflict"] = attempt(lambda: build(ga=1))
+    from accelerate.utils import AutocastKwargs
+    out["autocast_handler"] = attempt(lambda: acc.autocast(AutocastKwargs(enabled=False)))
     return out
 
 
@@ -246,6 +248,7 @@ def test_settings_honoured_or_refused(tmp_path):
     assert "not the .loss" in got["backward_other"]
     assert "subset" in got["clip_subset"] and "norm_type=1" in got["norm_type"]
     assert got["skip"] == [1]
+    assert "autocast_handler" in got["autocast_handler"]
     assert "gradient_accumulation_steps=1" in got["ga_conflict"] and "global_batch_size" in \
         got["ga_conflict"]
 
