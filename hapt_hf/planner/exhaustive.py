@@ -21,8 +21,8 @@ from .cost_model import CostModel
 from .model_spec import ModelSpec
 from .plan import Plan
 from .profile import Profile
-from .search import (Layout, PlannerOptions, divisors, group_orders, layout_to_plan,
-                     recompute_flags, shapes_for, simulate_layout)
+from .search import (Layout, PlannerOptions, compositions, divisors, group_cuts, group_orders,
+                     layout_to_plan, recompute_flags, shapes_for, simulate_layout)
 from .simulate import SimResult
 
 __all__ = ["ExhaustiveResult", "exhaustive_plan"]
@@ -34,18 +34,6 @@ class ExhaustiveResult:
     sim: SimResult
     candidates: int
     """How many feasible candidates were replayed."""
-
-
-def _compositions(total: int, parts: int):
-    """Ordered ways to write ``total`` as ``parts`` positive integers."""
-    for cuts in itertools.combinations(range(1, total), parts - 1):
-        edges = (0, *cuts, total)
-        yield tuple(b - a for a, b in zip(edges, edges[1:]))
-
-
-def _group_cuts(size: int):
-    for k in range(1, size + 1):
-        yield from _compositions(size, k)
 
 
 def _warmup_choices(n: int, m: int, schedule: str, max_step: int):
@@ -69,7 +57,7 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     best: tuple[float, int, Layout, SimResult] | None = None
     count = 0
     for order in group_orders(cluster):
-        for split in itertools.product(*(list(_group_cuts(g.size)) for g in order)):
+        for split in itertools.product(*(list(group_cuts(g.size)) for g in order)):
             shapes = shapes_for(order, {g.name: widths for g, widths in zip(order, split)})
             n = len(shapes)
             if n > L or (options.max_stages and n > options.max_stages):
@@ -80,7 +68,7 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                  options.micro_batch_sizes):
                     continue
                 m = global_batch_size // mbs
-                for sizes in _compositions(L, n):
+                for sizes in compositions(L, n):
                     edges = list(itertools.accumulate(sizes, initial=0))
                     bounds = tuple(zip(edges, edges[1:]))
                     for warm in _warmup_choices(n, m, options.schedule, max_warmup_step):

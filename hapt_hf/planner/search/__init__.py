@@ -36,11 +36,13 @@ from .options import LAYER_UNIT_OPTIONS, BaselineResult, Layout, PlannerOptions,
 from .partition import estimate_s, partition_layers, recompute_flags
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
 from .replays import STEADY_MIN_MICROBATCHES, simulate_layout
-from .shapes import divisors, group_orders, micro_batch_options, shapes_for, width_options
+from .shapes import (compositions, divisors, group_cuts, group_orders, micro_batch_options,
+                     shapes_for, width_options)
 from .warmups import hapt_warmups
 
 __all__ = ["PlanningError", "PlannerOptions", "BaselineResult", "PlanResult", "Layout",
            "plan_job", "physical_limit_s", "cluster_profile", "BASELINES", "baseline_plans",
            "LAYER_UNIT_OPTIONS", "STEADY_MIN_MICROBATCHES", "estimate_s", "partition_layers",
            "recompute_flags", "layout_of_plan", "layout_to_plan", "simulate_layout", "divisors",
-           "group_orders", "micro_batch_options", "shapes_for", "width_options", "hapt_warmups"]
+           "compositions", "group_cuts", "group_orders", "micro_batch_options", "shapes_for",
+           "width_options", "hapt_warmups"]

@@ -7,11 +7,25 @@ import math
 from ..cluster import Cluster, GpuGroup
 from ..cost_model import StageShape
 
-__all__ = ["divisors", "width_options", "group_orders", "shapes_for", "micro_batch_options"]
+__all__ = ["divisors", "compositions", "group_cuts", "width_options", "group_orders", "shapes_for",
+           "micro_batch_options"]
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def compositions(total: int, parts: int):
+    """Ordered ways to write ``total`` as ``parts`` positive integers."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+def group_cuts(size: int):
+    """Every way to cut a group of ``size`` GPUs into stages of any widths, in order."""
+    for k in range(1, size + 1):
+        yield from compositions(size, k)
 
 
 def _split(size: int, k: int, allowed: set[int]) -> tuple[int, ...] | None:
