@@ -280,7 +280,8 @@ class PipelineRuntime:
             k = a.microbatch
             try:
                 if a.kind is ActionKind.RECV_F:
-                    mbs[k] = _MicroBatch(self._post_recv(self.work.upstream, k, seq, "RECV_F"))
+                    mbs.setdefault(k, _MicroBatch([])).recv = self._post_recv(
+                        self.work.upstream, k, seq, "RECV_F")
                 elif a.kind is ActionKind.F:
                     m = mbs.setdefault(k, _MicroBatch([]))
                     # keeping logits: the stage returns them, and the loss is taken from them
@@ -296,7 +297,10 @@ class PipelineRuntime:
                     if not backward:
                         mbs[k].output = None
                 elif a.kind is ActionKind.RECV_B:
-                    mbs[k].grad_recv = self._post_recv(self.work.downstream, k, seq, "RECV_B")
+                    # posted one compute ahead: on a stage one micro-batch deep that is before
+                    # this micro-batch's own forward (which then finds the entry made here)
+                    mbs.setdefault(k, _MicroBatch([])).grad_recv = self._post_recv(
+                        self.work.downstream, k, seq, "RECV_B")
                 elif a.kind is ActionKind.B:
                     # the iteration's last backward makes every gradient final: the bucket
                     # hooks launch the replicas' all-reduce during it

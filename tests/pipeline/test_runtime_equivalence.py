@@ -50,6 +50,8 @@ def make_plan(layout: Layout, schedule: str) -> Plan:
                                 warmup=n - i, recompute=i in layout.recompute))
         start, rank = end, rank + w
     plan = Plan("tiny", start, SEQ, MBS * M, MBS, M, "1f1b", tuple(stages))
+    if schedule == "h1f1b-w1":  # every stage one micro-batch deep: receives posted ahead of F
+        return plan.with_schedule("h1f1b", [1] * n).validate()
     if schedule == "h1f1b":  # deeper than 1F1B, strictly falling, 1 on the last stage
         return plan.with_schedule("h1f1b", [min(M, 2 * (n - 1 - i) + 1)
                                             for i in range(n)]).validate()
@@ -207,9 +209,10 @@ FOUR = [Layout("1+3+1+2", (1, 3, 1, 2), (1, 1, 1, 1), recompute=(1, 3)),
         Layout("w2-w1-w1", (2, 1, 2), (2, 1, 1)),
         Layout("w1-w2-w1", (1, 2, 1), (1, 2, 1))]
 FAMILIES = ("gpt2", "llama")
-CASES = {2: [(f, lay, s) for f in FAMILIES for lay in TWO for s in SCHEDULES],
+CASES = {2: [(f, lay, s) for f in FAMILIES for lay in TWO for s in SCHEDULES]
+         + [("gpt2", TWO[0], "h1f1b-w1")],
          4: [(f, lay, s) for f in FAMILIES for lay in FOUR[:2] for s in SCHEDULES]
-         + [(f, FOUR[2], "1f1b") for f in FAMILIES]}
+         + [(f, FOUR[2], "1f1b") for f in FAMILIES] + [("llama", FOUR[0], "h1f1b-w1")]}
 
 
 EXTRAS = ("bad_input", "accumulation")
