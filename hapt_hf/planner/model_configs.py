@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types
 from hapt_hf.errors import ModelSpecError, UnsupportedModel
 
 __all__ = ["BUILTIN_MODELS", "HUB_ALIASES", "PROFILE_NAMES", "model_config",
@@ -77,10 +77,13 @@ def _config_class(family: str):
     classes = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig,
                "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
                "opt": transformers.OPTConfig}
-    if family not in classes:
-        raise UnsupportedModel(f"model family {family!r} is not supported; supported families: "
-                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    return classes[family]
+    if family in classes:
+        return classes[family]
+    if family in accepted_model_types():  # a verified generic type: transformers' own class
+        return transformers.AutoConfig.for_model(family).__class__
+    raise UnsupportedModel(f"model family {family!r} is not supported; supported: the families "
+                           f"{', '.join(SUPPORTED_MODEL_TYPES)} and the verified types of "
+                           f"docs/models.md")
 
 
 def model_config(name_or_path: str | Path):
