@@ -67,3 +67,15 @@ def _unverified_config():
     config = PretrainedConfig()
     config.model_type = "no_such_type"
     return config
+
+
+def test_moe_flops_count_the_experts_that_run():
+    config = tiny_config("mixtral", blocks=2)
+    h, i = config.hidden_size, config.intermediate_size
+    dense = read_layer_counts(tiny_config("mistral", blocks=2), 32, "eager")
+    moe = read_layer_counts(config, 32, "eager")
+    # a block differs from Mistral's by its experts (top_k of them run per token, 3 matmuls of
+    # h x i each) instead of one MLP, plus the router's h x num_experts
+    experts = 2 * 32 * 3 * h * i * (config.num_experts_per_tok - 1)
+    router = 2 * 32 * h * config.num_local_experts
+    assert moe[1].fwd_flops == dense[1].fwd_flops + experts + router

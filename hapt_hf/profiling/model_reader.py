@@ -57,7 +57,11 @@ def read_layer_counts(config: PretrainedConfig, seq_len: int,
                       attn_implementation: str = "sdpa") -> list[LayerCount]:
     """``[embedding, block_0 .. block_{N-1}, head]`` read off the model built on meta."""
     with torch.device("meta"):
-        full = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        # experts as batched matmuls over each token's chosen experts: on meta the router's
+        # top-k still picks top_k experts a token, so only the experts that run are counted
+        # (the grouped kernel has no fp32 meta form, the eager loop reads routing values)
+        full = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                experts_implementation="batched_mm")
     adapter = generic_adapter(full)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():  # inputs_embeds: the id-based checks read token values
@@ -75,12 +79,21 @@ def read_layer_counts(config: PretrainedConfig, seq_len: int,
                 if id(p) not in seen:  # a tied head's matrix is the embedding's
                     seen.add(id(p))
                     params += p.numel()
-        out.append(_count(params, [counts.get(p, {}) for p in paths], attn_implementation))
+        attn = [counts.get(f"{p}.{name}", {}) for p in paths
+                for name, _ in full.get_submodule(p).named_children() if _is_attention(name)]
+        out.append(_count(params, [counts.get(p, {}) for p in paths], attn, attn_implementation))
     return out
 
 
-def _count(params: int, per_module: list[dict], attn_implementation: str) -> LayerCount:
-    attn = sum(v for ops in per_module for op, v in ops.items() if str(op) in _ATTN_OPS)
+def _is_attention(child_name: str) -> bool:
+    """A block's attention module (self_attn, attention, attn...): its batched matmuls are the
+    score and context products; other batched matmuls (MoE experts) are dense work."""
+    return "attn" in child_name or "attention" in child_name
+
+
+def _count(params: int, per_module: list[dict], attention: list[dict],
+           attn_implementation: str) -> LayerCount:
+    attn = sum(v for ops in attention for op, v in ops.items() if str(op) in _ATTN_OPS)
     dense = sum(v for ops in per_module for v in ops.values()) - attn
     if attn_implementation == "eager":
         return LayerCount(params, float(dense + attn), float(2 * (dense + attn)))
