@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_TIMEOUT_S
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, generic_refusal
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, verified_generic_types
 from hapt_hf.core.layers import layer_name, num_layers
 from hapt_hf.errors import HaptError, LaunchError
 from hapt_hf.integration.config import HaptConfig
@@ -102,9 +102,9 @@ def check_model_family(model_config: Any) -> None:
     """Refuse model families the stage builder cannot cut, naming the ones it can."""
     model_type = getattr(model_config, "model_type", None)
     if model_type not in accepted_model_types():
-        raise LaunchError(generic_refusal(str(model_type)) or
-                          f"model type {model_type!r} is not supported by the pipeline stage "
-                          f"builder")
+        raise LaunchError(f"model type {model_type!r} is not supported by the pipeline stage "
+                          f"builder; supported: {', '.join(SUPPORTED_MODEL_TYPES)} and the "
+                          f"{len(verified_generic_types())} verified types of docs/models.md")
 
 
 def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> None:

@@ -71,7 +71,9 @@ HUB_ALIASES = {"openai-community/gpt2": "gpt2", "openai-community/gpt2-medium": 
 PROFILE_NAMES = {"opt-350m": "OPT-350"}
 
 
-def _config_class(family: str):
+def _config_class(family: str, generic: bool = False):
+    """The config class of a hand-formula family, or (``generic``: a config.json) of any
+    accepted type; a job's ``model:`` mapping names its fields for the hand-formula families."""
     import transformers
 
     classes = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig,
@@ -79,7 +81,7 @@ def _config_class(family: str):
                "opt": transformers.OPTConfig}
     if family in classes:
         return classes[family]
-    if family in accepted_model_types():  # a verified generic type: transformers' own class
+    if generic and family in accepted_model_types():  # a verified type: transformers' own class
         return transformers.AutoConfig.for_model(family).__class__
     raise UnsupportedModel(f"model family {family!r} is not supported; supported: the families "
                            f"{', '.join(SUPPORTED_MODEL_TYPES)} and the verified types of "
@@ -114,7 +116,7 @@ def _config_from_json(path: Path):
         raise ModelSpecError(f"model config {path} has no 'model_type'; pass a Hugging Face "
                              f"config.json (model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})")
     family = d.pop("model_type")
-    return _config_class(family)(**d)
+    return _config_class(family, generic=True)(**d)
 
 
 _JOB_KEYS = {"family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",

@@ -71,3 +71,12 @@ def test_two_ranks_train_qwen3_as_one_process(tmp_path):
     assert len(one) == 4 and one[-1] < one[0]
     for outcome in two:
         torch.testing.assert_close(outcome.value, one, rtol=1e-5, atol=1e-5)
+
+
+def test_launch_accepts_verified_types_and_refuses_the_rest():
+    from transformers import BertConfig
+
+    from hapt_hf.integration.launch import LaunchError, check_model_family
+    check_model_family(_config())  # qwen3: verified by the chain check, no hand formula
+    with pytest.raises(LaunchError, match="'bert'.*verified types of docs/models.md"):
+        check_model_family(BertConfig())
