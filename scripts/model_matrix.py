@@ -44,6 +44,15 @@ RECURRENT = "refused: recurrent/hybrid layers"
 NOT_A_STACK = "refused: not one layer stack"
 
 
+PLANNER_NOTE = (
+    "The planner has hand formulas for gpt2, llama, mistral, qwen2 and opt; for every other "
+    "accepted type `hapt-hf plan` and the launch path read the figures off the model "
+    "(hapt_hf/profiling/model_reader.py: parameters and FLOPs from the model built on the meta "
+    "device, only the experts that run for MoE; the bytes kept for the backward measured on one "
+    "layer of each kind on the CPU), and plan its blocks whole (no half blocks).")
+"""How the planner describes the accepted types (the page's header)."""
+
+
 def classify(model_type: str) -> tuple[str, str]:
     try:
         config = tiny_config(model_type, blocks=2)
@@ -91,7 +100,7 @@ def markdown(matrix: dict) -> str:
              "compared with the full model. `tested`: also in tests/pipeline/test_generic_stage.py. "
              f"The stage builder and the planner accept exactly the {' and '.join(VERIFIED_STATUSES)} "
              "types (the list is hapt_hf/data/model_matrix.json); every other type is refused with "
-             "its status below. To check one type on your transformers: "
+             "its status below. " + PLANNER_NOTE + " To check one type on your transformers: "
              "`python3 scripts/model_matrix.py --type X`.", "",
              "Totals: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()), "",
              "| model type | status | detail |", "|---|---|---|"]

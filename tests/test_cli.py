@@ -448,3 +448,18 @@ def test_missing_profile_store_is_one_line(tmp_path, capsys):
                            str(tmp_path / "none.json"), "-o", str(tmp_path / "p.json")], capsys)
     _assert_user_error(code, out, err, "--profile")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_plan_a_model_type_without_a_hand_formula(tmp_path, capsys):
+    # qwen3 is planned from figures read off the model (hapt_hf.profiling.model_reader)
+    from hapt_hf.pipeline.coverage import tiny_config
+    model = tmp_path / "qwen3"
+    model.mkdir()
+    tiny_config("qwen3", blocks=4).to_json_file(model / "config.json")
+    cluster = _write(tmp_path, SMALL_CLUSTER)
+    code, out, err = _run(["plan", "--cluster", cluster, "--model", model, "--global-batch", "8",
+                           "--seq-len", "64", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["plan"]["model"] == {"name": str(model), "num_layers": 6}
+    assert data["report"]["iteration_s"] > 0

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
+from hapt_hf.errors import UnsupportedModel
 from hapt_hf.pipeline.coverage import tiny_config
 from hapt_hf.planner.model_spec import ModelSpec
-from hapt_hf.profiling.model_reader import read_layer_counts
+from hapt_hf.profiling.model_reader import install_model_reader, read_layer_counts, read_layer_specs
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -21,3 +22,60 @@ def test_read_counts_match_the_formulas(model_type, attn):
     for c, layer in zip(got, spec.layers):
         assert c.fwd_flops == pytest.approx(layer.fwd_flops, rel=0.02)
         assert c.bwd_flops == pytest.approx(layer.bwd_flops, rel=0.02)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("seq_len", [64, 512])  # 512: kept bytes fitted from shorter runs
+def test_reader_spec_matches_the_llama_formula(seq_len, dtype):
+    config = tiny_config("llama", blocks=2)
+    formula = ModelSpec.from_config(config, seq_len, dtype)
+    read = read_layer_specs(config, seq_len, dtype)
+    assert [l.kind for l in read] == [l.kind for l in formula.layers]
+    for got, want in zip(read, formula.layers):
+        assert got.params == want.params
+        assert got.fwd_flops == pytest.approx(want.fwd_flops, rel=0.02)
+        assert got.bwd_flops == pytest.approx(want.bwd_flops, rel=0.02)
+        assert got.act_out_bytes == want.act_out_bytes
+        assert got.act_in_bytes == want.act_in_bytes
+        kept, budget = (l.act_keep_bytes + l.act_keep_fixed_bytes for l in (got, want))
+        assert kept == pytest.approx(budget, rel=0.10), got.kind
+
+
+def test_model_spec_reads_a_type_without_a_hand_formula():
+    install_model_reader()
+    config = tiny_config("gemma3_text", blocks=2)  # sliding and full blocks alternate
+    spec = ModelSpec.from_config(config, 64, "bf16")
+    assert spec.family == "gemma3_text" and spec.num_blocks == 2 and not spec.can_split_blocks
+    assert spec.total_params == sum(
+        p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    blocks = spec.layers[1:-1]
+    assert blocks[0].signature != blocks[1].signature  # sliding / full attention
+    assert all(l.act_keep_bytes > 0 for l in spec.layers)
+    assert all(l.fwd_flops > 0 for l in spec.layers[1:])  # the embedding is a lookup
+
+
+def test_model_spec_refuses_a_new_type_without_the_reader(monkeypatch):
+    monkeypatch.setattr("hapt_hf.planner.model_spec._MODEL_READER", {})
+    with pytest.raises(UnsupportedModel, match="install_model_reader"):
+        ModelSpec.from_config(tiny_config("qwen3", blocks=2), 64)
+    with pytest.raises(UnsupportedModel, match="not supported"):
+        ModelSpec.from_config(_unverified_config(), 64)
+
+
+def _unverified_config():
+    from transformers import PretrainedConfig
+    config = PretrainedConfig()
+    config.model_type = "no_such_type"
+    return config
+
+
+def test_moe_flops_count_the_experts_that_run():
+    config = tiny_config("mixtral", blocks=2)
+    h, i = config.hidden_size, config.intermediate_size
+    dense = read_layer_counts(tiny_config("mistral", blocks=2), 32, "eager")
+    moe = read_layer_counts(config, 32, "eager")
+    # a block differs from Mistral's by its experts (top_k of them run per token, 3 matmuls of
+    # h x i each) instead of one MLP, plus the router's h x num_experts
+    experts = 2 * 32 * 3 * h * i * (config.num_experts_per_tok - 1)
+    router = 2 * 32 * h * config.num_local_experts
+    assert moe[1].fwd_flops == dense[1].fwd_flops + experts + router

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # imported lazily below, so that `hapt-hf --help` answers at 
     from hapt_hf.planner.profile import Profile
 
 __all__ = ["UsageError", "JobInputs", "load_cluster", "resolve_job", "model_spec",
-           "DEMO_CLUSTER", "DEMO_MODEL"]
+           "DEMO_CLUSTER", "DEMO_MODEL", "install_lazy_model_reader"]
 
 DEMO_CLUSTER = "v100x8_a100x4"
 """The built-in cluster planned without --cluster; its ``job:`` names the demo job."""
@@ -67,10 +67,22 @@ def model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str,
     """The model a ``--model`` flag or a ``job: model:`` value names (as ``load_job`` reads it)."""
     from hapt_hf.planner.model_spec import ModelSpec
 
+    install_lazy_model_reader()
     if not model:
         raise ModelSpecError(f"no model given: pass --model NAME_OR_PATH or set job.model in "
                              f"{where}")
     return ModelSpec.from_job_model(model, seq_len, dtype, attn or DEFAULT_ATTN_IMPLEMENTATION)
+
+
+def install_lazy_model_reader() -> None:
+    """Model types without a hand formula are read off the model with torch: imported only
+    when such a model is planned, so that the other commands start without torch."""
+    from hapt_hf.planner.model_spec import register_reader
+
+    def read(*args):
+        from hapt_hf.profiling.model_reader import read_layer_specs
+        return read_layer_specs(*args)
+    register_reader(read)
 
 
 def _with_store(cluster: Cluster, profile: Profile | None, store: str | None
@@ -111,6 +123,7 @@ def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: i
     """
     from hapt_hf.planner.job import load_job
 
+    install_lazy_model_reader()
     cluster, source = load_cluster(cluster_arg)
     job = load_job(cluster, model=model, seq_len=seq_len, global_batch_size=global_batch,
                    precision=_precision_flag(precision, dtype),

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_TIMEOUT_S
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, verified_generic_types
 from hapt_hf.core.layers import layer_name, num_layers
 from hapt_hf.errors import HaptError, LaunchError
 from hapt_hf.integration.config import HaptConfig
@@ -101,9 +101,10 @@ def init_process_group(launch: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S) 
 def check_model_family(model_config: Any) -> None:
     """Refuse model families the stage builder cannot cut, naming the ones it can."""
     model_type = getattr(model_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in accepted_model_types():
         raise LaunchError(f"model type {model_type!r} is not supported by the pipeline stage "
-                          f"builder; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                          f"builder; supported: {', '.join(SUPPORTED_MODEL_TYPES)} and the "
+                          f"{len(verified_generic_types())} verified types of docs/models.md")
 
 
 def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> None:
@@ -154,7 +155,9 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int) -> P
     from hapt_hf.planner.cluster import Cluster
     from hapt_hf.planner.model_spec import ModelSpec
     from hapt_hf.planner.search import plan_job
+    from hapt_hf.profiling.model_reader import install_model_reader
 
+    install_model_reader()  # types without a hand formula are read off the model
     name = Path(str(getattr(model_config, "name_or_path", "") or model_config.model_type)).name
     cluster = Cluster.load(plugin.cluster)
     precision = cluster.precision(plugin.requested_precision)

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types
 from hapt_hf.errors import ModelSpecError, UnsupportedModel
 
 __all__ = ["BUILTIN_MODELS", "HUB_ALIASES", "PROFILE_NAMES", "model_config",
@@ -71,16 +71,21 @@ HUB_ALIASES = {"openai-community/gpt2": "gpt2", "openai-community/gpt2-medium": 
 PROFILE_NAMES = {"opt-350m": "OPT-350"}
 
 
-def _config_class(family: str):
+def _config_class(family: str, generic: bool = False):
+    """The config class of a hand-formula family, or (``generic``: a config.json) of any
+    accepted type; a job's ``model:`` mapping names its fields for the hand-formula families."""
     import transformers
 
     classes = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig,
                "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
                "opt": transformers.OPTConfig}
-    if family not in classes:
-        raise UnsupportedModel(f"model family {family!r} is not supported; supported families: "
-                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    return classes[family]
+    if family in classes:
+        return classes[family]
+    if generic and family in accepted_model_types():  # a verified type: transformers' own class
+        return transformers.AutoConfig.for_model(family).__class__
+    raise UnsupportedModel(f"model family {family!r} is not supported; supported: the families "
+                           f"{', '.join(SUPPORTED_MODEL_TYPES)} and the verified types of "
+                           f"docs/models.md")
 
 
 def model_config(name_or_path: str | Path):
@@ -111,7 +116,7 @@ def _config_from_json(path: Path):
         raise ModelSpecError(f"model config {path} has no 'model_type'; pass a Hugging Face "
                              f"config.json (model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})")
     family = d.pop("model_type")
-    return _config_class(family)(**d)
+    return _config_class(family, generic=True)(**d)
 
 
 _JOB_KEYS = {"family", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",

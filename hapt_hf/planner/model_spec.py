@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types
 from hapt_hf.core.layers import BLOCK, HALF, num_layers
 from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, MASTER_BYTES, canonical_dtype
 from hapt_hf.errors import ModelSpecError, UnsupportedModel
@@ -63,11 +63,21 @@ from .model_configs import (BUILTIN_MODELS, HUB_ALIASES, PROFILE_NAMES, config_f
                             model_config)
 
 __all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES", "SUPPORTED_FAMILIES",
-           "BUILTIN_MODELS", "model_config"]
+           "BUILTIN_MODELS", "model_config", "register_reader"]
 
 SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
 """Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
 _INDEX_BYTES = 8  # token ids are int64
+_MODEL_READER: dict[str, Any] = {}
+"""The reader of model types without a hand formula, installed from above (it needs torch):
+``fn(config, seq_len, dtype, attn_implementation) -> tuple[LayerSpec, ...]``."""
+
+
+def register_reader(fn) -> None:
+    """Install the reader ModelSpec.from_config uses for accepted model types without a hand
+    formula (:func:`hapt_hf.profiling.model_reader.install_model_reader` installs the
+    measuring one; the planner itself stays torch-free)."""
+    _MODEL_READER["read"] = fn
 
 
 @dataclass(frozen=True)
@@ -254,9 +264,8 @@ class ModelSpec:
         family = getattr(config, "model_type", None)
         reader = _READERS.get(family)
         if reader is None:
-            raise UnsupportedModel(
-                f"model family {family!r} is not supported; supported families: "
-                f"{', '.join(SUPPORTED_FAMILIES)}. Pass a config of one of these model types.")
+            return cls._from_reader(config, seq_len, dtype, name, profile_name,
+                                    attn_implementation)
         shape = reader(config)
         _check_seq_len(seq_len, shape)
         layers = _layers(shape, int(seq_len), dtype, eager_attention)
@@ -268,6 +277,33 @@ class ModelSpec:
                    num_heads=shape.heads, num_kv_heads=shape.kv_heads,
                    intermediate_size=shape.intermediate, profile_name=profile_name,
                    half_layers=halves, attn_implementation=attn_implementation)
+
+    @classmethod
+    def _from_reader(cls, config, seq_len: int, dtype: str, name: str | None,
+                     profile_name: str | None, attn_implementation: str) -> "ModelSpec":
+        """An accepted type without a hand formula: the installed reader's figures (whole
+        blocks only; no half-block figures)."""
+        family = getattr(config, "model_type", None)
+        if family not in accepted_model_types():
+            raise UnsupportedModel(
+                f"model type {family!r} is not supported; supported: the families "
+                f"{', '.join(SUPPORTED_FAMILIES)} and the verified types of docs/models.md. "
+                f"Pass a config of one of these model types.")
+        if "read" not in _MODEL_READER:
+            raise UnsupportedModel(
+                f"model type {family!r} has no hand formula: its figures are read off the model "
+                f"with torch. Call hapt_hf.profiling.model_reader.install_model_reader() first "
+                f"(`hapt-hf plan` and the launch path do).")
+        _check_seq_len(seq_len, None)
+        layers = tuple(_MODEL_READER["read"](config, seq_len, dtype, attn_implementation))
+        return cls(name=name or getattr(config, "name_or_path", "") or family, family=family,
+                   hidden_size=int(config.hidden_size), num_blocks=len(layers) - 2,
+                   vocab_size=int(config.vocab_size), seq_len=seq_len, dtype=dtype,
+                   tied_embeddings=_tied(config), layers=layers,
+                   num_heads=int(getattr(config, "num_attention_heads", 0) or 0),
+                   num_kv_heads=int(getattr(config, "num_key_value_heads", 0) or 0),
+                   intermediate_size=int(getattr(config, "intermediate_size", 0) or 0),
+                   profile_name=profile_name, attn_implementation=attn_implementation)
 
     @classmethod
     def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32",
@@ -525,10 +561,10 @@ def _check_dtype(dtype: str) -> str:
     return d
 
 
-def _check_seq_len(seq_len, x: _Shape) -> None:
+def _check_seq_len(seq_len, x: _Shape | None) -> None:
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ModelSpecError(f"seq_len must be a positive integer, got {seq_len!r}")
-    if x.max_positions is not None and seq_len > x.max_positions:
+    if x is not None and x.max_positions is not None and seq_len > x.max_positions:
         raise ModelSpecError(
             f"seq_len {seq_len} exceeds the {x.family} model's learned position table "
             f"({x.max_positions} positions); lower seq_len or raise max_position_embeddings")

@@ -6,19 +6,39 @@ and forward / backward FLOPs per sample counted by ``FlopCounterMode`` over one 
 ``seq_len``. The score and context matmuls (``aten.bmm``, counted as the whole s x s square)
 follow the planner's convention: eager attention as counted, backward 2x; sdpa's causal kernels
 half of it forward and 5/4 of it backward (they recompute the scores). Everything else:
-backward = 2x forward. Activation bytes are not read yet, so this is not wired into the planner.
+backward = 2x forward.
+
+:func:`read_layer_specs` adds what autograd keeps for the backward, measured: one layer of each
+distinct kind is built as the runtime builds it (:func:`~hapt_hf.profiling.profiler.build_layer`)
+and run forward on the CPU under saved-tensor hooks (every storage once, parameters excluded).
+Up to ``_DIRECT_SEQ`` tokens the run is at the asked ``seq_len``; beyond, two shorter runs fit
+``b * s + c * s**2`` per sample (the s x s terms of eager attention) and the fit is read at
+``seq_len``. Two micro-batch sizes split the per-sample bytes from the per-micro-batch ones
+(autocast's weight copies). :func:`install_model_reader` hands it to
+:meth:`hapt_hf.planner.model_spec.ModelSpec.from_config` for the types without a hand formula.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from hapt_hf.core.precision import DTYPE_BYTES, MASTER_BYTES
 from hapt_hf.pipeline.generic import generic_adapter
+from hapt_hf.planner.model_spec import LayerSpec, register_reader
 
-__all__ = ["LayerCount", "read_layer_counts"]
+from .memory import saved_tensor_bytes
+from .profiler import build_layer, layer_run
+from .store import ProfilerOptions
+
+__all__ = ["LayerCount", "read_layer_counts", "read_layer_specs", "install_model_reader"]
+
+_DIRECT_SEQ = 256
+"""Longest sequence measured as asked; longer ones are fitted from two runs of these lengths."""
+_FIT_SEQS = (64, 128)
+_INDEX_BYTES = 8  # token ids are int64
 
 _ATTN_OPS = ("aten.bmm",)
 
@@ -37,7 +57,11 @@ def read_layer_counts(config: PretrainedConfig, seq_len: int,
                       attn_implementation: str = "sdpa") -> list[LayerCount]:
     """``[embedding, block_0 .. block_{N-1}, head]`` read off the model built on meta."""
     with torch.device("meta"):
-        full = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        # experts as batched matmuls over each token's chosen experts: on meta the router's
+        # top-k still picks top_k experts a token, so only the experts that run are counted
+        # (the grouped kernel has no fp32 meta form, the eager loop reads routing values)
+        full = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                experts_implementation="batched_mm")
     adapter = generic_adapter(full)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():  # inputs_embeds: the id-based checks read token values
@@ -55,13 +79,89 @@ def read_layer_counts(config: PretrainedConfig, seq_len: int,
                 if id(p) not in seen:  # a tied head's matrix is the embedding's
                     seen.add(id(p))
                     params += p.numel()
-        out.append(_count(params, [counts.get(p, {}) for p in paths], attn_implementation))
+        attn = [counts.get(f"{p}.{name}", {}) for p in paths
+                for name, _ in full.get_submodule(p).named_children() if _is_attention(name)]
+        out.append(_count(params, [counts.get(p, {}) for p in paths], attn, attn_implementation))
     return out
 
 
-def _count(params: int, per_module: list[dict], attn_implementation: str) -> LayerCount:
-    attn = sum(v for ops in per_module for op, v in ops.items() if str(op) in _ATTN_OPS)
+def _is_attention(child_name: str) -> bool:
+    """A block's attention module (self_attn, attention, attn...): its batched matmuls are the
+    score and context products; other batched matmuls (MoE experts) are dense work."""
+    return "attn" in child_name or "attention" in child_name
+
+
+def _count(params: int, per_module: list[dict], attention: list[dict],
+           attn_implementation: str) -> LayerCount:
+    attn = sum(v for ops in attention for op, v in ops.items() if str(op) in _ATTN_OPS)
     dense = sum(v for ops in per_module for v in ops.values()) - attn
     if attn_implementation == "eager":
         return LayerCount(params, float(dense + attn), float(2 * (dense + attn)))
     return LayerCount(params, dense + attn / 2, 2 * dense + attn * 5 / 4)
+
+
+def read_layer_specs(config: PretrainedConfig, seq_len: int, dtype: str,
+                     attn_implementation: str = "sdpa") -> tuple[LayerSpec, ...]:
+    """``[embedding, block_0 .. block_{N-1}, head]`` as the planner's LayerSpecs: parameters and
+    FLOPs read off the meta model, kept bytes measured on one layer of each distinct kind."""
+    counts = read_layer_counts(config, seq_len, attn_implementation)
+    c, s, h = DTYPE_BYTES[dtype], int(seq_len), int(config.hidden_size)
+    kinds = _block_kinds(config, len(counts) - 2)
+    tag = f"{config.model_type}:h{h}:s{s}:{dtype}" + (":eager" if attn_implementation == "eager"
+                                                         else "")
+    layers = []
+    for i, count in enumerate(counts):
+        kind = "embedding" if i == 0 else "head" if i == len(counts) - 1 else "block"
+        signature = f"{tag}:{kinds[i - 1] if kind == 'block' else kind}"
+        # a stage sends the residual stream at the compute dtype; recompute keeps the fp32 input
+        out_bytes = 0.0 if kind == "head" else float(c * s * h)
+        in_bytes = float(_INDEX_BYTES * s if kind == "embedding" else MASTER_BYTES * s * h)
+        layers.append(LayerSpec(i, kind, signature, count.params, count.fwd_flops,
+                                count.bwd_flops, out_bytes, 0.0, in_bytes))
+    kept: dict[str, tuple[float, float]] = {}
+    options = ProfilerOptions(attn_implementation=attn_implementation)
+    for layer in layers:
+        if layer.signature not in kept:
+            kept[layer.signature] = _kept_bytes(config, layer, s, dtype, options)
+    return tuple(replace(l, act_keep_bytes=kept[l.signature][0],
+                         act_keep_fixed_bytes=kept[l.signature][1]) for l in layers)
+
+
+def install_model_reader() -> None:
+    """Let ModelSpec.from_config describe every accepted model type without a hand formula."""
+    register_reader(read_layer_specs)
+
+
+def _block_kinds(config: PretrainedConfig, n: int) -> list[str]:
+    """Each block's kind: the config's per-layer attention kind where it has one."""
+    kinds = getattr(config, "layer_types", None)
+    return [str(k) for k in kinds[:n]] if isinstance(kinds, (list, tuple)) and len(kinds) >= n \
+        else ["block"] * n
+
+
+def _saved(config, stage, kind: str, micro_batch: int, seq_len: int, dtype: str) -> float:
+    run = layer_run(stage, config, kind, micro_batch, seq_len, dtype, "cpu")
+    return saved_tensor_bytes(run.stage, run.forward)[0]
+
+
+def _kept_bytes(config, layer: LayerSpec, seq_len: int, dtype: str,
+                options: ProfilerOptions) -> tuple[float, float]:
+    """(bytes per sample, bytes per micro-batch) ``layer`` keeps for its backward at ``seq_len``."""
+    torch.manual_seed(0)
+    stage = build_layer(config, layer, "cpu", options)
+
+    def split(s: int) -> tuple[float, float]:  # (per sample, per micro-batch) at s tokens
+        one, two = (_saved(config, stage, layer.kind, mb, s, dtype) for mb in (1, 2))
+        return two - one, 2 * one - two
+
+    if seq_len <= _DIRECT_SEQ:
+        return split(seq_len)
+    (y1, f1), (y2, f2) = (split(s) for s in _FIT_SEQS)
+    s1, s2 = _FIT_SEQS
+    # per sample b*s + c*s^2 (eager's s x s scores); per micro-batch f0 + f*s (weight copies,
+    # RoPE's cos / sin shared by the micro-batch), each through the two lengths
+    quad = (y2 / s2 - y1 / s1) / (s2 - s1)
+    lin = y1 / s1 - quad * s1
+    slope = (f2 - f1) / (s2 - s1)
+    return (max(lin * seq_len + quad * seq_len ** 2, 0.0),
+            max(f1 + slope * (seq_len - s1), 0.0))

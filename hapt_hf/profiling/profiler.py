@@ -34,7 +34,7 @@ from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, Profi
 from .store import ProfilerError, ProfilerOptions, ProfileStore
 
 __all__ = ["profile_model", "time_layer", "measure_link", "fit_link", "profile_group_leaders",
-           "LayerMemory", "layer_memory"]
+           "LayerMemory", "layer_memory", "build_layer", "layer_run"]
 
 
 # -- timing one layer ------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _representatives(spec: ModelSpec) -> list[LayerSpec]:
     return list(seen.values())
 
 
-def _build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions):
+def build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions):
     """The one-layer stage the runtime would run for ``layer``, from a model cut short, with
     fp32 weights (16-bit compute is autocast's, as in the runtime)."""
     from hapt_hf.pipeline.stage import build_stage  # imports torch: see the module docstring
@@ -175,7 +175,7 @@ def _build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions
     return stage.train()
 
 
-def _layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: str,
+def layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: str,
                device: str) -> _LayerRun:
     """One micro-batch's inputs for a layer of ``kind`` (fixed seed: same data every time);
     the residual stream between layers is fp32 whatever the compute dtype."""
@@ -210,8 +210,8 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
             hit = store.get(key) if store is not None else None
             if hit is None:
                 if stage is None:
-                    stage = _build_layer(config, layer, device, options)
-                run = _layer_run(stage, config, layer.kind, mb, seq_len, spec.dtype, device)
+                    stage = build_layer(config, layer, device, options)
+                run = layer_run(stage, config, layer.kind, mb, seq_len, spec.dtype, device)
                 hit = time_layer(run, options, device)
                 if not update_s:  # the optimizer step does not depend on the micro-batch
                     update_s = _update_s(stage, _Clock(device))
@@ -255,8 +255,8 @@ def layer_memory(config, seq_len: int, dtype: str = "fp32",
     options = ProfilerOptions(attn_implementation=attn_implementation)
     out = []
     for layer in _representatives(spec):
-        stage = _build_layer(config, layer, device, options)
-        run = _layer_run(stage, config, layer.kind, micro_batch, seq_len, spec.dtype, device)
+        stage = build_layer(config, layer, device, options)
+        run = layer_run(stage, config, layer.kind, micro_batch, seq_len, spec.dtype, device)
         measured, _ = saved_tensor_bytes(stage, run.forward)
         planned = layer.act_keep_bytes * micro_batch + layer.act_keep_fixed_bytes
         out.append(LayerMemory(layer.kind, planned, measured))
@@ -319,7 +319,7 @@ def _keep_busy_until_all_done(config, seq_len: int, dtype: str, micro_batch: int
     spec = ModelSpec.from_config(config, seq_len, dtype,
                                  attn_implementation=options.attn_implementation)
     block = next(l for l in _representatives(spec) if l.kind == "block")
-    run = _layer_run(_build_layer(config, block, "cpu", options), config,
+    run = layer_run(build_layer(config, block, "cpu", options), config,
                      block.kind, micro_batch, seq_len, spec.dtype, "cpu")
     while not everyone_done.is_completed():
         run.forward().backward(run.out_grad)
