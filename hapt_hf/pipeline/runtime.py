@@ -4,9 +4,8 @@ Every rank holds the whole global batch (it is small: token ids), builds only it
 executes its stage's action list from :func:`hapt_hf.planner.schedule.build_schedule`. Receives
 are posted where the list posts them and waited for at the compute that needs them; sends are
 posted right after the compute that produced them. The loss is the mean over the non-ignored
-tokens of the WHOLE global batch: the last stage returns per-micro-batch token sums, each is
-divided by the global token count (counted from the full batch every rank has) before backward,
-so that replica and micro-batch gradients simply add up.
+tokens of the WHOLE global batch: each per-micro-batch token sum of the last stage is divided by
+the global token count (every rank has the full batch) before backward, so gradients add up.
 
 Precision comes from the plan (:mod:`~hapt_hf.pipeline.precision`): fp32 modules and optimizer
 state, the forward under autocast to the plan's compute dtype (on CPU too), activations and
@@ -280,8 +279,7 @@ class PipelineRuntime:
             k = a.microbatch
             try:
                 if a.kind is ActionKind.RECV_F:
-                    mbs.setdefault(k, _MicroBatch([])).recv = self._post_recv(
-                        self.work.upstream, k, seq, "RECV_F")
+                    mbs[k] = _MicroBatch(self._post_recv(self.work.upstream, k, seq, "RECV_F"))
                 elif a.kind is ActionKind.F:
                     m = mbs.setdefault(k, _MicroBatch([]))
                     # keeping logits: the stage returns them, and the loss is taken from them
@@ -296,9 +294,7 @@ class PipelineRuntime:
                     sends += self._post_send(self.work.downstream, k, mbs[k].output, "SEND_F")
                     if not backward:
                         mbs[k].output = None
-                elif a.kind is ActionKind.RECV_B:
-                    # posted one compute ahead: on a stage one micro-batch deep that is before
-                    # this micro-batch's own forward (which then finds the entry made here)
+                elif a.kind is ActionKind.RECV_B:  # before F(k) on a stage one micro-batch deep
                     mbs.setdefault(k, _MicroBatch([])).grad_recv = self._post_recv(
                         self.work.downstream, k, seq, "RECV_B")
                 elif a.kind is ActionKind.B:
