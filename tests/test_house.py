@@ -6,7 +6,7 @@
 * no module of hapt_hf is longer than MAX_LINES unless its opening docstring says why
   (a paragraph starting with ``Length:``);
 * the benchmarks never import the command line, and nothing reads files from outside the
-  repository (``../shared``): tests and benchmarks read ``benchmarks/inputs.py``;
+  repository (the ``shared`` folder beside a checkout): tests and benchmarks read ``benchmarks/inputs.py``;
 * private torch / transformers / Trainer APIs are reached only through ``hapt_hf/compat/``.
 """
 from __future__ import annotations
@@ -141,7 +141,8 @@ def test_benchmarks_do_not_import_the_command_line():
     assert not {k: v for k, v in bad.items() if v}
 
 
-# a path built towards a folder named shared: "../shared", / "shared", "shared" as a path part
+# a path built towards a folder named shared: up one level to it, joined with / to the name,
+# or the name as a path part
 _OUTSIDE = re.compile(r"""["']\.\./shared|/\s*["']shared["']|["']shared["']\s*[,)/]""")
 
 
@@ -150,7 +151,7 @@ def test_nothing_reads_files_from_outside_the_repository(folder):
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in _python_files(ROOT / folder)
             if p != Path(__file__).resolve()
             for i, line in enumerate(p.read_text().splitlines(), 1) if _OUTSIDE.search(line)]
-    assert not hits, f"paths into ../shared: {hits}; read benchmarks/inputs.py instead"
+    assert not hits, f"paths into the shared folder beside the checkout: {hits}; read benchmarks/inputs.py instead"
 
 
 # -- private APIs of torch, transformers and Trainer -------------------------------------------

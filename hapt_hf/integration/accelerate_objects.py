@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -332,20 +331,12 @@ def save_gathered_model(runtime: PipelineRuntime, out: Path, full: dict[str, Ten
     """Write config.json + model.safetensors of ``full`` into ``out`` (rank 0): into a
     temporary directory first, then each file moved into place, so no file is ever half
     written."""
-    tmp = out / f"{ckpt_io.TMP_PREFIX}save"
-    out.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():  # left by a crashed save
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = ckpt_io.begin_model_save(out)
     adapter = runtime.stage.adapter
     tied = [adapter.output_embedding_key] if getattr(runtime.stage.config,
                                                      "tie_word_embeddings", False) else []
     ckpt_io.save_hf_model(full, runtime.stage.config, tmp, tied)
-    ckpt_io.fsync_tree(tmp)
-    for path in sorted(tmp.iterdir()):
-        os.replace(path, out / path.name)
-    tmp.rmdir()
-    ckpt_io.fsync_path(out)
+    ckpt_io.finish_model_save(tmp, out)
 
 
 @contextlib.contextmanager

@@ -302,19 +302,10 @@ class HaptTrainer(TrainerHooks, Trainer):
         """
         out = Path(output_dir or self.args.output_dir)
         rank = self.runtime.rank
-        tmp = out / f"{ckpt_io.TMP_PREFIX}save"
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():  # left by a crashed save
-                shutil.rmtree(tmp)
-            tmp.mkdir()
+        tmp = ckpt_io.begin_model_save(out) if rank == 0 else out / f"{ckpt_io.TMP_PREFIX}save"
         self._write_model(tmp)
         if rank == 0:
-            ckpt_io.fsync_tree(tmp)
-            for path in sorted(tmp.iterdir()):
-                os.replace(path, out / path.name)
-            tmp.rmdir()
-            ckpt_io.fsync_path(out)
+            ckpt_io.finish_model_save(tmp, out)
         ckpt_io.barrier()
 
     def save_checkpoint(self, trial=None) -> None:

@@ -36,7 +36,8 @@ from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
 from hapt_hf.planner.plan import Plan, PlanError
 
-__all__ = ["CheckpointError", "rank_state_file", "begin_checkpoint", "commit_checkpoint",
+__all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
+           "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "load_stage_weights",
            "load_trainer_state", "load_checkpoint", "check_resumable", "barrier", "fsync_path",
            "fsync_tree"]
@@ -74,6 +75,26 @@ def fsync_tree(root: Path) -> None:
             os.chmod(path, 0o666 & ~umask)  # temp-file writers leave 0600
             fsync_path(path)
     fsync_path(root)
+
+
+def begin_model_save(out: Path) -> Path:
+    """An empty temporary directory inside ``out`` to write a model into (rank 0)."""
+    tmp = out / f"{TMP_PREFIX}save"
+    out.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by a crashed save
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def finish_model_save(tmp: Path, out: Path) -> None:
+    """Move what :func:`begin_model_save`'s directory holds into ``out`` file by file with
+    ``os.replace`` (rank 0), so a crash never leaves a truncated model.safetensors."""
+    fsync_tree(tmp)
+    for path in sorted(tmp.iterdir()):
+        os.replace(path, out / path.name)
+    tmp.rmdir()
+    fsync_path(out)
 
 
 def begin_checkpoint(run_dir: Path, name: str, rank: int) -> Path:
