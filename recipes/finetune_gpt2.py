@@ -8,10 +8,10 @@ With no --model_name_or_path it builds the small model of recipes/models/gpt2-ti
 --train_file it trains on the text shipped in recipes/data with the tokenizer shipped there.
 See docs/usage.md for every option.
 """
+import sys
 from pathlib import Path
 
 from hapt_hf.integration.recipe import RecipeDefaults, main
-from hapt_hf.pipeline import exit_distributed
 
 HERE = Path(__file__).resolve().parent
 
@@ -23,4 +23,4 @@ DEFAULTS = RecipeDefaults(
 )
 
 if __name__ == "__main__":
-    exit_distributed(main(DEFAULTS))  # see its docstring: a normal exit can abort
+    sys.exit(main(DEFAULTS))

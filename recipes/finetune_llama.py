@@ -9,10 +9,10 @@ With no --model_name_or_path it builds the small model of recipes/models/llama-t
 Add --lora_r 8 to train LoRA adapters (through peft) instead of every weight.
 See docs/usage.md for every option.
 """
+import sys
 from pathlib import Path
 
 from hapt_hf.integration.recipe import RecipeDefaults, main
-from hapt_hf.pipeline import exit_distributed
 
 HERE = Path(__file__).resolve().parent
 
@@ -24,4 +24,4 @@ DEFAULTS = RecipeDefaults(
 )
 
 if __name__ == "__main__":
-    exit_distributed(main(DEFAULTS))  # see its docstring: a normal exit can abort
+    sys.exit(main(DEFAULTS))

@@ -12,6 +12,9 @@ What every rank publishes in the rendezvous store, under the runtime's namespace
   (SIGSTOP) process stops beating; a process blocked in a Gloo wait keeps beating.
 * ``wait/R``: what rank R's main thread waits for (a peer's transfer, or a collective and its
   ranks), published by the watchdog once per interval: who waits for whom.
+* ``culprit``: the rank the first failure names; ``ack/R``: rank R has read the failure. Rank 0
+  hosts the store (env:// rendezvous), so it stays until every rank but the culprit has read
+  the failure (at most ``_linger_s``): a rank still finding who stopped needs the store.
 
 How a failure is told apart from its echoes. A frozen or killed rank blocks its neighbours, who
 block theirs: every survivor ends up blocked, and the first transport error or timeout a survivor
@@ -48,11 +51,13 @@ import torch
 import torch.distributed as dist
 
 from hapt_hf.compat.torch_api import default_store
+from hapt_hf.pipeline.exit_guard import close_at_exit
 
 __all__ = ["PipelineFailure", "Transfer", "FailureChannel"]
 
 _FAILURE_KEY = "failure"
 _FAILURE_COUNT = "failure_count"
+_CULPRIT_KEY = "culprit"
 _T = TypeVar("_T")
 
 
@@ -139,6 +144,7 @@ class FailureChannel:
         self.grace_s = min(grace_s, self.timeout_s / 2)
         self._store = dist.PrefixStore(f"hapt_hf/{namespace}/", store or default_store())
         self._wait: _Wait | None = None
+        self._reporting = False  # the main thread is finding and reporting a failure
         self._published = ""  # the wait/R entry as last written
         self._seen: str | None = None  # a record read earlier: the store may be gone later
         self._stop = threading.Event()
@@ -148,19 +154,27 @@ class FailureChannel:
         # intervals, and at least a second, so that a live rank starved of CPU for a moment
         # on a loaded machine is not taken for a stopped one.
         self._window_s = min(self.timeout_s / 2, max(3 * self._interval, 1.0))
+        # A rank silent over that window is watched as long again before it is named: a live
+        # one starved of CPU beats again meanwhile (a stopped one never does).
+        self._confirm_s = self._window_s
         # Rank 0 (the store's host) stays this long after it has a record: a rank that began
-        # finding who stopped before the record existed needs its window and one grace wait.
-        self._linger_s = self._window_s + self.grace_s + 2 * self._interval
+        # finding who stopped before the record existed needs its windows and one grace wait.
+        self._linger_s = self._window_s + self._confirm_s + self.grace_s + 2 * self._interval
         self._thread = threading.Thread(target=self._watch, name="hapt-watchdog", daemon=True)
         self._thread.start()
+        close_at_exit(self)  # its watchdog must not be inside a store call as the process ends
 
     # -- records ---------------------------------------------------------------------------
-    def record(self, message: str) -> str:
-        """Record a failure unless one is already recorded; return the first one."""
+    def record(self, message: str, culprit: int | None = None) -> str:
+        """Record a failure (naming rank ``culprit``) unless one is already recorded; return
+        the first one."""
         try:
             if self._store.add(_FAILURE_COUNT, 1) == 1:
+                if culprit is not None:
+                    self._store.set(_CULPRIT_KEY, str(culprit))
                 self._store.set(_FAILURE_KEY, message)
                 self._seen = message
+                self._ack()
                 return message
             return self._read(wait_s=self.grace_s) or message
         except Exception:  # noqa: BLE001 - the store host may be the rank that died
@@ -179,6 +193,7 @@ class FailureChannel:
                 return self._seen
             if self._store.check([_FAILURE_KEY]):
                 self._seen = self._store.get(_FAILURE_KEY).decode(errors="replace")
+                self._ack()
                 return self._seen
             if time.monotonic() >= end:
                 return None
@@ -193,7 +208,7 @@ class FailureChannel:
         except PipelineFailure:
             raise
         except Exception as e:
-            self.record(failed_during(self.rank, what, e))
+            self.record(failed_during(self.rank, what, e), culprit=self.rank)
             raise
 
     # -- transfers and collectives ---------------------------------------------------------
@@ -275,8 +290,10 @@ class FailureChannel:
         """The failure this rank raises after a transfer or collective failed: the first
         recorded one with what this rank was doing or, if none is recorded, this rank's own
         finding about who stopped, recorded as the first."""
-        # no longer blocked: the watchdog must not end the process while this thread reports
-        self._wait = None
+        # No longer blocked: the watchdog must not end the process while this thread reports.
+        # What it waited for stays published: a rank finding who stopped meanwhile follows it
+        # through this rank (an empty entry would make this rank look stuck in its own work).
+        self._reporting = True
         first = self.first_failure(wait_s=self.grace_s)
         if first is None:
             culprit = self._who_stopped(suspects)
@@ -285,7 +302,7 @@ class FailureChannel:
                 first = self.first_failure(wait_s=self.grace_s)
             if first is None:
                 found = self._finding(culprit, suspects, mine, _short(error))
-                first = self.record(found)
+                first = self.record(found, None if culprit is None else culprit.rank)
                 if first == found:
                     self._linger_if_store_host()
                     return PipelineFailure(found)
@@ -303,15 +320,20 @@ class FailureChannel:
     def _who_stopped(self, suspects: Sequence[int]) -> _Culprit | None:
         """Follow who-waits-for-whom from ``suspects`` to the rank that holds everyone up.
 
-        Reads every rank's heartbeat twice, ``_window_s`` apart, and every rank's ``wait/``
-        entry. The first rank reached whose heartbeat did not move has stopped (killed,
-        frozen); failing that, the first live rank reached that waits for nobody.
+        Reads every rank's heartbeat, ``_window_s`` apart, then those that did not move for
+        ``_confirm_s`` more, and every rank's ``wait/`` entry. The first rank reached whose
+        heartbeat never moved has stopped (killed, frozen); failing that, the first live rank
+        reached that waits for nobody.
         """
         others = [r for r in range(self.world_size) if r != self.rank]
         try:
             before = {r: self._store.add(f"hb/{r}", 0) for r in others}
             time.sleep(self._window_s)
             silent = {r for r in others if self._store.add(f"hb/{r}", 0) == before[r]}
+            end = time.monotonic() + self._confirm_s
+            while silent and time.monotonic() < end:
+                time.sleep(self._interval)
+                silent = {r for r in silent if self._store.add(f"hb/{r}", 0) == before[r]}
             waits = {r: self._published_wait(r) for r in others}
         except Exception:  # noqa: BLE001 - with env:// the store lives in rank 0's process
             return _Culprit(0, "the rendezvous store it hosts is gone", (0,))
@@ -365,14 +387,30 @@ class FailureChannel:
             return None
         return _Published.decode(self._store.get(key).decode(errors="replace"))
 
+    def _ack(self) -> None:
+        try:
+            self._store.set(f"ack/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store host may be gone: nobody waits for this
+            pass
+
     def _linger_if_store_host(self) -> None:
         # With env:// rendezvous the store lives in rank 0's process. Raising ends that process
         # soon after, and a rank still working out who failed (``_who_stopped`` watches
-        # heartbeats for a window) would then find the store gone and blame rank 0. Staying a
-        # little longer lets every rank read the record: a failure path only, so it costs
-        # nothing in training.
-        if self.rank == 0:
-            time.sleep(self._linger_s)
+        # heartbeats for a window) would then find the store gone and blame rank 0. So rank 0
+        # stays until every rank but the culprit has read the record, or ``_linger_s``: a
+        # failure path only, so it costs nothing in training.
+        if self.rank != 0:
+            return
+        end = time.monotonic() + self._linger_s
+        while time.monotonic() < end:
+            try:
+                named = (int(self._store.get(_CULPRIT_KEY)) if self._store.check([_CULPRIT_KEY])
+                         else None)
+                if self._store.check([f"ack/{r}" for r in range(1, self.world_size) if r != named]):
+                    return
+            except Exception:  # noqa: BLE001 - nothing left to wait for
+                return
+            time.sleep(0.05)
 
     # -- watchdog --------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -383,13 +421,11 @@ class FailureChannel:
                 self._publish_wait()
                 fatal = self._check_blocked()
             except Exception:  # noqa: BLE001 - store gone: the main thread's wait will fail
-                fatal = self._store_lost()
+                # (rank 0 leaves once every rank has read the failure: this one may have)
+                fatal = self._blocked_after(self._seen) or self._store_lost()
             if fatal:
                 print(f"PipelineFailure: {fatal}", file=sys.stderr, flush=True)
-                if self.rank == 0:
-                    # rank 0 hosts the store (env:// rendezvous): give the others time to read
-                    # the record before it goes away with this process
-                    time.sleep(self._linger_s)
+                self._linger_if_store_host()  # the others may still need the store
                 os._exit(1)
 
     def _publish_wait(self) -> None:
@@ -403,7 +439,7 @@ class FailureChannel:
 
     def _check_blocked(self) -> str | None:
         wait = self._wait
-        if wait is None:
+        if wait is None or self._reporting:
             return None
         now = time.monotonic()
         # a collective has no single peer to watch: the process group's timeout bounds it
@@ -416,13 +452,18 @@ class FailureChannel:
             elif now - last[1] > self.timeout_s and now - wait.since > self.timeout_s:
                 w = self._published_wait(peer)
                 doing = w.doing() if w else "computing, not waiting for any rank"
-                return self.record(f"rank {peer} stopped answering (no heartbeat for "
+                return self.record(culprit=peer, message=f"rank {peer} stopped answering (no heartbeat for "
                                    f"{now - last[1]:.0f} s; last seen {doing}) while rank "
                                    f"{self.rank} was waiting for {wait.what}")
-        first = self._read(0.0)
-        if first is not None and now - wait.since > self.grace_s * 2:
-            return first
-        return None
+        return self._blocked_after(self._read(0.0))
+
+    def _blocked_after(self, first: str | None) -> str | None:
+        """The failure to end this process with: ``first``, once the main thread has been
+        blocked for two grace periods after one was recorded."""
+        wait = self._wait
+        if first is None or wait is None or self._reporting:
+            return None
+        return first if time.monotonic() - wait.since > self.grace_s * 2 else None
 
     def _store_lost(self) -> str | None:
         wait = self._wait

@@ -5,25 +5,25 @@ the recipes (through :func:`hapt_hf.integration.launch.init_process_group`, whic
 ``mpirun`` launch look like torchrun's), the benchmarks and the multi-process test helper
 (:func:`hapt_hf.testing.run_ranks`) all call it. Gloo on CPU, NCCL on CUDA (each rank on the
 GPU ``LOCAL_RANK`` names); its timeout, ``DEFAULT_TIMEOUT_S`` unless given, bounds every
-collective. :func:`stage_groups` makes the subgroups the runtime sums gradients in, and
-:func:`exit_distributed` ends a process that used any of them.
+collective. :func:`stage_groups` makes the subgroups the runtime sums gradients in. Setting up registers
+:func:`~hapt_hf.pipeline.exit_guard.end_distributed_workers` to run at exit, so that a process
+that used any of them ends cleanly however it ends.
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
-import sys
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hapt_hf.core.defaults import DEFAULT_TIMEOUT_S
+from hapt_hf.pipeline import exit_guard
 from hapt_hf.pipeline.runtime_types import RuntimeSetupError
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["init_distributed", "exit_distributed", "stage_groups", "local_device"]
+__all__ = ["init_distributed", "stage_groups", "local_device"]
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What ``torchrun`` / ``accelerate launch`` set and the ``env://`` rendezvous reads."""
@@ -45,6 +45,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, *, backend: str | Non
     group of one over an in-memory store. Returns (rank, world_size); a no-op if already
     initialised.
     """
+    exit_guard.install()
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -84,32 +85,3 @@ def stage_groups(plan: Plan, rank: int, tied_ranks: Sequence[int],
         if rank in tied_ranks:
             tied = g
     return mine, tied
-
-
-def exit_distributed(code: int = 0) -> NoReturn:
-    """End a process that used torch.distributed: destroy the process group, run the ``atexit``
-    handlers, flush stdout and stderr, and exit with ``code`` without finalizing the interpreter.
-
-    Why not a normal exit: a Gloo worker thread frees a finished collective (an all-reduce, the
-    all-gather behind ``all_gather_object``) only a moment after the collective has returned to
-    Python, and freeing its tensors' Python objects needs the GIL. On a loaded machine that
-    moment can come after the main thread has begun finalizing the interpreter; CPython then
-    ends the worker thread (``pthread_exit``) as it asks for the GIL, and that unwinding through
-    the work's destructor, which must not throw, calls ``std::terminate``: "terminate called
-    without an active exception", exit 134, after the program had printed its result (seen in
-    a core dump: ``take_gil`` <- ``THPVariable_dealloc`` <- ``~AsyncAllgatherWork`` <-
-    ``ProcessGroupGloo::runLoop`` while the main thread was in ``Py_FinalizeEx``). Neither
-    ``destroy_process_group`` (Gloo's ``shutdown()`` leaves the worker threads running) nor any
-    other call waits for those threads; a process that does not finalize cannot race them. The
-    same holds for any daemon thread inside a C++ call at exit (a store call of the failure
-    channel's watchdog, a runtime that was not shut down).
-    """
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    atexit._run_exitfuncs()  # what a normal exit runs before finalizing: loggers, writers
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed or gone: nothing left to lose
-            pass
-    os._exit(code)

@@ -32,12 +32,13 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer, failed_during
+from hapt_hf.pipeline.exit_guard import close_at_exit
 from hapt_hf.pipeline.gather import gather_logits, gather_state_dict
 from hapt_hf.pipeline.grad_sync import GradSync
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work
 from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, torch_dtype
-from hapt_hf.pipeline.process_group import exit_distributed, init_distributed, local_device, stage_groups
+from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
 from hapt_hf.planner.plan import Plan, StagePlan
@@ -45,8 +46,7 @@ from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
 # settings, results, errors and process-group set-up: importable from here too, as always
 __all__ = ["Batch", "RuntimeConfig", "StepResult", "Prediction", "RuntimeSetupError",
-           "BatchError", "PipelineFailure", "init_distributed", "exit_distributed",
-           "PipelineRuntime"]
+           "BatchError", "PipelineFailure", "init_distributed", "PipelineRuntime"]
 
 _runtime_ids = itertools.count()
 
@@ -93,6 +93,7 @@ class PipelineRuntime:
         except BaseException:
             self.channel.close()
             raise
+        close_at_exit(self, "shutdown")  # at exit, if still running (see exit_guard)
         # who takes part in this rank's gradient all-reduces (its replicas, the tied group)
         self._grad_peers = tuple(sorted(set(self.stage_plan.ranks) | (
             set(self.work.tied_ranks) if self._grads.tied_group is not None else set())))
@@ -237,8 +238,7 @@ class PipelineRuntime:
             return gather_state_dict(mine, self.rank, dst)
 
     def shutdown(self) -> None:
-        """Stop the watchdog. The process groups stay: destroying a subgroup lets the next
-        ``new_group`` over the same ranks reuse its name and meet stale store entries."""
+        """Stop the watchdog, drop the groups (not destroyed: see ``exit_guard``)."""
         self.channel.close()
         self._grads.release_groups()
 

@@ -343,6 +343,9 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     not on a machine left idle by their peers.
     """
     import torch.distributed as dist
+
+    from hapt_hf.pipeline import exit_guard
+    exit_guard.install()  # its collectives end cleanly whenever the caller's process ends
     rank = dist.get_rank()
     leaders = {g: ranks[0] for g, ranks in groups.items()}
     store = ProfileStore.open(store_path) if store_path else None
