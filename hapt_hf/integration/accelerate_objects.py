@@ -332,10 +332,7 @@ def save_gathered_model(runtime: PipelineRuntime, out: Path, full: dict[str, Ten
     temporary directory first, then each file moved into place, so no file is ever half
     written."""
     tmp = ckpt_io.begin_model_save(out)
-    adapter = runtime.stage.adapter
-    tied = [adapter.output_embedding_key] if getattr(runtime.stage.config,
-                                                     "tie_word_embeddings", False) else []
-    ckpt_io.save_hf_model(full, runtime.stage.config, tmp, tied)
+    ckpt_io.save_hf_model(runtime, full, tmp)
     ckpt_io.finish_model_save(tmp, out)
 
 

@@ -304,9 +304,7 @@ class HaptAccelerator(Accelerator):
         if rank == 0:
             shutil.rmtree(out.parent / f"{ckpt_io.TMP_PREFIX}{out.name}", ignore_errors=True)
         tmp = ckpt_io.begin_checkpoint(out.parent, out.name, rank)
-        full = runtime.gather_state_dict(dst=0)
-        if rank == 0:
-            ckpt_io.save_hf_model(full, runtime.stage.config, tmp, _tied_keys(runtime))
+        if ckpt_io.write_gathered_model(runtime, tmp):
             self.plan.save(tmp / "plan.json")
         opt, sched = self._single_optimizer()
         ckpt_io.save_rank_state(tmp, rank, opt, sched, runtime.loss_scaler)
@@ -353,11 +351,6 @@ class HaptAccelerator(Accelerator):
         if self.engine is None:
             raise AccelerateSettingError("call accelerator.prepare(model, ...) first")
         return self.engine
-
-
-def _tied_keys(runtime: PipelineRuntime) -> list[str]:
-    tied = getattr(runtime.stage.config, "tie_word_embeddings", False)
-    return [runtime.stage.adapter.output_embedding_key] if tied else []
 
 
 def _check_state_dir(ckpt: Path, plan: Plan) -> None:

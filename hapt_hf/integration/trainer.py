@@ -280,17 +280,9 @@ class HaptTrainer(TrainerHooks, Trainer):
         return PredictionOutput(predictions=logits, label_ids=rows, metrics=metrics)
 
     # -- saving -------------------------------------------------------------------------------
-    def _tied_keys(self) -> list[str]:
-        adapter = self.runtime.stage.adapter
-        if getattr(self.runtime.stage.config, "tie_word_embeddings", False):
-            return [adapter.output_embedding_key]
-        return []
-
     def _write_model(self, out_dir: Path) -> None:
         """Gather every stage's weights (collective) and write them on rank 0."""
-        full = self.runtime.gather_state_dict(dst=0)
-        if self.runtime.rank == 0:
-            ckpt_io.save_hf_model(full, self.runtime.stage.config, out_dir, self._tied_keys())
+        if ckpt_io.write_gathered_model(self.runtime, out_dir):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(str(out_dir))
 

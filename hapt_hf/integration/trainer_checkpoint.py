@@ -38,7 +38,7 @@ from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
            "begin_checkpoint", "commit_checkpoint",
-           "save_rank_state", "load_rank_state", "save_hf_model", "load_stage_weights",
+           "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
            "load_trainer_state", "load_checkpoint", "check_resumable", "barrier", "fsync_path",
            "fsync_tree"]
 
@@ -191,9 +191,21 @@ def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):
                                  refusals=(CheckpointError,))
 
 
-def save_hf_model(state_dict: dict, config, out_dir: Path, tied_keys: list[str]) -> None:
-    """Write config.json + model.safetensors into ``out_dir`` (rank 0, full state dict)."""
-    checkpoint_io.save_full_checkpoint(state_dict, config, out_dir, tied_keys=tied_keys)
+def save_hf_model(runtime, full: dict, out_dir: Path) -> None:
+    """Write config.json + model.safetensors of the full state dict ``full`` into ``out_dir``
+    (rank 0); a tied output embedding is written once, as ``from_pretrained`` expects."""
+    config = runtime.stage.config
+    tied = [runtime.stage.adapter.output_embedding_key] \
+        if getattr(config, "tie_word_embeddings", False) else []
+    checkpoint_io.save_full_checkpoint(full, config, out_dir, tied_keys=tied)
+
+
+def write_gathered_model(runtime, out_dir: Path) -> bool:
+    """Gather every stage's weights (collective) and write them on rank 0 (True there)."""
+    full = runtime.gather_state_dict(dst=0)
+    if runtime.rank == 0:
+        save_hf_model(runtime, full, out_dir)
+    return runtime.rank == 0
 
 
 def load_stage_weights(stage: torch.nn.Module, ckpt: Path) -> None:

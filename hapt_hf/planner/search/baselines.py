@@ -32,7 +32,7 @@ from ..model_spec import ModelSpec
 from ..profile import Profile
 from .options import BaselineResult, Layout, PlannerOptions
 from .partition import (balanced_step_s, cut_times, estimate_s, partition_layers,
-                        recompute_flags)
+                        recompute_flags, smallest_feasible_cap)
 from .plans import layout_to_plan
 from .replays import simulate_layout
 from .shapes import divisors, micro_batch_options, shapes_for
@@ -73,16 +73,7 @@ def _balanced_by(prefix: list[float], n: int) -> list[int] | None:
             a = b
         return cuts if prefix[L] - prefix[a] <= cap else None
 
-    lo, hi = 0.0, prefix[L]
-    best = greedy(hi)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        g = greedy(mid)
-        if g is None:
-            lo = mid
-        else:
-            hi, best = mid, g
-    return best
+    return smallest_feasible_cap(greedy, 0.0, prefix[L], greedy(prefix[L]))[1]
 
 
 def _param_balanced(cm: CostModel, shapes, mbs: int) -> list[int] | None:

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from ..cost_model import CostModel, StageShape
 from .options import Layout
+
+_R = TypeVar("_R")
 
 __all__ = ["Partition", "partition_layers", "recompute_flags", "cut_times", "balanced_step_s",
            "estimate_s"]
@@ -37,6 +40,23 @@ def _stage_reach(cm: CostModel, sh: StageShape, samples: int, in_flight: int, a:
 
 def _mem_prefix(cm: CostModel, samples: int, in_flight: int, rc: bool) -> list[float]:
     return cm.memory_prefix(samples, in_flight, rc)
+
+
+def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi: float, got: _R,
+                          rel_tol: float = 0.0, max_halvings: int = 60) -> tuple[float, _R]:
+    """Bisect for the smallest stage cap in (lo, hi] that ``feasible`` accepts (it returns the
+    partition it found, or None), given ``got = feasible(hi)``; stop within ``rel_tol`` or after
+    ``max_halvings``. Returns (cap, partition)."""
+    for _ in range(max_halvings):
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = (lo + hi) / 2
+        g = feasible(mid)
+        if g is None:
+            lo = mid
+        else:
+            hi, got = mid, g
+    return hi, got
 
 
 def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
@@ -75,13 +95,7 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
         got = greedy(hi)
     if got is None:
         return None
-    while hi - lo > rel_tol * hi:
-        mid = (lo + hi) / 2
-        g = greedy(mid)
-        if g is None:
-            lo = mid
-        else:
-            hi, got = mid, g
+    hi, got = smallest_feasible_cap(greedy, lo, hi, got, rel_tol)
     return Partition(got[0], got[1], hi)
 
 
