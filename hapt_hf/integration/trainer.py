@@ -43,7 +43,7 @@ from hapt_hf.integration.data import epoch_order
 from hapt_hf.integration.trainer_checks import (BatchMappingError, as_rows, check_batch_mapping,
                                                 check_best_metric, check_enough,
                                                 check_training_args_honoured, wants_recompute)
-from hapt_hf.integration.precision import training_args_precision_mismatch
+from hapt_hf.integration.precision_args import training_args_precision_mismatch
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 from hapt_hf.planner.plan import Plan
 

@@ -40,7 +40,7 @@ def test_accelerates_mixed_precision_must_agree_with_the_plan(tmp_path, monkeypa
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(TrainingArgsError, match=r"mixed_precision=fp16 .* computes in bf16"):
         HaptTrainer(None, _plan("bf16"), _args(str(tmp_path / "out")))
-    from hapt_hf.integration.precision import training_args_precision_mismatch
+    from hapt_hf.integration.precision_args import training_args_precision_mismatch
     assert training_args_precision_mismatch(_args(str(tmp_path / "out")), _plan("fp16")) is None
 
 
