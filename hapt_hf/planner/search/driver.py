@@ -53,7 +53,7 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
 
     best, idle, choices, whole = choose_groups(
         cluster, search, lambda sub: _limit_if_fits(cm, sub, global_batch_size),
-        options.all_groups)
+        options.all_groups or cluster.world_size > options.weigh_groups_max_gpus)
     plan, baselines = best.plan, best.baselines
     if idle:
         if whole is not None:
