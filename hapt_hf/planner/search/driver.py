@@ -20,6 +20,7 @@ from .options import BaselineResult, Layout, PlannerOptions, PlanResult
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
 from .refine import as_schedule, refine_boundaries
 from .replays import simulate_layout
+from .shapes import require_chain
 from .subsets import choose_groups
 from .warmups import refine_warmups
 
@@ -45,6 +46,8 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             not any(global_batch_size % m == 0 for m in options.micro_batch_sizes):
         raise PlanningError(f"micro_batch_sizes {list(options.micro_batch_sizes)}: none divides "
                             f"global_batch_size {global_batch_size}; give a divisor of it")
+    # a cluster whose groups form no chain is a mistake in its file, not a reason to idle some
+    require_chain(cluster)
     profile = profile if profile is not None else cluster_profile(cluster, model)
     cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
 
