@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -151,3 +152,16 @@ def test_hapt_hf_plan_prints_the_idle_groups_and_both_times(capsys):
     line = next(l for l in out.splitlines() if l.startswith("idle groups"))
     assert "v100 (faster without them" in line and "with every group" in line
     assert "launch only the 8 ranks" in line
+
+
+def test_launch_accepts_a_plan_that_leaves_groups_idle_beside_its_cluster(two_site, tmp_path):
+    from types import SimpleNamespace
+
+    from hapt_hf.integration.launch import _check_plan_against_cluster
+    _, res = two_site
+    cfg = SimpleNamespace(cluster=str(scenario_path(TWO_SITE)), plan="plan.json",
+                          source="hapt.yaml")
+    _check_plan_against_cluster(res.plan, cfg)  # 8 ranks: the cluster without its V100s
+    every = replace(res.plan, idle_groups=())
+    with pytest.raises(PlanError, match=r"uses 8 ranks but the cluster .* has 12"):
+        _check_plan_against_cluster(every, cfg)
