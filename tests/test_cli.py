@@ -76,8 +76,9 @@ def planned(tmp_path_factory) -> Planned:
     d = tmp_path_factory.mktemp("planned")
     cluster = _write(d, SMALL_CLUSTER)
     plan_json, png = d / "out" / "plan.json", d / "plan.png"
+    # every group: the tests below edit and replay a plan on all three GPUs
     code, out, err = _run_captured(["plan", "--cluster", cluster, "--schedule", "1f1b",
-                                    "-o", plan_json, "--timeline", png])
+                                    "--all-groups", "-o", plan_json, "--timeline", png])
     return Planned(cluster, plan_json, png, code, out, err)
 
 

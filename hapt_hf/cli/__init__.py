@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "warm-ups)")
     p.add_argument("--micro-batch", type=int, metavar="N",
                    help="fix the micro-batch size instead of searching it")
+    p.add_argument("--all-groups", action="store_true",
+                   help="use every group; by default the search may leave whole groups idle "
+                        "where the plan is faster without them (the report names them)")
     p.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan here")
     p.add_argument("--timeline", metavar="PNG", help="draw the simulated iteration here")
     p.add_argument("--json", action="store_true", help="print the report and plan as JSON")

@@ -56,7 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.micro_batch is not None and args.micro_batch < 1:
         raise UsageError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
     options = PlannerOptions(
-        schedule=args.schedule,
+        schedule=args.schedule, all_groups=args.all_groups,
         micro_batch_sizes=None if args.micro_batch is None else (args.micro_batch,))
     result = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
                       options=options)
@@ -69,7 +69,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     report = build_report(plan, sim, title=f"{job.model.name} on {job.cluster.name}",
                           capacity_gb=capacities_gb(job.cluster),
                           physical_limit_s=result.physical_limit_s,
-                          search_time_s=result.search_time_s, baselines=result.baselines)
+                          search_time_s=result.search_time_s, baselines=result.baselines,
+                          all_groups_s=result.all_groups_s)
     # outputs only now that planning succeeded; each is written atomically
     if args.timeline:
         from hapt_hf.planner.timeline import draw_timeline

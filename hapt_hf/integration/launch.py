@@ -124,13 +124,16 @@ def _check_plan_against_cluster(plan: Plan, plugin: HaptConfig) -> None:
     from hapt_hf.planner.cluster import Cluster  # the cluster file is only read when given
 
     cluster = Cluster.load(plugin.cluster)
-    if cluster.world_size != plan.world_size:
-        raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} uses {plan.world_size} "
-                        f"ranks but the cluster {str(plugin.cluster)!r} has "
-                        f"{cluster.world_size}; give only one of 'plan' and 'cluster', or "
-                        "re-plan on this cluster")
     groups = {g.name for g in cluster.groups}
-    foreign = sorted({s.group for s in plan.stages if s.group and s.group not in groups})
+    # a plan may leave groups idle: its ranks cover the other groups only
+    used = sum(g.size for g in cluster.groups if g.name not in plan.idle_groups)
+    if used != plan.world_size:
+        idle = f" (without its idle groups {list(plan.idle_groups)})" if plan.idle_groups else ""
+        raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} uses {plan.world_size} "
+                        f"ranks but the cluster {str(plugin.cluster)!r} has {used}{idle}; give "
+                        "only one of 'plan' and 'cluster', or re-plan on this cluster")
+    foreign = sorted({g for g in [s.group for s in plan.stages] + list(plan.idle_groups)
+                      if g and g not in groups})
     if foreign or (plan.cluster_name and plan.cluster_name != cluster.name):
         raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} was made for cluster "
                         f"{plan.cluster_name!r} (groups {foreign or 'as named'}) but the "

@@ -148,6 +148,19 @@ class Cluster:
                 return list(range(start, start + g.size))
         raise ClusterError(f"no group named {name!r}; groups: {', '.join(self.group_names)}")
 
+    def subset(self, names) -> "Cluster":
+        """The cluster with only the groups named (file order kept) and the links among them:
+        what a plan that leaves the other groups idle runs on, its ranks numbered over these."""
+        keep = set(names)
+        unknown = sorted(keep - set(self.group_names))
+        if unknown or not keep:
+            raise ClusterError(f"cannot keep groups {sorted(keep)} of cluster {self.name!r}: "
+                               f"{'unknown ' + str(unknown) if unknown else 'none named'}; "
+                               f"groups: {', '.join(self.group_names)}")
+        return Cluster(self.name, tuple(g for g in self.groups if g.name in keep),
+                       tuple(l for l in self.links if l.a in keep and l.b in keep),
+                       self.job, self.profiles)
+
     def graph(self):
         """networkx.Graph: a node per group (attr 'group'), an edge per link (attr 'link')."""
         import networkx as nx

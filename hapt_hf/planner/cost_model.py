@@ -417,9 +417,20 @@ class CostModel:
         return link.transfer_s(self.model.boundary_bytes(last_layer, samples))
 
     # -- whole plans -----------------------------------------------------------------------
+    def used_groups(self, plan: Plan) -> list[str]:
+        """The cluster's groups but those the plan leaves idle (which the cluster must have)."""
+        unknown = sorted(set(plan.idle_groups) - set(self.cluster.group_names))
+        if unknown:
+            raise CostModelError(f"the plan leaves idle group(s) {unknown}, which cluster "
+                                 f"{self.cluster.name!r} does not have (groups: "
+                                 f"{', '.join(self.cluster.group_names)}); re-plan on this "
+                                 "cluster")
+        return [n for n in self.cluster.group_names if n not in plan.idle_groups]
+
     def shapes_of(self, plan: Plan) -> list[StageShape]:
-        """Each stage's group slice, from its ranks (numbered group by group in file order)."""
-        first_rank = self.cluster.first_ranks()
+        """Each stage's group slice, from its ranks (numbered group by group in file order,
+        over the groups the plan does not leave idle)."""
+        first_rank = self.cluster.subset(self.used_groups(plan)).first_ranks()
         shapes = []
         for s in plan.stages:
             g = self.group(s.group)

@@ -138,6 +138,10 @@ class Plan:
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     """'eager' | 'sdpa': the attention the plan's memory was budgeted for; the runtime builds
     its stages with it."""
+    idle_groups: tuple[str, ...] = ()
+    """Groups of the cluster the plan leaves idle (the planner found it faster without them).
+    The stages' ranks are numbered over the other groups only, in file order, so the job is
+    launched on those groups alone, ``world_size`` processes."""
 
     @property
     def precision(self) -> Precision:
@@ -231,11 +235,25 @@ class Plan:
         if sorted(seen_ranks) != list(range(len(seen_ranks))):
             raise PlanError(f"ranks {sorted(seen_ranks)} are not 0..{len(seen_ranks) - 1}; "
                             "number the ranks without gaps")
+        busy = sorted({s.group for s in self.stages} & set(self.idle_groups))
+        if busy:
+            raise PlanError(f"idle_groups lists {busy}, which hold stages; remove them from "
+                            "idle_groups or move their stages")
         if world_size is not None and world_size != self.world_size:
-            raise PlanError(f"the plan needs {self.world_size} processes but {world_size} were "
-                            f"started; launch with --num_processes {self.world_size} or re-plan "
-                            f"for {world_size}")
+            raise PlanError(self._world_mismatch(world_size))
         return self
+
+    def _world_mismatch(self, world_size: int) -> str:
+        if not self.idle_groups:
+            return (f"the plan needs {self.world_size} processes but {world_size} were started; "
+                    f"launch with --num_processes {self.world_size} or re-plan for {world_size}")
+        kept = sorted({s.group for s in self.stages})
+        return (f"the plan leaves group(s) {', '.join(self.idle_groups)} idle (it predicts a "
+                f"faster iteration without them) and needs {self.world_size} processes, but "
+                f"{world_size} were started; launch only the {self.world_size} processes of "
+                f"group(s) {', '.join(kept)} (--num_processes {self.world_size} on their nodes), "
+                "or re-plan with every group (`hapt-hf plan --all-groups`, planner option "
+                "all_groups: true)")
 
     def _validate_precision(self) -> None:
         if self.dtype not in DTYPES:
@@ -271,6 +289,8 @@ class Plan:
         }
         if self.layer_unit != BLOCK:  # absent means "block": older readers and files agree
             d["layer_unit"] = self.layer_unit
+        if self.idle_groups:  # absent means every group of the cluster is used
+            d["idle_groups"] = list(self.idle_groups)
         return d
 
     @classmethod
@@ -296,6 +316,7 @@ class Plan:
                 cluster_name=str(d.get("cluster", "")),
                 baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
                 layer_unit=str(d.get("layer_unit", BLOCK)),
+                idle_groups=tuple(str(g) for g in d.get("idle_groups", ())),
                 attn_implementation=str(d.get("attn_implementation",
                                               DEFAULT_ATTN_IMPLEMENTATION)),
                 **_precision_fields(d),

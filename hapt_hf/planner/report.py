@@ -83,6 +83,10 @@ class PlanReport:
     """Total work over the sum of every GPU's speed; no plan can be faster."""
     search_time_s: float | None = None
     baselines: tuple[BaselineRow, ...] = ()
+    idle_groups: tuple[str, ...] = ()
+    """Groups of the cluster the plan leaves idle."""
+    all_groups_s: float | None = None
+    """The best plan's iteration time on every group, where the search found one."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -155,11 +159,14 @@ def _baseline_rows(baselines: Mapping[str, Any] | None,
 def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
                  capacity_gb: Mapping[str, float] | None = None,
                  physical_limit_s: float | None = None, search_time_s: float | None = None,
-                 baselines: Mapping[str, Any] | None = None) -> PlanReport:
+                 baselines: Mapping[str, Any] | None = None,
+                 all_groups_s: float | None = None) -> PlanReport:
     """Gather the table's figures; without ``sim`` the plan's own predictions are shown.
 
     ``capacity_gb`` maps a group name to the memory of one of its GPUs; ``baselines`` maps a
-    name to an object with ``plan``, ``sim`` and ``reason`` (the search's BaselineResult).
+    name to an object with ``plan``, ``sim`` and ``reason`` (the search's BaselineResult);
+    ``all_groups_s`` is the best time the search found on every group (for a plan that leaves
+    groups idle).
     """
     if sim is not None:
         iteration, bubble = sim.iteration_s, sim.bubble_fraction
@@ -175,7 +182,8 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         stages=_stage_rows(plan, sim, capacity_gb), iteration_s=iteration,
         tokens_per_s=tokens, bubble_fraction=bubble, feasible=feasible, reason=reason,
         physical_limit_s=physical_limit_s, search_time_s=search_time_s,
-        baselines=_baseline_rows(baselines, iteration))
+        baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
+        all_groups_s=all_groups_s)
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -225,6 +233,8 @@ def format_report(rep: PlanReport) -> str:
                    f"(plan is {100 * rep.limit_distance:.1f}% above it)")
     if rep.search_time_s is not None:
         out.append(f"search time      {rep.search_time_s:.2f} s")
+    if rep.idle_groups:
+        out.append(_idle_line(rep))
     over = [r for r in rep.stages if not r.fits]
     if not rep.feasible or over:
         why = rep.reason or ", ".join(f"stage {r.index} needs {r.peak_memory_gb:.1f} GB of "
@@ -240,6 +250,16 @@ def format_report(rep: PlanReport) -> str:
             else:
                 out.append(f"{b.name:<24} {_fmt_s(b.iteration_s):>12}  {b.speedup:>8.2f}x")
     return "\n".join(out)
+
+
+def _idle_line(rep: PlanReport) -> str:
+    """Which groups sit idle, and (after a search) what using them too would cost."""
+    why = "left idle by the plan"
+    if rep.all_groups_s is not None:
+        why = (f"faster without them: {_fmt_s(rep.iteration_s)} per iteration, "
+               f"{_fmt_s(rep.all_groups_s)} with every group")
+    return (f"idle groups      {', '.join(rep.idle_groups)} ({why}); launch only the "
+            f"{sum(len(r.ranks) for r in rep.stages)} ranks of the groups in the table")
 
 
 def report_to_dict(rep: PlanReport) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from hapt_hf.errors import PlanningError
 from ..cost_model import CostModel
 from .options import Layout, PlannerOptions
 from .partition import balanced_step_s, cut_times, estimate_s, partition_layers
-from .shapes import group_orders, micro_batch_options, shapes_for, width_options
+from .shapes import micro_batch_options, require_chain, shapes_for, width_options
 from .warmups import hapt_warmups, in_flight_guess
 
 __all__ = ["search_layouts"]
@@ -84,10 +84,7 @@ def _twin(cm: CostModel, a: _Scored, b: _Scored) -> bool:
 
 
 def search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
-    orders = group_orders(cm.cluster)
-    if not orders:
-        raise PlanningError("no order of the groups has a link between every pair of "
-                            "neighbours; add links under 'links:' so the groups form a chain")
+    orders = require_chain(cm.cluster)
     best: list[_Scored] = []
     tried = expanded = last_gain = 0
     keep = max(options.simulate_top, options.simulate_top_cheap)

@@ -20,6 +20,8 @@ from .options import BaselineResult, Layout, PlannerOptions, PlanResult
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
 from .refine import as_schedule, refine_boundaries
 from .replays import simulate_layout
+from .shapes import require_chain
+from .subsets import choose_groups
 from .warmups import refine_warmups
 
 __all__ = ["plan_job"]
@@ -31,7 +33,10 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     """Search the plan with the least simulated iteration time that fits every GPU's memory.
 
     ``options.layer_unit`` says whether stages may end inside a block (its attention half on one
-    stage, its MLP half on the next); baselines always cut whole blocks, as frameworks do."""
+    stage, its MLP half on the next); baselines always cut whole blocks, as frameworks do.
+    Unless ``options.all_groups``, sets of groups with the others idle are weighed too
+    (:mod:`~hapt_hf.planner.search.subsets`); the plan names the groups it leaves idle, and its
+    ranks are numbered over the groups it uses."""
     t0 = time.perf_counter()
     if global_batch_size < 1:
         raise PlanningError(f"global_batch_size {global_batch_size} must be >= 1")
@@ -41,8 +46,47 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             not any(global_batch_size % m == 0 for m in options.micro_batch_sizes):
         raise PlanningError(f"micro_batch_sizes {list(options.micro_batch_sizes)}: none divides "
                             f"global_batch_size {global_batch_size}; give a divisor of it")
-    models = _unit_models(model, options.layer_unit)
+    # a cluster whose groups form no chain is a mistake in its file, not a reason to idle some
+    require_chain(cluster)
     profile = profile if profile is not None else cluster_profile(cluster, model)
+    cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
+
+    def search(sub: Cluster) -> PlanResult:
+        return _plan_on(model, sub, global_batch_size, profile, options)
+
+    best, idle, choices, whole = choose_groups(
+        cluster, search, lambda sub: _limit_if_fits(cm, sub, global_batch_size),
+        options.all_groups or cluster.world_size > options.weigh_groups_max_gpus)
+    plan, baselines = best.plan, best.baselines
+    if idle:
+        if whole is not None:
+            # the baselines are what other systems make of the whole cluster: the plan is set
+            # beside those, not beside their splits of the groups it keeps
+            baselines = whole.baselines
+            plan = replace(plan, baselines=whole.plan.baselines)
+        plan = replace(plan, idle_groups=idle).validate()
+    # the limit stays the whole cluster's: idle GPUs are GPUs the job could have used
+    return replace(best, plan=plan, baselines=baselines,
+                   search_time_s=time.perf_counter() - t0,
+                   physical_limit_s=physical_limit_s(cm, global_batch_size),
+                   group_choices=choices if len(cluster.groups) > 1 else ())
+
+
+def _limit_if_fits(cm: CostModel, sub: Cluster, global_batch: int) -> float | None:
+    """The physical limit of a set of groups, or None where even one stage per GPU cannot
+    hold the model's weights and optimizer state (every stage holds its layers' share)."""
+    if sum(cm.capacity_bytes(g) * g.size for g in sub.groups) < \
+            cm.static_bytes(0, cm.model.num_layers):
+        return None
+    return physical_limit_s(CostModel(cm.model, sub, cm.profile, cm.efficiency,
+                                      cm.memory_headroom), global_batch)
+
+
+def _plan_on(model: ModelSpec, cluster: Cluster, global_batch_size: int,
+             profile: Profile | None, options: PlannerOptions) -> PlanResult:
+    """The search on every group of ``cluster``: each layer unit, the baselines as candidates."""
+    t0 = time.perf_counter()
+    models = _unit_models(model, options.layer_unit)
     cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
     baselines: dict[str, BaselineResult] = {}
     if options.include_baselines:

@@ -12,7 +12,7 @@ from ..plan import Plan
 from ..simulate import SimResult
 
 __all__ = ["LAYER_UNIT_OPTIONS", "PlanningError", "PlannerOptions", "Layout", "BaselineResult",
-           "PlanResult"]
+           "GroupChoice", "PlanResult"]
 
 
 LAYER_UNIT_OPTIONS = ("auto", BLOCK, HALF)
@@ -53,6 +53,12 @@ class PlannerOptions:
     """Cap on simulations spent moving layer boundaries of the best plan."""
     include_baselines: bool = True
     """Score the baselines too and keep the planner's plan no slower than any of them."""
+    all_groups: bool = False
+    """Use every group of the cluster. By default the search also weighs leaving whole groups
+    idle (a slow group behind a slow link can cost more than it gives) and keeps the faster."""
+    weigh_groups_max_gpus: int = 128
+    """Above this many GPUs every group is used without weighing sets of groups: each set costs
+    a search of its own (about 10 s each at 256 GPUs, 0.1 to 1 s at 16)."""
     layer_unit: str = LAYER_UNIT_OPTIONS[0]
     """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
     fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep
@@ -70,6 +76,9 @@ class PlannerOptions:
             raise PlanningError(f"micro_batch_sizes {self.micro_batch_sizes} must all be >= 1")
         if not 0 < self.efficiency <= 1:
             raise PlanningError(f"efficiency {self.efficiency} must be in (0, 1]")
+        if self.weigh_groups_max_gpus < 0:
+            raise PlanningError(f"weigh_groups_max_gpus {self.weigh_groups_max_gpus} must be "
+                                ">= 0 (0: never leave a group idle, like all_groups)")
         if self.layer_unit not in LAYER_UNIT_OPTIONS:
             raise PlanningError(f"layer_unit {self.layer_unit!r} is unknown; use one of "
                                 f"{LAYER_UNIT_OPTIONS}")
@@ -103,6 +112,18 @@ class BaselineResult:
 
 
 @dataclass(frozen=True)
+class GroupChoice:
+    """One set of groups the search weighed using alone, and what it found on it."""
+
+    kept: tuple[str, ...]
+    """The groups used, in file order (the others idle)."""
+    iteration_s: float | None
+    """The best plan's simulated iteration time on these groups; None when not planned."""
+    note: str = ""
+    """Why there is no time: no plan fits, no chain of links, or a bound ruled it out."""
+
+
+@dataclass(frozen=True)
 class PlanResult:
     """The search's plan, its full replay, the baselines and what the search cost."""
 
@@ -113,3 +134,10 @@ class PlanResult:
     physical_limit_s: float
     """Forward + backward work of the global batch over the sum of every GPU's speed."""
     candidates_tried: int = 0
+    group_choices: tuple[GroupChoice, ...] = ()
+    """Every set of groups weighed (the whole cluster first); empty with one group."""
+
+    @property
+    def all_groups_s(self) -> float | None:
+        """The best plan's time on every group (the first choice weighed), where one was found."""
+        return self.group_choices[0].iteration_s if self.group_choices else None

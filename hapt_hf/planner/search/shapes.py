@@ -4,10 +4,13 @@ from __future__ import annotations
 import itertools
 import math
 
+from hapt_hf.errors import PlanningError
+
 from ..cluster import Cluster, GpuGroup
 from ..cost_model import StageShape
 
-__all__ = ["divisors", "compositions", "group_cuts", "width_options", "group_orders", "shapes_for",
+__all__ = ["divisors", "compositions", "group_cuts", "width_options", "group_orders",
+           "require_chain", "shapes_for",
            "micro_batch_options"]
 
 
@@ -67,6 +70,15 @@ def group_orders(cluster: Cluster, limit: int = 720) -> list[tuple[GpuGroup, ...
             if len(out) >= limit:
                 break
     return out
+
+
+def require_chain(cluster: Cluster) -> list[tuple[GpuGroup, ...]]:
+    """The orders of :func:`group_orders`; none is an error naming the fix."""
+    orders = group_orders(cluster)
+    if not orders:
+        raise PlanningError("no order of the groups has a link between every pair of "
+                            "neighbours; add links under 'links:' so the groups form a chain")
+    return orders
 
 
 def shapes_for(order: tuple[GpuGroup, ...],
