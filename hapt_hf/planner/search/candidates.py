@@ -5,7 +5,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from hapt_hf.errors import PlanningError
 
 from ..cost_model import CostModel
 from .options import Layout, PlannerOptions
