@@ -49,7 +49,7 @@ PLANNER_NOTE = (
     "accepted type `hapt-hf plan` and the launch path read the figures off the model "
     "(hapt_hf/profiling/model_reader.py: parameters and FLOPs from the model built on the meta "
     "device, only the experts that run for MoE; the bytes kept for the backward measured on one "
-    "layer of each kind on the CPU), and plan its blocks whole (no half blocks).")
+    "layer of each kind on fake CPU tensors, no memory), and plan its blocks whole (no half blocks).")
 """How the planner describes the accepted types (the page's header)."""
 
 

@@ -10,7 +10,10 @@ backward = 2x forward.
 
 :func:`read_layer_specs` adds what autograd keeps for the backward, measured: one layer of each
 distinct kind is built as the runtime builds it (:func:`~hapt_hf.profiling.profiler.build_layer`)
-and run forward on the CPU under saved-tensor hooks (every storage once, parameters excluded).
+and run forward under saved-tensor hooks (every storage once, parameters excluded), all on fake
+CPU tensors: the same shapes, dtypes and autocast casts as on the CPU, no data and no memory, so
+a 405B-class model reads in seconds (``benchmarks/model_reader.py``) and the figures equal a real
+CPU run's byte for byte.
 Up to ``_DIRECT_SEQ`` tokens the run is at the asked ``seq_len``; beyond, two shorter runs fit
 ``b * s + c * s**2`` per sample (the s x s terms of eager attention) and the fit is read at
 ``seq_len``. Two micro-batch sizes split the per-sample bytes from the per-micro-batch ones
@@ -25,6 +28,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from hapt_hf.compat.torch_api import fake_tensors
 from hapt_hf.core.precision import DTYPE_BYTES, MASTER_BYTES
 from hapt_hf.pipeline.generic import generic_adapter
 from hapt_hf.planner.model_spec import LayerSpec, register_reader
@@ -147,6 +151,12 @@ def _saved(config, stage, kind: str, micro_batch: int, seq_len: int, dtype: str)
 def _kept_bytes(config, layer: LayerSpec, seq_len: int, dtype: str,
                 options: ProfilerOptions) -> tuple[float, float]:
     """(bytes per sample, bytes per micro-batch) ``layer`` keeps for its backward at ``seq_len``."""
+    with fake_tensors():  # a real layer of a large model would take gigabytes and minutes
+        return _measure_kept(config, layer, seq_len, dtype, options)
+
+
+def _measure_kept(config, layer: LayerSpec, seq_len: int, dtype: str,
+                  options: ProfilerOptions) -> tuple[float, float]:
     torch.manual_seed(0)
     stage = build_layer(config, layer, "cpu", options)
 
