@@ -4,8 +4,8 @@
 
 Builds a config of the LLaMA 3.1 405B shape (hidden 16384, MLP 53248, 126 blocks, 128 heads,
 8 key/value heads, vocabulary 128256) of the given model type and reads its layer sequence
-through the model reader (:func:`hapt_hf.profiling.model_reader.read_layer_specs`, the path
-``ModelSpec.from_config`` takes for types without a hand formula). Prints one JSON line: the
+through the model reader (:func:`hapt_hf.profiling.model_reader.read_model`, the path
+``ModelSpec.from_config`` takes for types without a hand formula: whole blocks and halves). Prints one JSON line: the
 seconds taken, the growth of the process's peak resident memory over the read, and the model's
 parameter count. For ``--type llama`` it also gives the largest relative difference of the kept
 bytes from the hand formula's.
@@ -43,15 +43,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--dtype", default="bf16")
     args = ap.parse_args(argv)
-    from hapt_hf.profiling.model_reader import read_layer_specs
+    from hapt_hf.profiling.model_reader import read_model
 
     config = config_405b(args.type)
     before = _peak_rss_bytes()
     t0 = time.perf_counter()
-    layers = read_layer_specs(config, args.seq_len, args.dtype)
+    read = read_model(config, args.seq_len, args.dtype)
+    layers = read.layers
     out = {"type": args.type, "seconds": round(time.perf_counter() - t0, 2),
            "peak_rss_growth_bytes": _peak_rss_bytes() - before,
-           "params": sum(l.params for l in layers), "layers": len(layers)}
+           "params": sum(l.params for l in layers), "layers": len(layers),
+           "half_layers": len(read.half_layers)}
     if args.type == "llama":
         from hapt_hf.planner.model_spec import ModelSpec
         formula = ModelSpec.from_config(config, args.seq_len, args.dtype).layers
