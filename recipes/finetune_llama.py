@@ -1,4 +1,5 @@
-"""Fine-tune a LLaMA-shaped model (LLaMA, Mistral, Qwen2) with hapt_hf pipeline parallelism.
+"""Fine-tune a LLaMA-shaped model (LLaMA, Mistral, Qwen2), or any other accepted model type but
+gpt2 (Qwen3, Gemma 2, Phi... docs/models.md), with hapt_hf pipeline parallelism.
 
     accelerate launch --config_file recipes/configs/accelerate_cpu.yaml --num_processes 4 \
         recipes/finetune_llama.py --hapt_config recipes/configs/hapt_cpu_demo_llama.yaml \

@@ -49,7 +49,10 @@ PLANNER_NOTE = (
     "accepted type `hapt-hf plan` and the launch path read the figures off the model "
     "(hapt_hf/profiling/model_reader.py: parameters and FLOPs from the model built on the meta "
     "device, only the experts that run for MoE; the bytes kept for the backward measured on one "
-    "layer of each kind on the CPU), and plan its blocks whole (no half blocks).")
+    "layer of each kind on fake CPU tensors, no memory). Blocks that are an attention residual "
+    "then an MLP residual (the LLaMA block) can be cut in halves (`layer_unit: half`); the other "
+    "types are planned in whole blocks and `layer_unit: half` is refused with the reason "
+    "(attention and MLP in parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
 """How the planner describes the accepted types (the page's header)."""
 
 

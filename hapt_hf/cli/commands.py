@@ -115,8 +115,9 @@ def _model_for(plan: Plan, model: ModelSpec, where: str) -> ModelSpec:
     if plan.layer_unit != "half" or model.layer_unit == "half":
         return model
     if not model.can_split_blocks:
+        why = f" ({model.half_refusal})" if model.half_refusal else ""
         raise PlanError(f"{where}: layer_unit is 'half' but {model.name} ({model.family}) cannot "
-                        "be cut inside its blocks; use a plan with whole blocks")
+                        f"be cut inside its blocks{why}; use a plan with whole blocks")
     return model.split_blocks()
 
 

@@ -80,8 +80,8 @@ def install_lazy_model_reader() -> None:
     from hapt_hf.planner.model_spec import register_reader
 
     def read(*args):
-        from hapt_hf.profiling.model_reader import read_layer_specs
-        return read_layer_specs(*args)
+        from hapt_hf.profiling.model_reader import read_model
+        return read_model(*args)
     register_reader(read)
 
 

@@ -3,7 +3,8 @@
 The replay of a model's initialisation (:mod:`hapt_hf.pipeline.init_replay`) intercepts every
 tensor factory and every in-place op: torch offers no public way to list the factories that
 take a ``device=`` argument, to subclass a dispatch mode, to read which argument an op
-writes, or to identify a storage. The pipeline's failure records
+writes, or to identify a storage; the model reader runs a layer on fake tensors (shapes and
+dtypes, no memory) through torch's ``FakeTensorMode``. The pipeline's failure records
 (:mod:`hapt_hf.pipeline.comm`) live in the rendezvous store the launcher set up, which torch
 hands out only through a private accessor.
 """
@@ -15,7 +16,8 @@ from torch import Tensor
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "default_store"]
+__all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "fake_tensors",
+           "default_store"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -51,6 +53,17 @@ def storage_key(tensor: Tensor) -> int:
     meta storage has no ``data_ptr`` to tell storages apart).
     """
     return tensor.untyped_storage()._cdata
+
+
+def fake_tensors():
+    """A context in which every tensor made is fake: shapes, dtypes and devices as real ones,
+    no data and no memory (the ops run through their meta kernels). Real tensors met inside
+    are taken in as fake.
+
+    Tested on torch 2.13 (``torch._subclasses.fake_tensor.FakeTensorMode``, since torch 2.0).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def default_store() -> Any:

@@ -31,7 +31,7 @@ class RecipeDefaults:
     """What a recipe uses when the user names no model or data."""
 
     family: str
-    """Model family the recipe is written for ('gpt2' or 'llama'); others are refused."""
+    """'gpt2': the recipe trains gpt2 models; 'llama': every other accepted model type."""
     model_dir: Path
     """Directory with the built-in small model's config.json."""
     data_file: Path
@@ -101,12 +101,12 @@ def _tokenizer(args, model_dir: Path, defaults: RecipeDefaults):
 
 
 def _check_family(config, defaults: RecipeDefaults) -> None:
+    """The GPT-2 recipe trains gpt2; the LLaMA recipe every other accepted type (its LoRA
+    option adapts the q/k/v/o projections those models name alike)."""
     check_model_family(config)
-    llama_shaped = ("llama", "mistral", "qwen2")
-    fits = config.model_type == "gpt2" if defaults.family == "gpt2" \
-        else config.model_type in llama_shaped
-    if not fits:
-        other = "finetune_llama.py" if config.model_type in llama_shaped else "finetune_gpt2.py"
+    is_gpt2 = config.model_type == "gpt2"
+    if is_gpt2 != (defaults.family == "gpt2"):
+        other = "finetune_gpt2.py" if is_gpt2 else "finetune_llama.py"
         raise LaunchError(f"model type {config.model_type!r} is not a {defaults.family} model; "
                           f"use recipes/{other}")
 

@@ -201,7 +201,10 @@ def build_stage(
         stage.adapter = bind_shells(adapter, full)
     del full  # only the stage's modules stay referenced
     _check_materialised(stage)
-    stage.to(device=device, dtype=dtype)
+    to = torch.device(device)  # moved only if elsewhere: Module.to cannot swap fake tensors
+    if any(t.device.type != to.type or to.index not in (None, t.device.index) or (
+            t.is_floating_point() and t.dtype != dtype) for t in (*stage.parameters(), *stage.buffers())):
+        stage.to(device=device, dtype=dtype)
     # Rotary frequencies stay float32, as from_config/from_pretrained(dtype=...) keep them.
     _rebuild_rotary(stage, device)
     return stage

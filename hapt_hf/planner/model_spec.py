@@ -63,14 +63,14 @@ from .model_configs import (BUILTIN_MODELS, HUB_ALIASES, PROFILE_NAMES, config_f
                             model_config)
 
 __all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES", "SUPPORTED_FAMILIES",
-           "BUILTIN_MODELS", "model_config", "register_reader"]
+           "BUILTIN_MODELS", "model_config", "ReadModel", "register_reader"]
 
 SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
 """Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
 _INDEX_BYTES = 8  # token ids are int64
 _MODEL_READER: dict[str, Any] = {}
 """The reader of model types without a hand formula, installed from above (it needs torch):
-``fn(config, seq_len, dtype, attn_implementation) -> tuple[LayerSpec, ...]``."""
+``fn(config, seq_len, dtype, attn_implementation) -> ReadModel``."""
 
 
 def register_reader(fn) -> None:
@@ -115,6 +115,19 @@ class LayerSpec:
     for the half itself; '' otherwise."""
     profile_share: float = 1.0
     """For a block half: its share of the whole block's measured time (its share of the FLOPs)."""
+
+
+@dataclass(frozen=True)
+class ReadModel:
+    """What the installed reader returns for a model type without a hand formula."""
+
+    layers: tuple[LayerSpec, ...]
+    """``[embedding, block_0 .. block_{N-1}, head]``."""
+    half_layers: tuple[LayerSpec, ...] = ()
+    """``[embedding, b0.attn, b0.mlp, ..., head]``; () where the blocks cannot be cut in two."""
+    half_refusal: str = ""
+    """Why the blocks cannot be cut in two (their attention and MLP run in parallel...); ''
+    where ``half_layers`` are given."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,8 @@ class ModelSpec:
     ``[embedding, b0.attn, b0.mlp, b1.attn, ..., head]``."""
     half_layers: tuple[LayerSpec, ...] = ()
     """The half-block sequence :meth:`split_blocks` returns; () where blocks cannot be halved."""
+    half_refusal: str = ""
+    """Why the blocks cannot be halved, where the model itself says (read off its blocks)."""
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     """'eager' | 'sdpa': the attention the runtime builds, which sets what attention keeps."""
 
@@ -215,11 +230,15 @@ class ModelSpec:
         """The same model with every block cut into its attention and MLP halves."""
         if self.layer_unit == HALF:
             return self
+        if not self.can_split_blocks and self.half_refusal:
+            raise ModelSpecError(
+                f"layer_unit 'half' is not possible for model {self.name!r} ({self.family}): "
+                f"{self.half_refusal}; plan with layer_unit 'block'")
         if not self.can_split_blocks:
             raise ModelSpecError(
                 f"model {self.name!r} ({self.family}) has no half-block figures for its layer "
-                f"sequence: its blocks cannot be cut in two (halves exist for gpt2 and "
-                f"LLaMA-shaped families, on the sequence from_config built); plan with "
+                f"sequence: its blocks cannot be cut in two (halves exist for gpt2, "
+                f"LLaMA-shaped blocks, on the sequence from_config built); plan with "
                 f"layer_unit 'block'")
         return replace(self, layers=self.half_layers, layer_unit=HALF, half_layers=())
 
@@ -281,8 +300,8 @@ class ModelSpec:
     @classmethod
     def _from_reader(cls, config, seq_len: int, dtype: str, name: str | None,
                      profile_name: str | None, attn_implementation: str) -> "ModelSpec":
-        """An accepted type without a hand formula: the installed reader's figures (whole
-        blocks only; no half-block figures)."""
+        """An accepted type without a hand formula: the installed reader's figures (half-block
+        figures where its blocks are an attention residual then an MLP residual)."""
         family = getattr(config, "model_type", None)
         if family not in accepted_model_types():
             raise UnsupportedModel(
@@ -295,7 +314,8 @@ class ModelSpec:
                 f"with torch. Call hapt_hf.profiling.model_reader.install_model_reader() first "
                 f"(`hapt-hf plan` and the launch path do).")
         _check_seq_len(seq_len, None)
-        layers = tuple(_MODEL_READER["read"](config, seq_len, dtype, attn_implementation))
+        read = _MODEL_READER["read"](config, seq_len, dtype, attn_implementation)
+        layers = read.layers
         return cls(name=name or getattr(config, "name_or_path", "") or family, family=family,
                    hidden_size=int(config.hidden_size), num_blocks=len(layers) - 2,
                    vocab_size=int(config.vocab_size), seq_len=seq_len, dtype=dtype,
@@ -303,7 +323,8 @@ class ModelSpec:
                    num_heads=int(getattr(config, "num_attention_heads", 0) or 0),
                    num_kv_heads=int(getattr(config, "num_key_value_heads", 0) or 0),
                    intermediate_size=int(getattr(config, "intermediate_size", 0) or 0),
-                   profile_name=profile_name, attn_implementation=attn_implementation)
+                   profile_name=profile_name, attn_implementation=attn_implementation,
+                   half_layers=read.half_layers, half_refusal=read.half_refusal)
 
     @classmethod
     def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32",

@@ -11,6 +11,7 @@ from typing import Callable, TypeVar
 
 import torch
 
+from hapt_hf.compat.torch_api import storage_key
 # the runtime's own: the profiler times layers in exactly the precision the runtime runs
 from hapt_hf.pipeline.precision import compute_context, torch_dtype
 
@@ -22,13 +23,13 @@ T = TypeVar("T")
 def saved_tensor_bytes(module: torch.nn.Module, forward: Callable[[], T]) -> tuple[float, T]:
     """(bytes autograd saves while ``forward()`` runs, its result); ``module``'s parameters
     are not counted, every other storage once however many tensors view it."""
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    weights = {storage_key(p) for p in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
+        key = storage_key(t)  # not data_ptr: fake tensors (the model reader's) have none
+        if key not in weights:
+            seen[key] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -10,12 +10,21 @@ backward = 2x forward.
 
 :func:`read_layer_specs` adds what autograd keeps for the backward, measured: one layer of each
 distinct kind is built as the runtime builds it (:func:`~hapt_hf.profiling.profiler.build_layer`)
-and run forward on the CPU under saved-tensor hooks (every storage once, parameters excluded).
+and run forward under saved-tensor hooks (every storage once, parameters excluded), all on fake
+CPU tensors: the same shapes, dtypes and autocast casts as on the CPU, no data and no memory, so
+a 405B-class model reads in seconds (``benchmarks/model_reader.py``) and the figures equal a real
+CPU run's byte for byte.
 Up to ``_DIRECT_SEQ`` tokens the run is at the asked ``seq_len``; beyond, two shorter runs fit
 ``b * s + c * s**2`` per sample (the s x s terms of eager attention) and the fit is read at
 ``seq_len``. Two micro-batch sizes split the per-sample bytes from the per-micro-batch ones
-(autocast's weight copies). :func:`install_model_reader` hands it to
-:meth:`hapt_hf.planner.model_spec.ModelSpec.from_config` for the types without a hand formula.
+(autocast's weight copies).
+
+:func:`read_model` adds the half-block sequence where a block is the LLaMA block (the generic
+stage builder cuts those after the attention residual): each half's parameters and FLOPs are its
+own modules' (the MLP half the block's rest), its kept bytes measured on a one-half stage; where
+the blocks cannot be halved it gives the builder's reason instead. :func:`install_model_reader`
+hands it to :meth:`hapt_hf.planner.model_spec.ModelSpec.from_config` for the types without a
+hand formula.
 """
 from __future__ import annotations
 
@@ -25,15 +34,18 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from hapt_hf.compat.torch_api import fake_tensors
 from hapt_hf.core.precision import DTYPE_BYTES, MASTER_BYTES
 from hapt_hf.pipeline.generic import generic_adapter
-from hapt_hf.planner.model_spec import LayerSpec, register_reader
+from hapt_hf.core.layers import BLOCK, HALF
+from hapt_hf.planner.model_spec import LayerSpec, ReadModel, register_reader
 
 from .memory import saved_tensor_bytes
 from .profiler import build_layer, layer_run
 from .store import ProfilerOptions
 
-__all__ = ["LayerCount", "read_layer_counts", "read_layer_specs", "install_model_reader"]
+__all__ = ["LayerCount", "read_layer_counts", "read_layer_specs", "read_model",
+           "install_model_reader"]
 
 _DIRECT_SEQ = 256
 """Longest sequence measured as asked; longer ones are fitted from two runs of these lengths."""
@@ -56,33 +68,62 @@ class LayerCount:
 def read_layer_counts(config: PretrainedConfig, seq_len: int,
                       attn_implementation: str = "sdpa") -> list[LayerCount]:
     """``[embedding, block_0 .. block_{N-1}, head]`` read off the model built on meta."""
-    with torch.device("meta"):
-        # experts as batched matmuls over each token's chosen experts: on meta the router's
-        # top-k still picks top_k experts a token, so only the experts that run are counted
-        # (the grouped kernel has no fp32 meta form, the eager loop reads routing values)
-        full = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                experts_implementation="batched_mm")
-    adapter = generic_adapter(full)
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():  # inputs_embeds: the id-based checks read token values
-        full(inputs_embeds=torch.zeros(1, seq_len, config.hidden_size, device="meta"))
-    counts = {k.partition(".")[2]: v for k, v in counter.get_flop_counts().items()}
-    n = len(full.get_submodule(adapter.blocks_path))
-    blocks = [f"{adapter.blocks_path}.{i}" for i in range(n)]
-    groups = [list(adapter.embedding_paths), *([b] for b in blocks), list(adapter.head_paths)]
-    seen: set[int] = set()
-    out = []
-    for paths in groups:
+    return _MetaCounts(config, seq_len, attn_implementation).layers()
+
+
+class _MetaCounts:
+    """One meta forward of the whole model under the FLOP counter; parameters and FLOPs of any
+    group of its modules (a layer of the sequence, or a block's half)."""
+
+    def __init__(self, config: PretrainedConfig, seq_len: int, attn_implementation: str) -> None:
+        with torch.device("meta"):
+            # experts as batched matmuls over each token's chosen experts: on meta the router's
+            # top-k still picks top_k experts a token, so only the experts that run are counted
+            # (the grouped kernel has no fp32 meta form, the eager loop reads routing values)
+            self.full = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                         experts_implementation="batched_mm")
+        self.adapter = generic_adapter(self.full)
+        self.attn_implementation = attn_implementation
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():  # inputs_embeds: the id-based checks read token values
+            self.full(inputs_embeds=torch.zeros(1, seq_len, config.hidden_size, device="meta"))
+        self.counts = {k.partition(".")[2]: v for k, v in counter.get_flop_counts().items()}
+        self.blocks = [f"{self.adapter.blocks_path}.{i}"
+                       for i in range(len(self.full.get_submodule(self.adapter.blocks_path)))]
+
+    def layers(self) -> list[LayerCount]:
+        a = self.adapter
+        groups = [list(a.embedding_paths), *([b] for b in self.blocks), list(a.head_paths)]
+        seen: set[int] = set()  # a tied head's matrix is the embedding's: counted once
+        return [self.count(paths, seen) for paths in groups]
+
+    def halves(self, block: int) -> tuple[LayerCount, LayerCount]:
+        """(attention half, MLP half) of one block: the half's own modules, the MLP half the
+        block's rest (the residual adds count no FLOPs)."""
+        path = self.blocks[block]
+        whole = self.count([path], set())
+        attn = self.count([f"{path}.{n}" for n in self.adapter.attention_half], set())
+        return attn, LayerCount(whole.params - attn.params, whole.fwd_flops - attn.fwd_flops,
+                                whole.bwd_flops - attn.bwd_flops)
+
+    def count(self, paths: list[str], seen: set[int]) -> LayerCount:
         params = 0
         for path in paths:
-            for p in full.get_submodule(path).parameters():
-                if id(p) not in seen:  # a tied head's matrix is the embedding's
+            for p in self.full.get_submodule(path).parameters():
+                if id(p) not in seen:
                     seen.add(id(p))
                     params += p.numel()
-        attn = [counts.get(f"{p}.{name}", {}) for p in paths
-                for name, _ in full.get_submodule(p).named_children() if _is_attention(name)]
-        out.append(_count(params, [counts.get(p, {}) for p in paths], attn, attn_implementation))
-    return out
+        attn = [self.counts.get(a, {}) for p in paths for a in self._attention(p)]
+        return _count(params, [self.counts.get(p, {}) for p in paths], attn,
+                      self.attn_implementation)
+
+
+    def _attention(self, path: str) -> list[str]:
+        """The attention modules at or just under ``path`` (a half names its attention)."""
+        if _is_attention(path.rpartition(".")[2]):
+            return [path]
+        return [f"{path}.{name}" for name, _ in self.full.get_submodule(path).named_children()
+                if _is_attention(name)]
 
 
 def _is_attention(child_name: str) -> bool:
@@ -104,32 +145,76 @@ def read_layer_specs(config: PretrainedConfig, seq_len: int, dtype: str,
                      attn_implementation: str = "sdpa") -> tuple[LayerSpec, ...]:
     """``[embedding, block_0 .. block_{N-1}, head]`` as the planner's LayerSpecs: parameters and
     FLOPs read off the meta model, kept bytes measured on one layer of each distinct kind."""
-    counts = read_layer_counts(config, seq_len, attn_implementation)
-    c, s, h = DTYPE_BYTES[dtype], int(seq_len), int(config.hidden_size)
-    kinds = _block_kinds(config, len(counts) - 2)
-    tag = f"{config.model_type}:h{h}:s{s}:{dtype}" + (":eager" if attn_implementation == "eager"
-                                                         else "")
-    layers = []
-    for i, count in enumerate(counts):
-        kind = "embedding" if i == 0 else "head" if i == len(counts) - 1 else "block"
-        signature = f"{tag}:{kinds[i - 1] if kind == 'block' else kind}"
-        # a stage sends the residual stream at the compute dtype; recompute keeps the fp32 input
-        out_bytes = 0.0 if kind == "head" else float(c * s * h)
-        in_bytes = float(_INDEX_BYTES * s if kind == "embedding" else MASTER_BYTES * s * h)
-        layers.append(LayerSpec(i, kind, signature, count.params, count.fwd_flops,
-                                count.bwd_flops, out_bytes, 0.0, in_bytes))
-    kept: dict[str, tuple[float, float]] = {}
-    options = ProfilerOptions(attn_implementation=attn_implementation)
-    for layer in layers:
-        if layer.signature not in kept:
-            kept[layer.signature] = _kept_bytes(config, layer, s, dtype, options)
-    return tuple(replace(l, act_keep_bytes=kept[l.signature][0],
-                         act_keep_fixed_bytes=kept[l.signature][1]) for l in layers)
+    return _Reader(config, seq_len, dtype, attn_implementation).layers()
+
+
+def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
+               attn_implementation: str = "sdpa") -> ReadModel:
+    """The whole-block sequence and, where a block is the pre-norm attention residual then the
+    MLP residual (the generic stage builder cuts those), the half-block sequence; otherwise
+    the reason the blocks cannot be halved (attention and MLP in parallel, another forward)."""
+    reader = _Reader(config, seq_len, dtype, attn_implementation)
+    layers = reader.layers()
+    if reader.meta.adapter.attention_half is None:
+        return ReadModel(layers, half_refusal=reader.meta.adapter.half_refusal)
+    return ReadModel(layers, half_layers=reader.half_layers(layers))
 
 
 def install_model_reader() -> None:
     """Let ModelSpec.from_config describe every accepted model type without a hand formula."""
-    register_reader(read_layer_specs)
+    register_reader(read_model)
+
+
+class _Reader:
+    """Counts of the meta model, kept bytes measured once per distinct layer (or half) kind."""
+
+    def __init__(self, config: PretrainedConfig, seq_len: int, dtype: str,
+                 attn_implementation: str) -> None:
+        self.config, self.s, self.dtype = config, int(seq_len), dtype
+        self.meta = _MetaCounts(config, seq_len, attn_implementation)
+        self.options = ProfilerOptions(attn_implementation=attn_implementation)
+        self.kept: dict[str, tuple[float, float]] = {}
+
+    def layers(self) -> tuple[LayerSpec, ...]:
+        config, s, dtype = self.config, self.s, self.dtype
+        counts = self.meta.layers()
+        c, h = DTYPE_BYTES[dtype], int(config.hidden_size)
+        kinds = _block_kinds(config, len(counts) - 2)
+        eager = self.options.attn_implementation == "eager"
+        tag = f"{config.model_type}:h{h}:s{s}:{dtype}" + (":eager" if eager else "")
+        layers = []
+        for i, count in enumerate(counts):
+            kind = "embedding" if i == 0 else "head" if i == len(counts) - 1 else "block"
+            signature = f"{tag}:{kinds[i - 1] if kind == 'block' else kind}"
+            # a stage sends the residual stream at the compute dtype; recompute keeps the fp32
+            # input
+            out_bytes = 0.0 if kind == "head" else float(c * s * h)
+            in_bytes = float(_INDEX_BYTES * s if kind == "embedding" else MASTER_BYTES * s * h)
+            layers.append(self._measured(LayerSpec(i, kind, signature, count.params,
+                                                   count.fwd_flops, count.bwd_flops, out_bytes,
+                                                   0.0, in_bytes), BLOCK))
+        return tuple(layers)
+
+    def half_layers(self, layers: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+        """``[embedding, b0.attn, b0.mlp, ..., head]``: each half's own counts and kept bytes;
+        a profile of the whole block is shared by FLOPs, as for the hand-formula families."""
+        out = [layers[0]]
+        for block in layers[1:-1]:
+            for part, count in zip(("attn", "mlp"), self.meta.halves(block.index - 1)):
+                half = LayerSpec(len(out), "block", f"{block.signature}:{part}", count.params,
+                                 count.fwd_flops, count.bwd_flops, block.act_out_bytes, 0.0,
+                                 block.act_in_bytes, profile_signature=block.signature,
+                                 profile_share=count.fwd_flops / block.fwd_flops)
+                out.append(self._measured(half, HALF))
+        out.append(replace(layers[-1], index=len(out)))
+        return tuple(out)
+
+    def _measured(self, layer: LayerSpec, unit: str) -> LayerSpec:
+        if layer.signature not in self.kept:
+            self.kept[layer.signature] = _kept_bytes(self.config, layer, self.s, self.dtype,
+                                                     self.options, unit)
+        keep, fixed = self.kept[layer.signature]
+        return replace(layer, act_keep_bytes=keep, act_keep_fixed_bytes=fixed)
 
 
 def _block_kinds(config: PretrainedConfig, n: int) -> list[str]:
@@ -145,10 +230,16 @@ def _saved(config, stage, kind: str, micro_batch: int, seq_len: int, dtype: str)
 
 
 def _kept_bytes(config, layer: LayerSpec, seq_len: int, dtype: str,
-                options: ProfilerOptions) -> tuple[float, float]:
+                options: ProfilerOptions, unit: str = BLOCK) -> tuple[float, float]:
     """(bytes per sample, bytes per micro-batch) ``layer`` keeps for its backward at ``seq_len``."""
+    with fake_tensors():  # a real layer of a large model would take gigabytes and minutes
+        return _measure_kept(config, layer, seq_len, dtype, options, unit)
+
+
+def _measure_kept(config, layer: LayerSpec, seq_len: int, dtype: str,
+                  options: ProfilerOptions, unit: str) -> tuple[float, float]:
     torch.manual_seed(0)
-    stage = build_layer(config, layer, "cpu", options)
+    stage = build_layer(config, layer, "cpu", options, unit)
 
     def split(s: int) -> tuple[float, float]:  # (per sample, per micro-batch) at s tokens
         one, two = (_saved(config, stage, layer.kind, mb, s, dtype) for mb in (1, 2))

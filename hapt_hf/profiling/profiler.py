@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.core.layers import BLOCK, body_part, num_layers
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey
 
@@ -158,20 +159,23 @@ def _representatives(spec: ModelSpec) -> list[LayerSpec]:
     return list(seen.values())
 
 
-def build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions):
-    """The one-layer stage the runtime would run for ``layer``, from a model cut short, with
-    fp32 weights (16-bit compute is autocast's, as in the runtime)."""
+def build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions,
+                layer_unit: str = BLOCK):
+    """The one-layer stage the runtime would run for ``layer`` (an entry of the sequence in
+    ``layer_unit``: a block half for 'half'), from a model cut short, with fp32 weights (16-bit
+    compute is autocast's, as in the runtime)."""
     from hapt_hf.pipeline.stage import build_stage  # imports torch: see the module docstring
 
     # Build a model of as few blocks as reach this layer, not the whole model.
-    nblocks = max(layer.index, 1) if layer.kind == "block" else 1
+    nblocks = body_part(layer.index, layer_unit).index + 1 if layer.kind == "block" else 1
     small = copy.deepcopy(config)
     small.num_hidden_layers = nblocks
     if isinstance(getattr(small, "layer_types", None), list):
         small.layer_types = small.layer_types[:nblocks]
-    index = {"embedding": 0, "block": layer.index, "head": nblocks + 1}[layer.kind]
+    last = num_layers(nblocks, layer_unit) - 1
+    index = {"embedding": 0, "block": layer.index, "head": last}[layer.kind]
     stage = build_stage(small, (index, index + 1), seed=0, device=device,
-                        attn_implementation=options.attn_implementation)
+                        attn_implementation=options.attn_implementation, layer_unit=layer_unit)
     return stage.train()
 
 

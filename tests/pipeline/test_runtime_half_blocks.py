@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.pipeline.coverage import tiny_config as generic_config
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.testing import run_ranks
 from tests.pipeline.test_runtime_equivalence import (MBS, SEQ, M, _compare,
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.multiproc
 BLOCKS = 3
 # [embedding, b0.attn, b0.mlp, b1.attn | b1.mlp, b2.attn, b2.mlp, head]: block 1 is cut in two
 CUT = 4
+FAMILIES = ("gpt2", "llama", "qwen3")
 
 
 def half_plan() -> Plan:
@@ -29,7 +31,8 @@ def run_family(rank: int, family: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
-    config = tiny_config(family, BLOCKS)
+    # qwen3: no hand-written family, cut by the generic stage builder
+    config = generic_config(family, BLOCKS) if family == "qwen3" else tiny_config(family, BLOCKS)
     rt = PipelineRuntime(half_plan(), config, RuntimeConfig(timeout_s=60, seed=7))
     torch.manual_seed(7)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
@@ -57,7 +60,7 @@ def run_family(rank: int, family: str) -> dict:
 
 def run_all(rank: int, world_size: int) -> dict:
     del world_size
-    return {family: run_family(rank, family) for family in ("gpt2", "llama")}
+    return {family: run_family(rank, family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +68,11 @@ def results() -> list:
     return run_ranks(run_all, 2, timeout_s=240)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_half_cut_matches_single_process(results, family):
     split = {"gpt2": ("transformer.h.1.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight"),
              "llama": ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight")}
+    split["qwen3"] = split["llama"]
     attn_key, mlp_key = split[family]
     by_rank = {o.rank: o.value[family] for o in results}
     for rank, r in by_rank.items():
