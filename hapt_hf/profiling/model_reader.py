@@ -14,10 +14,10 @@ and run forward under saved-tensor hooks (every storage once, parameters exclude
 CPU tensors: the same shapes, dtypes and autocast casts as on the CPU, no data and no memory, so
 a 405B-class model reads in seconds (``benchmarks/model_reader.py``) and the figures equal a real
 CPU run's byte for byte.
-Up to ``_DIRECT_SEQ`` tokens the run is at the asked ``seq_len``; beyond, two shorter runs fit
-``b * s + c * s**2`` per sample (the s x s terms of eager attention) and the fit is read at
-``seq_len``. Two micro-batch sizes split the per-sample bytes from the per-micro-batch ones
-(autocast's weight copies).
+The run is at the asked ``seq_len`` (fake tensors cost nothing at any length, so sliding
+windows, chunked attention and eager's s x s scores are measured, not extrapolated). Two
+micro-batch sizes split the per-sample bytes from the per-micro-batch ones (autocast's weight
+copies, RoPE's cos / sin shared by the micro-batch).
 
 :func:`read_model` adds the half-block sequence where a block is the LLaMA block (the generic
 stage builder cuts those after the attention residual): each half's parameters and FLOPs are its
@@ -47,9 +47,6 @@ from .store import ProfilerOptions
 __all__ = ["LayerCount", "read_layer_counts", "read_layer_specs", "read_model",
            "install_model_reader"]
 
-_DIRECT_SEQ = 256
-"""Longest sequence measured as asked; longer ones are fitted from two runs of these lengths."""
-_FIT_SEQS = (64, 128)
 _INDEX_BYTES = 8  # token ids are int64
 
 _ATTN_OPS = ("aten.bmm",)
@@ -241,18 +238,5 @@ def _measure_kept(config, layer: LayerSpec, seq_len: int, dtype: str,
     torch.manual_seed(0)
     stage = build_layer(config, layer, "cpu", options, unit)
 
-    def split(s: int) -> tuple[float, float]:  # (per sample, per micro-batch) at s tokens
-        one, two = (_saved(config, stage, layer.kind, mb, s, dtype) for mb in (1, 2))
-        return two - one, 2 * one - two
-
-    if seq_len <= _DIRECT_SEQ:
-        return split(seq_len)
-    (y1, f1), (y2, f2) = (split(s) for s in _FIT_SEQS)
-    s1, s2 = _FIT_SEQS
-    # per sample b*s + c*s^2 (eager's s x s scores); per micro-batch f0 + f*s (weight copies,
-    # RoPE's cos / sin shared by the micro-batch), each through the two lengths
-    quad = (y2 / s2 - y1 / s1) / (s2 - s1)
-    lin = y1 / s1 - quad * s1
-    slope = (f2 - f1) / (s2 - s1)
-    return (max(lin * seq_len + quad * seq_len ** 2, 0.0),
-            max(f1 + slope * (seq_len - s1), 0.0))
+    one, two = (_saved(config, stage, layer.kind, mb, seq_len, dtype) for mb in (1, 2))
+    return two - one, 2 * one - two  # (per sample, per micro-batch)
