@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -238,8 +239,20 @@ _BAD_CLUSTERS = {
     "fits_nowhere": (SMALL_CLUSTER.replace(
         "{family: gpt2, hidden_size: 256, num_layers: 4, num_heads: 4, vocab_size: 1000}",
         "{family: llama, hidden_size: 8192, intermediate_size: 28672, num_layers: 80, "
-        "num_heads: 64, num_kv_heads: 8, vocab_size: 128256}"), "GB per GPU"),
+        "num_heads: 64, num_kv_heads: 8, vocab_size: 128256}"), "GB usable on the largest GPU"),
 }
+
+
+def test_plan_that_fits_nowhere_names_a_remedy_that_plans(tmp_path, capsys):
+    tiny = SMALL_CLUSTER.replace("gpu: A100-40,", "gpu: A100-40, memory_gb: 0.02,").replace(
+        "gpu: V100-32,", "gpu: V100-32, memory_gb: 0.02,")
+    code, out, err = _run(["plan", "--cluster", _write(tmp_path, tiny)], capsys)
+    _assert_user_error(code, out, err, "GB usable on the largest GPU")
+    # of the two alike-sized groups the first by name is named; it grows
+    more = int(re.search(r"(\d+) more A100-40 GPU", err).group(1))
+    grown = tiny.replace("gpus_per_node: 1}", f"gpus_per_node: {1 + more}}}")
+    code, out, err = _run(["plan", "--cluster", _write(tmp_path, grown, "grown.yaml")], capsys)
+    assert code == 0, err
 
 
 def _assert_user_error(code, out, err, field):

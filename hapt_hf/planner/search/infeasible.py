@@ -1,63 +1,172 @@
-"""When nothing fits: one message that says how short the GPUs are and what would fit."""
+"""When nothing fits: one message that says how short the GPUs are and what would fit.
+
+Every figure comes from the cost model. A remedy is checked on the most favourable layout the
+search can build: one GPU per stage, the largest GPUs first (they run the deepest warm-ups),
+each stage taking as many layers as fit under the schedule's own warm-up depths, for each
+micro-batch size allowed. Across group links the search may run deeper warm-ups, so there the
+check is an estimate.
+"""
 from __future__ import annotations
 
+import math
+
+from hapt_hf.core.layers import layer_name
+from hapt_hf.core.precision import MASTER_BYTES
+from hapt_hf.core.schedules import ScheduleKind, default_warmups
 from hapt_hf.errors import PlanningError
 
+from ..cluster import GpuGroup
 from ..cost_model import CostModel
 from .options import PlannerOptions
+from .shapes import divisors
 
-__all__ = ["does_not_fit"]
+__all__ = ["does_not_fit", "fit_advice"]
+
+_WHOLE_BYTES_PER_PARAM = 2 * MASTER_BYTES
+"""fp32 weights and gradients: every replica keeps them whole; ZeRO-1 shards only the rest of
+the training state (the optimizer's)."""
 
 
-def _fill(cm: CostModel, caps: list[float], extra: float = 0.0) -> int:
-    """Layers that GPUs of these capacities (one stage each, one sample in flight, recompute
-    on) hold when each takes as many as fit, in order."""
-    L, a = cm.model.num_layers, 0
-    for cap in caps:
-        b = a
-        while b < L and cm.memory_bytes(1, a, b + 1, 1, True) <= cap + extra:
-            b += 1
-        a = b
+def _gb(nbytes: float) -> str:
+    gb = nbytes / 1e9
+    return f"{gb:.2f} GB" if gb >= 1 else f"{gb:.3g} GB"  # small GPUs still tell apart
+
+
+def _largest(cm: CostModel) -> list[GpuGroup]:
+    """The groups, the most usable memory first (ties by name)."""
+    return sorted(cm.cluster.groups, key=lambda g: (-cm.capacity_bytes(g), g.name))
+
+
+def _mbs_options(global_batch: int, sizes) -> list[int]:
+    """Micro-batch sizes a one-GPU-per-stage pipeline may use, smallest first."""
+    return [m for m in divisors(global_batch) if sizes is None or m in sizes]
+
+
+def _holds(cm: CostModel, caps: list[float], global_batch: int, schedule: str,
+           mbs_sizes, recompute: bool, max_stages: int | None) -> int | None:
+    """The largest micro-batch size with which GPUs of these capacities (one stage each, in
+    this order) hold the whole model; None if none does."""
+    L = cm.model.num_layers
+    n = min(len(caps), L, max_stages or L)
+    for mbs in reversed(_mbs_options(global_batch, mbs_sizes)):
+        warm = default_warmups(schedule, n, global_batch // mbs)
+        a = 0
+        for i, (cap, w) in enumerate(zip(caps[:n], warm)):
+            b = a
+            # every later stage keeps at least one layer
+            while b < L - (n - i - 1) and cm.memory_bytes(mbs, a, b + 1, w, recompute) <= cap:
+                b += 1
+            if b == a:
+                break
+            a = b
         if a == L:
-            break
-    return a
+            return mbs
+    return None
+
+
+def _largest_layer(cm: CostModel, recompute: bool) -> tuple[int, float]:
+    """(layer, bytes) of the layer that needs the most memory alone: one sample, one in flight."""
+    need = [cm.memory_bytes(1, j, j + 1, 1, recompute) for j in range(cm.model.num_layers)]
+    j = max(range(len(need)), key=need.__getitem__)
+    return j, need[j]
+
+
+def _zero1(cm: CostModel, layer: int, need: float, cap: float) -> str:
+    """What sharding the layer's optimizer state over the stage's replicas would give."""
+    params = cm.params[layer + 1] - cm.params[layer]
+    opt = params * (cm.state_bytes - _WHOLE_BYTES_PER_PARAM)
+    if need - opt >= cap:
+        return ("even sharding its optimizer state over the stage's replicas (ZeRO-1) would "
+                f"leave {_gb(need - opt)}, more than the GPU holds")
+    d = max(2, math.ceil(opt / (cap - (need - opt))))
+    return (f"sharding its optimizer state (ZeRO-1) over {d} replicas of the stage would bring "
+            f"it to {_gb(need - opt + opt / d)}, but the planner does not support ZeRO-1 yet")
+
+
+def _more_gpus(cm: CostModel, caps: list[float], big_cap: float, global_batch: int,
+               options: PlannerOptions) -> int | None:
+    """How many more GPUs of ``big_cap`` would hold the model (None: no count up to one stage
+    per layer would)."""
+    L = cm.model.num_layers
+    # past one stage per layer more GPUs only replicate stages; up to L new ones can still
+    # replace smaller GPUs among the first L
+    for k in range(1, L + 1):
+        grown = sorted(caps + [big_cap] * k, reverse=True)
+        if _holds(cm, grown, global_batch, options.schedule, options.micro_batch_sizes,
+                  options.allow_recompute, options.max_stages):
+            return k
+    return None
+
+
+def fit_advice(cm: CostModel, global_batch: int, options: PlannerOptions) -> list[str]:
+    """What would make the job fit, each as one clause with its figures; empty when the
+    most favourable layout already fits on ``cm``'s cluster (the search failed for another
+    reason, e.g. the widths the global batch allows)."""
+    groups = _largest(cm)
+    caps = [cm.capacity_bytes(g) for g in groups for _ in range(g.size)]
+    big = groups[0]
+    rc = options.allow_recompute
+
+    def holds(**kw) -> int | None:  # on this cluster, with one of the options changed
+        args = dict(schedule=options.schedule, mbs_sizes=options.micro_batch_sizes,
+                    recompute=rc, max_stages=options.max_stages)
+        args.update(kw)
+        return _holds(cm, caps, global_batch, **args)
+
+    if holds():
+        return []
+    layer, need = _largest_layer(cm, True)
+    if need > caps[0]:
+        size = math.ceil(need / cm.memory_headroom / 1e7) * 1e7  # as printed, rounded up
+        count = _more_gpus(cm, [], size * cm.memory_headroom, global_batch, options)
+        out = [f"use GPUs with at least {_gb(size)} of memory" + (
+            f" ({count} of them, one stage each, hold the model)" if count else "")]
+        if need <= big.gpu.memory_gb * 1e9:
+            out.append(f"or memory_headroom {math.ceil(need / big.gpu.memory_gb / 1e6) / 1e3} "
+                       f"(now {cm.memory_headroom}) holds that layer")
+        out.append(_zero1(cm, layer, need, caps[0]))
+        return out
+    out = []
+    if not rc and holds(recompute=True):
+        out.append("allow_recompute=True (recompute activations in the backward) fits it")
+    if options.schedule == ScheduleKind.GPIPE.value and \
+            holds(schedule=ScheduleKind.ONE_F_ONE_B.value):
+        out.append("schedule 1f1b (fewer micro-batches in flight: --schedule 1f1b) fits it")
+    if options.micro_batch_sizes is not None:
+        mbs = holds(mbs_sizes=None)
+        if mbs:
+            out.append(f"micro-batch size {mbs} (--micro-batch {mbs}) fits it")
+    more = _more_gpus(cm, caps, caps[0], global_batch, options)
+    if more:
+        out.append(f"{more} more {big.gpu.name} GPU{'s' if more > 1 else ''} (one stage each) "
+                   "would hold it")
+    elif not out:
+        out.append(f"even one {big.gpu.name} GPU per layer does not hold it with the micro-batches "
+                   f"schedule {options.schedule} keeps in flight; use GPUs with more memory")
+    return out
+
+
+def _shortfall(cm: CostModel, options: PlannerOptions) -> str:
+    """The need against the capacity: the smallest stage and the whole model's state."""
+    big = _largest(cm)[0]
+    layer, need = _largest_layer(cm, options.allow_recompute)
+    name = layer_name(layer, cm.model.num_layers, cm.model.layer_unit)
+    total = sum(cm.capacity_bytes(g) * g.size for g in cm.cluster.groups)
+    return (f"the smallest stage (layer {name} alone, one sample"
+            f"{', recompute on' if options.allow_recompute else ''}) needs {_gb(need)} against "
+            f"{_gb(cm.capacity_bytes(big))} usable on the largest GPU ({big.gpu.name}, "
+            f"memory_headroom {cm.memory_headroom}); weights, gradients and optimizer state "
+            f"take {_gb(cm.static_bytes(0, cm.model.num_layers))} against {_gb(total)} usable "
+            f"on all {cm.cluster.world_size} GPUs")
 
 
 def does_not_fit(cm: CostModel, global_batch: int, options: PlannerOptions) -> PlanningError:
-    L = cm.model.num_layers
-    caps = sorted((cm.capacity_bytes(g) for g in cm.cluster.groups for _ in range(g.size)),
-                  reverse=True)
-    if _fill(cm, caps) < L:
-        # the bytes each GPU lacks: the least extra capacity that lets the GPUs hold it all
-        lo, hi = 0.0, max(cm.memory_bytes(1, 0, L, 1, True), 1.0)
-        while hi - lo > max(1e6, 1e-4 * hi):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if _fill(cm, caps, mid) == L else (mid, hi)
-        big = max(cm.cluster.groups, key=lambda g: (g.gpu.memory_gb, g.name))
-        cap_big = cm.capacity_bytes(big)
-        done, more = _fill(cm, caps), 0
-        while done < L:  # keep adding the largest GPU of the cluster, one stage each
-            nxt = _fill_from(cm, done, cap_big)
-            if nxt == done:
-                break
-            done, more = nxt, more + 1
-        fix = (f"{more} more {big.gpu.name} GPUs would fit it" if done == L else
-               f"a single layer needs more than one {big.gpu.name} holds; use GPUs with more "
-               "memory")
+    """The error of a job with no plan that fits memory: the shortfall and what would fit."""
+    head = (f"no plan of model {cm.model.name!r} fits cluster {cm.cluster.name!r} with global "
+            f"batch {global_batch}: {_shortfall(cm, options)}")
+    advice = fit_advice(cm, global_batch, options)
+    if not advice:
         return PlanningError(
-            f"model {cm.model.name!r} does not fit on cluster {cm.cluster.name!r}: even with one "
-            f"GPU per stage, recompute and one sample per micro-batch, the GPUs are short by "
-            f"{hi / 1e9:.2f} GB per GPU; {fix} (or raise memory_headroom, now "
-            f"{options.memory_headroom})")
-    return PlanningError(
-        f"no plan of model {cm.model.name!r} fits cluster {cm.cluster.name!r} with global batch "
-        f"{global_batch}: the micro-batch sizes allowed by the stage widths need more memory "
-        "than the GPUs have; try a global batch divisible by more widths, allow_recompute=True, "
-        "or more GPUs")
-
-
-def _fill_from(cm: CostModel, a: int, cap: float) -> int:
-    b, L = a, cm.model.num_layers
-    while b < L and cm.memory_bytes(1, a, b + 1, 1, True) <= cap:
-        b += 1
-    return b
+            f"{head}; the micro-batch sizes allowed by the stage widths need more memory than "
+            "the GPUs have; try a global batch divisible by more widths or more GPUs")
+    return PlanningError(f"{head}. What would fit: {'; '.join(advice)}")
