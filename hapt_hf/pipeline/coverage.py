@@ -24,7 +24,14 @@ _SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
           "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
           "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-          "sliding_window": 6, "rotary_dim": 8, "output_router_logits": False}
+          "sliding_window": 6, "rotary_dim": 8, "output_router_logits": False,
+          "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+          "moe_topk": 2, "index_n_heads": 2, "index_head_dim": 16}
+# Multi-head latent attention (DeepSeek V2/V3 and kin): the rotary part of each head is
+# qk_rope_head_dim wide and the config's head_dim is that width (the rotary tables' size); the
+# keys and values come from a shared low-rank projection with as many heads as the queries.
+_MLA_SIZES = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+              "qk_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4}
 
 
 def tiny_config(model_type: str, blocks: int = 3) -> PretrainedConfig:
@@ -35,7 +42,8 @@ def tiny_config(model_type: str, blocks: int = 3) -> PretrainedConfig:
     """
     default = AutoConfig.for_model(model_type)
     known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    sizes = {k: v for k, v in _SIZES.items() if k in known}
+    overlay = {**_SIZES, **(_MLA_SIZES if "kv_lora_rank" in known else {})}
+    sizes = {k: v for k, v in overlay.items() if k in known}
     config = AutoConfig.for_model(model_type, num_hidden_layers=blocks, **sizes)
     kinds = getattr(config, "layer_types", None)
     if kinds and "sliding_attention" in kinds:
