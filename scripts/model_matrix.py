@@ -34,6 +34,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from hapt_hf.core.families import MATRIX_FILE, VERIFIED_STATUSES  # noqa: E402
 from hapt_hf.errors import HaptError  # noqa: E402
 from hapt_hf.pipeline.coverage import chain_ranges, check_chain, tiny_config  # noqa: E402
+from hapt_hf.pipeline.generic import recurrent_refusal  # noqa: E402
 
 ATOL = 4e-5
 MAX_PARAMS = 5_000_000
@@ -60,7 +61,11 @@ def classify(model_type: str) -> tuple[str, str]:
     try:
         config = tiny_config(model_type, blocks=2)
     except Exception as err:  # noqa: BLE001 - any failure of a third-party config is reported
-        return "not verified: no tiny config", _short(err)
+        recurrent = _default_recurrence(model_type)
+        return (RECURRENT, recurrent) if recurrent else ("not verified: no tiny config", _short(err))
+    recurrent = recurrent_refusal(config)
+    if recurrent is not None:  # before the full model runs: a tiny hybrid may not run at all
+        return RECURRENT, recurrent
     try:
         size = _meta_params(config)
     except Exception as err:  # noqa: BLE001
@@ -77,6 +82,14 @@ def classify(model_type: str) -> tuple[str, str]:
         return ("not verified: chain differs from the full model",
                 f"max |logits diff| {r.logits:.2e}, max |grad diff| {r.grads:.2e}")
     return ("tested" if model_type in TESTED else "works"), f"{r.params_matched} parameters matched"
+
+
+def _default_recurrence(model_type: str) -> str | None:
+    """Why the type is recurrent/hybrid, read off its default config (where no tiny one builds)."""
+    try:
+        return recurrent_refusal(transformers.AutoConfig.for_model(model_type))
+    except Exception:  # noqa: BLE001 - the default config may not build either
+        return None
 
 
 def _meta_params(config) -> int:

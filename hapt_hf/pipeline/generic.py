@@ -32,7 +32,7 @@ from transformers.modeling_outputs import MoeModelOutputWithPast
 from hapt_hf.errors import StageBuildError
 from hapt_hf.pipeline.families import BlockInputs, FamilyAdapter
 
-__all__ = ["GenericAdapter", "generic_adapter", "refusal"]
+__all__ = ["GenericAdapter", "generic_adapter", "recurrent_refusal", "refusal"]
 
 _HALF_BLOCK = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -181,10 +181,9 @@ def refusal(config: PretrainedConfig) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return (f"{config.model_type!r} is an encoder-decoder model (config.is_encoder_decoder); only "
                 "decoder-only causal LMs can be cut into pipeline stages")
-    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
-    if kinds:
-        return (f"config.layer_types holds {sorted(kinds)}: only full and sliding-window attention "
-                "layers are cut (layers with recurrent or other per-layer state are not)")
+    problem = recurrent_refusal(config)
+    if problem is not None:
+        return problem
     if getattr(config, "output_router_logits", False):
         return ("config.output_router_logits is True: the router's auxiliary loss is a non-linear "
                 "function of every layer's routing over the whole batch, which pipeline stages and "
@@ -193,6 +192,35 @@ def refusal(config: PretrainedConfig) -> str | None:
         return (f"config.layerdrop is {config.layerdrop}; skipping random blocks cannot be split "
                 "across stages: set config.layerdrop = 0.0")
     return None
+
+
+def recurrent_refusal(config: PretrainedConfig) -> str | None:
+    """Why this config's layers are not all attention layers (recurrent, convolutional or other
+    per-layer kinds), or None."""
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        return (f"config.layer_types holds {sorted(kinds)}: only full and sliding-window attention "
+                "layers are cut (layers with recurrent or other per-layer state are not)")
+    state = _recurrent_state_argument(getattr(config, "model_type", ""))
+    if state is not None:
+        return (f"the base model's forward carries a recurrent state ({state!r}) instead of a KV "
+                "cache: only full and sliding-window attention layers are cut (layers with "
+                "recurrent or other per-layer state are not)")
+    return None
+
+
+def _recurrent_state_argument(model_type: str) -> str | None:
+    """The argument through which the type's base model passes a recurrent state (Mamba's
+    ``cache_params``, RWKV's ``state``), or None. Models whose config names no layer kinds
+    (RWKV, xLSTM) show their recurrence only there."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    cls = getattr(transformers, MODEL_MAPPING_NAMES.get(model_type, ""), None)
+    try:
+        params = inspect.signature(cls.forward).parameters if cls is not None else {}
+    except (TypeError, ValueError):
+        return None
+    return next((p for p in ("cache_params", "state") if p in params), None)
 
 
 def generic_adapter(full: nn.Module) -> GenericAdapter:
