@@ -57,10 +57,27 @@ class _Recorder(nn.Module):
 
 
 class _Identity(nn.Module):
-    """A base-model module this stage does not own, run on a non-first stage's stand-in input."""
+    """A base-model module this stage does not own, run on a non-first stage's stand-in input.
+
+    A hidden state (a float tensor: norms, scalings) passes through. Anything else is a term
+    computed from ids, masks or positions (learned or sinusoidal position embeddings, BioGPT,
+    GPT-BigCode, XGLM) that the forward adds to the stand-in, whose value a non-first stage never
+    uses: a zero scalar adds to any hidden state."""
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
+        if not isinstance(x, Tensor) or x.is_floating_point():
+            return x
+        return torch.zeros((), device=x.device)
+
+
+class _BaseOutput(MoeModelOutputWithPast):
+    """The base model's output as the causal-LM forward reads it: the hidden state, and None for
+    every other field it copies through (router logits, cross attentions, shared KV states)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
 
 
 class _Given(nn.Module):
@@ -71,8 +88,7 @@ class _Given(nn.Module):
         self.hidden: Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> MoeModelOutputWithPast:
-        # the MoE output type: MoE causal LMs read its (empty) router logits
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+        return _BaseOutput(last_hidden_state=self.hidden)
 
 
 @dataclass(frozen=True)
