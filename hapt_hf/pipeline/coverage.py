@@ -117,19 +117,32 @@ def check_chain(config: PretrainedConfig, ranges: list[tuple[int, int]], layer_u
     if set(got) != set(ref):
         raise AssertionError(f"the chain's parameters differ from the full model's: "
                              f"{sorted(set(got) ^ set(ref))}")
-    grads = max((got[n] - p.grad).abs().max().item() for n, p in ref.items())
+    grads = max(_grad_diff(n, got[n], p.grad) for n, p in ref.items())
     return ChainResult(logits=(logits - logits_ref).abs().max().item(),
                        loss=abs(loss.item() - loss_ref.item()), grads=grads, params_matched=len(got))
 
 
-def _chain_grads(stages) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient over the chain; a tied head's gradient added to the embedding's,
-    as the runtime sums them."""
-    got: dict[str, torch.Tensor] = {}
+def _grad_diff(name: str, got: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """Largest difference of one parameter's gradients; a parameter without one (frozen, such as
+    a MoE router's score-correction bias) must have none in both."""
+    if got is None or ref is None:
+        if got is not ref:
+            raise AssertionError(f"{name} has a gradient in only one of the chain and the full model")
+        return 0.0
+    return (got - ref).abs().max().item()
+
+
+def _chain_grads(stages) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient over the chain (None where it has none); a tied head's gradient
+    added to the embedding's, as the runtime sums them."""
+    got: dict[str, torch.Tensor | None] = {}
     for s in stages:
         tied = s.tied_parameters()
         for name, p in s.named_parameters():
             if tied and s.is_last and name == s.adapter.output_embedding_key:
                 name = s.adapter.input_embedding_key
-            got[name] = got[name] + p.grad if name in got else p.grad.clone()
+            if p.grad is None:
+                got.setdefault(name, None)
+            else:
+                got[name] = p.grad.clone() if got.get(name) is None else got[name] + p.grad
     return got
