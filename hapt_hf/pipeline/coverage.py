@@ -26,7 +26,9 @@ _SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
           "sliding_window": 6, "rotary_dim": 8, "output_router_logits": False,
           "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-          "moe_topk": 2, "index_n_heads": 2, "index_head_dim": 16}
+          "moe_topk": 2, "index_n_heads": 2, "index_head_dim": 16,
+          "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 128,
+          "encoder_ffn_dim": 128, "decoder_layers": 2, "encoder_layers": 2}
 # Multi-head latent attention (DeepSeek V2/V3 and kin): the rotary part of each head is
 # qk_rope_head_dim wide and the config's head_dim is that width (the rotary tables' size); the
 # keys and values come from a shared low-rank projection with as many heads as the queries.

@@ -138,7 +138,7 @@ class GenericAdapter(FamilyAdapter):
     def run_block(self, block, hidden, inputs, mask_kind):
         _, args, kwargs = inputs.masks[mask_kind]
         out = block(hidden, *args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT: a list
 
     def run_attention_half(self, block, hidden, inputs, mask_kind):
         _, args, kwargs = inputs.masks[mask_kind]
