@@ -42,7 +42,7 @@ ATOL = 4e-5
 MAX_PARAMS = 5_000_000
 TESTED = ("gpt2", "llama", "mistral", "qwen2", "opt", "qwen3", "phi3", "phi", "gemma", "gemma2",
           "gemma3_text", "gpt_neox", "falcon", "stablelm", "olmo2", "granite", "starcoder2", "gptj",
-          "bloom", "mixtral", "qwen2_moe", "cohere")
+          "bloom", "mixtral", "qwen2_moe", "cohere", "deepseek_v2", "biogpt", "afmoe")
 RECURRENT = "refused: recurrent/hybrid layers"
 NOT_A_STACK = "refused: not one layer stack"
 DEFAULT_BROKEN = "not verified: transformers' default config does not build"
