@@ -8,8 +8,10 @@ full model (logits, summed loss, every gradient; atol 4e-5). A type is
 - **works**: verified: the chain check below passes;
 - **refused: recurrent/hybrid layers**: its config has layers with per-layer state (mamba, ...);
 - **refused: not one layer stack**: not one embedding, one decoder-layer list and one head;
-- **not verified: ...**: the chain differs from the full model, the check crashed, or no tiny
-  config could be built here. The builder refuses it and names the reason.
+- **not verified: ...**: the chain differs from the full model; transformers' own default config
+  of the type does not build its model; the generic builder does not fit the type (the reason in
+  words); the check crashed otherwise; or no tiny config could be built here. The builder
+  refuses it and names the reason.
 
 The generic stage builder accepts exactly the verified types (hapt_hf/core/families.py reads
 hapt_hf/data/model_matrix.json, which this script writes with docs/models.md).
@@ -34,14 +36,26 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from hapt_hf.core.families import MATRIX_FILE, VERIFIED_STATUSES  # noqa: E402
 from hapt_hf.errors import HaptError  # noqa: E402
 from hapt_hf.pipeline.coverage import chain_ranges, check_chain, tiny_config  # noqa: E402
+from hapt_hf.pipeline.generic import recurrent_refusal  # noqa: E402
 
 ATOL = 4e-5
 MAX_PARAMS = 5_000_000
 TESTED = ("gpt2", "llama", "mistral", "qwen2", "opt", "qwen3", "phi3", "phi", "gemma", "gemma2",
           "gemma3_text", "gpt_neox", "falcon", "stablelm", "olmo2", "granite", "starcoder2", "gptj",
-          "bloom", "mixtral", "qwen2_moe", "cohere")
+          "bloom", "mixtral", "qwen2_moe", "cohere", "deepseek_v2", "biogpt", "afmoe")
 RECURRENT = "refused: recurrent/hybrid layers"
 NOT_A_STACK = "refused: not one layer stack"
+DEFAULT_BROKEN = "not verified: transformers' default config does not build"
+DOES_NOT_FIT = "not verified: the generic builder does not fit"
+BUILDER_DOES_NOT_FIT = {
+    "ctrl": "the sinusoidal position table is a buffer of the base model itself, not of a "
+            "submodule, so a stage (which keeps submodules) leaves it on the meta device",
+    "openai-gpt": "the base forward reads its dtype off its own parameters, which a stage "
+                  "without the embeddings does not hold",
+    "xmod": "every layer picks a language adapter set on the model (set_default_language), "
+            "which the stage does not carry",
+}
+"""Why the check of these types crashes, in words (shown only while it does crash)."""
 
 
 PLANNER_NOTE = (
@@ -60,11 +74,15 @@ def classify(model_type: str) -> tuple[str, str]:
     try:
         config = tiny_config(model_type, blocks=2)
     except Exception as err:  # noqa: BLE001 - any failure of a third-party config is reported
-        return "not verified: no tiny config", _short(err)
+        recurrent = _default_recurrence(model_type)
+        return (RECURRENT, recurrent) if recurrent else ("not verified: no tiny config", _short(err))
+    recurrent = recurrent_refusal(config)
+    if recurrent is not None:  # before the full model runs: a tiny hybrid may not run at all
+        return RECURRENT, recurrent
     try:
         size = _meta_params(config)
     except Exception as err:  # noqa: BLE001
-        return "not verified: check crashed", f"{type(err).__name__}: {_short(err)}"
+        return _crashed(model_type, err)
     if size > MAX_PARAMS:  # sizes the tiny config could not reach (other field names)
         return "not verified: no tiny config", f"{size / 1e6:.0f}M parameters with the small sizes set"
     try:
@@ -72,11 +90,33 @@ def classify(model_type: str) -> tuple[str, str]:
     except HaptError as err:
         return (RECURRENT if "layer_types" in str(err) else NOT_A_STACK), _short(err)
     except Exception as err:  # noqa: BLE001
-        return "not verified: check crashed", f"{type(err).__name__}: {_short(err)}"
+        return _crashed(model_type, err)
     if max(r.logits, r.grads) > ATOL:
         return ("not verified: chain differs from the full model",
                 f"max |logits diff| {r.logits:.2e}, max |grad diff| {r.grads:.2e}")
     return ("tested" if model_type in TESTED else "works"), f"{r.params_matched} parameters matched"
+
+
+def _crashed(model_type: str, err: Exception) -> tuple[str, str]:
+    """The status of a type whose check crashed: transformers' own default config of the type
+    does not build its model, a known way in which the type's forward leaves the generic
+    builder's assumptions (read only once the check has crashed), or an unexplained crash."""
+    raw = f"{type(err).__name__}: {_short(err)}"
+    try:
+        _meta_params(transformers.AutoConfig.for_model(model_type))
+    except Exception as default_err:  # noqa: BLE001
+        return DEFAULT_BROKEN, f"{type(default_err).__name__}: {_short(default_err)}"
+    if model_type in BUILDER_DOES_NOT_FIT:
+        return DOES_NOT_FIT, f"{BUILDER_DOES_NOT_FIT[model_type]} ({raw})"
+    return "not verified: check crashed", raw
+
+
+def _default_recurrence(model_type: str) -> str | None:
+    """Why the type is recurrent/hybrid, read off its default config (where no tiny one builds)."""
+    try:
+        return recurrent_refusal(transformers.AutoConfig.for_model(model_type))
+    except Exception:  # noqa: BLE001 - the default config may not build either
+        return None
 
 
 def _meta_params(config) -> int:

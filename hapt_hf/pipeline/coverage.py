@@ -24,7 +24,16 @@ _SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
           "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
           "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-          "sliding_window": 6, "rotary_dim": 8, "output_router_logits": False}
+          "sliding_window": 6, "rotary_dim": 8, "output_router_logits": False,
+          "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+          "moe_topk": 2, "index_n_heads": 2, "index_head_dim": 16,
+          "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 128,
+          "encoder_ffn_dim": 128, "decoder_layers": 2, "encoder_layers": 2}
+# Multi-head latent attention (DeepSeek V2/V3 and kin): the rotary part of each head is
+# qk_rope_head_dim wide and the config's head_dim is that width (the rotary tables' size); the
+# keys and values come from a shared low-rank projection with as many heads as the queries.
+_MLA_SIZES = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+              "qk_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4}
 
 
 def tiny_config(model_type: str, blocks: int = 3) -> PretrainedConfig:
@@ -35,7 +44,8 @@ def tiny_config(model_type: str, blocks: int = 3) -> PretrainedConfig:
     """
     default = AutoConfig.for_model(model_type)
     known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
-    sizes = {k: v for k, v in _SIZES.items() if k in known}
+    overlay = {**_SIZES, **(_MLA_SIZES if "kv_lora_rank" in known else {})}
+    sizes = {k: v for k, v in overlay.items() if k in known}
     config = AutoConfig.for_model(model_type, num_hidden_layers=blocks, **sizes)
     kinds = getattr(config, "layer_types", None)
     if kinds and "sliding_attention" in kinds:
@@ -109,19 +119,32 @@ def check_chain(config: PretrainedConfig, ranges: list[tuple[int, int]], layer_u
     if set(got) != set(ref):
         raise AssertionError(f"the chain's parameters differ from the full model's: "
                              f"{sorted(set(got) ^ set(ref))}")
-    grads = max((got[n] - p.grad).abs().max().item() for n, p in ref.items())
+    grads = max(_grad_diff(n, got[n], p.grad) for n, p in ref.items())
     return ChainResult(logits=(logits - logits_ref).abs().max().item(),
                        loss=abs(loss.item() - loss_ref.item()), grads=grads, params_matched=len(got))
 
 
-def _chain_grads(stages) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient over the chain; a tied head's gradient added to the embedding's,
-    as the runtime sums them."""
-    got: dict[str, torch.Tensor] = {}
+def _grad_diff(name: str, got: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """Largest difference of one parameter's gradients; a parameter without one (frozen, such as
+    a MoE router's score-correction bias) must have none in both."""
+    if got is None or ref is None:
+        if got is not ref:
+            raise AssertionError(f"{name} has a gradient in only one of the chain and the full model")
+        return 0.0
+    return (got - ref).abs().max().item()
+
+
+def _chain_grads(stages) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient over the chain (None where it has none); a tied head's gradient
+    added to the embedding's, as the runtime sums them."""
+    got: dict[str, torch.Tensor | None] = {}
     for s in stages:
         tied = s.tied_parameters()
         for name, p in s.named_parameters():
             if tied and s.is_last and name == s.adapter.output_embedding_key:
                 name = s.adapter.input_embedding_key
-            got[name] = got[name] + p.grad if name in got else p.grad.clone()
+            if p.grad is None:
+                got.setdefault(name, None)
+            else:
+                got[name] = p.grad.clone() if got.get(name) is None else got[name] + p.grad
     return got

@@ -32,7 +32,7 @@ from transformers.modeling_outputs import MoeModelOutputWithPast
 from hapt_hf.errors import StageBuildError
 from hapt_hf.pipeline.families import BlockInputs, FamilyAdapter
 
-__all__ = ["GenericAdapter", "generic_adapter", "refusal"]
+__all__ = ["GenericAdapter", "generic_adapter", "recurrent_refusal", "refusal"]
 
 _HALF_BLOCK = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -57,10 +57,27 @@ class _Recorder(nn.Module):
 
 
 class _Identity(nn.Module):
-    """A base-model module this stage does not own, run on a non-first stage's stand-in input."""
+    """A base-model module this stage does not own, run on a non-first stage's stand-in input.
+
+    A hidden state (a float tensor: norms, scalings) passes through. Anything else is a term
+    computed from ids, masks or positions (learned or sinusoidal position embeddings, BioGPT,
+    GPT-BigCode, XGLM) that the forward adds to the stand-in, whose value a non-first stage never
+    uses: a zero scalar adds to any hidden state."""
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
+        if not isinstance(x, Tensor) or x.is_floating_point():
+            return x
+        return torch.zeros((), device=x.device)
+
+
+class _BaseOutput(MoeModelOutputWithPast):
+    """The base model's output as the causal-LM forward reads it: the hidden state, and None for
+    every other field it copies through (router logits, cross attentions, shared KV states)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
 
 
 class _Given(nn.Module):
@@ -71,8 +88,7 @@ class _Given(nn.Module):
         self.hidden: Tensor | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> MoeModelOutputWithPast:
-        # the MoE output type: MoE causal LMs read its (empty) router logits
-        return MoeModelOutputWithPast(last_hidden_state=self.hidden)
+        return _BaseOutput(last_hidden_state=self.hidden)
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,7 @@ class GenericAdapter(FamilyAdapter):
     def run_block(self, block, hidden, inputs, mask_kind):
         _, args, kwargs = inputs.masks[mask_kind]
         out = block(hidden, *args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT: a list
 
     def run_attention_half(self, block, hidden, inputs, mask_kind):
         _, args, kwargs = inputs.masks[mask_kind]
@@ -181,10 +197,9 @@ def refusal(config: PretrainedConfig) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return (f"{config.model_type!r} is an encoder-decoder model (config.is_encoder_decoder); only "
                 "decoder-only causal LMs can be cut into pipeline stages")
-    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
-    if kinds:
-        return (f"config.layer_types holds {sorted(kinds)}: only full and sliding-window attention "
-                "layers are cut (layers with recurrent or other per-layer state are not)")
+    problem = recurrent_refusal(config)
+    if problem is not None:
+        return problem
     if getattr(config, "output_router_logits", False):
         return ("config.output_router_logits is True: the router's auxiliary loss is a non-linear "
                 "function of every layer's routing over the whole batch, which pipeline stages and "
@@ -193,6 +208,35 @@ def refusal(config: PretrainedConfig) -> str | None:
         return (f"config.layerdrop is {config.layerdrop}; skipping random blocks cannot be split "
                 "across stages: set config.layerdrop = 0.0")
     return None
+
+
+def recurrent_refusal(config: PretrainedConfig) -> str | None:
+    """Why this config's layers are not all attention layers (recurrent, convolutional or other
+    per-layer kinds), or None."""
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        return (f"config.layer_types holds {sorted(kinds)}: only full and sliding-window attention "
+                "layers are cut (layers with recurrent or other per-layer state are not)")
+    state = _recurrent_state_argument(getattr(config, "model_type", ""))
+    if state is not None:
+        return (f"the base model's forward carries a recurrent state ({state!r}) instead of a KV "
+                "cache: only full and sliding-window attention layers are cut (layers with "
+                "recurrent or other per-layer state are not)")
+    return None
+
+
+def _recurrent_state_argument(model_type: str) -> str | None:
+    """The argument through which the type's base model passes a recurrent state (Mamba's
+    ``cache_params``, RWKV's ``state``), or None. Models whose config names no layer kinds
+    (RWKV, xLSTM) show their recurrence only there."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    cls = getattr(transformers, MODEL_MAPPING_NAMES.get(model_type, ""), None)
+    try:
+        params = inspect.signature(cls.forward).parameters if cls is not None else {}
+    except (TypeError, ValueError):
+        return None
+    return next((p for p in ("cache_params", "state") if p in params), None)
 
 
 def generic_adapter(full: nn.Module) -> GenericAdapter:

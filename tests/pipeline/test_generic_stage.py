@@ -15,7 +15,7 @@ ATOL = 4e-5
 HAND_WRITTEN = ("gpt2", "llama", "mistral", "qwen2", "opt")
 GENERIC = ("qwen3", "phi3", "phi", "gemma", "gemma2", "gemma3_text", "gpt_neox", "falcon",
            "stablelm", "olmo2", "granite", "starcoder2", "gptj", "bloom", "mixtral", "qwen2_moe",
-           "cohere")
+           "cohere", "deepseek_v2", "biogpt", "afmoe")
 HALVABLE = ("qwen3", "gemma", "starcoder2", "qwen2_moe")
 PARALLEL = ("gptj", "gpt_neox", "falcon", "phi", "cohere")
 
@@ -59,6 +59,13 @@ def test_router_aux_loss_is_refused_with_the_fix():
     config.output_router_logits = True
     with pytest.raises(StageBuildError, match="output_router_logits = False"):
         build_stage(config, (0, 2))
+
+
+@pytest.mark.parametrize(("model_type", "kind"), [("rwkv", "recurrent state \\('state'\\)"),
+                                                  ("bamba", "layer_types holds \\['linear_attention'\\]")])
+def test_recurrent_layers_are_refused_with_the_reason(model_type, kind):
+    with pytest.raises(StageBuildError, match=kind):
+        build_stage(tiny_config(model_type, blocks=2), (0, 2), unverified=True)
 
 
 def test_encoder_decoder_is_refused():
