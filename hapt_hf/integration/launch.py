@@ -154,7 +154,13 @@ def _check_plan_against_settings(plan: Plan, plugin: HaptConfig) -> None:
                         f"{plan.attn_implementation!r}; remove it or re-plan")
 
 
-def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int) -> Plan:
+def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
+                       world_size: int) -> Plan:
+    """Rank 0's plan for the ``world_size`` processes launched. Where the best plan leaves
+    groups idle but processes were started for them too, those processes are used (the runtime
+    has no idle ranks) and rank 0 says what launching only the kept groups would give."""
+    from dataclasses import replace
+
     from hapt_hf.planner.cluster import Cluster
     from hapt_hf.planner.model_spec import ModelSpec
     from hapt_hf.planner.search import plan_job
@@ -168,11 +174,22 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int) -> P
                                  attn_implementation=plugin.attn_implementation
                                  or DEFAULT_ATTN_IMPLEMENTATION)
     # plugin.planner was checked when the config was read, with plugin.schedule in it
-    return plan_job(spec, cluster, plugin.global_batch_size, profile=None,
+    best = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
                     options=plugin.planner).plan
+    if not best.idle_groups or best.world_size == world_size:
+        return best
+    every = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
+                     options=replace(plugin.planner, all_groups=True)).plan
+    kept = sorted({s.group for s in best.stages if s.group})
+    print(f"hapt_hf: leaving group(s) {', '.join(best.idle_groups)} idle would be faster "
+          f"({best.predicted.iteration_s:.3f} s per iteration against "
+          f"{every.predicted.iteration_s:.3f} s on every group); this run uses the "
+          f"{world_size} processes launched; launch only the {best.world_size} of group(s) "
+          f"{', '.join(kept)} to run the faster plan", file=sys.stdout, flush=True)
+    return every
 
 
-def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int
+def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int, world_size: int
                    ) -> tuple[dict[str, Any], BaseException | None]:
     """The payload every rank receives, and the exception rank 0 re-raises, if any.
 
@@ -187,7 +204,7 @@ def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int
             if plugin.cluster is not None:
                 _check_plan_against_cluster(plan, plugin)
         else:
-            plan = _plan_from_cluster(plugin, model_config, seq_len)
+            plan = _plan_from_cluster(plugin, model_config, seq_len, world_size)
         return plan.to_dict(), None
     except HaptError as e:
         return {"error": str(e)}, None
@@ -198,7 +215,8 @@ def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int
 def resolve_plan(plugin: HaptConfig, model_config: Any, seq_len: int,
                  launch: LaunchEnv) -> Plan:
     """The same validated plan on every rank: rank 0 loads or plans, then broadcasts."""
-    payload, crash = _plan_on_rank0(plugin, model_config, seq_len) if launch.is_main \
+    payload, crash = _plan_on_rank0(plugin, model_config, seq_len, launch.world_size) \
+        if launch.is_main \
         else (None, None)
     box = [payload]
     if launch.world_size > 1:

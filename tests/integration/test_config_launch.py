@@ -181,6 +181,32 @@ def test_rank0_plans_from_cluster_with_uneven_split():
     assert "stage 0: layers [0," in format_plan(plan)
 
 
+def test_processes_launched_for_a_group_the_best_plan_leaves_idle_are_used(capsys):
+    """At launch the processes exist: a plan that leaves a group idle runs only where exactly
+    the kept groups' processes were started; otherwise every group is used, and rank 0 says
+    what launching only the kept groups would give."""
+    from hapt_hf.planner.cluster import Cluster
+    from hapt_hf.planner.model_spec import ModelSpec
+    from hapt_hf.planner.search import plan_job
+    from hapt_hf.planner.model_spec import model_config
+    plugin = HaptPlugin(cluster=CLUSTER)
+    config = model_config("gpt2-tiny")  # 4 blocks: the three slow ranks cost more than they give
+    spec = ModelSpec.from_config(config, seq_len=64, dtype="fp32", name="gpt2-tiny")
+    best = plan_job(spec, Cluster.load(CLUSTER), plugin.global_batch_size,
+                    options=plugin.planner).plan
+    assert best.idle_groups == ("slow",) and best.world_size == 1, best.idle_groups
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("torch.distributed.broadcast_object_list", lambda objs, src: None)
+        four = resolve_plan(plugin, config, 64, LaunchEnv(0, 4, 0, "single"))
+    assert four.world_size == 4 and four.idle_groups == ()
+    said = capsys.readouterr().out
+    assert "leaving group(s) slow idle would be faster" in said, said
+    assert "launch only the 1 of group(s) fast" in said, said
+    one = resolve_plan(plugin, config, 64, SINGLE)
+    assert one.idle_groups == ("slow",) and one.world_size == 1
+    assert "idle would be faster" not in capsys.readouterr().out
+
+
 def test_plan_and_cluster_that_disagree_are_refused(tmp_path):
     plan_path = _two_stage_plan(seq_len=64).save(tmp_path / "plan.json")
     hapt = _write(tmp_path / "hapt.yaml", f"cluster: {CLUSTER}\nplan: plan.json\n")
