@@ -21,7 +21,7 @@ SEQ = 64
 # Small enough for seconds, large enough that a block's backward clearly outweighs its forward.
 CONFIG = dict(n_embd=256, n_layer=6, n_head=4, vocab_size=512, n_positions=128, bos_token_id=0,
               eos_token_id=0)
-FAST = ProfilerOptions(micro_batches=(2, 8), warmup=1, repeats=3, min_window_s=0.02,
+FAST = ProfilerOptions(micro_batches=(2, 8), warmup=1, repeats=5, min_window_s=0.02,
                        budget_s=0.3)
 
 
