@@ -18,6 +18,7 @@ from hapt_hf.errors import PrecisionError
 
 __all__ = ["DTYPES", "DTYPE_BYTES", "DTYPE_ALIASES", "TORCH_DTYPE_NAMES", "canonical_dtype",
            "AUTO", "PRECISIONS", "DEFAULT_PRECISION", "MASTER_BYTES", "STATE_BYTES_PER_PARAM",
+           "ADAM_STATE_BYTES", "REPLICATED", "SHARDED", "OPTIMIZER_STATES", "state_bytes_per_param",
            "Precision", "canonical_precision", "resolve_precision", "PrecisionError"]
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -42,6 +43,26 @@ STATE_BYTES_PER_PARAM = 16
 """Training state per parameter with Adam: 4 (fp32 weights, the master copy) + 4 (fp32
 gradients) + 8 (two fp32 Adam moments), the same in every precision. The 16-bit copies of the
 weights that autocast makes live with the activations (one per micro-batch in flight)."""
+ADAM_STATE_BYTES = 8
+"""The two fp32 Adam moments per parameter: the part of :data:`STATE_BYTES_PER_PARAM` that a
+sharded optimizer (ZeRO-1) splits among a stage's replicas."""
+
+REPLICATED = "replicated"
+SHARDED = "sharded"
+OPTIMIZER_STATES = (REPLICATED, SHARDED)
+"""How a stage keeps its optimizer state: ``replicated`` (every replica holds the whole Adam
+state) or ``sharded`` (ZeRO-1, as ``torch.distributed.optim.ZeroRedundancyOptimizer`` does:
+each replica holds and updates the Adam moments of its own share of the parameters, then the
+updated weights are broadcast to the other replicas)."""
+
+
+def state_bytes_per_param(optimizer: str, replicas: int) -> float:
+    """Training-state bytes per parameter on one GPU of a stage of ``replicas`` replicas: fp32
+    weights and gradients stay whole on every replica (the gradients are all-reduced and
+    accumulate over the micro-batches); a sharded optimizer splits only the Adam moments."""
+    if optimizer == SHARDED:
+        return STATE_BYTES_PER_PARAM - ADAM_STATE_BYTES + ADAM_STATE_BYTES / max(1, replicas)
+    return float(STATE_BYTES_PER_PARAM)
 
 
 def canonical_dtype(name: object) -> str | None:

@@ -31,7 +31,7 @@ def gather_logits(outs: dict[int, Tensor], shape: torch.Size, plan: Plan, rank: 
         full = torch.empty((shape[0], shape[1], vocab), dtype=torch.float32)
     for k in range(plan.num_microbatches):
         for r, peer in enumerate(last.ranks):
-            lo, hi = (k * mbs + x for x in replica_slice(mbs, last.dp, r))
+            lo, hi = (k * mbs + x for x in replica_slice(mbs, last, r))
             if peer == rank == 0:
                 full[lo:hi] = outs[k].float().cpu()
             elif peer == rank:

@@ -5,8 +5,9 @@ replica of a stage runs its stage's list. What this module adds is the mapping o
 stages have several replicas and neighbouring stages differ in width (8 GPUs then 4, 2 then 3):
 
 * micro-batch ``k`` is samples ``[k*mbs, (k+1)*mbs)`` of the global batch;
-* replica ``r`` of a stage of width ``d`` owns the contiguous slice ``r`` of it,
-  ``[r*mbs/d, (r+1)*mbs/d)`` (the plan requires ``mbs`` to be a multiple of every width);
+* replica ``r`` of a stage owns the contiguous slice ``r`` of it: the replicas' shares
+  (:meth:`StagePlan.shares`, even unless the plan gives each replica its ``samples``) laid end
+  to end, ``[s_0 + .. + s_{r-1}, s_0 + .. + s_r)``;
 * a rank exchanges with each rank of a neighbouring stage exactly the samples their two slices
   share: activations downstream, gradients back upstream over the same pieces.
 """
@@ -65,13 +66,11 @@ class RankWork:
         return self.stage.index == self.num_stages - 1
 
 
-def replica_slice(micro_batch_size: int, width: int, replica: int) -> tuple[int, int]:
-    """Samples ``[lo, hi)`` of a micro-batch owned by ``replica`` of a stage of ``width``."""
-    if micro_batch_size % width:
-        raise ValueError(f"micro_batch_size {micro_batch_size} is not a multiple of the stage "
-                         f"width {width}; choose a micro-batch size every width divides")
-    share = micro_batch_size // width
-    return replica * share, (replica + 1) * share
+def replica_slice(micro_batch_size: int, stage: StagePlan, replica: int) -> tuple[int, int]:
+    """Samples ``[lo, hi)`` of a micro-batch owned by ``replica`` of ``stage``."""
+    shares = stage.shares(micro_batch_size)
+    lo = sum(shares[:replica])
+    return lo, lo + shares[replica]
 
 
 def pieces_between(micro_batch_size: int, mine: tuple[int, int],
@@ -79,7 +78,7 @@ def pieces_between(micro_batch_size: int, mine: tuple[int, int],
     """The overlaps of my slice ``mine`` with each replica of ``neighbour``, in sample order."""
     out = []
     for r, peer in enumerate(neighbour.ranks):
-        lo, hi = replica_slice(micro_batch_size, neighbour.dp, r)
+        lo, hi = replica_slice(micro_batch_size, neighbour, r)
         a, b = max(lo, mine[0]), min(hi, mine[1])
         if a < b:
             out.append(Piece(peer, a - mine[0], b - mine[0]))
@@ -94,7 +93,7 @@ def rank_work(plan: Plan, rank: int, schedule: Schedule | None = None) -> RankWo
     stage = plan.stage_of_rank(rank)
     replica = stage.ranks.index(rank)
     mbs = plan.micro_batch_size
-    mine = replica_slice(mbs, stage.dp, replica)
+    mine = replica_slice(mbs, stage, replica)
     s = stage.index
     up = pieces_between(mbs, mine, plan.stages[s - 1]) if s > 0 else ()
     down = pieces_between(mbs, mine, plan.stages[s + 1]) if s < plan.num_stages - 1 else ()

@@ -2,7 +2,9 @@
 
 A plan says, for every pipeline stage, which half-open range of the layer sequence
 ``[embedding, block_0 .. block_{N-1}, head]`` it holds, on which group and ranks, how wide it is
-(data-parallel replicas), and how many forward micro-batches it runs before its first backward.
+(data-parallel replicas, each with its share of every micro-batch), whether its optimizer state
+is replicated or sharded among them, and how many forward micro-batches it runs before its
+first backward.
 It can be written by the planner or by hand; :func:`Plan.validate` checks it either way.
 """
 from __future__ import annotations
@@ -16,11 +18,11 @@ from typing import Any
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.files import write_atomic
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, num_blocks
-from hapt_hf.core.precision import DTYPES, Precision
+from hapt_hf.core.precision import DTYPES, OPTIMIZER_STATES, REPLICATED, SHARDED, Precision
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, warmup_rule
 from hapt_hf.errors import PlanError
 
-__all__ = ["PlanError", "StagePrediction", "StagePlan", "PlanPrediction", "Plan", "SCHEDULES",
+__all__ = ["PlanError", "StagePrediction", "Replica", "StagePlan", "PlanPrediction", "Plan", "SCHEDULES",
            "LAYER_UNITS"]
 
 PLAN_VERSION = 1
@@ -39,15 +41,56 @@ class StagePrediction:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """One GPU of a stage and the samples of every micro-batch it computes."""
+
+    rank: int
+    """Global rank of the GPU."""
+    group: str
+    """Group of the cluster file the GPU belongs to."""
+    device_type: str
+    """Catalogue name of the GPU."""
+    samples: int
+    """How many samples of each micro-batch this replica computes (a stage's replicas sum to
+    ``micro_batch_size``; unlike GPUs take shares in proportion to their speed)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": [self.rank], "group": self.group, "device_type": self.device_type,
+                "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str) -> "Replica":
+        try:
+            ranks = [int(r) for r in d["ranks"]]
+            samples = int(d["samples"])
+        except KeyError as e:
+            raise PlanError(f"{where}: a replica is missing field {e.args[0]!r}; each replica "
+                            "needs 'ranks' ([rank]), 'samples', 'group' and 'device_type'") from None
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"{where}: malformed replica ({e}); 'ranks' is a list of integers, "
+                            "'samples' an integer") from None
+        if len(ranks) != 1:
+            raise PlanError(f"{where}: a replica lists ranks {ranks}; each replica is one GPU "
+                            "(one rank) in this version: give every GPU a replica of its own")
+        return cls(ranks[0], str(d.get("group", "")), str(d.get("device_type", "")), samples)
+
+
+@dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: a contiguous layer range on ``dp`` GPUs of one group."""
+    """One pipeline stage: a contiguous layer range on ``dp`` GPUs.
+
+    A stage whose GPUs are alike and split every micro-batch evenly is described by ``group``,
+    ``device_type`` and ``ranks`` alone (``replicas`` left empty). A stage whose replicas take
+    unequal shares of each micro-batch, or sit in different groups, lists them in ``replicas``
+    (build it with :meth:`of_replicas`); ``group``, ``device_type`` and ``ranks`` then are those
+    of its replicas (the first replica's group and type)."""
 
     index: int
     """Position along the pipeline, 0 = holds the embedding."""
     layers: tuple[int, int]
     """Half-open range over the layer sequence (0 = embedding, last = head)."""
     group: str
-    """Name of a group of the cluster file."""
+    """Name of a group of the cluster file (the first replica's, where they differ)."""
     device_type: str
     """Catalogue name of the GPUs of that group (``V100-32``, ``A100-40``, ``cpu``...)."""
     ranks: tuple[int, ...]
@@ -57,6 +100,27 @@ class StagePlan:
     recompute: bool = False
     """Activation checkpointing for this stage's blocks (trades compute for memory)."""
     predicted: StagePrediction = field(default_factory=StagePrediction)
+    replicas: tuple[Replica, ...] = ()
+    """Per-replica group, type and share of each micro-batch; empty: ``ranks`` are GPUs of
+    ``group`` that split every micro-batch evenly. Stored empty whenever that is what it says."""
+    optimizer: str = REPLICATED
+    """``replicated`` (every replica holds the whole Adam state) or ``sharded`` (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        reps = self.replicas
+        if reps and len({(r.group, r.device_type, r.samples) for r in reps}) == 1 \
+                and tuple(r.rank for r in reps) == tuple(self.ranks) \
+                and (reps[0].group, reps[0].device_type) == (self.group, self.device_type):
+            object.__setattr__(self, "replicas", ())  # even shares on alike GPUs: canonical form
+
+    @classmethod
+    def of_replicas(cls, index: int, layers: tuple[int, int], replicas: tuple[Replica, ...],
+                    warmup: int, **kw: Any) -> "StagePlan":
+        """A stage of the given replicas (``group``, ``device_type``, ``ranks`` from them)."""
+        if not replicas:
+            raise PlanError(f"stage {index}: no replicas; give it at least one")
+        return cls(index, layers, replicas[0].group, replicas[0].device_type,
+                   tuple(r.rank for r in replicas), warmup, replicas=tuple(replicas), **kw)
 
     @property
     def dp(self) -> int:
@@ -67,11 +131,45 @@ class StagePlan:
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
+    @property
+    def uneven(self) -> bool:
+        """Whether the replicas differ in share, group or type (``replicas`` is listed)."""
+        return bool(self.replicas)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The groups the stage's GPUs belong to, in replica order, each once."""
+        return tuple(dict.fromkeys(r.group for r in self.replicas)) if self.replicas \
+            else (self.group,)
+
+    def shares(self, micro_batch_size: int) -> tuple[int, ...]:
+        """Samples of each micro-batch each replica computes, in replica order."""
+        if self.replicas:
+            return tuple(r.samples for r in self.replicas)
+        if micro_batch_size % self.dp:
+            raise PlanError(f"stage {self.index} has {self.dp} replicas sharing evenly but "
+                            f"micro_batch_size is {micro_batch_size}; it must be a multiple of "
+                            "the stage's width, or give the replicas their 'samples'")
+        return (micro_batch_size // self.dp,) * self.dp
+
+    def replica_list(self, micro_batch_size: int) -> tuple[Replica, ...]:
+        """Every replica with its group, type and share (also for an even stage)."""
+        if self.replicas:
+            return self.replicas
+        share = self.shares(micro_batch_size)[0]
+        return tuple(Replica(r, self.group, self.device_type, share) for r in self.ranks)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layers"] = list(self.layers)
         d["ranks"] = list(self.ranks)
         d["dp"] = self.dp
+        if self.replicas:
+            d["replicas"] = [r.to_dict() for r in self.replicas]
+        else:
+            del d["replicas"]
+        if self.optimizer == REPLICATED:  # absent means replicated: older files agree
+            del d["optimizer"]
         return d
 
     @classmethod
@@ -79,16 +177,21 @@ class StagePlan:
         where = f"stage {d.get('index', '?')}"
         try:
             layers = tuple(int(x) for x in d["layers"])
-            ranks = tuple(int(r) for r in d["ranks"])
+            replicas = tuple(Replica.from_dict(r, where) for r in d.get("replicas") or ())
+            ranks = tuple(int(r) for r in d["ranks"]) if "ranks" in d or not replicas \
+                else tuple(r.rank for r in replicas)
+            first = replicas[0] if replicas else None
             stage = cls(
                 index=int(d["index"]),
                 layers=(layers[0], layers[1]),
-                group=str(d.get("group", "")),
-                device_type=str(d.get("device_type", "")),
+                group=str(d.get("group", first.group if first else "")),
+                device_type=str(d.get("device_type", first.device_type if first else "")),
                 ranks=ranks,
                 warmup=int(d.get("warmup", 1)),
                 recompute=bool(d.get("recompute", False)),
                 predicted=StagePrediction(**d.get("predicted", {})),
+                replicas=replicas,
+                optimizer=str(d.get("optimizer", REPLICATED)),
             )
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; every stage needs "
@@ -100,6 +203,37 @@ class StagePlan:
             raise PlanError(f"{where}: dp is {d['dp']} but ranks lists {stage.dp} ranks "
                             f"{list(stage.ranks)}; make them agree")
         return stage
+
+    def validate(self, micro_batch_size: int) -> None:
+        """Raise PlanError naming what is wrong with this stage's replicas or optimizer."""
+        i = self.index
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise PlanError(f"stage {i}: optimizer {self.optimizer!r} is unknown; use one of "
+                            f"{OPTIMIZER_STATES}")
+        if self.optimizer == SHARDED and self.dp < 2:
+            raise PlanError(f"stage {i}: optimizer 'sharded' needs at least 2 replicas to shard "
+                            "the state among, it has 1; use 'replicated'")
+        if not self.replicas:
+            if micro_batch_size % self.dp:
+                raise PlanError(f"stage {i} has {self.dp} replicas but micro_batch_size is "
+                                f"{micro_batch_size}; it must be a multiple of every stage's "
+                                "width, or give the stage's replicas their own 'samples'")
+            return
+        if tuple(r.rank for r in self.replicas) != tuple(self.ranks):
+            raise PlanError(f"stage {i}: ranks {list(self.ranks)} but its replicas list ranks "
+                            f"{[r.rank for r in self.replicas]}; make them agree")
+        if (self.group, self.device_type) != (self.replicas[0].group,
+                                              self.replicas[0].device_type):
+            raise PlanError(f"stage {i}: group/device_type {self.group}/{self.device_type} are "
+                            "not those of its first replica "
+                            f"({self.replicas[0].group}/{self.replicas[0].device_type})")
+        shares = self.shares(micro_batch_size)
+        if min(shares) < 1:
+            raise PlanError(f"stage {i}: replica samples {list(shares)} include a replica with "
+                            "none; leave that GPU out of the stage instead")
+        if sum(shares) != micro_batch_size:
+            raise PlanError(f"stage {i}: replica samples {list(shares)} sum to {sum(shares)}, "
+                            f"but micro_batch_size is {micro_batch_size}; they must sum to it")
 
 
 @dataclass(frozen=True)
@@ -223,10 +357,7 @@ class Plan:
                 raise PlanError(f"stage {i}: rank(s) {sorted(dup) or list(s.ranks)} appear twice; "
                                 "each rank holds exactly one stage")
             seen_ranks.update(s.ranks)
-            if self.micro_batch_size % s.dp:
-                raise PlanError(f"stage {i} has {s.dp} replicas but micro_batch_size is "
-                                f"{self.micro_batch_size}; it must be a multiple of every "
-                                "stage's width")
+            s.validate(self.micro_batch_size)
             if s.warmup < 1:
                 raise PlanError(f"stage {i} has warmup {s.warmup}; it must be >= 1")
         if expect != self.num_layers:
@@ -235,7 +366,7 @@ class Plan:
         if sorted(seen_ranks) != list(range(len(seen_ranks))):
             raise PlanError(f"ranks {sorted(seen_ranks)} are not 0..{len(seen_ranks) - 1}; "
                             "number the ranks without gaps")
-        busy = sorted({s.group for s in self.stages} & set(self.idle_groups))
+        busy = sorted({g for s in self.stages for g in s.groups} & set(self.idle_groups))
         if busy:
             raise PlanError(f"idle_groups lists {busy}, which hold stages; remove them from "
                             "idle_groups or move their stages")

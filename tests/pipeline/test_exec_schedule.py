@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hapt_hf.pipeline.placement import (max_in_flight, pieces_between, rank_work,
                                        replica_slice)
 from hapt_hf.pipeline.torch_pipelining import torch_supports
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, PlanError, Replica, StagePlan
 from hapt_hf.planner.schedule import ActionKind, build_schedule
 
 
@@ -22,9 +22,13 @@ def plan_of(widths: list[int], mbs: int, m: int = 4, schedule: str = "1f1b") -> 
 
 
 def test_replica_slices_tile_the_micro_batch():
-    assert [replica_slice(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    with pytest.raises(ValueError, match="multiple of the stage width 3"):
-        replica_slice(8, 3, 0)
+    even = StagePlan(0, (0, 1), "g", "cpu", (0, 1, 2, 3), 1)
+    assert [replica_slice(8, even, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(PlanError, match="multiple of the stage's width"):
+        replica_slice(8, StagePlan(0, (0, 1), "g", "cpu", (0, 1, 2), 1), 0)
+    uneven = StagePlan.of_replicas(0, (0, 1), (Replica(0, "a", "A", 5), Replica(1, "b", "B", 2),
+                                               Replica(2, "b", "B", 1)), 1)
+    assert [replica_slice(8, uneven, r) for r in range(3)] == [(0, 5), (5, 7), (7, 8)]
 
 
 def test_two_wide_feeding_one_wide_and_back():
@@ -39,27 +43,59 @@ def test_two_wide_feeding_one_wide_and_back():
     assert w0.tied_ranks == (0, 1, 3, 4)
 
 
-@given(st.sampled_from([1, 2, 3, 4, 6, 8]), st.sampled_from([1, 2, 3, 4, 6, 8]))
-def test_pieces_cover_each_slice_exactly_once(d1, d2):
-    """Every sample of a micro-batch crosses the cut exactly once, to the rank that owns it."""
-    mbs = 24
-    up = StagePlan(0, (0, 1), "g", "cpu", tuple(range(d1)), 1)
-    down = StagePlan(1, (1, 2), "g", "cpu", tuple(range(d1, d1 + d2)), 1)
+def _shares(mbs: int):
+    """A composition of ``mbs`` into 1..8 positive shares (a stage's replicas' samples)."""
+    if mbs == 1:
+        return st.just([1])
+    cuts = st.lists(st.integers(1, mbs - 1), max_size=min(7, mbs - 1), unique=True)
+    return cuts.map(lambda c: [b - a for a, b in zip([0, *sorted(c)], [*sorted(c), mbs])])
+
+
+def _stage(index: int, first_rank: int, shares: list[int]) -> StagePlan:
+    reps = tuple(Replica(first_rank + i, "g", "cpu", n) for i, n in enumerate(shares))
+    return StagePlan.of_replicas(index, (index, index + 1), reps, 1)
+
+
+@given(st.data())
+def test_pieces_cover_each_slice_exactly_once(data):
+    """Every sample of a micro-batch crosses the cut exactly once, to the rank that owns it,
+    for any shares on either side (even ones like 3 | 8 widths, or 5:2:1 against 3:1)."""
+    mbs = data.draw(st.integers(1, 24))
+    up = _stage(0, 0, data.draw(_shares(mbs)))
+    down = _stage(1, up.dp, data.draw(_shares(mbs)))
+    for st_ in (up, down):
+        st_.validate(mbs)
     sent = []
-    for r in range(d1):
-        mine = replica_slice(mbs, d1, r)
+    for r in range(up.dp):
+        mine = replica_slice(mbs, up, r)
         for p in pieces_between(mbs, mine, down):
-            lo, hi = replica_slice(mbs, d2, down.ranks.index(p.peer))
+            lo, hi = replica_slice(mbs, down, down.ranks.index(p.peer))
             # the piece lies inside the receiver's slice
             assert lo <= mine[0] + p.start and mine[0] + p.stop <= hi
             sent.extend(range(mine[0] + p.start, mine[0] + p.stop))
     assert sorted(sent) == list(range(mbs))
     # the receiving side computes the same pieces from its end
     got = []
-    for r in range(d2):
-        mine = replica_slice(mbs, d2, r)
+    for r in range(down.dp):
+        mine = replica_slice(mbs, down, r)
         got.extend(mine[0] + i for p in pieces_between(mbs, mine, up) for i in range(p.start, p.stop))
     assert sorted(got) == list(range(mbs))
+
+
+def test_every_sample_of_every_micro_batch_is_computed_once_per_stage():
+    """Over a whole plan with uneven, unlike layouts: each stage's replicas own every sample of
+    every micro-batch exactly once (their rows of the global batch tile it)."""
+    mixed = StagePlan.of_replicas(1, (1, 2), (Replica(2, "a", "A", 5), Replica(3, "b", "B", 2),
+                                              Replica(4, "b", "B", 1)), 1)
+    stages = (_stage(0, 0, [6, 2]), mixed, _stage(2, 5, [8]))
+    plan = Plan("t", 3, 8, 24, 8, 3, "gpipe", stages).validate()
+    for s in plan.stages:
+        rows = []
+        for rank in s.ranks:
+            w = rank_work(plan, rank)
+            for k in range(plan.num_microbatches):
+                rows.extend(range(k * 8 + w.samples[0], k * 8 + w.samples[1]))
+        assert sorted(rows) == list(range(plan.global_batch_size))
 
 
 @pytest.mark.parametrize("kind,warm", [("gpipe", None), ("1f1b", None), ("h1f1b", [4, 3, 1])])

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hapt_hf.planner.plan import Plan, PlanError, StagePlan, StagePrediction
+from hapt_hf.planner.plan import Plan, PlanError, Replica, StagePlan, StagePrediction
 from hapt_hf.planner.schedule import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
                                       default_warmups, format_grid, validate_schedule)
 
@@ -30,6 +30,61 @@ def test_plan_round_trips_through_json(tmp_path):
     assert again == plan
     assert json.loads(path.read_text())["stages"][0]["dp"] == 2
     assert again.world_size == 4 and again.stage_of_rank(2).index == 1
+
+
+def _uneven_plan(optimizer: str = "sharded") -> Plan:
+    mixed = StagePlan.of_replicas(0, (0, 5), (Replica(0, "a100", "A100-40", 5),
+                                              Replica(1, "v100", "V100-32", 2),
+                                              Replica(2, "v100", "V100-32", 1)), 2,
+                                  optimizer=optimizer)
+    even = StagePlan(1, (5, 14), "v100", "V100-32", (3, 4), 1, optimizer="sharded")
+    return Plan("gpt2", 14, 1024, 32, 8, 4, "1f1b", (mixed, even))
+
+
+def test_uneven_replicas_and_sharded_optimizer_round_trip(tmp_path):
+    plan = _uneven_plan().validate()
+    again = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert again == plan
+    d = json.loads((tmp_path / "plan.json").read_text())["stages"]
+    assert d[0]["replicas"][0] == {"ranks": [0], "group": "a100", "device_type": "A100-40",
+                                   "samples": 5}
+    assert d[0]["optimizer"] == "sharded" and "replicas" not in d[1]
+    assert again.stages[0].shares(8) == (5, 2, 1) and again.stages[1].shares(8) == (4, 4)
+    assert again.stages[0].groups == ("a100", "v100")
+
+
+def test_even_replicas_listed_in_full_are_stored_as_the_plain_form():
+    reps = tuple(Replica(r, "v100", "V100-32", 2) for r in (0, 1))
+    assert StagePlan.of_replicas(0, (0, 5), reps, 3) == StagePlan(0, (0, 5), "v100", "V100-32",
+                                                                  (0, 1), 3)
+
+
+def test_a_plan_without_replicas_or_optimizer_still_loads():
+    d = _plan().to_dict()
+    assert all("replicas" not in s and "optimizer" not in s for s in d["stages"])
+    again = Plan.from_dict(d)
+    assert all(s.optimizer == "replicated" and not s.uneven for s in again.stages)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda s: replace(s, optimizer="zero3"), "optimizer 'zero3' is unknown"),
+    (lambda s: replace(s, replicas=s.replicas[:2], ranks=s.ranks[:2]), "sum to 7"),
+    (lambda s: replace(s, replicas=(replace(s.replicas[0], samples=6), s.replicas[1],
+                                    replace(s.replicas[2], samples=0))), "a replica with none"),
+    (lambda s: replace(s, ranks=(0, 2, 1)), "make them agree"),
+])
+def test_bad_replicas_are_named(edit, words):
+    plan = _uneven_plan()
+    bad = replace(plan, stages=(edit(plan.stages[0]), plan.stages[1]))
+    with pytest.raises(PlanError, match=words):
+        bad.validate()
+
+
+def test_sharding_one_replica_is_refused():
+    plan = _plan()
+    one = replace(plan.stages[1], optimizer="sharded")
+    with pytest.raises(PlanError, match="at least 2 replicas"):
+        replace(plan, stages=(plan.stages[0], one, plan.stages[2])).validate()
 
 
 @pytest.mark.parametrize("change, words", [
