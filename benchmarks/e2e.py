@@ -9,7 +9,8 @@ machine hits them alike:
   (b) torch.distributed.pipelining Schedule1F1B over the uniform split;
   (c) hapt_hf's plan (same split) with plain 1F1B warm-ups;
   (d) the uniform split on hapt_hf's runtime (1F1B);
-  (e) DDP of the whole model on the same four ranks.
+  (e) DDP of the whole model on the same four ranks, every rank the same share of the batch
+      (what ``accelerate launch`` runs).
 
 The planner is not told the testbed's settings: it sees groups of equal nominal speed and a
 nominal link, and learns both through the profiler. Every contender runs a full training step
@@ -18,9 +19,16 @@ gradients across stages.
 
     python3 benchmarks/e2e.py --quick            # < 5 minutes; JSON on the last line
     python3 benchmarks/e2e.py --plot docs/e2e_throughput.png
+    python3 benchmarks/e2e.py --quick --unshaped # the link left at the machine's speed
 
 The last line is JSON with speedup_vs_torch_1f1b_uniform ((a)/(b)), speedup_vs_plain_1f1b
-((a)/(c)) and prediction_error (|predicted - measured| / measured for (a)).
+((a)/(c)), speedup_vs_ddp_equal_share ((e)/(a), where (e) ran) and prediction_error
+(|predicted - measured| / measured for (a)).
+
+``--unshaped`` leaves the link between the groups at the machine's own speed (the compute gap
+stays): a model that fits every rank and a fast link, where data parallelism with shares by
+speed is the plan to find. The planner may then choose the micro-batch size, and (e) runs in
+every repetition.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,14 +87,28 @@ class RaceConfig:
     busy_profile: bool = True
     """Every rank profiles while the group leaders are timed: CPU ranks share two cores, so a
     leader timed next to idle peers would look faster than it is during training."""
+    unshaped: bool = False
+    """Leave the link between the groups unshaped (loopback speed); the compute gap stays."""
 
     def testbed(self) -> dict:
+        links = [] if self.unshaped else [
+            {"between": ["fast", "slow"], "bandwidth_mbps": self.link_mbps,
+             "latency_ms": self.link_latency_ms}]
         return {"name": "race", "cpu_per_rank": self.cpu_per_rank, "cpu_cap": self.cpu_cap,
                 "slowdown": self.slowdown_mechanism,
                 "groups": [{"name": "fast", "ranks": self.fast_ranks},
                            {"name": "slow", "ranks": self.slow_ranks, "slowdown": self.slowdown}],
-                "links": [{"between": ["fast", "slow"], "bandwidth_mbps": self.link_mbps,
-                           "latency_ms": self.link_latency_ms}]}
+                "links": links}
+
+    def micro_batch_sizes(self) -> tuple[int, ...] | None:
+        """What the planner may choose from: the race's size, or any size when unshaped."""
+        return None if self.unshaped else (self.micro_batch,)
+
+    def profiled_sizes(self) -> tuple[int, ...]:
+        """Micro-batch sizes the profiler times (unshaped: every share a replica may take)."""
+        if self.unshaped:
+            return tuple(sorted({1, 2, 4, self.global_batch // 2, self.global_batch}))
+        return tuple(sorted({self.micro_batch, max(1, self.micro_batch // 2)}))
 
 
 # -- on every rank ---------------------------------------------------------------------------
@@ -141,21 +163,25 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
     from hapt_hf.planner.search import PlannerOptions, plan_job
 
     t0 = time.perf_counter()
-    sizes = sorted({cfg.micro_batch, max(1, cfg.micro_batch // 2)})
     profile = profile_group_leaders(
         config, groups=_groups(cfg), device_names={g: f"cpu-{g}" for g in _groups(cfg)},
-        seq_len=cfg.seq, options=ProfilerOptions(micro_batches=tuple(sizes),
+        seq_len=cfg.seq, options=ProfilerOptions(micro_batches=cfg.profiled_sizes(),
                                                  budget_s=cfg.profile_budget_s),
         link_sizes=(1 << 14, 1 << 17, 1 << 19), busy_peers=cfg.busy_profile)
     t1 = time.perf_counter()
     box = [None]
     if dist.get_rank() == 0:
         spec = ModelSpec.from_config(config, cfg.seq, "fp32", name="gpt2-race")
-        result = plan_job(spec, cluster_with_links(_nominal_cluster(cfg), profile),
-                          cfg.global_batch, profile=profile,
-                          options=PlannerOptions(schedule=ScheduleKind.H1F1B,
-                                                 micro_batch_sizes=(cfg.micro_batch,)))
+        cluster = cluster_with_links(_nominal_cluster(cfg), profile)
+        options = PlannerOptions(schedule=ScheduleKind.H1F1B,
+                                 micro_batch_sizes=cfg.micro_batch_sizes(), all_groups=True)
+        result = plan_job(spec, cluster, cfg.global_batch, profile=profile, options=options)
+        # The race runs on every rank; whether the planner would leave a group idle is recorded
+        free = plan_job(spec, cluster, cfg.global_batch, profile=profile,
+                        options=replace(options, all_groups=False))
         box[0] = {"plan": result.plan.to_dict(), "links": [asdict(m) for m in profile.links],
+                  "group_choice": {"idle": list(free.plan.idle_groups),
+                                   "predicted_s": free.plan.predicted.iteration_s},
                   "profile": {f"{k.device} {k.layer_signature.split(':')[0]} mb{k.micro_batch}":
                               [t.forward_s, t.backward_s] for k, t in profile.timings.items()}}
     dist.broadcast_object_list(box, src=0)
@@ -278,7 +304,7 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
                    "tokens_per_s": round(tokens / med, 1), "n": len(xs)}
     for k in rows:
         rows[k]["vs_b"] = round(rows["b"]["median_s"] / rows[k]["median_s"], 3)
-    ddp = ({"speedup_vs_ddp": round(rows["e"]["median_s"] / rows["a"]["median_s"], 3)}
+    ddp = ({"speedup_vs_ddp_equal_share": round(rows["e"]["median_s"] / rows["a"]["median_s"], 3)}
            if "e" in rows else
            {"ddp_skipped": f"all-reduce over the measured link estimated at "
                            f"{race['ddp_estimate_s']:.0f} s per step > ddp_max_s"})
@@ -294,9 +320,12 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
         "predicted_iteration_s": round(predicted, 4), "measured_iteration_s": measured,
         "contenders": rows,
         "plan": {"stages": [{"layers": s["layers"], "group": s["group"], "ranks": s["ranks"],
-                             "warmup": s["warmup"]} for s in plan["stages"]],
+                             "warmup": s["warmup"],
+                             **({"samples": [r["samples"] for r in s["replicas"]]}
+                                if "replicas" in s else {})} for s in plan["stages"]],
                  "micro_batch_size": plan["micro_batch_size"],
                  "num_microbatches": plan["num_microbatches"]},
+        "group_choice": race["group_choice"],
         "measured_links": race["links"], "profile": race["profile"],
         "profile_s": round(race["profile_s"], 1), "plan_s": round(race["plan_s"], 2),
         "testbed": {"slowdown": mechanisms.slowdown, "network": mechanisms.network,
@@ -341,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ddp-reps", type=int, default=None)
     ap.add_argument("--idle-profile", action="store_true",
                     help="profile the group leaders with their peers idle")
+    ap.add_argument("--unshaped", action="store_true",
+                    help="leave the link between the groups at the machine's speed")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -352,10 +383,13 @@ def main(argv: list[str] | None = None) -> dict:
             "link_latency_ms": args.link_latency_ms,
             "slowdown_mechanism": args.slowdown_mechanism,
             "busy_profile": False if args.idle_profile else None,
-            "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap}
+            "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap,
+            "unshaped": True if args.unshaped else None}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
     if cfg.cpu_cap is not None and cfg.cpu_cap <= 0:
         cfg = RaceConfig(**{**asdict(cfg), "cpu_cap": None})
+    if cfg.unshaped and args.ddp_reps is None:
+        cfg = RaceConfig(**{**asdict(cfg), "ddp_reps": cfg.reps})  # (e) is the yardstick here
 
     from benchmarks.testbed import Testbed, TestbedSpec
     start = time.monotonic()

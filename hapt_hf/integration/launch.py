@@ -26,6 +26,7 @@ import torch.distributed as dist
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_TIMEOUT_S
 from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, verified_generic_types
 from hapt_hf.core.layers import layer_name, num_layers
+from hapt_hf.core.precision import SHARDED
 from hapt_hf.errors import HaptError, LaunchError
 from hapt_hf.integration.config import HaptConfig
 from hapt_hf.pipeline.process_group import init_distributed
@@ -132,8 +133,8 @@ def _check_plan_against_cluster(plan: Plan, plugin: HaptConfig) -> None:
         raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} uses {plan.world_size} "
                         f"ranks but the cluster {str(plugin.cluster)!r} has {used}{idle}; give "
                         "only one of 'plan' and 'cluster', or re-plan on this cluster")
-    foreign = sorted({g for g in [s.group for s in plan.stages] + list(plan.idle_groups)
-                      if g and g not in groups})
+    foreign = sorted({g for g in [g for s in plan.stages for g in s.groups]
+                      + list(plan.idle_groups) if g and g not in groups})
     if foreign or (plan.cluster_name and plan.cluster_name != cluster.name):
         raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} was made for cluster "
                         f"{plan.cluster_name!r} (groups {foreign or 'as named'}) but the "
@@ -180,7 +181,7 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
         return best
     every = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
                      options=replace(plugin.planner, all_groups=True)).plan
-    kept = sorted({s.group for s in best.stages if s.group})
+    kept = sorted({g for s in best.stages for g in s.groups if g})
     print(f"hapt_hf: leaving group(s) {', '.join(best.idle_groups)} idle would be faster "
           f"({best.predicted.iteration_s:.3f} s per iteration against "
           f"{every.predicted.iteration_s:.3f} s on every group); this run uses the "
@@ -248,9 +249,12 @@ def format_plan(plan: Plan) -> str:
         names = [layer_name(i, plan.num_layers, plan.layer_unit) for i in range(*s.layers)]
         if len(names) > 5:  # keep one line per stage for deep models
             names = [names[0], "..", names[-1]]
+        where = (f"ranks {list(s.ranks)} samples {list(s.shares(plan.micro_batch_size))} "
+                 f"groups {'+'.join(s.groups)}" if s.uneven
+                 else f"ranks {list(s.ranks)} group {s.group or '-'}")
+        state = " optimizer sharded" if s.optimizer == SHARDED else ""
         lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) "
-                     f"{' '.join(names):<28} ranks {list(s.ranks)} group {s.group or '-'} "
-                     f"warmup {s.warmup}")
+                     f"{' '.join(names):<28} {where} warmup {s.warmup}{state}")
     if plan.predicted.iteration_s:
         lines.append(f"  predicted: {plan.predicted.iteration_s:.3f} s/iteration, bubble "
                      f"{plan.predicted.bubble_fraction:.0%}")
