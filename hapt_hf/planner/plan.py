@@ -6,6 +6,10 @@ A plan says, for every pipeline stage, which half-open range of the layer sequen
 is replicated or sharded among them, and how many forward micro-batches it runs before its
 first backward.
 It can be written by the planner or by hand; :func:`Plan.validate` checks it either way.
+
+Length: over 400 lines because the file's three records (plan, stage, replica), their JSON form
+and their checks are one format: each check names the field as the file spells it, next to the
+field's reader.
 """
 from __future__ import annotations
 
