@@ -22,6 +22,7 @@ from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_lim
 from .refine import as_schedule, refine_boundaries
 from .replays import simulate_layout
 from .shapes import require_chain
+from .state import sharding_reasons
 from .subsets import choose_groups
 from .warmups import refine_warmups
 
@@ -110,7 +111,8 @@ def _plan_on(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                   if b.sim is not None and b.sim.feasible}
     plan = layout_to_plan(unit_cm, lay, global_batch_size, final, base_times).validate()
     return PlanResult(plan, final, baselines, time.perf_counter() - t0,
-                      physical_limit_s(cm, global_batch_size), tried)
+                      physical_limit_s(cm, global_batch_size), tried,
+                      sharding=sharding_reasons(unit_cm, plan, final.peak_in_flight))
 
 
 def _unit_models(model: ModelSpec, layer_unit: str) -> list[ModelSpec]:

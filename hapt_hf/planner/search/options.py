@@ -1,7 +1,7 @@
 """The search's settings and records: what the user asks for, a candidate, the result."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hapt_hf.core.layers import BLOCK, HALF
 from hapt_hf.core.precision import REPLICATED
@@ -149,6 +149,8 @@ class PlanResult:
     candidates_tried: int = 0
     group_choices: tuple[GroupChoice, ...] = ()
     """Every set of groups weighed (the whole cluster first); empty with one group."""
+    sharding: dict[int, str] = field(default_factory=dict)
+    """Stage index -> why that stage shards its optimizer state (sharded stages only)."""
 
     @property
     def all_groups_s(self) -> float | None:

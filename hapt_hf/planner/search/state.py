@@ -13,8 +13,10 @@ from hapt_hf.core.layers import layer_name
 from hapt_hf.core.precision import REPLICATED, SHARDED
 
 from ..cost_model import CostModel, StageShape
+from ..plan import Plan
 
-__all__ = ["state_options", "faster_state", "stage_state", "sharding_reason"]
+__all__ = ["state_options", "faster_state", "stage_state", "sharding_reason",
+           "sharding_reasons"]
 
 
 def state_options(shape: StageShape, allow_sharded: bool) -> tuple[str, ...]:
@@ -70,3 +72,13 @@ def sharding_reason(cm: CostModel, shape: StageShape, mbs: int, a: int, b: int,
     if not recompute and cm.memory_bytes(s, a, b, in_flight, True, REPLICATED, w) <= cap:
         text += " (replicated, these layers would need recompute)"
     return text
+
+
+def sharding_reasons(cm: CostModel, plan: Plan, in_flight=()) -> dict[int, str]:
+    """Stage index -> why it shards its optimizer state, for every sharded stage of ``plan``
+    (``cm`` over the plan's layer sequence; ``in_flight``: the most micro-batches each stage
+    holds, by default its warm-up depth)."""
+    depth = tuple(in_flight) or plan.warmups()
+    return {s.index: sharding_reason(cm, sh, plan.micro_batch_size, *s.layers,
+                                     depth[s.index], s.recompute)
+            for s, sh in zip(plan.stages, cm.shapes_of(plan)) if s.optimizer == SHARDED}
