@@ -101,9 +101,13 @@ def test_where_only_sharded_state_fits_the_plan_shards_and_validates():
         plan_job(model, cluster, 8, options=PlannerOptions(allow_sharded_optimizer=False))
 
 
+# the search's own choice: the baselines (replicated splits, ZeRO-1 DDP) are left out
+OWN = PlannerOptions(include_baselines=False)
+
+
 def test_where_replicated_fits_and_steps_faster_the_plan_stays_replicated():
     model, cluster = synth_model(4, 1024), _one_group(16.0, 8)
-    res = plan_job(model, cluster, 16)
+    res = plan_job(model, cluster, 16, options=OWN)
     plan = res.plan
     assert any(s.dp >= 2 for s in plan.stages)
     assert all(s.optimizer == REPLICATED for s in plan.stages) and not res.sharding
@@ -117,12 +121,15 @@ def test_sharding_where_its_step_is_faster_and_never_with_the_switch_off():
     # GPUs this slow have little memory bandwidth: the whole Adam step costs more than a
     # 1/d step plus the all-gather over their link, so sharding wins though both fit
     model, cluster = synth_model(4, 1024), _one_group(16.0, 8, tflops=0.5)
-    on = plan_job(model, cluster, 16)
+    on = plan_job(model, cluster, 16, options=OWN)
     assert any(s.optimizer == SHARDED for s in on.plan.stages)
     assert all("faster optimizer step" in why for why in on.sharding.values())
-    off = plan_job(model, cluster, 16, options=PlannerOptions(allow_sharded_optimizer=False))
+    off = plan_job(model, cluster, 16, options=replace(OWN, allow_sharded_optimizer=False))
     assert all(s.optimizer == REPLICATED for s in off.plan.stages) and not off.sharding
     assert on.sim.iteration_s < off.sim.iteration_s
+    # with the baselines too (ZeRO-1 DDP among them), the switch still holds
+    off = plan_job(model, cluster, 16, options=PlannerOptions(allow_sharded_optimizer=False))
+    assert all(s.optimizer == REPLICATED for s in off.plan.stages)
 
 
 def test_sharding_lets_fewer_stages_hold_the_model():
