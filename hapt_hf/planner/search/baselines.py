@@ -188,8 +188,8 @@ def _zero1_ddp(cm: CostModel, gbs: int, options: PlannerOptions) -> BaselineResu
         need = cm.memory_bytes(sizes[0] // g.size, 0, L, 1, options.allow_recompute, SHARDED,
                                g.size)
         return BaselineResult(name, None, None, f"the whole model with sharded optimizer state "
-                              f"needs {need / 1e9:.1f} GB per {g.gpu.name} against "
-                              f"{cm.capacity_bytes(g) / 1e9:.1f} GB usable")
+                              f"needs {need / 1e9:.3g} GB per {g.gpu.name} against "
+                              f"{cm.capacity_bytes(g) / 1e9:.3g} GB usable")
     return _best(cm, gbs, layouts, name)
 
 
