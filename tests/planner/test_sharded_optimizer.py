@@ -13,7 +13,7 @@ from hapt_hf.planner.search import PlannerOptions, PlanningError, baseline_plans
 from hapt_hf.planner.search.infeasible import fit_advice
 from hapt_hf.planner.simulate import simulate_plan
 
-from .test_cost_model import group, toy_model, two_groups
+from .test_cost_model import toy_model, two_groups
 from .test_search import make_group, synth_model
 
 
