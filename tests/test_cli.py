@@ -255,6 +255,32 @@ def test_plan_that_fits_nowhere_names_a_remedy_that_plans(tmp_path, capsys):
     assert code == 0, err
 
 
+SHARDING_CLUSTER = """\
+name: shard
+groups:
+  - {name: v100, gpu: V100-32, memory_gb: 0.015, nodes: 1, gpus_per_node: 8}
+job:
+  model: {family: gpt2, hidden_size: 256, num_layers: 2, num_heads: 4, vocab_size: 1000}
+  seq_len: 64
+  global_batch_size: 8
+  dtype: fp32
+"""
+
+
+def test_plan_says_which_stages_shard_and_the_flag_forbids_it(tmp_path, capsys):
+    cluster = _write(tmp_path, SHARDING_CLUSTER)
+    code, out, err = _run(["plan", "--cluster", cluster, "-o", tmp_path / "p.json"], capsys)
+    assert code == 0, err
+    sharded = [s for s in Plan.load(tmp_path / "p.json").stages if s.optimizer == "sharded"]
+    assert sharded and "optimizer" in out
+    assert f"sharded state    stage {sharded[0].index} over {sharded[0].dp} replicas: " in out
+    code, out, err = _run(["plan", "--cluster", cluster, "--no-sharded-optimizer", "--json"],
+                          capsys)
+    assert code == 0, err
+    assert all(s.get("optimizer", "replicated") == "replicated"
+               for s in json.loads(out)["plan"]["stages"])
+
+
 def _assert_user_error(code, out, err, field):
     assert code == 2
     assert err.startswith("hapt-hf: error: ") and "Traceback" not in err

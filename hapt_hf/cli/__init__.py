@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-groups", action="store_true",
                    help="use every group; by default the search may leave whole groups idle "
                         "where the plan is faster without them (the report names them)")
+    p.add_argument("--no-sharded-optimizer", action="store_true",
+                   help="keep every stage's whole optimizer state on each of its replicas; by "
+                        "default a stage may shard its Adam moments among them (ZeRO-1) where "
+                        "that fits more layers, needs less recompute or steps faster")
     p.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan here")
     p.add_argument("--timeline", metavar="PNG", help="draw the simulated iteration here")
     p.add_argument("--json", action="store_true", help="print the report and plan as JSON")

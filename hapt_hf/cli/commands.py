@@ -57,6 +57,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
     options = PlannerOptions(
         schedule=args.schedule, all_groups=args.all_groups,
+        allow_sharded_optimizer=not args.no_sharded_optimizer,
         micro_batch_sizes=None if args.micro_batch is None else (args.micro_batch,))
     result = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
                       options=options)
@@ -70,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           capacity_gb=capacities_gb(job.cluster),
                           physical_limit_s=result.physical_limit_s,
                           search_time_s=result.search_time_s, baselines=result.baselines,
-                          all_groups_s=result.all_groups_s)
+                          all_groups_s=result.all_groups_s, sharding=result.sharding)
     # outputs only now that planning succeeded; each is written atomically
     if args.timeline:
         from hapt_hf.planner.timeline import draw_timeline

@@ -16,8 +16,9 @@ facts the simulator cannot avoid (stage ``i``, ``M`` micro-batches):
   micro-batch's gradient still has to pass the stages before it
   (``sum_{j<i} (b_j + cut_j)``, then stage 0's own all-reduce and step).
 
-Recompute lengthens ``b_i`` but raises ``k_i`` and shortens the exposed all-reduce, so each stage
-takes the smaller of its two bounds. :func:`layouts_below` enumerates every layout (every group
+Recompute lengthens ``b_i`` but raises ``k_i`` and shortens the exposed all-reduce, and sharded
+optimizer state raises ``k_i`` for another step time, so each stage takes the smallest of its
+bounds. :func:`layouts_below` enumerates every layout (every group
 order, every way to cut each group into stages of any widths, optionally groups visited more
 than once, every micro-batch size, every contiguous layer partition) whose bound is below a
 target: a plan faster than the target can only be among them, so replaying those few settles
@@ -34,6 +35,7 @@ from hapt_hf.core.schedules import ScheduleKind, warmups_from_steps
 from .cluster import Cluster
 from .cost_model import CostModel, StageShape
 from .search import Layout, divisors, group_cuts, recompute_flags, simulate_layout
+from .search.state import state_options
 from .simulate import SimResult
 
 __all__ = ["BoundedLayout", "stage_sequences", "lower_bound_s", "layouts_below",
@@ -89,14 +91,17 @@ def _stage_options(cm: CostModel, sh: StageShape, a: int, b: int, mbs: int, m: i
     s = mbs // sh.width
     cap = cm.capacity_bytes(sh.group)
     out = []
-    for rc in ((False, True) if allow_rc else (False,)):
+    # sharded optimizer state frees memory (more slots) for a different step: both are options
+    for rc, opt in itertools.product((False, True) if allow_rc else (False,),
+                                     state_options(sh, True)):
         f, bw = cm.compute_s(sh.group, s, a, b, rc)
         act = cm.activation_bytes(s, a, b, rc)
-        free = cap - cm.static_bytes(a, b) - cm.working_bytes(s, a, b)
+        free = cap - cm.static_bytes(a, b, opt, sh.width) - cm.working_bytes(s, a, b)
         slots = m if act <= 0 and free >= 0 else int(free // act) if act > 0 else 0
         if slots < 1:
             continue
-        tail = cm.allreduce_window(sh, s, a, b, rc).exposed_s + cm.update_s(sh.group, s, a, b)
+        tail = (cm.allreduce_window(sh, s, a, b, rc).exposed_s
+                + cm.optimizer_step_s(sh, s, a, b, opt))
         out.append(_Stage(f, bw, tail, min(slots, m)))
     return out
 

@@ -21,10 +21,16 @@ Conventions:
   link once its last byte is final and the link is free, one bucket after another. Only what
   runs past the end of the last backward adds to the iteration.
 * Memory per GPU: fp32 weights, fp32 gradients and Adam state take :data:`STATE_BYTES_PER_PARAM`
-  (16) bytes per parameter in every precision, plus, for every micro-batch in flight, what its
-  layers keep for the backward (``act_keep_bytes`` per sample and ``act_keep_fixed_bytes``:
-  autocast's 16-bit weight copies), plus one layer's working set. Recompute keeps only the
-  blocks' inputs and pays one more forward in the backward.
+  (16) bytes per parameter in every precision (a stage whose optimizer is ``sharded``, ZeRO-1
+  over its ``d`` replicas: ``8 + 8/d``, the Adam moments split, weights and gradients whole; see
+  :func:`~hapt_hf.core.precision.state_bytes_per_param`), plus, for every micro-batch in
+  flight, what its layers keep for the backward (``act_keep_bytes`` per sample and
+  ``act_keep_fixed_bytes``: autocast's 16-bit weight copies), plus one layer's working set.
+  Recompute keeps only the blocks' inputs and pays one more forward in the backward.
+* A sharded stage's replicas each run the Adam step on their ``1/d`` of the parameters, then
+  the updated fp32 weights go from their owners to the other replicas, priced as a ring
+  all-gather ``(d-1)/d * 4 * params / bw + (d-1) * lat`` on the replica link, after the
+  all-reduce and the step (nothing overlaps it).
 * Activations and their gradients cross stage boundaries at the compute dtype
   (``act_out_bytes``); the data-parallel all-reduce moves the fp32 weight gradients
   (:data:`~hapt_hf.core.precision.MASTER_BYTES` per parameter).
@@ -40,7 +46,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
-from hapt_hf.core.precision import MASTER_BYTES, STATE_BYTES_PER_PARAM
+from hapt_hf.core.precision import (MASTER_BYTES, REPLICATED, SHARDED, STATE_BYTES_PER_PARAM,
+                                     state_bytes_per_param)
 from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
@@ -122,6 +129,11 @@ class StageCost:
     allreduce_exposed_s: float | None = None
     """How long the all-reduce runs past the end of the last backward; None: all of
     ``allreduce_s`` (nothing overlapped)."""
+    allgather_s: float = 0.0
+    """Sharded optimizer state: moving the updated weights from their owners to the other
+    replicas, after the update (0 when the state is replicated)."""
+    optimizer: str = REPLICATED
+    """'replicated' or 'sharded' (ZeRO-1 over the stage's replicas)."""
 
     @property
     def allreduce_after_s(self) -> float:
@@ -326,8 +338,10 @@ class CostModel:
             bw += t.block_fwd[b] - t.block_fwd[a]
         return f, bw
 
-    def static_bytes(self, a: int, b: int) -> float:
-        return (self.params[b] - self.params[a]) * self.state_bytes
+    def static_bytes(self, a: int, b: int, optimizer: str = REPLICATED, width: int = 1) -> float:
+        """Weights, gradients and optimizer state of layers [a, b) on one GPU of a stage of
+        ``width`` replicas keeping its state ``optimizer``."""
+        return (self.params[b] - self.params[a]) * state_bytes_per_param(optimizer, width)
 
     def activation_bytes(self, samples: int, a: int, b: int, recompute: bool = False) -> float:
         """What one micro-batch of ``samples`` keeps in layers [a, b) until its backward."""
@@ -339,19 +353,21 @@ class CostModel:
         return samples * self._keep_max[a][b - a - 1]
 
     def memory_bytes(self, samples: int, a: int, b: int, in_flight: int,
-                     recompute: bool = False) -> float:
-        return (self.static_bytes(a, b)
+                     recompute: bool = False, optimizer: str = REPLICATED,
+                     width: int = 1) -> float:
+        return (self.static_bytes(a, b, optimizer, width)
                 + in_flight * self.activation_bytes(samples, a, b, recompute)
                 + self.working_bytes(samples, a, b))
 
-    def memory_prefix(self, samples: int, in_flight: int, recompute: bool) -> list[float]:
+    def memory_prefix(self, samples: int, in_flight: int, recompute: bool,
+                      optimizer: str = REPLICATED, width: int = 1) -> list[float]:
         """Prefix sums of static + in-flight activation bytes (working set not included)."""
-        key = (samples, in_flight, recompute)
+        st = state_bytes_per_param(optimizer, width)
+        key = (samples, in_flight, recompute, st)
         pre = self._mem_prefix.get(key)
         if pre is None:
             keep = self.keep_rc if recompute else self.keep
             fixed = self.fixed_rc if recompute else self.fixed
-            st = self.state_bytes
             pre = [p * st + in_flight * (samples * k + f)
                    for p, k, f in zip(self.params, keep, fixed)]
             self._mem_prefix[key] = pre
@@ -395,9 +411,31 @@ class CostModel:
         self._windows[key] = w
         return w
 
-    def update_s(self, group: GpuGroup, samples: int, a: int, b: int) -> float:
+    def update_s(self, group: GpuGroup, samples: int, a: int, b: int,
+                 optimizer: str = REPLICATED, width: int = 1) -> float:
+        """The optimizer step of layers [a, b) on one replica; sharded, each replica updates
+        its ``1/width`` of the parameters."""
         t = self.table(group, samples)
-        return t.upd[b] - t.upd[a]
+        share = width if optimizer == SHARDED and width > 1 else 1
+        return (t.upd[b] - t.upd[a]) / share
+
+    def allgather_s(self, shape: StageShape, a: int, b: int, optimizer: str = REPLICATED) -> float:
+        """Sharded state: the updated fp32 weights of layers [a, b) from their owners to every
+        other replica, as a ring all-gather on the replica link; 0 when replicated."""
+        d = shape.width
+        if optimizer != SHARDED or d <= 1:
+            return 0.0
+        link = shape.group.inter_node if shape.spans_nodes else shape.group.intra_node
+        nbytes = (self.params[b] - self.params[a]) * MASTER_BYTES
+        bw = link.bandwidth_gbps * 1e9 / 8
+        return (d - 1) / d * nbytes / bw + (d - 1) * link.latency_us * 1e-6
+
+    def optimizer_step_s(self, shape: StageShape, samples: int, a: int, b: int,
+                         optimizer: str) -> float:
+        """What the optimizer adds after the all-reduce: the update, and the all-gather of a
+        sharded state."""
+        return (self.update_s(shape.group, samples, a, b, optimizer, shape.width)
+                + self.allgather_s(shape, a, b, optimizer))
 
     def cut_s(self, left: StageShape, right: StageShape, last_layer: int, mbs: int) -> float:
         """Seconds to move one micro-batch's activations (or their gradients) across the cut
@@ -444,8 +482,11 @@ class CostModel:
         return shapes
 
     def stage_costs(self, shapes: list[StageShape], bounds: list[tuple[int, int]], mbs: int,
-                    recompute: list[bool] | tuple[bool, ...]) -> StageCosts:
-        """Costs of a pipeline given its stage shapes, layer ranges and micro-batch size."""
+                    recompute: list[bool] | tuple[bool, ...],
+                    optimizers: list[str] | tuple[str, ...] = ()) -> StageCosts:
+        """Costs of a pipeline given its stage shapes, layer ranges and micro-batch size;
+        ``optimizers``: each stage's optimizer state (empty: every stage replicated)."""
+        opts = tuple(optimizers) or (REPLICATED,) * len(shapes)
         n = len(shapes)
         if self.model.num_layers and bounds and bounds[-1][1] > self.model.num_layers:
             raise CostModelError(f"the stages reach layer {bounds[-1][1]} but the model has "
@@ -453,7 +494,7 @@ class CostModel:
         cuts = [self.cut_s(shapes[i], shapes[i + 1], bounds[i][1] - 1, mbs)
                 for i in range(n - 1)]
         out = []
-        for i, (sh, (a, b), rc) in enumerate(zip(shapes, bounds, recompute)):
+        for i, (sh, (a, b), rc, opt) in enumerate(zip(shapes, bounds, recompute, opts)):
             samples = mbs // sh.width
             f, bw = self.compute_s(sh.group, samples, a, b, rc)
             ar = self.allreduce_window(sh, samples, a, b, rc)
@@ -462,12 +503,13 @@ class CostModel:
                 send_forward_s=cuts[i] if i < n - 1 else 0.0,
                 send_backward_s=cuts[i - 1] if i > 0 else 0.0,
                 allreduce_s=ar.link_s,
-                update_s=self.update_s(sh.group, samples, a, b),
-                static_bytes=self.static_bytes(a, b),
+                update_s=self.update_s(sh.group, samples, a, b, opt, sh.width),
+                static_bytes=self.static_bytes(a, b, opt, sh.width),
                 activation_bytes=self.activation_bytes(samples, a, b, rc),
                 working_bytes=self.working_bytes(samples, a, b),
                 capacity_bytes=self.capacity_bytes(sh.group),
-                recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s))
+                recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
+                allgather_s=self.allgather_s(sh, a, b, opt), optimizer=opt))
         return StageCosts(tuple(out))
 
     def plan_costs(self, plan: Plan) -> StageCosts:
@@ -478,7 +520,8 @@ class CostModel:
                                      f"micro_batch_size is {plan.micro_batch_size}; make it a "
                                      "multiple of every stage's width")
         return self.stage_costs(shapes, [s.layers for s in plan.stages], plan.micro_batch_size,
-                                [s.recompute for s in plan.stages])
+                                [s.recompute for s in plan.stages],
+                                [s.optimizer for s in plan.stages])
 
     def sample_time_s(self, group: GpuGroup, samples: int) -> float:
         """Forward + backward seconds per sample of the whole model on one GPU of ``group``,

@@ -47,6 +47,8 @@ class StageRow:
     capacity_gb: float | None
     """Memory of one GPU of the stage's group; None when the cluster is not known."""
     warmup: int
+    optimizer: str = "replicated"
+    """'replicated' or 'sharded' (ZeRO-1: the Adam moments split among the replicas)."""
 
     @property
     def fits(self) -> bool:
@@ -87,6 +89,8 @@ class PlanReport:
     """Groups of the cluster the plan leaves idle."""
     all_groups_s: float | None = None
     """The best plan's iteration time on every group, where the search found one."""
+    sharding: tuple[str, ...] = ()
+    """One line per stage with sharded optimizer state: why it shards."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -138,7 +142,7 @@ def _stage_rows(plan: Plan, sim: Any | None,
             backward_ms=1e3 * (s.predicted.backward_s if bwd is None else bwd),
             peak_memory_gb=peak / _GB,
             capacity_gb=None if capacity_gb is None else capacity_gb.get(s.group),
-            warmup=s.warmup))
+            warmup=s.warmup, optimizer=s.optimizer))
     return tuple(rows)
 
 
@@ -160,13 +164,14 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
                  capacity_gb: Mapping[str, float] | None = None,
                  physical_limit_s: float | None = None, search_time_s: float | None = None,
                  baselines: Mapping[str, Any] | None = None,
-                 all_groups_s: float | None = None) -> PlanReport:
+                 all_groups_s: float | None = None,
+                 sharding: Mapping[int, str] | None = None) -> PlanReport:
     """Gather the table's figures; without ``sim`` the plan's own predictions are shown.
 
     ``capacity_gb`` maps a group name to the memory of one of its GPUs; ``baselines`` maps a
     name to an object with ``plan``, ``sim`` and ``reason`` (the search's BaselineResult);
     ``all_groups_s`` is the best time the search found on every group (for a plan that leaves
-    groups idle).
+    groups idle); ``sharding`` maps a stage index to why it shards its optimizer state.
     """
     if sim is not None:
         iteration, bubble = sim.iteration_s, sim.bubble_fraction
@@ -183,13 +188,19 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         tokens_per_s=tokens, bubble_fraction=bubble, feasible=feasible, reason=reason,
         physical_limit_s=physical_limit_s, search_time_s=search_time_s,
         baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
-        all_groups_s=all_groups_s)
+        all_groups_s=all_groups_s, sharding=_sharding_lines(plan, sharding or {}))
+
+
+def _sharding_lines(plan: Plan, why: Mapping[int, str]) -> tuple[str, ...]:
+    return tuple(f"stage {s.index} over {s.dp} replicas" + (f": {why[s.index]}"
+                                                          if s.index in why else "")
+                 for s in plan.stages if s.optimizer == "sharded")
 
 
 # -- text ----------------------------------------------------------------------------------
 
 _HEADERS = ("stage", "group", "device", "GPUs (ranks)", "layers", "fwd ms", "bwd ms",
-            "memory GB", "warm-up")
+            "memory GB", "warm-up", "optimizer")
 
 
 def _cells(r: StageRow) -> tuple[str, ...]:
@@ -198,7 +209,7 @@ def _cells(r: StageRow) -> tuple[str, ...]:
         mem += f" / {r.capacity_gb:.0f}" + ("" if r.fits else " OVER")
     layers = f"[{r.layers[0]},{r.layers[1]}) {r.layers[1] - r.layers[0]}: {r.layer_names}"
     return (str(r.index), r.group, r.device, f"{len(r.ranks)} ({format_ranks(r.ranks)})",
-            layers, _ms(r.forward_ms), _ms(r.backward_ms), mem, str(r.warmup))
+            layers, _ms(r.forward_ms), _ms(r.backward_ms), mem, str(r.warmup), r.optimizer)
 
 
 def _ms(v: float) -> str:
@@ -242,6 +253,8 @@ def format_report(rep: PlanReport) -> str:
         out.append(f"memory           DOES NOT FIT: {why}")
     elif any(r.capacity_gb is not None for r in rep.stages):
         out.append("memory           fits on every GPU")
+    for i, line in enumerate(rep.sharding):
+        out.append(f"{'sharded state' if i == 0 else '':<17}{line}")
     if rep.baselines:
         out += ["", "baseline                 iteration     plan speed-up"]
         for b in rep.baselines:

@@ -11,8 +11,9 @@ Rules of the replay (the same ones the runtime follows):
   and cost nothing;
 * a stage all-reduces its gradients among its replicas in buckets that start during its last
   backward (the cost model's ``allreduce_lead_s`` before its end) and may run past it
-  (``allreduce_after_s``); the optimizer step follows, and the iteration ends when the last
-  stage finishes its step.
+  (``allreduce_after_s``); the optimizer step follows (on a stage with sharded optimizer state,
+  then the all-gather of the updated weights), and the iteration ends when the last stage
+  finishes.
 
 A stage whose next action waits for something no stage will ever produce is a deadlock; the
 result is then infeasible and ``reason`` says where every stage is stuck.
@@ -38,9 +39,10 @@ __all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan", "repla
 class SimEvent:
     stage: int
     kind: str
-    """'F', 'B', 'SEND_F', 'SEND_B', 'ALLREDUCE' or 'UPDATE'."""
+    """'F', 'B', 'SEND_F', 'SEND_B', 'ALLREDUCE', 'UPDATE' or 'ALLGATHER' (the updated
+    weights of a sharded optimizer state)."""
     microbatch: int
-    """-1 for ALLREDUCE and UPDATE."""
+    """-1 for ALLREDUCE, UPDATE and ALLGATHER."""
     start: float
     end: float
 
@@ -171,6 +173,10 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
         if record_events:
             events.append(SimEvent(s, "ALLREDUCE", -1, last_b[s] - c.allreduce_lead_s, t1))
             events.append(SimEvent(s, "UPDATE", -1, t1, t2))
+        if c.allgather_s > 0:  # sharded state: the updated weights reach every replica
+            if record_events:
+                events.append(SimEvent(s, "ALLGATHER", -1, t2, t2 + c.allgather_s))
+            t2 += c.allgather_s
         ends.append(max(t2, fwd_free[s], bwd_free[s]))
     iteration = max(ends)
     bubble = 1.0 - (sum(busy) / n) / iteration if iteration > 0 else 0.0

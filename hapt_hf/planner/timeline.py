@@ -29,8 +29,9 @@ KIND_COLOURS = {
     "SEND_F": "#dd8452",     # activation transfer: orange
     "SEND_B": "#c44e52",     # gradient transfer: red
     "ALLREDUCE": "#937860",  # data-parallel gradient all-reduce: brown
+    "ALLGATHER": "#da8bc3",  # sharded optimizer state: updated weights to every replica: pink
 }
-_COMM_KINDS = frozenset({"SEND_F", "SEND_B", "ALLREDUCE"})
+_COMM_KINDS = frozenset({"SEND_F", "SEND_B", "ALLREDUCE", "ALLGATHER"})
 _ROW_H = 1.0          # height of one stage's row
 _COMPUTE_H = 0.62     # compute lane height within it
 _COMM_H = 0.22        # communication lane height

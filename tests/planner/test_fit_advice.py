@@ -57,16 +57,21 @@ def test_a_smaller_micro_batch_is_named_when_it_would_fit():
     assert plan.micro_batch_size == mbs
 
 
-def test_a_layer_bigger_than_any_gpu_names_the_gpu_size_and_zero1_as_unsupported():
+def test_a_layer_bigger_than_any_gpu_names_the_gpu_size_and_the_replicas_zero1_needs():
     model = synth_model(2, 1024)  # one block: 0.2 GB of weights and Adam state
     msg = _refusal(model, _one_group(0.15, 2), 4)
-    assert "the planner does not support ZeRO-1 yet" in msg
+    d = int(re.search(r"sharding its optimizer state \(ZeRO-1\) over (\d+) replicas", msg
+                      ).group(1))
+    assert d > 2 and "but the largest group has 2 GPUs" in msg
     size, count = re.search(r"GPUs with at least ([0-9.]+) GB of memory \((\d+) of them", msg
                             ).groups()
     assert plan_job(model, _one_group(float(size), int(count)), 4).plan.stages
+    # with the switch off the message says to turn it on
+    off = PlannerOptions(allow_sharded_optimizer=False)
+    assert "allow_sharded_optimizer=True" in _refusal(model, _one_group(0.15, 12), 8, off)
     # where weights and gradients alone are too big, sharding the optimizer would not help
     msg = _refusal(synth_model(2, 2048), _one_group(0.1, 2), 4)
-    assert "even sharding its optimizer state" in msg and "does not support" not in msg
+    assert "even sharding its optimizer state" in msg and "allow_sharded" not in msg
 
 
 def test_advice_is_empty_where_the_job_fits():

@@ -9,7 +9,11 @@
 * ``hapt`` (HAPT's recipe): the groups in file order (a fixed chain), stages of a power-of-two
   number of GPUs inside one node, layers by the min-max partition under memory, the
   configuration chosen by HAPT's pipeline formula, and H-1F1B warm-ups from its 1/2/3
-  thresholds.
+  thresholds;
+* ``zero1_ddp`` (DeepSpeed ZeRO stage 1, torch's ``ZeroRedundancyOptimizer`` under DDP): no
+  pipeline, one stage holding the whole model on every GPU with its Adam moments sharded among
+  them and every micro-batch split evenly. A stage spans one group of the cluster file, so this
+  baseline exists on clusters of one group only.
 
 The first three run plain 1F1B with the same data-parallel width on every stage (what those
 frameworks require: world = pipeline x data parallel), the groups in file order; each gets the
@@ -23,11 +27,12 @@ import math
 from bisect import bisect_left
 
 from hapt_hf.core.layers import num_blocks
+from hapt_hf.core.precision import SHARDED
 from hapt_hf.core.schedules import ScheduleKind
 from hapt_hf.errors import CostModelError
 
 from ..cluster import Cluster
-from ..cost_model import CostModel
+from ..cost_model import CostModel, StageShape
 from ..model_spec import ModelSpec
 from ..profile import Profile
 from .options import BaselineResult, Layout, PlannerOptions
@@ -40,7 +45,7 @@ from .warmups import hapt_warmups, in_flight_guess
 
 __all__ = ["BASELINES", "baseline_plans"]
 
-BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt")
+BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt", "zero1_ddp")
 
 
 def _uniform(cm: CostModel, shapes, mbs: int) -> list[int] | None:
@@ -155,6 +160,39 @@ def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
             yield Layout(shapes, part.bounds, part.recompute, mbs, warm, ScheduleKind.H1F1B)
 
 
+def _zero1_ddp(cm: CostModel, gbs: int, options: PlannerOptions) -> BaselineResult:
+    """One stage over every GPU with sharded optimizer state, or why there is none."""
+    name, groups = "zero1_ddp", cm.cluster.groups
+    if len(groups) > 1:
+        return BaselineResult(name, None, None, f"one stage over {len(groups)} groups: a stage "
+                              "spans one group, so ZeRO-1 DDP is scored on one-group clusters only")
+    g = groups[0]
+    if g.size < 2:
+        return BaselineResult(name, None, None, "one GPU has no replica to shard the optimizer "
+                              "state with")
+    shape, L = StageShape(g, g.size, 0), cm.model.num_layers
+    sizes = micro_batch_options(gbs, [g.size], options.micro_batch_sizes)
+    if not sizes:
+        return BaselineResult(name, None, None, f"no micro-batch size allowed is a multiple of "
+                              f"the {g.size} GPUs and divides global batch {gbs}")
+    warm = hapt_warmups((shape,), [], 1.0, 1, ScheduleKind.ONE_F_ONE_B)
+    layouts = []
+    for mbs in sizes:
+        for rc in ((False, True) if options.allow_recompute else (False,)):
+            if cm.memory_bytes(mbs // g.size, 0, L, 1, rc, SHARDED, g.size) \
+                    <= cm.capacity_bytes(g):
+                layouts.append(Layout((shape,), ((0, L),), (rc,), mbs, warm,
+                                      ScheduleKind.ONE_F_ONE_B, (SHARDED,)))
+                break
+    if not layouts:
+        need = cm.memory_bytes(sizes[0] // g.size, 0, L, 1, options.allow_recompute, SHARDED,
+                               g.size)
+        return BaselineResult(name, None, None, f"the whole model with sharded optimizer state "
+                              f"needs {need / 1e9:.3g} GB per {g.gpu.name} against "
+                              f"{cm.capacity_bytes(g) / 1e9:.3g} GB usable")
+    return _best(cm, gbs, layouts, name)
+
+
 def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
     ranked = sorted(((estimate_s(cm, l, gbs // l.micro_batch_size), i, l)
                      for i, l in enumerate(layouts)), key=lambda x: (x[0], x[1]))
@@ -182,6 +220,9 @@ def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                  options.memory_headroom)
     out = {}
     for name in BASELINES:
+        if name == "zero1_ddp":
+            out[name] = _zero1_ddp(cm, global_batch_size, options)
+            continue
         try:
             layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt"
                        else list(_framework_layouts(cm, name, global_batch_size, options)))

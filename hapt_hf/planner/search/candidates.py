@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 
+from hapt_hf.core.precision import REPLICATED, SHARDED
+
 from ..cost_model import CostModel
 from .options import Layout, PlannerOptions
 from .partition import balanced_step_s, cut_times, estimate_s, partition_layers
@@ -27,12 +29,14 @@ def _expand(cm: CostModel, shapes, mbs: int, m: int, options: PlannerOptions,
     cap_guess = balanced_step_s(cm, shapes, mbs)
     inflight = in_flight_guess(shapes, mbs, m, options.schedule, cm, cap_guess)
     part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute,
-                            lower_bound_s=cap_guess)
+                            lower_bound_s=cap_guess,
+                            allow_sharded=options.allow_sharded_optimizer)
     if part is None:
         return None
     cuts = cut_times(cm, shapes, part.bounds, mbs)
     warm = hapt_warmups(shapes, cuts, part.cap_s, m, options.schedule)
-    layout = Layout(tuple(shapes), part.bounds, part.recompute, mbs, warm, options.schedule)
+    layout = Layout(tuple(shapes), part.bounds, part.recompute, mbs, warm, options.schedule,
+                    part.optimizer)
     return _Scored(estimate_s(cm, layout, m), key, layout)
 
 
@@ -44,16 +48,18 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
     if math.prod(len(o) for o in per_group) > options.max_shape_combos:
         # at scale, keep equal widths inside a group (unequal ones only where none is equal)
         per_group = [[w for w in o if len(set(w)) == 1] or o for o in per_group]
-    total_static = cm.static_bytes(0, L)
     out = []
     for combo in itertools.product(*per_group):
         n = sum(len(w) for w in combo)
         if n > max_n:
             continue
-        # every replica of a stage holds the stage's weights and optimizer state, so the
-        # stages' memories together must hold the whole model's at least once
+        # every replica of a stage holds the stage's weights and optimizer state (sharded: its
+        # share of the Adam moments), so the stages' memories together must hold the whole
+        # model's at least once
+        widest = max(max(ws) for ws in combo)
+        state = SHARDED if options.allow_sharded_optimizer else REPLICATED
         if sum(cm.capacity_bytes(g) * len(ws) for g, ws in zip(cm.cluster.groups, combo)) \
-                < total_static:
+                < cm.static_bytes(0, L, state, widest):
             continue
         widths = {g.name: w for g, w in zip(cm.cluster.groups, combo)}
         flat = [w for ws in combo for w in ws]

@@ -5,6 +5,7 @@ import time
 from dataclasses import replace
 
 from hapt_hf.core.layers import BLOCK, HALF, block_boundary_in_halves
+from hapt_hf.core.precision import REPLICATED
 from hapt_hf.errors import PlanningError
 
 from ..cluster import Cluster
@@ -21,6 +22,7 @@ from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_lim
 from .refine import as_schedule, refine_boundaries
 from .replays import simulate_layout
 from .shapes import require_chain
+from .state import sharding_reasons
 from .subsets import choose_groups
 from .warmups import refine_warmups
 
@@ -109,7 +111,8 @@ def _plan_on(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                   if b.sim is not None and b.sim.feasible}
     plan = layout_to_plan(unit_cm, lay, global_batch_size, final, base_times).validate()
     return PlanResult(plan, final, baselines, time.perf_counter() - t0,
-                      physical_limit_s(cm, global_batch_size), tried)
+                      physical_limit_s(cm, global_batch_size), tried,
+                      sharding=sharding_reasons(unit_cm, plan, final.peak_in_flight))
 
 
 def _unit_models(model: ModelSpec, layer_unit: str) -> list[ModelSpec]:
@@ -133,6 +136,14 @@ def _in_units(cm: CostModel, plan: Plan) -> Layout:
     return replace(lay, bounds=tuple((half[a], half[b]) for a, b in lay.bounds))
 
 
+def _within(plan: Plan | None, options: PlannerOptions) -> bool:
+    """Whether a baseline's plan may stand as the planner's: the user's limits hold for it
+    (the baselines are scored whatever they are, for comparison)."""
+    return plan is not None and \
+        (options.max_stages is None or plan.num_stages <= options.max_stages) and \
+        (options.allow_sharded_optimizer or all(s.optimizer == REPLICATED for s in plan.stages))
+
+
 def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
                  baselines: dict[str, BaselineResult]) -> tuple[Layout, SimResult, int]:
     """The best layout over ``cm``'s layer sequence, never slower than a baseline's."""
@@ -145,11 +156,10 @@ def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
         m = global_batch_size // sc.layout.micro_batch_size
         lay, r = refine_warmups(cm, sc.layout, m)
         scored.append((r, lay))
-    for b in baselines.values():
-        if b.plan is not None:
-            lay = as_schedule(_in_units(cm, b.plan), options.schedule,
-                               b.plan.num_microbatches)
-            scored.append((simulate_layout(cm, lay, b.plan.num_microbatches), lay))
+    usable = [b for b in baselines.values() if _within(b.plan, options)]
+    for b in usable:
+        lay = as_schedule(_in_units(cm, b.plan), options.schedule, b.plan.num_microbatches)
+        scored.append((simulate_layout(cm, lay, b.plan.num_microbatches), lay))
     own = len(top)
     feasible = [(r.iteration_s, i, lay, r) for i, (r, lay) in enumerate(scored) if r.feasible]
     if not feasible:
@@ -173,8 +183,8 @@ def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
     if not final.feasible:  # extrapolation cannot change feasibility; guard anyway
         raise PlanningError(f"the chosen plan cannot run: {final.reason}")
     # never return a plan slower than a baseline's (the extrapolated ranking could err)
-    for b in baselines.values():
-        if b.sim is None or not b.sim.feasible or b.plan is None or \
+    for b in usable:
+        if b.sim is None or not b.sim.feasible or \
                 b.sim.iteration_s >= final.iteration_s:
             continue
         blay = as_schedule(_in_units(cm, b.plan), options.schedule, b.plan.num_microbatches)

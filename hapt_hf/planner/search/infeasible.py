@@ -3,15 +3,16 @@
 Every figure comes from the cost model. A remedy is checked on the most favourable layout the
 search can build: one GPU per stage, the largest GPUs first (they run the deepest warm-ups),
 each stage taking as many layers as fit under the schedule's own warm-up depths, for each
-micro-batch size allowed. Across group links the search may run deeper warm-ups, so there the
-check is an estimate.
+micro-batch size allowed; with sharded optimizer state (ZeRO-1), also stages of 2, 4, 8...
+replicas of one group, each holding its share of the Adam moments. Across group links the
+search may run deeper warm-ups, so there the check is an estimate.
 """
 from __future__ import annotations
 
 import math
 
 from hapt_hf.core.layers import layer_name
-from hapt_hf.core.precision import MASTER_BYTES
+from hapt_hf.core.precision import ADAM_STATE_BYTES, REPLICATED, SHARDED
 from hapt_hf.core.schedules import ScheduleKind, default_warmups
 from hapt_hf.errors import PlanningError
 
@@ -21,11 +22,6 @@ from .options import PlannerOptions
 from .shapes import divisors
 
 __all__ = ["does_not_fit", "fit_advice"]
-
-_WHOLE_BYTES_PER_PARAM = 2 * MASTER_BYTES
-"""fp32 weights and gradients: every replica keeps them whole; ZeRO-1 shards only the rest of
-the training state (the optimizer's)."""
-
 
 def _gb(nbytes: float) -> str:
     gb = nbytes / 1e9
@@ -43,18 +39,21 @@ def _mbs_options(global_batch: int, sizes) -> list[int]:
 
 
 def _holds(cm: CostModel, caps: list[float], global_batch: int, schedule: str,
-           mbs_sizes, recompute: bool, max_stages: int | None) -> int | None:
-    """The largest micro-batch size with which GPUs of these capacities (one stage each, in
-    this order) hold the whole model; None if none does."""
+           mbs_sizes, recompute: bool, max_stages: int | None, width: int = 1) -> int | None:
+    """The largest micro-batch size with which stages of these capacities (in this order;
+    ``width`` GPUs each, sharding their optimizer state when more than one) hold the whole
+    model; None if none does."""
     L = cm.model.num_layers
     n = min(len(caps), L, max_stages or L)
-    for mbs in reversed(_mbs_options(global_batch, mbs_sizes)):
+    state = SHARDED if width > 1 else REPLICATED
+    for mbs in reversed([m for m in _mbs_options(global_batch, mbs_sizes) if m % width == 0]):
         warm = default_warmups(schedule, n, global_batch // mbs)
-        a = 0
+        s, a = mbs // width, 0
         for i, (cap, w) in enumerate(zip(caps[:n], warm)):
             b = a
             # every later stage keeps at least one layer
-            while b < L - (n - i - 1) and cm.memory_bytes(mbs, a, b + 1, w, recompute) <= cap:
+            while b < L - (n - i - 1) and \
+                    cm.memory_bytes(s, a, b + 1, w, recompute, state, width) <= cap:
                 b += 1
             if b == a:
                 break
@@ -71,16 +70,30 @@ def _largest_layer(cm: CostModel, recompute: bool) -> tuple[int, float]:
     return j, need[j]
 
 
-def _zero1(cm: CostModel, layer: int, need: float, cap: float) -> str:
-    """What sharding the layer's optimizer state over the stage's replicas would give."""
+def _zero1(cm: CostModel, layer: int, need: float, cap: float, allowed: bool,
+           widest: int) -> str:
+    """What sharding the layer's optimizer state over the stage's replicas would give, and
+    what it takes (``widest``: GPUs of the largest group)."""
     params = cm.params[layer + 1] - cm.params[layer]
-    opt = params * (cm.state_bytes - _WHOLE_BYTES_PER_PARAM)
+    opt = params * ADAM_STATE_BYTES
     if need - opt >= cap:
         return ("even sharding its optimizer state over the stage's replicas (ZeRO-1) would "
                 f"leave {_gb(need - opt)}, more than the GPU holds")
     d = max(2, math.ceil(opt / (cap - (need - opt))))
-    return (f"sharding its optimizer state (ZeRO-1) over {d} replicas of the stage would bring "
-            f"it to {_gb(need - opt + opt / d)}, but the planner does not support ZeRO-1 yet")
+    text = (f"sharding its optimizer state (ZeRO-1) over {d} replicas of the stage would bring "
+            f"it to {_gb(need - opt + opt / d)}")
+    if d > widest:
+        return text + f", but the largest group has {widest} GPUs"
+    if not allowed:
+        return text + ": allow_sharded_optimizer=True (drop --no-sharded-optimizer)"
+    return (text + f"; sharding is on, but no layout with stages of {d} replicas holds the "
+            "whole model on these GPUs")
+
+
+def _shard_widths(cm: CostModel) -> list[int]:
+    """Stage widths the sharded check tries: powers of two up to the largest group."""
+    widest = max(g.size for g in cm.cluster.groups)
+    return [1 << k for k in range(1, widest.bit_length()) if 1 << k <= widest]
 
 
 def _more_gpus(cm: CostModel, caps: list[float], big_cap: float, global_batch: int,
@@ -111,7 +124,19 @@ def fit_advice(cm: CostModel, global_batch: int, options: PlannerOptions) -> lis
         args = dict(schedule=options.schedule, mbs_sizes=options.micro_batch_sizes,
                     recompute=rc, max_stages=options.max_stages)
         args.update(kw)
-        return _holds(cm, caps, global_batch, **args)
+        sharded = args.pop("sharded", options.allow_sharded_optimizer)
+        got = _holds(cm, caps, global_batch, **args)
+        if got or not sharded:
+            return got
+        for d in _shard_widths(cm):  # stages of d GPUs of one group, largest GPUs first
+            stage_caps = [cm.capacity_bytes(g) for g in groups for _ in range(g.size // d)]
+            got = _holds(cm, stage_caps, global_batch, width=d, **args)
+            if got:
+                return got
+        return None
+
+    def holds_sharded() -> int | None:
+        return holds(sharded=True)
 
     if holds():
         return []
@@ -124,7 +149,8 @@ def fit_advice(cm: CostModel, global_batch: int, options: PlannerOptions) -> lis
         if need <= big.gpu.memory_gb * 1e9:
             out.append(f"or memory_headroom {math.ceil(need / big.gpu.memory_gb / 1e6) / 1e3} "
                        f"(now {cm.memory_headroom}) holds that layer")
-        out.append(_zero1(cm, layer, need, caps[0]))
+        out.append(_zero1(cm, layer, need, caps[0], options.allow_sharded_optimizer,
+                          max(g.size for g in groups)))
         return out
     out = []
     if not rc and holds(recompute=True):
@@ -136,6 +162,9 @@ def fit_advice(cm: CostModel, global_batch: int, options: PlannerOptions) -> lis
         mbs = holds(mbs_sizes=None)
         if mbs:
             out.append(f"micro-batch size {mbs} (--micro-batch {mbs}) fits it")
+    if not options.allow_sharded_optimizer and holds_sharded():
+        out.append("allow_sharded_optimizer=True (shard the Adam moments among a stage's "
+                   "replicas, ZeRO-1; drop --no-sharded-optimizer) fits it")
     more = _more_gpus(cm, caps, caps[0], global_batch, options)
     if more:
         out.append(f"{more} more {big.gpu.name} GPU{'s' if more > 1 else ''} (one stage each) "

@@ -1,9 +1,10 @@
 """The search's settings and records: what the user asks for, a candidate, the result."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hapt_hf.core.layers import BLOCK, HALF
+from hapt_hf.core.precision import REPLICATED
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
 from hapt_hf.errors import PlanningError
 
@@ -29,6 +30,11 @@ class PlannerOptions:
     """Micro-batch sizes to consider; None: every size the widths and global batch allow."""
     allow_recompute: bool = True
     """Let a stage recompute its blocks' activations when that is the only way it fits."""
+    allow_sharded_optimizer: bool = True
+    """Let a stage of several replicas shard its Adam moments among them (ZeRO-1, as
+    ``torch.distributed.optim.ZeroRedundancyOptimizer``): where only that fits, or fits with
+    less recompute, or where its step (update of 1/d, then all-gather of the weights) is the
+    faster. False: every stage keeps its whole optimizer state on every replica."""
     memory_headroom: float = 0.9
     """Fraction of each GPU's memory a plan may use."""
     max_stages: int | None = None
@@ -94,10 +100,17 @@ class Layout:
     micro_batch_size: int
     warmups: tuple[int, ...]
     schedule: str
+    optimizer: tuple[str, ...] = ()
+    """Each stage's optimizer state, 'replicated' or 'sharded'; empty: all replicated."""
 
     @property
     def num_stages(self) -> int:
         return len(self.shapes)
+
+    @property
+    def optimizers(self) -> tuple[str, ...]:
+        """Each stage's optimizer state, spelled out."""
+        return self.optimizer or (REPLICATED,) * len(self.shapes)
 
 
 @dataclass(frozen=True)
@@ -136,6 +149,8 @@ class PlanResult:
     candidates_tried: int = 0
     group_choices: tuple[GroupChoice, ...] = ()
     """Every set of groups weighed (the whole cluster first); empty with one group."""
+    sharding: dict[int, str] = field(default_factory=dict)
+    """Stage index -> why that stage shards its optimizer state (sharded stages only)."""
 
     @property
     def all_groups_s(self) -> float | None:

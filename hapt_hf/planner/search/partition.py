@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from hapt_hf.core.precision import REPLICATED
+
 from ..cost_model import CostModel, StageShape
 from .options import Layout
+from .state import faster_state, state_options
 
 _R = TypeVar("_R")
 
@@ -18,28 +21,41 @@ class Partition:
     bounds: tuple[tuple[int, int], ...]
     recompute: tuple[bool, ...]
     cap_s: float
+    optimizer: tuple[str, ...] = ()
+    """Each stage's optimizer state (see :mod:`~hapt_hf.planner.search.state`)."""
 
 
 def _stage_reach(cm: CostModel, sh: StageShape, samples: int, in_flight: int, a: int, cap: float,
-                 limit: int, allow_rc: bool, mem_pre, mem_pre_rc) -> tuple[int, bool]:
-    """Farthest end b (<= limit) of a stage starting at a; (a, _) when nothing fits."""
+                 limit: int, allow_rc: bool, mem_pre: dict) -> tuple[int, bool, str]:
+    """Farthest end b (<= limit) of a stage starting at a, with its recompute flag and
+    optimizer state (the least recompute, then the faster step, among those reaching as far);
+    (a, _, _) when nothing fits. ``mem_pre`` maps (recompute, state) to memory prefixes."""
     t = cm.table(sh.group, samples)
     capacity = cm.capacity_bytes(sh.group)
-    best = (a, False)
+    best = (a, False, REPLICATED)
     for rc in ((False, True) if allow_rc else (False,)):
         pre_t = t.fb_rc if rc else t.fb
-        mp = mem_pre_rc if rc else mem_pre
-        b = min(limit, cm.max_layers_fitting(pre_t, a, cap),
-                cm.max_layers_fitting(mp, a, capacity))
-        while b > a and mp[b] - mp[a] + cm.working_bytes(samples, a, b) > capacity:
-            b -= 1
+        reach = []
+        for opt in (o for r, o in mem_pre if r == rc):
+            mp = mem_pre[rc, opt]
+            b = min(limit, cm.max_layers_fitting(pre_t, a, cap),
+                    cm.max_layers_fitting(mp, a, capacity))
+            while b > a and mp[b] - mp[a] + cm.working_bytes(samples, a, b) > capacity:
+                b -= 1
+            reach.append((b, opt))
+        b = max(r for r, _ in reach)
         if b > best[0]:
-            best = (b, rc)
+            ties = [o for r, o in reach if r == b]
+            opt = ties[0] if len(ties) == 1 else faster_state(cm, sh, samples, a, b, ties)
+            best = (b, rc, opt)
     return best
 
 
-def _mem_prefix(cm: CostModel, samples: int, in_flight: int, rc: bool) -> list[float]:
-    return cm.memory_prefix(samples, in_flight, rc)
+def _mem_prefixes(cm: CostModel, sh: StageShape, samples: int, in_flight: int, allow_rc: bool,
+                  allow_sharded: bool) -> dict:
+    return {(rc, o): cm.memory_prefix(samples, in_flight, rc, o, sh.width)
+            for rc in ((False, True) if allow_rc else (False,))
+            for o in state_options(sh, allow_sharded)}
 
 
 def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi: float, got: _R,
@@ -61,29 +77,30 @@ def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi:
 
 def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
                      allow_recompute: bool, rel_tol: float = 1e-3,
-                     lower_bound_s: float = 0.0) -> Partition | None:
+                     lower_bound_s: float = 0.0, allow_sharded: bool = False) -> Partition | None:
     """Min-max contiguous partition of the layers over ``shapes`` (no empty stage) under every
-    stage's memory; None if no partition fits."""
+    stage's memory; None if no partition fits. ``allow_sharded``: a stage of several replicas
+    may shard its optimizer state to hold more layers."""
     n, L = len(shapes), cm.model.num_layers
     if n > L:
         return None
     info = []
     for sh, k in zip(shapes, in_flight):
         s = mbs // sh.width
-        info.append((sh, s, k, _mem_prefix(cm, s, k, False),
-                     _mem_prefix(cm, s, k, True) if allow_recompute else None))
+        info.append((sh, s, k, _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded)))
 
     def greedy(cap: float):
-        a, bounds, rcs = 0, [], []
-        for i, (sh, s, k, mp, mpr) in enumerate(info):
+        a, bounds, rcs, opts = 0, [], [], []
+        for i, (sh, s, k, mp) in enumerate(info):
             limit = L - (n - i - 1)
-            b, rc = _stage_reach(cm, sh, s, k, a, cap, limit, allow_recompute, mp, mpr)
+            b, rc, opt = _stage_reach(cm, sh, s, k, a, cap, limit, allow_recompute, mp)
             if b <= a:
                 return None
             bounds.append((a, b))
             rcs.append(rc)
+            opts.append(opt)
             a = b
-        return (tuple(bounds), tuple(rcs)) if a == L else None
+        return (tuple(bounds), tuple(rcs), tuple(opts)) if a == L else None
 
     # no partition beats the perfectly balanced step, so start there and double until it fits
     top = max(cm.table(sh.group, s).fb_rc[-1] for sh, s, *_ in info) * 1.001
@@ -96,7 +113,7 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
     if got is None:
         return None
     hi, got = smallest_feasible_cap(greedy, lo, hi, got, rel_tol)
-    return Partition(got[0], got[1], hi)
+    return Partition(got[0], got[1], hi, got[2])
 
 
 def recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):
@@ -127,7 +144,7 @@ def balanced_step_s(cm: CostModel, shapes, mbs: int) -> float:
 def estimate_s(cm: CostModel, layout: Layout, num_microbatches: int) -> float:
     """HAPT's pipeline formula: fill and drain plus (M - 1) times the slowest stage or cut."""
     costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
-                           layout.recompute)
+                           layout.recompute, layout.optimizers)
     st = costs.stages
     steps = [c.forward_s + c.backward_s for c in st]
     cuts = [c.send_forward_s for c in st[:-1]]
@@ -137,6 +154,6 @@ def estimate_s(cm: CostModel, layout: Layout, num_microbatches: int) -> float:
     # of its all-reduce that its own last backward hides adds nothing)
     tail, ahead = 0.0, 0.0
     for i, c in enumerate(st):
-        tail = max(tail, c.allreduce_after_s + c.update_s - ahead)
+        tail = max(tail, c.allreduce_after_s + c.update_s + c.allgather_s - ahead)
         ahead += c.backward_s + (cuts[i - 1] if i > 0 else 0.0)
     return sum(steps) + 2 * sum(cuts) + (num_microbatches - 1) * period + tail

@@ -18,7 +18,8 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
                    baselines: dict[str, float] | None = None) -> Plan:
     first = cm.cluster.first_ranks()
     mbs = layout.micro_batch_size
-    costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), mbs, layout.recompute)
+    costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), mbs, layout.recompute,
+                           layout.optimizers)
     stages = []
     for i, (sh, bnd, rc, w, c) in enumerate(zip(layout.shapes, layout.bounds, layout.recompute,
                                                  layout.warmups, costs.stages)):
@@ -27,7 +28,7 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
         stages.append(StagePlan(
             index=i, layers=bnd, group=sh.group.name, device_type=sh.group.gpu.name,
             ranks=tuple(range(r0, r0 + sh.width)), warmup=w, recompute=rc,
-            predicted=StagePrediction(c.forward_s, c.backward_s, peak)))
+            predicted=StagePrediction(c.forward_s, c.backward_s, peak), optimizer=c.optimizer))
     m = cm.model
     pred = PlanPrediction()
     if sim is not None and sim.feasible:
@@ -46,7 +47,8 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
 def layout_of_plan(cm: CostModel, plan: Plan) -> Layout:
     return Layout(tuple(cm.shapes_of(plan)), tuple(s.layers for s in plan.stages),
                   tuple(s.recompute for s in plan.stages), plan.micro_batch_size,
-                  tuple(plan.warmups()), plan.schedule)
+                  tuple(plan.warmups()), plan.schedule,
+                  tuple(s.optimizer for s in plan.stages))
 
 
 def physical_limit_s(cm: CostModel, global_batch: int) -> float:

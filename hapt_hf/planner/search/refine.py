@@ -9,6 +9,7 @@ from ..cost_model import CostModel
 from ..simulate import SimResult
 from .options import Layout, PlannerOptions
 from .replays import better, simulate_layout
+from .state import stage_state
 from .warmups import hapt_warmups
 
 __all__ = ["as_schedule", "refine_boundaries"]
@@ -24,18 +25,6 @@ def as_schedule(layout: Layout, schedule: str, m: int) -> Layout:
     n = layout.num_stages
     return replace(layout, schedule=schedule,
                    warmups=hapt_warmups(layout.shapes, [0.0] * (n - 1), 1.0, m, schedule))
-
-
-def _fits_recompute(cm: CostModel, layout: Layout, i: int, a: int, b: int, in_flight: int,
-                    allow_rc: bool) -> bool | None:
-    """Recompute flag that lets stage i hold [a, b), preferring none; None if neither fits."""
-    sh = layout.shapes[i]
-    s = layout.micro_batch_size // sh.width
-    cap = cm.capacity_bytes(sh.group)
-    for rc in ((False, True) if allow_rc else (False,)):
-        if cm.memory_bytes(s, a, b, in_flight, rc) <= cap:
-            return rc
-    return None
 
 
 def _moves(n: int):
@@ -71,15 +60,18 @@ def refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
             if bounds is None:
                 continue
             inflight = sim.peak_in_flight or layout.warmups
-            rcs = []
+            states = []
             for j, (a, b) in enumerate(bounds):
-                rc = _fits_recompute(cm, layout, j, a, b, inflight[j], options.allow_recompute)
-                if rc is None:
+                got = stage_state(cm, layout.shapes[j], layout.micro_batch_size, a, b,
+                                  inflight[j], options.allow_recompute,
+                                  options.allow_sharded_optimizer)
+                if got is None:
                     break
-                rcs.append(rc)
-            if len(rcs) != len(bounds):
+                states.append(got)
+            if len(states) != len(bounds):
                 continue
-            cand = replace(layout, bounds=bounds, recompute=tuple(rcs))
+            cand = replace(layout, bounds=bounds, recompute=tuple(rc for rc, _ in states),
+                           optimizer=tuple(o for _, o in states))
             budget -= 1
             r = simulate_layout(cm, cand, m)
             if better(r, sim):

@@ -35,7 +35,7 @@ def simulate_layout(cm: CostModel, layout: Layout, num_microbatches: int, exact:
     harp_3groups_1p3b the period measured between 32 and 64 micro-batches was 48.3 ms where
     the slowest stage needs 50.4 ms, and plans differing only there looked equal)."""
     costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
-                           layout.recompute)
+                           layout.recompute, layout.optimizers)
 
     def run(m: int) -> SimResult:
         warm = schedule_warmups(layout.schedule, layout.warmups, m)

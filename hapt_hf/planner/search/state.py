@@ -1,0 +1,84 @@
+"""Optimizer state per stage: replicated, or sharded among the stage's replicas (ZeRO-1).
+
+A sharded stage keeps its fp32 weights and gradients whole on every replica and splits only
+the Adam moments (``8 + 8/d`` bytes per parameter instead of 16), updates ``1/d`` of the
+parameters on each replica and then all-gathers the updated weights. The search takes, per
+stage, the least recompute that fits, and among the states that fit with it the faster
+optimizer step (update plus all-gather): replicated unless only sharded fits, or sharding's
+cheaper update outweighs its all-gather.
+"""
+from __future__ import annotations
+
+from hapt_hf.core.layers import layer_name
+from hapt_hf.core.precision import REPLICATED, SHARDED
+
+from ..cost_model import CostModel, StageShape
+from ..plan import Plan
+
+__all__ = ["state_options", "faster_state", "stage_state", "sharding_reason",
+           "sharding_reasons"]
+
+
+def state_options(shape: StageShape, allow_sharded: bool) -> tuple[str, ...]:
+    """The optimizer states a stage of this shape may keep: sharding needs two replicas."""
+    return (REPLICATED, SHARDED) if allow_sharded and shape.width > 1 else (REPLICATED,)
+
+
+def faster_state(cm: CostModel, shape: StageShape, samples: int, a: int, b: int,
+                 states) -> str:
+    """The state among ``states`` whose optimizer step is the shorter (replicated on a tie)."""
+    return min(states, key=lambda o: (cm.optimizer_step_s(shape, samples, a, b, o),
+                                      o != REPLICATED))
+
+
+def stage_state(cm: CostModel, shape: StageShape, mbs: int, a: int, b: int, in_flight: int,
+                allow_rc: bool, allow_sharded: bool) -> tuple[bool, str] | None:
+    """(recompute, optimizer) that lets the stage hold layers [a, b) with ``in_flight``
+    micro-batches: recompute only where nothing fits without, then the faster step among the
+    states that fit; None when nothing fits."""
+    s, cap = mbs // shape.width, cm.capacity_bytes(shape.group)
+    for rc in ((False, True) if allow_rc else (False,)):
+        fits = [o for o in state_options(shape, allow_sharded)
+                if cm.memory_bytes(s, a, b, in_flight, rc, o, shape.width) <= cap]
+        if fits:
+            return rc, faster_state(cm, shape, s, a, b, fits)
+    return None
+
+
+def _layers_fitting(cm: CostModel, shape: StageShape, samples: int, a: int, in_flight: int,
+                    rc: bool, optimizer: str) -> int:
+    """How many layers from ``a`` one GPU of the stage holds with this state."""
+    cap, b = cm.capacity_bytes(shape.group), a
+    while b < cm.model.num_layers and \
+            cm.memory_bytes(samples, a, b + 1, in_flight, rc, optimizer, shape.width) <= cap:
+        b += 1
+    return b - a
+
+
+def sharding_reason(cm: CostModel, shape: StageShape, mbs: int, a: int, b: int,
+                    in_flight: int, recompute: bool) -> str:
+    """Why a stage holding layers [a, b) with ``in_flight`` micro-batches keeps its optimizer
+    state sharded: how much less it would hold replicated, or its faster step."""
+    s, w, cap = mbs // shape.width, shape.width, cm.capacity_bytes(shape.group)
+    if cm.memory_bytes(s, a, b, in_flight, recompute, REPLICATED, w) <= cap:
+        rep = cm.optimizer_step_s(shape, s, a, b, REPLICATED)
+        shd = cm.optimizer_step_s(shape, s, a, b, SHARDED)
+        return (f"faster optimizer step: {shd * 1e3:.1f} ms (update of 1/{w} of the "
+                f"parameters, then all-gather) against {rep * 1e3:.1f} ms replicated")
+    fit_r = _layers_fitting(cm, shape, s, a, in_flight, recompute, REPLICATED)
+    fit_s = _layers_fitting(cm, shape, s, a, in_flight, recompute, SHARDED)
+    text = (f"fits {fit_s} layers per {shape.group.gpu.name} from "
+            f"{layer_name(a, cm.model.num_layers, cm.model.layer_unit)} instead of {fit_r}")
+    if not recompute and cm.memory_bytes(s, a, b, in_flight, True, REPLICATED, w) <= cap:
+        text += " (replicated, these layers would need recompute)"
+    return text
+
+
+def sharding_reasons(cm: CostModel, plan: Plan, in_flight=()) -> dict[int, str]:
+    """Stage index -> why it shards its optimizer state, for every sharded stage of ``plan``
+    (``cm`` over the plan's layer sequence; ``in_flight``: the most micro-batches each stage
+    holds, by default its warm-up depth)."""
+    depth = tuple(in_flight) or plan.warmups()
+    return {s.index: sharding_reason(cm, sh, plan.micro_batch_size, *s.layers,
+                                     depth[s.index], s.recompute)
+            for s, sh in zip(plan.stages, cm.shapes_of(plan)) if s.optimizer == SHARDED}
