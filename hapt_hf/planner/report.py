@@ -87,6 +87,9 @@ class PlanReport:
     """Groups of the cluster the plan leaves idle."""
     all_groups_s: float | None = None
     """The best plan's iteration time on every group, where the search found one."""
+    data_parallel: str = ""
+    """For a one-stage plan on several GPUs (data parallelism): the shares each GPU takes and
+    why the plan is one stage; empty otherwise."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -183,7 +186,32 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         tokens_per_s=tokens, bubble_fraction=bubble, feasible=feasible, reason=reason,
         physical_limit_s=physical_limit_s, search_time_s=search_time_s,
         baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
-        all_groups_s=all_groups_s)
+        all_groups_s=all_groups_s, data_parallel=_data_parallel(plan, sim if feasible else None))
+
+
+def _data_parallel(plan: Plan, sim: Any | None) -> str:
+    """Why a plan is one stage of several GPUs, with each GPU's share and whether the gradient
+    all-reduce hides behind the backward (from the replay's events)."""
+    if plan.num_stages != 1 or plan.stages[0].dp < 2:
+        return ""
+    stage = plan.stages[0]
+    reps = stage.replica_list(plan.micro_batch_size)
+    kinds: dict[tuple[str, str, int], int] = {}
+    for r in reps:
+        kinds[(r.group, r.device_type, r.samples)] = kinds.get((r.group, r.device_type,
+                                                                r.samples), 0) + 1
+    shares = ", ".join(f"{g} ({d}) {s} x {k} GPU{'s' * (k > 1)}"
+                       for (g, d, s), k in kinds.items())
+    how = "by speed" if len({s for _, _, s in kinds}) > 1 else "equal"
+    line = (f"one stage: the whole model fits every GPU, so all {len(reps)} train data-parallel; "
+            f"samples of each micro-batch ({how}): {shares}")
+    ends = [e.end for e in getattr(sim, "events", ()) if e.kind == "B"]
+    ar = [e for e in getattr(sim, "events", ()) if e.kind == "ALLREDUCE"]
+    if ends and ar:
+        after = ar[0].end - max(ends)
+        line += ("; gradient all-reduce hidden behind the backward" if after < 1e-9 else
+                 f"; gradient all-reduce runs {_fmt_s(after)} past the last backward")
+    return line
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -235,6 +263,8 @@ def format_report(rep: PlanReport) -> str:
         out.append(f"search time      {rep.search_time_s:.2f} s")
     if rep.idle_groups:
         out.append(_idle_line(rep))
+    if rep.data_parallel:
+        out.append(f"data parallel    {rep.data_parallel}")
     over = [r for r in rep.stages if not r.fits]
     if not rep.feasible or over:
         why = rep.reason or ", ".join(f"stage {r.index} needs {r.peak_memory_gb:.1f} GB of "

@@ -9,7 +9,11 @@
 * ``hapt`` (HAPT's recipe): the groups in file order (a fixed chain), stages of a power-of-two
   number of GPUs inside one node, layers by the min-max partition under memory, the
   configuration chosen by HAPT's pipeline formula, and H-1F1B warm-ups from its 1/2/3
-  thresholds.
+  thresholds;
+* ``ddp`` (equal-share data parallelism, what ``accelerate launch`` does): one stage, the
+  whole model on every GPU, every GPU the same share of each micro-batch, at the micro-batch
+  size it runs fastest with; only where the model fits every GPU
+  (:mod:`~hapt_hf.planner.search.data_parallel`).
 
 The first three run plain 1F1B with the same data-parallel width on every stage (what those
 frameworks require: world = pipeline x data parallel), the groups in file order; each gets the
@@ -33,14 +37,15 @@ from ..profile import Profile
 from .options import BaselineResult, Layout, PlannerOptions
 from .partition import (balanced_step_s, cut_times, estimate_s, partition_layers,
                         recompute_flags, smallest_feasible_cap)
+from .data_parallel import data_parallel
 from .plans import layout_to_plan
 from .replays import simulate_layout
 from .shapes import divisors, micro_batch_options, shapes_for
 from .warmups import hapt_warmups, in_flight_guess
 
-__all__ = ["BASELINES", "baseline_plans"]
+__all__ = ["BASELINES", "baseline_plans", "equal_share_ddp"]
 
-BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt")
+BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt", "ddp")
 
 
 def _uniform(cm: CostModel, shapes, mbs: int) -> list[int] | None:
@@ -174,6 +179,14 @@ def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
     return BaselineResult(name, layout_to_plan(cm, lay, gbs, r), r)
 
 
+def equal_share_ddp(cm: CostModel, global_batch: int, options: PlannerOptions) -> BaselineResult:
+    """The ``ddp`` baseline: one stage of every GPU, equal shares, where the model fits."""
+    dp = data_parallel(cm, global_batch, options, even=True)
+    if dp.layout is None:
+        return BaselineResult("ddp", None, None, dp.reason)
+    return BaselineResult("ddp", layout_to_plan(cm, dp.layout, global_batch, dp.sim), dp.sim)
+
+
 def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                    profile: Profile | None = None, options: PlannerOptions = PlannerOptions(),
                    cost_model: CostModel | None = None) -> dict[str, BaselineResult]:
@@ -182,6 +195,9 @@ def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                  options.memory_headroom)
     out = {}
     for name in BASELINES:
+        if name == "ddp":
+            out[name] = equal_share_ddp(cm, global_batch_size, options)
+            continue
         try:
             layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt"
                        else list(_framework_layouts(cm, name, global_batch_size, options)))
