@@ -133,14 +133,18 @@ def _stage_rows(plan: Plan, sim: Any | None,
         peak = s.predicted.peak_memory_bytes
         if sim is not None and s.index < len(sim.peak_memory_bytes):
             peak = sim.peak_memory_bytes[s.index]
+        # a stage across groups names them all; the replay's peak is its tightest GPU's, held
+        # against that GPU's own memory by the simulator, so no single capacity is shown
+        devices = "+".join(dict.fromkeys(r.device_type for r in s.replicas)) or s.device_type
         rows.append(StageRow(
-            index=s.index, group=s.group, device=s.device_type, ranks=tuple(s.ranks),
+            index=s.index, group="+".join(s.groups), device=devices, ranks=tuple(s.ranks),
             layers=tuple(s.layers),
             layer_names=layer_names(s.layers, plan.num_layers, plan.layer_unit),
             forward_ms=1e3 * (s.predicted.forward_s if fwd is None else fwd),
             backward_ms=1e3 * (s.predicted.backward_s if bwd is None else bwd),
             peak_memory_gb=peak / _GB,
-            capacity_gb=None if capacity_gb is None else capacity_gb.get(s.group),
+            capacity_gb=None if capacity_gb is None or len(s.groups) > 1
+            else capacity_gb.get(s.group),
             warmup=s.warmup))
     return tuple(rows)
 

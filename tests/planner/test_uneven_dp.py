@@ -228,4 +228,5 @@ def test_the_report_says_why_the_plan_is_data_parallel_and_the_shares(scenario):
     assert "whole model fits every GPU" in line and "by speed" in line
     assert "a100 (A100-40) 10 x 4 GPUs" in line and "v100 (V100-32) 4 x 2 GPUs" in line
     assert "all-reduce" in line
+    assert "a100+v100  A100-40+V100-32" in text  # the stage's row names both groups
     assert "data parallel" not in format_report(build_report(pipe.plan, pipe.sim))
