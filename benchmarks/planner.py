@@ -58,8 +58,9 @@ class ScenarioResult:
     baselines: tuple[BaselineRow, ...] = field(default_factory=tuple)
     error: str = ""
     pipeline_s: float | None = None
-    """Where the plan is data-parallel (one stage, several GPUs): the best pipeline's time,
-    planned with the data-parallel candidate switched off (``allow_uneven_dp=False``)."""
+    """Where the plan is the data-parallel candidate (one stage whose GPUs differ in group or
+    share): the best pipeline's time, planned with that candidate switched off
+    (``allow_uneven_dp=False``)."""
 
 
 def run_scenario(path: Path) -> ScenarioResult:
@@ -80,7 +81,7 @@ def run_scenario(path: Path) -> ScenarioResult:
             base.append(BaselineRow(name, None, None, why))
     limit = res.physical_limit_s
     pipeline = None
-    if res.plan.num_stages == 1 and res.plan.stages[0].dp > 1:
+    if res.plan.num_stages == 1 and res.plan.stages[0].uneven:
         pipeline = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
                             options=PlannerOptions(allow_uneven_dp=False)).sim.iteration_s
     return ScenarioResult(
