@@ -148,7 +148,8 @@ def _tables(results: list[ScenarioResult]) -> list[str]:
     if dp:
         out += ["", "Data-parallel plans (one stage on every GPU, shares by speed) beside the best "
                 "pipeline (planned with `allow_uneven_dp=False`) and equal-share DDP:", "",
-                "| scenario | plan s/iter | best pipeline | equal-share DDP |", "|---|---:|---:|---:|"]
+                "| scenario | plan s/iter | best pipeline | equal-share DDP |",
+                "|---|---:|---:|---:|"]
         out += [f"| {r.scenario} | {r.iteration_s:.3f} | {r.pipeline_s / r.iteration_s:.3f}x "
                 f"({r.pipeline_s:.3f} s) | {_speedup(r, 'ddp')} |" for r in dp]
     reasons = [(r.scenario, b) for r in ok for b in r.baselines if b.iteration_s is None]

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
-from hapt_hf.core.shares import overlaps
 from hapt_hf.core.precision import MASTER_BYTES, STATE_BYTES_PER_PARAM
+from hapt_hf.core.shares import overlaps
 from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
@@ -55,8 +55,8 @@ from .plan import Plan
 from .profile import LayerTiming, Profile
 
 __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "CostModelError",
-           "ReplicaSlot", "StageShape", "StageCost", "ReplicaMemory", "StageCosts", "AllReduceWindow", "CostModel",
-           "overlapped_allreduce"]
+           "ReplicaSlot", "StageShape", "StageCost", "ReplicaMemory", "StageCosts",
+           "AllReduceWindow", "CostModel", "overlapped_allreduce"]
 
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""

@@ -103,7 +103,8 @@ def test_a_cut_prices_the_pieces_each_pair_of_gpus_trades():
 
 def test_a_plan_with_replicas_is_priced_from_its_replicas():
     cl = Cluster("av1", (gpu_group("a100", 312.0, 40.0, 1, 1),
-                         gpu_group("v100", 125.0, 32.0, 1, 1)), (GroupLink("a100", "v100", GROUP_LINK),))
+                         gpu_group("v100", 125.0, 32.0, 1, 1)),
+                 (GroupLink("a100", "v100", GROUP_LINK),))
     m = toy_model()
     cm = CostModel(m, cl)
     L = m.num_layers
