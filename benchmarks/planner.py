@@ -57,10 +57,14 @@ class ScenarioResult:
     micro_batch_size: int
     baselines: tuple[BaselineRow, ...] = field(default_factory=tuple)
     error: str = ""
+    pipeline_s: float | None = None
+    """Where the plan is the data-parallel candidate (one stage whose GPUs differ in group or
+    share): the best pipeline's time, planned with that candidate switched off
+    (``allow_uneven_dp=False``)."""
 
 
 def run_scenario(path: Path) -> ScenarioResult:
-    from hapt_hf.planner.search import plan_job
+    from hapt_hf.planner.search import PlannerOptions, plan_job
 
     job = load_job(path)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -76,12 +80,16 @@ def run_scenario(path: Path) -> ScenarioResult:
             why = b.reason or (b.sim.reason if b.sim is not None else "") or "infeasible"
             base.append(BaselineRow(name, None, None, why))
     limit = res.physical_limit_s
+    pipeline = None
+    if res.plan.num_stages == 1 and res.plan.stages[0].uneven:
+        pipeline = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
+                            options=PlannerOptions(allow_uneven_dp=False)).sim.iteration_s
     return ScenarioResult(
         scenario=path.stem, gpus=job.cluster.world_size, model=job.model.name,
         search_time_s=res.search_time_s, wall_s=wall, cpu_s=cpu, iteration_s=it, physical_limit_s=limit,
         limit_distance=(it - limit) / limit if limit > 0 else float("nan"),
         stages=res.plan.num_stages, micro_batch_size=res.plan.micro_batch_size,
-        baselines=tuple(base))
+        baselines=tuple(base), pipeline_s=pipeline)
 
 
 def _failed(path: Path, why: str) -> ScenarioResult:
@@ -136,6 +144,14 @@ def _tables(results: list[ScenarioResult]) -> list[str]:
             "|---|" + "---:|" * len(names)]
     for r in ok:
         out.append(f"| {r.scenario} | " + " | ".join(_speedup(r, n) for n in names) + " |")
+    dp = [r for r in ok if r.pipeline_s is not None]
+    if dp:
+        out += ["", "Data-parallel plans (one stage on every GPU, shares by speed) beside the best "
+                "pipeline (planned with `allow_uneven_dp=False`) and equal-share DDP:", "",
+                "| scenario | plan s/iter | best pipeline | equal-share DDP |",
+                "|---|---:|---:|---:|"]
+        out += [f"| {r.scenario} | {r.iteration_s:.3f} | {r.pipeline_s / r.iteration_s:.3f}x "
+                f"({r.pipeline_s:.3f} s) | {_speedup(r, 'ddp')} |" for r in dp]
     reasons = [(r.scenario, b) for r in ok for b in r.baselines if b.iteration_s is None]
     if reasons:
         out += ["", "Infeasible baselines:", ""]

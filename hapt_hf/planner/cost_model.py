@@ -9,6 +9,11 @@ Conventions:
 
 * A stage of ``width`` replicas splits every micro-batch of ``mbs`` samples evenly, so each
   replica computes ``mbs // width`` samples and its times are for that many samples.
+* A stage whose replicas differ (:attr:`StageShape.replicas`: GPUs of several groups, or uneven
+  shares) is priced replica by replica: each computes its own share on its own GPU, the stage's
+  forward and backward are the slowest replica's, and every replica's memory (its share's
+  activations) is held against its own GPU. Its gradient all-reduce runs at the slowest link the
+  ring crosses (the group links between its groups, each group's intra- or inter-node link).
 * A cut between stages of different groups crosses the group link of the cluster file, which is
   one shared pipe: the whole micro-batch's activations cross it (``mbs * act_out``). A cut inside
   a group uses the GPU-to-GPU links (intra-node, or inter-node if the stages sit on different
@@ -48,6 +53,7 @@ from itertools import accumulate
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.core.precision import (MASTER_BYTES, REPLICATED, SHARDED, STATE_BYTES_PER_PARAM,
                                      state_bytes_per_param)
+from hapt_hf.core.shares import overlaps
 from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
@@ -56,8 +62,8 @@ from .plan import Plan
 from .profile import LayerTiming, Profile
 
 __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "CostModelError",
-           "StageShape", "StageCost", "StageCosts", "AllReduceWindow", "CostModel",
-           "overlapped_allreduce"]
+           "ReplicaSlot", "StageShape", "StageCost", "ReplicaMemory", "StageCosts",
+           "AllReduceWindow", "CostModel", "overlapped_allreduce"]
 
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
@@ -80,13 +86,52 @@ no profile measured it."""
 
 
 @dataclass(frozen=True)
+class ReplicaSlot:
+    """One GPU of a stage whose replicas differ: its group, its place there, its share."""
+
+    group: GpuGroup
+    index: int
+    """Index of the GPU inside its group (nodes are filled in order)."""
+    samples: int
+    """Samples of every micro-batch this GPU computes."""
+
+    @property
+    def node(self) -> int:
+        return self.index // self.group.gpus_per_node
+
+
+@dataclass(frozen=True)
 class StageShape:
-    """Where a stage sits: a slice of ``width`` consecutive GPUs of one group."""
+    """Where a stage sits: a slice of ``width`` consecutive GPUs of one group, sharing every
+    micro-batch evenly, or, with ``replicas``, any GPUs of the cluster with their own shares."""
 
     group: GpuGroup
     width: int
     offset: int = 0
     """Index of the stage's first GPU inside its group (nodes are filled in order)."""
+    replicas: tuple[ReplicaSlot, ...] = ()
+    """Every GPU with its group and share where they differ (``group``, ``offset`` are then the
+    first one's, ``width`` their count); empty: the even slice of one group described above."""
+
+    @classmethod
+    def of_slots(cls, slots: tuple[ReplicaSlot, ...] | list[ReplicaSlot]) -> "StageShape":
+        if not slots:
+            raise CostModelError("a stage needs at least one replica")
+        return cls(slots[0].group, len(slots), slots[0].index, tuple(slots))
+
+    def slots(self, mbs: int) -> tuple[ReplicaSlot, ...]:
+        """Every replica with its group, place and share of a micro-batch of ``mbs``."""
+        if self.replicas:
+            return self.replicas
+        return tuple(ReplicaSlot(self.group, self.offset + i, mbs // self.width)
+                     for i in range(self.width))
+
+    @property
+    def groups(self) -> tuple[GpuGroup, ...]:
+        """The groups of the stage's GPUs, in replica order, each once."""
+        if not self.replicas:
+            return (self.group,)
+        return tuple({r.group.name: r.group for r in self.replicas}.values())
 
     @property
     def first_node(self) -> int:
@@ -134,6 +179,9 @@ class StageCost:
     replicas, after the update (0 when the state is replicated)."""
     optimizer: str = REPLICATED
     """'replicated' or 'sharded' (ZeRO-1 over the stage's replicas)."""
+    replica_memory: tuple["ReplicaMemory", ...] = ()
+    """Where the stage's replicas differ: the memory of each kind of replica (GPU type and
+    share); the memory fields above are then the first replica's."""
 
     @property
     def allreduce_after_s(self) -> float:
@@ -142,6 +190,23 @@ class StageCost:
 
     def memory_bytes(self, in_flight: int) -> float:
         return self.static_bytes + self.activation_bytes * in_flight + self.working_bytes
+
+    def memory_use(self, in_flight: int) -> tuple[float, float]:
+        """(peak bytes, usable bytes) of the stage's GPU with the least memory to spare."""
+        if not self.replica_memory:
+            return self.memory_bytes(in_flight), self.capacity_bytes
+        uses = [(self.static_bytes + m.activation_bytes * in_flight + m.working_bytes,
+                 m.capacity_bytes) for m in self.replica_memory]
+        return min(uses, key=lambda u: u[1] - u[0])
+
+
+@dataclass(frozen=True)
+class ReplicaMemory:
+    """One kind of replica of a stage whose replicas differ: what its share keeps, on its GPU."""
+
+    activation_bytes: float
+    working_bytes: float
+    capacity_bytes: float
 
 
 @dataclass(frozen=True)
@@ -397,9 +462,16 @@ class CostModel:
         if w is not None:
             return w
         link = shape.group.inter_node if spans else shape.group.intra_node
+        w = self._ring_window(d, link, self.table(shape.group, samples), a, b, recompute)
+        self._windows[key] = w
+        return w
+
+    def _ring_window(self, d: int, link: LinkSpec, t: _LayerTable, a: int, b: int,
+                     recompute: bool) -> AllReduceWindow:
+        """Ring all-reduce of ``d`` replicas over ``link``, in buckets behind the backward of
+        layers [a, b) timed by ``t`` (the replica that finishes its backward last)."""
         bw = link.bandwidth_gbps * 1e9 / 8
         ring, lat = 2 * (d - 1) / d, 2 * (d - 1) * link.latency_us * 1e-6
-        t = self.table(shape.group, samples)
         gb = self.grad_dtype_bytes
         layers = []
         for j in range(b - 1, a - 1, -1):  # the backward runs the last layer first
@@ -407,9 +479,24 @@ class CostModel:
             if recompute:
                 dur += t.block_fwd[j + 1] - t.block_fwd[j]
             layers.append((dur, (self.params[j + 1] - self.params[j]) * gb))
-        w = overlapped_allreduce(layers, GRAD_BUCKET_BYTES, lambda n: ring * n / bw + lat)
-        self._windows[key] = w
-        return w
+        return overlapped_allreduce(layers, GRAD_BUCKET_BYTES, lambda n: ring * n / bw + lat)
+
+    def replica_link(self, shape: StageShape) -> LinkSpec:
+        """The slowest link a stage's gradient ring crosses: each of its groups' intra-node
+        link, or inter-node link where its GPUs there span nodes, and the group links between
+        its groups (bandwidth of the slowest, latency of the worst)."""
+        if not shape.replicas:
+            return shape.group.inter_node if shape.spans_nodes else shape.group.intra_node
+        links = []
+        for g in shape.groups:
+            nodes = {r.node for r in shape.replicas if r.group.name == g.name}
+            links.append(g.inter_node if len(nodes) > 1 else g.intra_node)
+        names = [g.name for g in shape.groups]
+        pairs = [(x, y) for i, x in enumerate(names) for y in names[i + 1:]]
+        linked = [(x, y) for x, y in pairs if self.group_link(x, y) is not None]
+        _require_connected(names, linked)
+        links += [self.group_link(x, y) for x, y in linked]
+        return LinkSpec(min(l.bandwidth_gbps for l in links), max(l.latency_us for l in links))
 
     def update_s(self, group: GpuGroup, samples: int, a: int, b: int,
                  optimizer: str = REPLICATED, width: int = 1) -> float:
@@ -425,7 +512,7 @@ class CostModel:
         d = shape.width
         if optimizer != SHARDED or d <= 1:
             return 0.0
-        link = shape.group.inter_node if shape.spans_nodes else shape.group.intra_node
+        link = self.replica_link(shape)
         nbytes = (self.params[b] - self.params[a]) * MASTER_BYTES
         bw = link.bandwidth_gbps * 1e9 / 8
         return (d - 1) / d * nbytes / bw + (d - 1) * link.latency_us * 1e-6
@@ -437,22 +524,53 @@ class CostModel:
         return (self.update_s(shape.group, samples, a, b, optimizer, shape.width)
                 + self.allgather_s(shape, a, b, optimizer))
 
+    def _neighbour_link(self, a: str, b: str) -> LinkSpec:
+        link = self.group_link(a, b)
+        if link is None:
+            raise CostModelError(
+                f"groups {a!r} and {b!r} are neighbours in the pipeline but the cluster has no "
+                "link between them; add one under 'links:' or order the stages so that "
+                "neighbours are linked")
+        return link
+
     def cut_s(self, left: StageShape, right: StageShape, last_layer: int, mbs: int) -> float:
         """Seconds to move one micro-batch's activations (or their gradients) across the cut
         after layer ``last_layer`` between two neighbouring stages."""
+        if left.replicas or right.replicas:
+            return self._pieces_cut_s(left, right, last_layer, mbs)
         if left.group.name != right.group.name:
-            link = self.group_link(left.group.name, right.group.name)
-            if link is None:
-                raise CostModelError(
-                    f"groups {left.group.name!r} and {right.group.name!r} are neighbours in the "
-                    "pipeline but the cluster has no link between them; add one under 'links:' "
-                    "or order the stages so that neighbours are linked")
+            link = self._neighbour_link(left.group.name, right.group.name)
             return link.transfer_s(self.model.boundary_bytes(last_layer, mbs))
         g = left.group
         same_node = (left.first_node == left.last_node == right.first_node == right.last_node)
         link = g.intra_node if same_node else g.inter_node
         samples = max(mbs // left.width, mbs // right.width)
         return link.transfer_s(self.model.boundary_bytes(last_layer, samples))
+
+    def _pieces_cut_s(self, left: StageShape, right: StageShape, last_layer: int,
+                      mbs: int) -> float:
+        """The cut where a stage's replicas differ, piece by piece (the samples each pair of
+        replicas share, :func:`~hapt_hf.core.shares.overlaps`): a group link is one shared pipe
+        carrying every piece between its two groups; inside a group each GPU moves its own
+        pieces, one after another, over the intra- or inter-node link to its peer. The slowest
+        of these sets the cut."""
+        ls, rs = left.slots(mbs), right.slots(mbs)
+        pipes: dict[tuple[str, str], int] = {}
+        per_gpu: dict[tuple[int, int], dict[LinkSpec, int]] = {}
+        for i, j, n in overlaps([r.samples for r in ls], [r.samples for r in rs]):
+            x, y = ls[i], rs[j]
+            if x.group.name != y.group.name:
+                pipes[(x.group.name, y.group.name)] = pipes.get((x.group.name, y.group.name), 0) + n
+                continue
+            link = x.group.intra_node if x.node == y.node else x.group.inter_node
+            for gpu in ((0, i), (1, j)):
+                mine = per_gpu.setdefault(gpu, {})
+                mine[link] = mine.get(link, 0) + n
+        nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
+        times = [self._neighbour_link(a, b).transfer_s(nbytes(n)) for (a, b), n in pipes.items()]
+        times += [sum(link.transfer_s(nbytes(n)) for link, n in mine.items())
+                  for mine in per_gpu.values()]
+        return max(times)
 
     # -- whole plans -----------------------------------------------------------------------
     def used_groups(self, plan: Plan) -> list[str]:
@@ -471,6 +589,9 @@ class CostModel:
         first_rank = self.cluster.subset(self.used_groups(plan)).first_ranks()
         shapes = []
         for s in plan.stages:
+            if s.replicas:
+                shapes.append(self._shape_of_replicas(s, first_rank))
+                continue
             g = self.group(s.group)
             off = min(s.ranks) - first_rank[g.name]
             if off < 0 or max(s.ranks) - first_rank[g.name] >= g.size:
@@ -480,6 +601,20 @@ class CostModel:
                     "stage ranks of its own group")
             shapes.append(StageShape(g, s.dp, off))
         return shapes
+
+    def _shape_of_replicas(self, stage, first_rank: dict[str, int]) -> StageShape:
+        slots = []
+        for r in stage.replicas:
+            g = self.group(r.group)
+            idx = r.rank - first_rank.get(g.name, r.rank + 1)  # an idle group: out of range
+            if not 0 <= idx < g.size:
+                raise CostModelError(
+                    f"stage {stage.index}: replica rank {r.rank} is said to be in group "
+                    f"{g.name!r}, which holds ranks {first_rank.get(g.name, '?')}.. (ranks are "
+                    "numbered group by group, in file order, over the groups the plan uses); "
+                    "give each replica a rank of its own group")
+            slots.append(ReplicaSlot(g, idx, r.samples))
+        return StageShape.of_slots(slots)
 
     def stage_costs(self, shapes: list[StageShape], bounds: list[tuple[int, int]], mbs: int,
                     recompute: list[bool] | tuple[bool, ...],
@@ -495,6 +630,10 @@ class CostModel:
                 for i in range(n - 1)]
         out = []
         for i, (sh, (a, b), rc, opt) in enumerate(zip(shapes, bounds, recompute, opts)):
+            if sh.replicas:
+                out.append(self._mixed_stage(sh, a, b, rc, cuts[i] if i < n - 1 else 0.0,
+                                             cuts[i - 1] if i > 0 else 0.0, opt))
+                continue
             samples = mbs // sh.width
             f, bw = self.compute_s(sh.group, samples, a, b, rc)
             ar = self.allreduce_window(sh, samples, a, b, rc)
@@ -512,10 +651,36 @@ class CostModel:
                 allgather_s=self.allgather_s(sh, a, b, opt), optimizer=opt))
         return StageCosts(tuple(out))
 
+    def _mixed_stage(self, sh: StageShape, a: int, b: int, rc: bool, send_f: float,
+                     send_b: float, opt: str = REPLICATED) -> StageCost:
+        """A stage whose replicas differ: the slowest replica's times, every kind's memory."""
+        kinds = {(r.group.gpu.name, r.group.gpu.tflops, r.samples): r for r in sh.replicas}
+        times = {k: self.compute_s(r.group, r.samples, a, b, rc) for k, r in kinds.items()}
+        slow = kinds[max(times, key=lambda k: sum(times[k]))]
+        ar = AllReduceWindow(0.0, 0.0, 0.0) if sh.width <= 1 else self._ring_window(
+            sh.width, self.replica_link(sh), self.table(slow.group, slow.samples), a, b, rc)
+        first = sh.replicas[0]
+        return StageCost(
+            forward_s=max(f for f, _ in times.values()),
+            backward_s=max(bw for _, bw in times.values()),
+            send_forward_s=send_f, send_backward_s=send_b, allreduce_s=ar.link_s,
+            update_s=max(self.update_s(r.group, r.samples, a, b, opt, sh.width)
+                         for r in kinds.values()),
+            static_bytes=self.static_bytes(a, b, opt, sh.width),
+            activation_bytes=self.activation_bytes(first.samples, a, b, rc),
+            working_bytes=self.working_bytes(first.samples, a, b),
+            capacity_bytes=self.capacity_bytes(first.group),
+            recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
+            allgather_s=self.allgather_s(sh, a, b, opt), optimizer=opt,
+            replica_memory=tuple(ReplicaMemory(self.activation_bytes(r.samples, a, b, rc),
+                                               self.working_bytes(r.samples, a, b),
+                                               self.capacity_bytes(r.group))
+                                 for r in kinds.values()))
+
     def plan_costs(self, plan: Plan) -> StageCosts:
         shapes = self.shapes_of(plan)
         for s, sh in zip(plan.stages, shapes):
-            if plan.micro_batch_size % sh.width:
+            if not sh.replicas and plan.micro_batch_size % sh.width:
                 raise CostModelError(f"stage {s.index} has {sh.width} replicas but "
                                      f"micro_batch_size is {plan.micro_batch_size}; make it a "
                                      "multiple of every stage's width")
@@ -545,3 +710,19 @@ class CostModel:
     def max_layers_fitting(self, pre: tuple[float, ...], a: int, limit: float) -> int:
         """Largest b with pre[b] - pre[a] <= limit (prefix sums are non-decreasing)."""
         return bisect_right(pre, pre[a] + limit) - 1
+
+
+def _require_connected(names: list[str], linked: list[tuple[str, str]]) -> None:
+    """Raise unless the group links among ``names`` join them all (a ring can cross them)."""
+    reach, todo = {names[0]}, [names[0]]
+    while todo:
+        x = todo.pop()
+        for a, b in linked:
+            for u, v in ((a, b), (b, a)):
+                if u == x and v not in reach:
+                    reach.add(v)
+                    todo.append(v)
+    if len(reach) != len(names):
+        raise CostModelError(f"a stage spans groups {names} but the cluster links only "
+                             f"{sorted(reach)} among them; add links under 'links:' so its "
+                             "replicas can all-reduce, or keep the stage to linked groups")

@@ -91,6 +91,9 @@ class PlanReport:
     """The best plan's iteration time on every group, where the search found one."""
     sharding: tuple[str, ...] = ()
     """One line per stage with sharded optimizer state: why it shards."""
+    data_parallel: str = ""
+    """For a one-stage plan on several GPUs (data parallelism): the shares each GPU takes and
+    why the plan is one stage; empty otherwise."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -134,14 +137,18 @@ def _stage_rows(plan: Plan, sim: Any | None,
         peak = s.predicted.peak_memory_bytes
         if sim is not None and s.index < len(sim.peak_memory_bytes):
             peak = sim.peak_memory_bytes[s.index]
+        # a stage across groups names them all; the replay's peak is its tightest GPU's, held
+        # against that GPU's own memory by the simulator, so no single capacity is shown
+        devices = "+".join(dict.fromkeys(r.device_type for r in s.replicas)) or s.device_type
         rows.append(StageRow(
-            index=s.index, group=s.group, device=s.device_type, ranks=tuple(s.ranks),
+            index=s.index, group="+".join(s.groups), device=devices, ranks=tuple(s.ranks),
             layers=tuple(s.layers),
             layer_names=layer_names(s.layers, plan.num_layers, plan.layer_unit),
             forward_ms=1e3 * (s.predicted.forward_s if fwd is None else fwd),
             backward_ms=1e3 * (s.predicted.backward_s if bwd is None else bwd),
             peak_memory_gb=peak / _GB,
-            capacity_gb=None if capacity_gb is None else capacity_gb.get(s.group),
+            capacity_gb=None if capacity_gb is None or len(s.groups) > 1
+            else capacity_gb.get(s.group),
             warmup=s.warmup, optimizer=s.optimizer))
     return tuple(rows)
 
@@ -188,13 +195,39 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         tokens_per_s=tokens, bubble_fraction=bubble, feasible=feasible, reason=reason,
         physical_limit_s=physical_limit_s, search_time_s=search_time_s,
         baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
-        all_groups_s=all_groups_s, sharding=_sharding_lines(plan, sharding or {}))
+        all_groups_s=all_groups_s, sharding=_sharding_lines(plan, sharding or {}),
+        data_parallel=_data_parallel(plan, sim if feasible else None))
 
 
 def _sharding_lines(plan: Plan, why: Mapping[int, str]) -> tuple[str, ...]:
     return tuple(f"stage {s.index} over {s.dp} replicas" + (f": {why[s.index]}"
                                                           if s.index in why else "")
                  for s in plan.stages if s.optimizer == "sharded")
+
+
+def _data_parallel(plan: Plan, sim: Any | None) -> str:
+    """Why a plan is one stage of several GPUs, with each GPU's share and whether the gradient
+    all-reduce hides behind the backward (from the replay's events)."""
+    if plan.num_stages != 1 or plan.stages[0].dp < 2:
+        return ""
+    stage = plan.stages[0]
+    reps = stage.replica_list(plan.micro_batch_size)
+    kinds: dict[tuple[str, str, int], int] = {}
+    for r in reps:
+        kinds[(r.group, r.device_type, r.samples)] = kinds.get((r.group, r.device_type,
+                                                                r.samples), 0) + 1
+    shares = ", ".join(f"{g} ({d}) {s} x {k} GPU{'s' * (k > 1)}"
+                       for (g, d, s), k in kinds.items())
+    how = "by speed" if len({s for _, _, s in kinds}) > 1 else "equal"
+    line = (f"one stage: the whole model fits every GPU, so all {len(reps)} train data-parallel; "
+            f"samples of each micro-batch ({how}): {shares}")
+    ends = [e.end for e in getattr(sim, "events", ()) if e.kind == "B"]
+    ar = [e for e in getattr(sim, "events", ()) if e.kind == "ALLREDUCE"]
+    if ends and ar:
+        after = ar[0].end - max(ends)
+        line += ("; gradient all-reduce hidden behind the backward" if after < 1e-9 else
+                 f"; gradient all-reduce runs {_fmt_s(after)} past the last backward")
+    return line
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -246,6 +279,8 @@ def format_report(rep: PlanReport) -> str:
         out.append(f"search time      {rep.search_time_s:.2f} s")
     if rep.idle_groups:
         out.append(_idle_line(rep))
+    if rep.data_parallel:
+        out.append(f"data parallel    {rep.data_parallel}")
     over = [r for r in rep.stages if not r.fits]
     if not rep.feasible or over:
         why = rep.reason or ", ".join(f"stage {r.index} needs {r.peak_memory_gb:.1f} GB of "

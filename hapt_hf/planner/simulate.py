@@ -181,18 +181,20 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
     iteration = max(ends)
     bubble = 1.0 - (sum(busy) / n) / iteration if iteration > 0 else 0.0
     peaks = _peaks(st, peak)
-    reason = _memory_reason(st, peaks)
+    reason = _memory_reason(st, peaks, peak)
     return SimResult(iteration, bubble, tuple(busy), peaks, tuple(events), not reason, reason,
                      tuple(peak))
 
 
 def _peaks(st, peak: list[int]) -> tuple[float, ...]:
-    return tuple(c.memory_bytes(k) for c, k in zip(st, peak))
+    # a stage whose replicas differ: its GPU with the least memory to spare
+    return tuple(c.memory_use(k)[0] for c, k in zip(st, peak))
 
 
-def _memory_reason(st, peaks: tuple[float, ...]) -> str:
-    over = [(i, p, c.capacity_bytes) for i, (c, p) in enumerate(zip(st, peaks))
-            if c.capacity_bytes > 0 and p > c.capacity_bytes]
+def _memory_reason(st, peaks: tuple[float, ...], in_flight: list[int]) -> str:
+    caps = [c.memory_use(k)[1] for c, k in zip(st, in_flight)]
+    over = [(i, p, cap) for i, (p, cap) in enumerate(zip(peaks, caps))
+            if cap > 0 and p > cap]
     if not over:
         return ""
     return "; ".join(f"stage {i} needs {p / 1e9:.2f} GB per GPU but {cap / 1e9:.2f} GB are usable"

@@ -153,9 +153,11 @@ def test_zero1_ddp_baseline_is_one_sharded_stage_over_every_gpu():
     # where the whole model does not fit one GPU even sharded, the reason gives the figures
     small = baseline_plans(synth_model(4, 1024), _one_group(0.3, 8), 8)["zero1_ddp"]
     assert small.plan is None and "GB per" in small.reason and "usable" in small.reason
-    # a stage spans one group: several groups have none, and say so
-    multi = baseline_plans(toy_model(), two_groups(), 8)["zero1_ddp"]
-    assert multi.plan is None and "one-group clusters" in multi.reason
+    # over several groups: one stage of every GPU of every group, equal shares, sharded
+    multi = baseline_plans(toy_model(), two_groups(), 12)["zero1_ddp"]
+    stage = multi.plan.validate().stages[0]
+    assert multi.plan.num_stages == 1 and stage.optimizer == SHARDED
+    assert len(set(stage.shares(multi.plan.micro_batch_size))) == 1 and len(stage.groups) == 2
 
 
 # -- fit advice ----------------------------------------------------------------------------

@@ -12,8 +12,11 @@
   thresholds;
 * ``zero1_ddp`` (DeepSpeed ZeRO stage 1, torch's ``ZeroRedundancyOptimizer`` under DDP): no
   pipeline, one stage holding the whole model on every GPU with its Adam moments sharded among
-  them and every micro-batch split evenly. A stage spans one group of the cluster file, so this
-  baseline exists on clusters of one group only.
+  them and every micro-batch split evenly; only where the model fits every GPU so.
+* ``ddp`` (equal-share data parallelism, what ``accelerate launch`` does): one stage, the
+  whole model on every GPU, every GPU the same share of each micro-batch, at the micro-batch
+  size it runs fastest with; only where the model fits every GPU
+  (:mod:`~hapt_hf.planner.search.data_parallel`).
 
 The first three run plain 1F1B with the same data-parallel width on every stage (what those
 frameworks require: world = pipeline x data parallel), the groups in file order; each gets the
@@ -32,20 +35,21 @@ from hapt_hf.core.schedules import ScheduleKind
 from hapt_hf.errors import CostModelError
 
 from ..cluster import Cluster
-from ..cost_model import CostModel, StageShape
+from ..cost_model import CostModel
 from ..model_spec import ModelSpec
 from ..profile import Profile
 from .options import BaselineResult, Layout, PlannerOptions
 from .partition import (balanced_step_s, cut_times, estimate_s, partition_layers,
                         recompute_flags, smallest_feasible_cap)
+from .data_parallel import data_parallel
 from .plans import layout_to_plan
 from .replays import simulate_layout
 from .shapes import divisors, micro_batch_options, shapes_for
 from .warmups import hapt_warmups, in_flight_guess
 
-__all__ = ["BASELINES", "baseline_plans"]
+__all__ = ["BASELINES", "baseline_plans", "equal_share_ddp"]
 
-BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt", "zero1_ddp")
+BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt", "ddp", "zero1_ddp")
 
 
 def _uniform(cm: CostModel, shapes, mbs: int) -> list[int] | None:
@@ -161,36 +165,11 @@ def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
 
 
 def _zero1_ddp(cm: CostModel, gbs: int, options: PlannerOptions) -> BaselineResult:
-    """One stage over every GPU with sharded optimizer state, or why there is none."""
-    name, groups = "zero1_ddp", cm.cluster.groups
-    if len(groups) > 1:
-        return BaselineResult(name, None, None, f"one stage over {len(groups)} groups: a stage "
-                              "spans one group, so ZeRO-1 DDP is scored on one-group clusters only")
-    g = groups[0]
-    if g.size < 2:
-        return BaselineResult(name, None, None, "one GPU has no replica to shard the optimizer "
-                              "state with")
-    shape, L = StageShape(g, g.size, 0), cm.model.num_layers
-    sizes = micro_batch_options(gbs, [g.size], options.micro_batch_sizes)
-    if not sizes:
-        return BaselineResult(name, None, None, f"no micro-batch size allowed is a multiple of "
-                              f"the {g.size} GPUs and divides global batch {gbs}")
-    warm = hapt_warmups((shape,), [], 1.0, 1, ScheduleKind.ONE_F_ONE_B)
-    layouts = []
-    for mbs in sizes:
-        for rc in ((False, True) if options.allow_recompute else (False,)):
-            if cm.memory_bytes(mbs // g.size, 0, L, 1, rc, SHARDED, g.size) \
-                    <= cm.capacity_bytes(g):
-                layouts.append(Layout((shape,), ((0, L),), (rc,), mbs, warm,
-                                      ScheduleKind.ONE_F_ONE_B, (SHARDED,)))
-                break
-    if not layouts:
-        need = cm.memory_bytes(sizes[0] // g.size, 0, L, 1, options.allow_recompute, SHARDED,
-                               g.size)
-        return BaselineResult(name, None, None, f"the whole model with sharded optimizer state "
-                              f"needs {need / 1e9:.3g} GB per {g.gpu.name} against "
-                              f"{cm.capacity_bytes(g) / 1e9:.3g} GB usable")
-    return _best(cm, gbs, layouts, name)
+    """One stage over every GPU, equal shares, sharded optimizer state, or why there is none."""
+    dp = data_parallel(cm, gbs, options, even=True, optimizers=(SHARDED,))
+    if dp.layout is None:
+        return BaselineResult("zero1_ddp", None, None, dp.reason)
+    return BaselineResult("zero1_ddp", layout_to_plan(cm, dp.layout, gbs, dp.sim), dp.sim)
 
 
 def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
@@ -212,6 +191,14 @@ def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
     return BaselineResult(name, layout_to_plan(cm, lay, gbs, r), r)
 
 
+def equal_share_ddp(cm: CostModel, global_batch: int, options: PlannerOptions) -> BaselineResult:
+    """The ``ddp`` baseline: one stage of every GPU, equal shares, where the model fits."""
+    dp = data_parallel(cm, global_batch, options, even=True)
+    if dp.layout is None:
+        return BaselineResult("ddp", None, None, dp.reason)
+    return BaselineResult("ddp", layout_to_plan(cm, dp.layout, global_batch, dp.sim), dp.sim)
+
+
 def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                    profile: Profile | None = None, options: PlannerOptions = PlannerOptions(),
                    cost_model: CostModel | None = None) -> dict[str, BaselineResult]:
@@ -222,6 +209,9 @@ def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     for name in BASELINES:
         if name == "zero1_ddp":
             out[name] = _zero1_ddp(cm, global_batch_size, options)
+            continue
+        if name == "ddp":
+            out[name] = equal_share_ddp(cm, global_batch_size, options)
             continue
         try:
             layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt"

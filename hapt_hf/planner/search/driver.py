@@ -5,7 +5,7 @@ import time
 from dataclasses import replace
 
 from hapt_hf.core.layers import BLOCK, HALF, block_boundary_in_halves
-from hapt_hf.core.precision import REPLICATED
+from hapt_hf.core.precision import REPLICATED, SHARDED
 from hapt_hf.errors import PlanningError
 
 from ..cluster import Cluster
@@ -16,6 +16,7 @@ from ..profile import Profile
 from ..simulate import SimResult
 from .baselines import baseline_plans
 from .candidates import search_layouts
+from .data_parallel import data_parallel
 from .infeasible import does_not_fit
 from .options import BaselineResult, Layout, PlannerOptions, PlanResult
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
@@ -104,9 +105,21 @@ def _plan_on(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             continue
         tried += n
         found.append((final.iteration_s, len(found), unit_cm, lay, final))
+    dp_at = -1
+    if options.allow_uneven_dp:
+        # one stage of every GPU, shares by speed: a candidate of its own, never cut, so it
+        # skips the partition and refinements; last in line, so a pipeline wins a tie
+        states = (REPLICATED, SHARDED) if options.allow_sharded_optimizer else (REPLICATED,)
+        dp = data_parallel(cm, global_batch_size, options, even=False, optimizers=states)
+        if dp.layout is not None:
+            dp_at = len(found)
+            found.append((dp.sim.iteration_s, dp_at, cm, dp.layout, dp.sim))
     if not found:
         raise failure
-    _, _, unit_cm, lay, final = min(found, key=lambda f: f[:2])
+    _, i, unit_cm, lay, final = min(found, key=lambda f: f[:2])
+    if i == dp_at:  # its full replay with events, as the search's own final plans have
+        final = simulate_layout(cm, lay, global_batch_size // lay.micro_batch_size, exact=True,
+                                record_events=True)
     base_times = {k: b.sim.iteration_s for k, b in baselines.items()
                   if b.sim is not None and b.sim.feasible}
     plan = layout_to_plan(unit_cm, lay, global_batch_size, final, base_times).validate()

@@ -65,6 +65,10 @@ class PlannerOptions:
     weigh_groups_max_gpus: int = 128
     """Above this many GPUs every group is used without weighing sets of groups: each set costs
     a search of its own (about 10 s each at 256 GPUs, 0.1 to 1 s at 16)."""
+    allow_uneven_dp: bool = True
+    """Weigh plain data parallelism too: one stage holding the whole model on every GPU, each
+    GPU's share of every micro-batch in proportion to its speed (where the model fits every
+    GPU); kept when the simulator finds it faster than every pipeline."""
     layer_unit: str = LAYER_UNIT_OPTIONS[0]
     """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
     fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep

@@ -6,7 +6,7 @@ from hapt_hf.core.precision import Precision
 from ..cluster import Cluster
 from ..cost_model import CostModel
 from ..model_spec import ModelSpec
-from ..plan import Plan, PlanPrediction, StagePlan, StagePrediction
+from ..plan import Plan, PlanPrediction, Replica, StagePlan, StagePrediction
 from ..profile import Profile, load_sailor_profiles
 from ..simulate import SimResult
 from .options import Layout
@@ -23,8 +23,16 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
     stages = []
     for i, (sh, bnd, rc, w, c) in enumerate(zip(layout.shapes, layout.bounds, layout.recompute,
                                                  layout.warmups, costs.stages)):
-        r0 = first[sh.group.name] + sh.offset
         peak = sim.peak_memory_bytes[i] if sim and sim.peak_memory_bytes else 0.0
+        if sh.replicas:
+            reps = tuple(Replica(first[r.group.name] + r.index, r.group.name, r.group.gpu.name,
+                                 r.samples) for r in sh.replicas)
+            stages.append(StagePlan.of_replicas(
+                i, bnd, reps, w, recompute=rc,
+                predicted=StagePrediction(c.forward_s, c.backward_s, peak),
+                optimizer=c.optimizer))
+            continue
+        r0 = first[sh.group.name] + sh.offset
         stages.append(StagePlan(
             index=i, layers=bnd, group=sh.group.name, device_type=sh.group.gpu.name,
             ranks=tuple(range(r0, r0 + sh.width)), warmup=w, recompute=rc,
