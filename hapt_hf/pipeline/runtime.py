@@ -41,6 +41,8 @@ from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, torch
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
+from hapt_hf.pipeline.zero import (ShardedOptimizer, build_optimizer, check_optimizer,
+                                   prepare_optimizer)
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
@@ -119,6 +121,8 @@ class PipelineRuntime:
             dp_group, tied_group = stage_groups(
                 self.plan, self.rank, self.work.tied_ranks,
                 bool(getattr(model_config, "tie_word_embeddings", False)))
+        self._replica_group = dp_group
+        """The stage's replicas: gradients are summed in it, a sharded optimizer splits in it."""
         self._grads = GradSync(self.stage, dp_group, tied_group, self.config.grad_bucket_bytes,
                                self.config.overlap_grad_sync)
 
@@ -131,6 +135,27 @@ class PipelineRuntime:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage.parameters())
+
+    # -- the optimizer the plan asks for ---------------------------------------------------
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """This stage's optimizer as the plan says: ``optimizer_class(params, **kwargs)`` where
+        the stage's optimizer state is replicated, a
+        :class:`~hapt_hf.pipeline.zero.ShardedOptimizer` (ZeRO-1 over the stage's replicas,
+        this rank holding its share of the state) where it is sharded. ``params``: the stage's
+        parameters or parameter groups; default, those that train (``requires_grad``)."""
+        if params is None:
+            params = [p for p in self.stage.parameters() if p.requires_grad]
+        return build_optimizer(self.stage_plan, self._replica_group, optimizer_class, params,
+                               **kwargs)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """An optimizer built over this stage's parameters elsewhere (``Trainer``, a user's
+        loop), made to hold its state as the plan says: itself where the state is replicated,
+        a sharded optimizer of the same class, settings and parameter groups where it is
+        sharded (an LR scheduler built on ``optimizer`` drives it). Call it before the first
+        step; an optimizer that cannot be sharded is refused, naming the fix."""
+        return prepare_optimizer(self.stage_plan, self._replica_group, optimizer)
 
     # -- public steps ----------------------------------------------------------------------
     def forward_backward(self, batch: Batch) -> float:
@@ -186,13 +211,17 @@ class PipelineRuntime:
         over every rank either way). On an overflow anywhere, every rank drops its gradients,
         skips the optimizer and the LR-scheduler step (as ``Trainer`` does for a step its
         GradScaler skipped) and halves the scale; the loss is reported all the same.
+
+        ``optimizer``: from :meth:`make_optimizer` or :meth:`prepare_optimizer` (on a stage
+        whose plan shards the optimizer state, any other is refused before anything runs).
         """
+        check_optimizer(self.stage_plan, optimizer)
         optimizer.zero_grad(set_to_none=True)
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         loss = self.forward_backward(batch)
         clip = max_grad_norm is not None
         if self.loss_scaler is None:
-            return self._step(optimizer, lr_scheduler, StepResult(
+            return self.step_optimizer(optimizer, lr_scheduler, StepResult(
                 loss, self.clip_grad_norm_(max_grad_norm) if clip else None))
         sq, overflow = self._grad_stats(norm=clip, check=True)
         norm = math.sqrt(sq) if clip else None
@@ -202,11 +231,20 @@ class PipelineRuntime:
             return StepResult(loss, norm, skipped=True, loss_scale=scale)
         if clip:
             self._grads.clip(norm, max_grad_norm)
-        return self._step(optimizer, lr_scheduler, StepResult(loss, norm, loss_scale=scale))
+        return self.step_optimizer(optimizer, lr_scheduler, StepResult(loss, norm,
+                                                                       loss_scale=scale))
 
-    @staticmethod
-    def _step(optimizer: torch.optim.Optimizer, lr_scheduler: Any, result: StepResult) -> StepResult:
-        optimizer.step()
+    def step_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+                       result: StepResult | None = None) -> StepResult | None:
+        """Step the optimizer, then the LR scheduler; gives back ``result``. A sharded
+        optimizer's step broadcasts every replica's updated parameters to the others: a
+        collective over the stage's replicas, so that a replica lost in it is named."""
+        if isinstance(optimizer, ShardedOptimizer):
+            with self.channel.collective("the sharded optimizer step", self.stage_plan.index,
+                                         self.stage_plan.ranks):
+                optimizer.step()
+        else:
+            optimizer.step()
         if lr_scheduler is not None:
             lr_scheduler.step()
         return result
