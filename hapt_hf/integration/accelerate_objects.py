@@ -167,7 +167,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step_was_skipped = True
         if not self.step_was_skipped:
-            self.optimizer.step()
+            self.runtime.step_optimizer(self.optimizer)
         self.grad_norm = None
 
 

@@ -132,8 +132,9 @@ def _check_plan_against_cluster(plan: Plan, plugin: HaptConfig) -> None:
         raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} uses {plan.world_size} "
                         f"ranks but the cluster {str(plugin.cluster)!r} has {used}{idle}; give "
                         "only one of 'plan' and 'cluster', or re-plan on this cluster")
-    foreign = sorted({g for g in [s.group for s in plan.stages] + list(plan.idle_groups)
-                      if g and g not in groups})
+    # a stage's replicas may sit in different groups: every one of them must exist
+    foreign = sorted({g for g in [g for s in plan.stages for g in s.groups]
+                      + list(plan.idle_groups) if g and g not in groups})
     if foreign or (plan.cluster_name and plan.cluster_name != cluster.name):
         raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} was made for cluster "
                         f"{plan.cluster_name!r} (groups {foreign or 'as named'}) but the "
@@ -180,7 +181,7 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
         return best
     every = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
                      options=replace(plugin.planner, all_groups=True)).plan
-    kept = sorted({s.group for s in best.stages if s.group})
+    kept = sorted({g for s in best.stages for g in s.groups if g})
     print(f"hapt_hf: leaving group(s) {', '.join(best.idle_groups)} idle would be faster "
           f"({best.predicted.iteration_s:.3f} s per iteration against "
           f"{every.predicted.iteration_s:.3f} s on every group); this run uses the "

@@ -4,7 +4,7 @@ stage's replicas (ZeRO-1), train exactly as one process would.
 Each case trains STEPS AdamW steps (clipped to the global norm, an LR schedule) on 3 or 4 Gloo
 ranks and compares every loss, every gradient norm and, on every rank, every parameter of its
 stage with one process training the whole model on the same global batches; rank 0 also
-compares the gathered ``from_pretrained`` state dict. A sharded run must hold only its share
+compares the gathered logits and ``from_pretrained`` state dict. A sharded run must hold only its share
 of the Adam state, must step exactly as the replicated optimizer does under fp16's skipped
 steps, and must resume from per-rank shard files in fresh processes bit for bit.
 """
@@ -18,7 +18,8 @@ import torch
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, Replica, StagePlan
 from hapt_hf.testing import run_ranks
-from tests.pipeline.test_runtime_equivalence import SEQ, STEPS, _compare, make_batches, tiny_config
+from tests.pipeline.test_runtime_equivalence import (SEQ, STEPS, _check_forward_only, _compare,
+                                                     make_batches, tiny_config)
 
 pytestmark = pytest.mark.multiproc
 
@@ -119,13 +120,8 @@ def train_case(rank: int, case: Case) -> dict:
     for n, p in rt.stage.named_parameters():
         _compare(f"param {n} after {STEPS} steps", p.detach(), ref.get_parameter(n).detach(),
                  errors)
-    state = rt.gather_state_dict()
-    if rank == 0:  # the from_pretrained export: every tensor of the whole model
-        ref_state = ref.state_dict()
-        if set(state) != set(ref_state):
-            errors.append(f"exported keys differ: {sorted(set(state) ^ set(ref_state))}")
-        for k in set(state) & set(ref_state):
-            _compare(f"exported {k}", state[k], ref_state[k], errors)
+    # evaluate, the gathered logits and the from_pretrained state dict, after the steps
+    _check_forward_only(rank, rt, ref, b, errors)
     out = {"errors": errors, "stage": rt.stage_plan.index, "norms": norms,
            "optimizer": type(opt).__name__, "state": _state_count(opt),
            "params": sum(1 for p in rt.stage.parameters() if p.requires_grad)}
