@@ -42,8 +42,8 @@ from hapt_hf.planner.plan import Plan, PlanError
 __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
            "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
-           "load_trainer_state", "load_checkpoint", "check_resumable", "check_optimizer_states", "barrier", "fsync_path",
-           "fsync_tree"]
+           "load_trainer_state", "load_checkpoint", "check_resumable", "check_optimizer_states",
+           "barrier", "fsync_path", "fsync_tree"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
 TRAINER_STATE = "trainer_state.json"

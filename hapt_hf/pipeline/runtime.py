@@ -41,8 +41,7 @@ from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, torch
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
-from hapt_hf.pipeline.zero import (ShardedOptimizer, build_optimizer, check_optimizer,
-                                   prepare_optimizer)
+from hapt_hf.pipeline.zero import StageOptimizer, check_optimizer
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
@@ -63,8 +62,9 @@ class _MicroBatch:
     grad_recv: list[Transfer] | None = None
 
 
-class PipelineRuntime:
-    """Executes the plan's schedule for this rank. See the module docstring."""
+class PipelineRuntime(StageOptimizer):
+    """Executes the plan's schedule for this rank. See the module docstring; the optimizer
+    the plan asks for comes from :class:`~hapt_hf.pipeline.zero.StageOptimizer`'s methods."""
 
     def __init__(self, plan: Plan, model_config: PretrainedConfig,
                  config: RuntimeConfig = RuntimeConfig()) -> None:
@@ -136,27 +136,6 @@ class PipelineRuntime:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage.parameters())
 
-    # -- the optimizer the plan asks for ---------------------------------------------------
-    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
-                       **kwargs: Any) -> torch.optim.Optimizer:
-        """This stage's optimizer as the plan says: ``optimizer_class(params, **kwargs)`` where
-        the stage's optimizer state is replicated, a
-        :class:`~hapt_hf.pipeline.zero.ShardedOptimizer` (ZeRO-1 over the stage's replicas,
-        this rank holding its share of the state) where it is sharded. ``params``: the stage's
-        parameters or parameter groups; default, those that train (``requires_grad``)."""
-        if params is None:
-            params = [p for p in self.stage.parameters() if p.requires_grad]
-        return build_optimizer(self.stage_plan, self._replica_group, optimizer_class, params,
-                               **kwargs)
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """An optimizer built over this stage's parameters elsewhere (``Trainer``, a user's
-        loop), made to hold its state as the plan says: itself where the state is replicated,
-        a sharded optimizer of the same class, settings and parameter groups where it is
-        sharded (an LR scheduler built on ``optimizer`` drives it). Call it before the first
-        step; an optimizer that cannot be sharded is refused, naming the fix."""
-        return prepare_optimizer(self.stage_plan, self._replica_group, optimizer)
-
     # -- public steps ----------------------------------------------------------------------
     def forward_backward(self, batch: Batch) -> float:
         """One iteration's forwards and backwards; gradients added to ``.grad`` of every rank
@@ -211,9 +190,7 @@ class PipelineRuntime:
         over every rank either way). On an overflow anywhere, every rank drops its gradients,
         skips the optimizer and the LR-scheduler step (as ``Trainer`` does for a step its
         GradScaler skipped) and halves the scale; the loss is reported all the same.
-
-        ``optimizer``: from :meth:`make_optimizer` or :meth:`prepare_optimizer` (on a stage
-        whose plan shards the optimizer state, any other is refused before anything runs).
+        ``optimizer``: from ``make_optimizer`` / ``prepare_optimizer`` where the plan shards it.
         """
         check_optimizer(self.stage_plan, optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -233,21 +210,6 @@ class PipelineRuntime:
             self._grads.clip(norm, max_grad_norm)
         return self.step_optimizer(optimizer, lr_scheduler, StepResult(loss, norm,
                                                                        loss_scale=scale))
-
-    def step_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
-                       result: StepResult | None = None) -> StepResult | None:
-        """Step the optimizer, then the LR scheduler; gives back ``result``. A sharded
-        optimizer's step broadcasts every replica's updated parameters to the others: a
-        collective over the stage's replicas, so that a replica lost in it is named."""
-        if isinstance(optimizer, ShardedOptimizer):
-            with self.channel.collective("the sharded optimizer step", self.stage_plan.index,
-                                         self.stage_plan.ranks):
-                optimizer.step()
-        else:
-            optimizer.step()
-        if lr_scheduler is not None:
-            lr_scheduler.step()
-        return result
 
     def predict(self, batch: Batch) -> Prediction:
         """Loss and full logits of one global batch, forward only, in eval mode (see

@@ -30,8 +30,8 @@ from hapt_hf.core.precision import SHARDED
 from hapt_hf.errors import ConfigError
 from hapt_hf.planner.plan import StagePlan
 
-__all__ = ["ShardedOptimizer", "OptimizerPlanError", "build_optimizer", "prepare_optimizer",
-           "check_optimizer"]
+__all__ = ["ShardedOptimizer", "OptimizerPlanError", "StageOptimizer", "build_optimizer",
+           "prepare_optimizer", "check_optimizer"]
 
 SHARD_KEY = "hapt_shard"
 """The key of a :class:`ShardedOptimizer` state dict that says whose shard it is."""
@@ -167,29 +167,70 @@ def prepare_optimizer(stage: StagePlan, group: Any,
     _replica_group_needed(stage, group)
     cls = type(optimizer)
     if optimizer.state:
-        raise _refusal(stage, f"the {cls.__name__} given has taken steps already (it holds "
-                              "the whole state)", PREPARE_IT)
+        raise _refusal(stage, f"the optimizer given ({cls.__name__}) has taken steps already "
+                              "(it holds the whole state)", PREPARE_IT)
     kwargs = _constructor_kwargs(cls, optimizer.defaults)
     try:
         sharded = ShardedOptimizer(optimizer.param_groups, cls, group, stage.index,
                                    source=optimizer, **kwargs)
     except (TypeError, ValueError) as e:
-        raise _refusal(stage, f"a {cls.__name__} cannot be rebuilt for one shard from the "
-                              f"settings it records ({type(e).__name__}: {e})", BUILD_IT) from None
+        raise _refusal(stage, f"the optimizer given ({cls.__name__}) cannot be rebuilt for one "
+                              f"shard from the settings it records ({type(e).__name__}: {e})",
+                       BUILD_IT) from None
     if sharded.optim.defaults != optimizer.defaults:
-        raise _refusal(stage, f"a {cls.__name__} rebuilt from the settings it records does not "
-                              "come out the same (its constructor derives them)", BUILD_IT)
+        raise _refusal(stage, f"the optimizer given ({cls.__name__}) rebuilt from the settings "
+                              "it records does not come out the same (its constructor derives "
+                              "them)", BUILD_IT)
     return sharded
 
 
 def check_optimizer(stage: StagePlan, optimizer: torch.optim.Optimizer) -> None:
     """Refuse stepping a sharded stage with an optimizer that keeps the whole state."""
-    if stage.optimizer == SHARDED and not isinstance(_unwrapped(optimizer), ShardedOptimizer):
-        raise _refusal(stage, f"the optimizer given is a {type(optimizer).__name__} holding "
-                              "the whole state", PREPARE_IT)
+    if stage.optimizer == SHARDED and not isinstance(optimizer, ShardedOptimizer):
+        raise _refusal(stage, f"the optimizer given ({type(optimizer).__name__}) holds the "
+                              "whole state", PREPARE_IT)
 
 
-def _unwrapped(optimizer: Any) -> Any:
-    """The optimizer inside a wrapper that keeps it as ``.optimizer`` (Accelerate's)."""
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+class StageOptimizer:
+    """What :class:`~hapt_hf.pipeline.runtime.PipelineRuntime` offers for its stage's optimizer
+    (a base of the runtime: it uses the runtime's ``stage``, ``stage_plan``, ``channel`` and
+    replica group)."""
+
+    stage: torch.nn.Module
+    stage_plan: StagePlan
+    channel: Any
+    _replica_group: Any
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """This stage's optimizer as the plan says: ``optimizer_class(params, **kwargs)`` where
+        the stage's optimizer state is replicated, a :class:`ShardedOptimizer` (ZeRO-1 over
+        the stage's replicas, this rank holding its share of the state) where it is sharded.
+        ``params``: parameters or parameter groups; default, the stage's that train."""
+        if params is None:
+            params = [p for p in self.stage.parameters() if p.requires_grad]
+        return build_optimizer(self.stage_plan, self._replica_group, optimizer_class, params,
+                               **kwargs)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """An optimizer built over this stage's parameters elsewhere (``Trainer``, a user's
+        loop) holding its state as the plan says (:func:`prepare_optimizer`): itself, or a
+        sharded one that an LR scheduler built on ``optimizer`` drives. Call it before the
+        first step; an optimizer that cannot be sharded is refused, naming the fix."""
+        return prepare_optimizer(self.stage_plan, self._replica_group, optimizer)
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+                       result: Any = None) -> Any:
+        """Step the optimizer, then the LR scheduler; gives back ``result``. A sharded
+        optimizer's step broadcasts every replica's updated parameters to the others: a
+        collective over the stage's replicas, so that a replica lost in it is named."""
+        if isinstance(optimizer, ShardedOptimizer):
+            with self.channel.collective("the sharded optimizer step", self.stage_plan.index,
+                                         self.stage_plan.ranks):
+                optimizer.step()
+        else:
+            optimizer.step()
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        return result

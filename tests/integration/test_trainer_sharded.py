@@ -133,3 +133,42 @@ def test_sharded_uneven_trainer_matches_one_process_and_resumes_exactly(tmp_path
     assert all(0 < o["state"] < len(o["weights"]) for o in last)
     assert sum(o["state"] for o in last) == len(last[0]["weights"])
     assert outs[0]["full"]["optimizer"] != "ShardedOptimizer"
+
+
+# -- a checkpoint whose optimizer state was kept otherwise is refused --------------------------
+
+def test_a_checkpoint_of_another_optimizer_setting_is_refused(tmp_path):
+    from dataclasses import replace
+
+    from hapt_hf.integration.trainer_checkpoint import CheckpointError, check_resumable
+    for name in ("trainer_state.json", "model.safetensors", "hapt_rank0.pt", "hapt_rank1.pt",
+                 "hapt_rank2.pt"):
+        (tmp_path / name).write_text("")
+    sharded = _plan()
+    sharded.save(tmp_path / "plan.json")
+    check_resumable(tmp_path, sharded, 3)  # the same plan: fine
+    replicated = replace(sharded, stages=(sharded.stages[0],
+                                          replace(sharded.stages[1], optimizer="replicated")))
+    with pytest.raises(CheckpointError, match=r"optimizer state \['replicated', 'sharded'\], "
+                                              r"this run's plan keeps it \['replicated', "
+                                              r"'replicated'\]"):
+        check_resumable(tmp_path, replicated, 3)
+
+
+class _SavedShard:
+    """Stands for a sharded optimizer at save time: its state dict is one replica's shard."""
+
+    def state_dict(self) -> dict:
+        from hapt_hf.pipeline.zero import SHARD_KEY
+        return {"state": {}, "param_groups": [{"params": [0], "lr": 1e-3}],
+                SHARD_KEY: {"stage": 1, "replica": 0, "replicas": 2, "owned": [0]}}
+
+
+def test_a_plain_optimizer_never_takes_a_shard(tmp_path):
+    from hapt_hf.integration.trainer_checkpoint import (CheckpointError, load_rank_state,
+                                                        save_rank_state)
+    save_rank_state(tmp_path, 1, _SavedShard(), None)
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    with pytest.raises(CheckpointError, match="holds one shard of a sharded optimizer state"):
+        load_rank_state(tmp_path, 1, plain, None)
+    assert not plain.state

@@ -200,8 +200,45 @@ def resume_part_two(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+class _Scaled(torch.optim.SGD):
+    """An optimizer whose constructor derives the settings it records: it cannot be rebuilt
+    for one shard from them."""
+
+    def __init__(self, params, base_lr: float, factor: float) -> None:
+        super().__init__(params, lr=base_lr * factor)
+
+
+def refusals(rank: int) -> dict:
+    """What a rank of a sharded stage is told for optimizers that keep the whole state."""
+    from hapt_hf.pipeline.zero import OptimizerPlanError
+    rt = _runtime(CASES[3][1])  # stage 0 (ranks 0, 1) sharded, stage 1 (rank 2) replicated
+    batch = make_batches(97, seed=1, rows=rt.plan.global_batch_size)[0]
+    out = {}
+    plain = torch.optim.AdamW(rt.parameters(), lr=1e-3)
+    attempts = {"train_step": lambda: rt.train_step(batch, plain),
+                "derived": lambda: rt.prepare_optimizer(_Scaled(rt.parameters(), 1e-3, 2.0))}
+    if rt.stage_plan.optimizer == "sharded":
+        stepped = torch.optim.AdamW(rt.parameters(), lr=1e-3)
+        for p in rt.parameters():
+            p.grad = torch.zeros_like(p)
+        stepped.step()
+        attempts["stepped"] = lambda: rt.prepare_optimizer(stepped)
+        for what, attempt in attempts.items():
+            try:
+                attempt()
+                out[what] = None
+            except OptimizerPlanError as e:
+                out[what] = str(e)
+    else:  # a replicated stage takes them as they are; its train_step needs the others
+        out["prepared_is_itself"] = rt.prepare_optimizer(plain) is plain
+    rt.shutdown()
+    return out
+
+
 def run_all(rank: int, world_size: int, root: str) -> dict:
     out = {c.name: train_case(rank, c) for c in CASES[world_size]}
+    if world_size == 3:
+        out["refusals"] = refusals(rank)
     if world_size == 4:
         out["fp16"] = fp16_sharded_vs_replicated(rank)
         out["resume"] = resume_part_one(rank, root)
@@ -263,3 +300,17 @@ def test_sharded_run_resumes_exactly_in_fresh_processes(results):
         assert resumed["loaded_state"] > 0  # this rank's shard came from its file
         for n, p in full.items():
             assert (resumed["resumed"][n] == p).all(), (rank, n)
+
+
+def test_an_optimizer_that_keeps_the_whole_state_is_refused_naming_the_fix(results):
+    for rank in (0, 1):
+        msgs = results[3][rank]["refusals"]
+        for what in ("train_step", "derived", "stepped"):
+            msg = msgs[what]
+            assert msg is not None, f"rank {rank}: {what} was not refused"
+            assert "stage 0's plan says optimizer: sharded" in msg, msg
+            assert "runtime.make_optimizer(" in msg and '"replicated"' in msg, msg
+        assert "(AdamW) holds the whole state" in msgs["train_step"]
+        assert "(_Scaled) cannot be rebuilt" in msgs["derived"]
+        assert "(AdamW) has taken steps already" in msgs["stepped"]
+    assert results[3][2]["refusals"] == {"prepared_is_itself": True}
