@@ -104,6 +104,8 @@ def train_case(rank: int, case: Case) -> dict:
     ref_sched = _schedule(ref_opt)
     errors: list[str] = []
     norms = []
+    rows: set[int] = set()  # the samples of each micro-batch this replica computed
+    hook = rt.stage.register_forward_pre_hook(lambda m, args, seen=rows: seen.add(args[0].shape[0]))
     for i, b in enumerate(make_batches(config.vocab_size, seed=11, rows=rt.plan.global_batch_size)):
         ref_opt.zero_grad()
         ref_loss = ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss
@@ -120,9 +122,10 @@ def train_case(rank: int, case: Case) -> dict:
     for n, p in rt.stage.named_parameters():
         _compare(f"param {n} after {STEPS} steps", p.detach(), ref.get_parameter(n).detach(),
                  errors)
+    hook.remove()
     # evaluate, the gathered logits and the from_pretrained state dict, after the steps
     _check_forward_only(rank, rt, ref, b, errors)
-    out = {"errors": errors, "stage": rt.stage_plan.index, "norms": norms,
+    out = {"errors": errors, "stage": rt.stage_plan.index, "norms": norms, "rows": sorted(rows),
            "optimizer": type(opt).__name__, "state": _state_count(opt),
            "params": sum(1 for p in rt.stage.parameters() if p.requires_grad)}
     rt.shutdown()
@@ -262,6 +265,11 @@ def test_matches_single_process(results, world, case):
         r = per_rank[case.name]
         assert not r["errors"], f"rank {rank} (stage {r['stage']}): " + "\n".join(r["errors"])
         assert max(r["norms"]) > 0.5, "clipping never engaged; the step check would be weaker"
+        # each replica computed the share the plan gives it, not an even one
+        plan = case.plan()
+        shares = plan.stages[r["stage"]].shares(plan.micro_batch_size)
+        mine = shares[plan.stages[r["stage"]].ranks.index(rank)]
+        assert r["rows"] == [mine], (rank, r["rows"], shares)
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w, c in ALL if c.sharded],
