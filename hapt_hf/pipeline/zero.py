@@ -7,8 +7,9 @@ Sharding is ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the stage's
 after the all-reduce, the same full gradients, so clipping by the global norm, fp16's overflow
 decision and the gradient statistics are unchanged; each replica then steps only the
 parameters it owns (``ZeroRedundancyOptimizer`` partitions them greedily by size) and
-broadcasts them to the others. Adam is elementwise, so every parameter ends bit for bit where
-the replicated optimizer would put it.
+broadcasts them to the others. Only the Adam state is split: the fp32 weights and gradients
+stay whole on every replica. Adam is elementwise, so every parameter ends bit for bit where the
+replicated optimizer would put it (tested on CPU, with fp16's skipped steps).
 
 :class:`ShardedOptimizer` adds what a pipeline's checkpoints need: its ``state_dict()`` is this
 rank's shard (the state of the parameters it owns, under their indices in the whole
