@@ -1,7 +1,9 @@
 """HaptTrainer on a plan whose last stage shards its optimizer state between two replicas that
 take uneven shares (3:1) of every micro-batch: it trains as one process would, its exported
 model is that process's model, and a run resumed from a checkpoint (every rank's shard in its
-own file) continues bit for bit as the uninterrupted run."""
+own file) continues bit for bit as the uninterrupted run; a script's own AdamW and the
+scheduler built on it (``optimizers=``) are sharded the same way, without the scheduler's
+"step before optimizer.step()" warning."""
 from __future__ import annotations
 
 import shutil
@@ -47,18 +49,31 @@ def _args(out: str, **kw):
                              lr_scheduler_type="linear", max_grad_norm=1.0, **kw)
 
 
-def _train(out: str, resume: str | None = None) -> dict:
+def _train(out: str, resume: str | None = None, own_optimizer: bool = False) -> dict:
+    """A run; ``own_optimizer``: the script passes its AdamW and a scheduler built on it."""
+    import warnings
+
+    from transformers import get_linear_schedule_with_warmup
+
     from hapt_hf.integration.trainer import HaptTrainer
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
     runtime = PipelineRuntime(_plan(), _config(), RuntimeConfig(timeout_s=60))
-    trainer = HaptTrainer(runtime, runtime.plan, _args(out), train_dataset=_rows())
-    trainer.train(resume_from_checkpoint=resume)
+    optimizers = (None, None)
+    if own_optimizer:
+        opt = torch.optim.AdamW(runtime.stage.parameters(), lr=1e-3, weight_decay=0.0)
+        optimizers = (opt, get_linear_schedule_with_warmup(opt, 0, STEPS))
+    trainer = HaptTrainer(runtime, runtime.plan, _args(out), train_dataset=_rows(),
+                          optimizers=optimizers)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
     opt = trainer.optimizer
     result = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
               "weights": {k: v.detach().numpy().copy()
                           for k, v in runtime.stage.named_parameters()},
               "optimizer": type(opt).__name__,
-              "state": len(getattr(opt, "optim", opt).state)}
+              "state": len(getattr(opt, "optim", opt).state),
+              "scheduler_warnings": [str(w.message) for w in seen if "lr_scheduler" in str(w.message)]}
     runtime.shutdown()
     return result
 
@@ -97,6 +112,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
                         f"{root}/resumed/checkpoint-{SAVE_AT}")
     torch.distributed.barrier()
     resumed = _train(f"{root}/resumed", resume=f"{root}/resumed/checkpoint-{SAVE_AT}")
+    own = _train(f"{root}/own", own_optimizer=True)
     ref, ref_losses = _one_process()
     errors = []
     for n, w in full["weights"].items():
@@ -112,7 +128,13 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
                 torch.testing.assert_close(p.detach(), ref[n], rtol=RTOL, atol=ATOL)
             except AssertionError as e:
                 errors.append(f"exported {n}: {str(e).splitlines()[:3]}")
-    return {"full": full, "resumed": resumed, "errors": errors, "ref_losses": ref_losses}
+    for n, w in own["weights"].items():  # the script's AdamW and scheduler, sharded
+        try:
+            torch.testing.assert_close(torch.from_numpy(w), ref[n], rtol=RTOL, atol=ATOL)
+        except AssertionError as e:
+            errors.append(f"own optimizer {n}: {str(e).splitlines()[:3]}")
+    return {"full": full, "resumed": resumed, "own": own, "errors": errors,
+            "ref_losses": ref_losses}
 
 
 def test_sharded_uneven_trainer_matches_one_process_and_resumes_exactly(tmp_path):
@@ -127,6 +149,9 @@ def test_sharded_uneven_trainer_matches_one_process_and_resumes_exactly(tmp_path
             assert resumed["losses"][step] == full["losses"][step], (rank, step)
         for k, v in full["weights"].items():
             assert (resumed["weights"][k] == v).all(), (rank, k)
+    # the script's own optimizer was sharded too, and its scheduler saw it step
+    assert [outs[r]["own"]["optimizer"] for r in (1, 2)] == ["ShardedOptimizer"] * 2
+    assert not any(o[k]["scheduler_warnings"] for o in outs for k in ("full", "own", "resumed"))
     # the last stage's two replicas each hold a part of its Adam state, together all of it
     last = [outs[r]["full"] for r in (1, 2)]
     assert all(o["optimizer"] == "ShardedOptimizer" for o in last)
