@@ -205,7 +205,7 @@ def _contenders(cfg: RaceConfig, config, plan_a, rank: int, links: list[dict]) -
     plan_c = plan_a.with_schedule(ScheduleKind.ONE_F_ONE_B)
     for name, plan in (("a", plan_a), ("c", plan_c), ("d", uniform)):
         rt = PipelineRuntime(plan, config, rc)
-        opt = torch.optim.AdamW(rt.parameters(), lr=1e-4)
+        opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-4)
         steps[name] = functools.partial(_train_step, rt, opt)
     stage = build_stage(config, uniform.stage_of_rank(rank).layers, seed=0)
     torch_pp = build_torch_pipeline(uniform, rank, stage, cfg.vocab)

@@ -262,7 +262,7 @@ def train_curves(rank: int, world_size: int, size_name: str, args_dict: dict) ->
                      args_dict["seq"])
         device = "cpu" if args_dict["device"] == "cpu" else f"cuda:{rank}"
         rt = PipelineRuntime(plan, size.config(), RuntimeConfig(timeout_s=600, device=device))
-        opt = torch.optim.AdamW(rt.parameters(), lr=args_dict["lr"])
+        opt = rt.make_optimizer(torch.optim.AdamW, lr=args_dict["lr"])
         results = [rt.train_step(b, opt, max_grad_norm=1.0)
                    for b in _batches(size, plan, args_dict["steps"])]
         curves[dtype] = {"losses": [r.loss for r in results],

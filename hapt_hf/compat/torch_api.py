@@ -6,7 +6,8 @@ take a ``device=`` argument, to subclass a dispatch mode, to read which argument
 writes, or to identify a storage; the model reader runs a layer on fake tensors (shapes and
 dtypes, no memory) through torch's ``FakeTensorMode``. The pipeline's failure records
 (:mod:`hapt_hf.pipeline.comm`) live in the rendezvous store the launcher set up, which torch
-hands out only through a private accessor.
+hands out only through a private accessor. A sharded optimizer that steps in place of the
+user's tells the user's LR scheduler so, as the scheduler's own step hook would.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "fake_tensors",
-           "default_store"]
+           "default_store", "mark_stepped_for_schedulers"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -75,3 +76,14 @@ def default_store() -> Any:
     """
     from torch.distributed import distributed_c10d
     return distributed_c10d._get_default_store()
+
+
+def mark_stepped_for_schedulers(optimizer: Any) -> None:
+    """Record on ``optimizer`` that it stepped, as the step wrapper an LR scheduler installs on
+    the optimizer it is built on would: a sharded optimizer made from a user's optimizer steps
+    in its place, and the scheduler (built on the user's) would otherwise warn on its first
+    step that ``lr_scheduler.step()`` ran before ``optimizer.step()``.
+
+    Tested on torch 2.13 (``LRScheduler`` checks ``optimizer._opt_called``, since torch 1.1).
+    """
+    optimizer._opt_called = True

@@ -29,6 +29,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hapt_hf.errors import ConfigError, DataError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
+from hapt_hf.pipeline.zero import check_optimizer
 
 __all__ = ["AccelerateSettingError", "PipelineEngine", "PipelineOptimizer", "PipelineScheduler",
            "GlobalBatchLoader", "PipelineModelView", "save_gathered_model"]
@@ -124,6 +125,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: PipelineRuntime) -> None:
         # no super().__init__: the wrapped optimizer holds the state (as AcceleratedOptimizer)
+        check_optimizer(runtime.stage_plan, optimizer)  # sharded where the plan says so
         self.optimizer = optimizer
         self.runtime = runtime
         self.step_was_skipped = False
@@ -167,7 +169,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step_was_skipped = True
         if not self.step_was_skipped:
-            self.optimizer.step()
+            self.runtime.step_optimizer(self.optimizer)
         self.grad_norm = None
 
 

@@ -185,7 +185,10 @@ class HaptAccelerator(Accelerator):
     def _optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None
                    ) -> PipelineOptimizer:
         """Point the user's optimizer, in place, at this rank's stage parameters (by the full
-        model's names), so that an LR scheduler built on it drives the stage's groups."""
+        model's names), so that an LR scheduler built on it drives the stage's groups; where
+        the stage's plan shards the optimizer state, the step and the state are those of a
+        sharded optimizer made from it over the same group dicts (see
+        ``PipelineRuntime.prepare_optimizer``)."""
         if model is None:
             raise AccelerateSettingError("prepare the optimizer together with its model")
         if optimizer.state:
@@ -199,7 +202,8 @@ class HaptAccelerator(Accelerator):
             mine = [stage[n] for p in group["params"] for n in names.get(id(p), [])
                     if n in stage]
             group["params"] = list({id(p): p for p in mine}.values())
-        wrapped = PipelineOptimizer(optimizer, self.engine.runtime)
+        runtime = self.engine.runtime
+        wrapped = PipelineOptimizer(runtime.prepare_optimizer(optimizer), runtime)
         self.hapt_optimizers.append(wrapped)
         return wrapped
 
@@ -366,6 +370,7 @@ def _check_state_dir(ckpt: Path, plan: Plan) -> None:
     if [(s.layers, s.ranks) for s in saved.stages] != [(s.layers, s.ranks) for s in plan.stages]:
         raise CheckpointError(f"load_state: {str(ckpt)!r} was saved under another plan; load it "
                               "with the same plan (its plan.json as 'plan' in the hapt config)")
+    ckpt_io.check_optimizer_states(saved, plan, f"load_state: {str(ckpt)!r}")
 
 
 def _row_length(dataset: Any) -> int:

@@ -133,6 +133,7 @@ def _check_plan_against_cluster(plan: Plan, plugin: HaptConfig) -> None:
         raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} uses {plan.world_size} "
                         f"ranks but the cluster {str(plugin.cluster)!r} has {used}{idle}; give "
                         "only one of 'plan' and 'cluster', or re-plan on this cluster")
+    # a stage's replicas may sit in different groups: every one of them must exist
     foreign = sorted({g for g in [g for s in plan.stages for g in s.groups]
                       + list(plan.idle_groups) if g and g not in groups})
     if foreign or (plan.cluster_name and plan.cluster_name != cluster.name):

@@ -123,6 +123,15 @@ class HaptTrainer(TrainerHooks, Trainer):
         return self.train_rows[order[step * g:(step + 1) * g]]
 
     # -- training -----------------------------------------------------------------------------
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """Trainer's optimizer (``TrainingArguments.optim``, or the one given in
+        ``optimizers``) over this rank's stage, holding its state as the plan says: split among
+        the stage's replicas where the stage's ``optimizer`` is ``sharded`` (an optimizer that
+        cannot be is refused, naming the fix). The LR scheduler is built on it as usual."""
+        super().create_optimizer(model)
+        self.optimizer = self.runtime.prepare_optimizer(self.optimizer)
+        return self.optimizer
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
         if self.train_rows is None:

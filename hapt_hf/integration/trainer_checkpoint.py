@@ -9,7 +9,9 @@ A checkpoint directory ``checkpoint-N`` holds:
   Hugging Face checkpoint (``from_pretrained`` loads it; a tied LM head is stored once);
 * ``hapt_rank{r}.pt``: rank r's optimizer and LR-scheduler state, RNG states and, with fp16's
   dynamic loss scaling, the loss scaler's state (each stage's optimizer state stays with the
-  stage that owns the parameters; the scale is the same on every rank);
+  stage that owns the parameters; on a stage whose plan shards it, each replica's file holds
+  its own shard, see :class:`~hapt_hf.pipeline.zero.ShardedOptimizer`; the scale is the same
+  on every rank);
 * ``plan.json``, ``trainer_state.json``, ``training_args.bin``.
 
 Atomicity: every rank writes into ``.tmp-checkpoint-N`` and fsyncs its files; after a barrier
@@ -34,13 +36,14 @@ import torch.distributed as dist
 
 from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
+from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
            "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
-           "load_trainer_state", "load_checkpoint", "check_resumable", "barrier", "fsync_path",
-           "fsync_tree"]
+           "load_trainer_state", "load_checkpoint", "check_resumable", "check_optimizer_states",
+           "barrier", "fsync_path", "fsync_tree"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
 TRAINER_STATE = "trainer_state.json"
@@ -157,7 +160,16 @@ def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler, loss_scaler=Non
             loss_scaler.load_state_dict(state["loss_scale"])
     except Exception as e:  # noqa: BLE001 - one message naming the file
         raise damaged_file(path, e) from None
-    optimizer.load_state_dict(parts[0])
+    if SHARD_KEY in parts[0] and not isinstance(optimizer, ShardedOptimizer):
+        # a plain optimizer would take a shard silently, holding the state of a few parameters
+        raise CheckpointError(f"{str(path)!r} holds one shard of a sharded optimizer state "
+                              f"(optimizer: sharded) but this rank's optimizer is a "
+                              f"{type(optimizer).__name__} holding the whole state; resume "
+                              "with the plan the checkpoint was written under")
+    try:
+        optimizer.load_state_dict(parts[0])
+    except ValueError as e:  # a ShardedOptimizer refusing another plan's state names it
+        raise CheckpointError(f"{str(path)!r}: {e}") from None
     if scheduler is not None and parts[1] is not None:
         scheduler.load_state_dict(parts[1])
     _set_rng_state(parts[2])
@@ -213,6 +225,16 @@ def load_stage_weights(stage: torch.nn.Module, ckpt: Path) -> None:
     checkpoint_io.load_stage_tensors(stage, ckpt)
 
 
+def check_optimizer_states(saved: Plan, plan: Plan, what: str) -> None:
+    """Refuse state saved with the stages' optimizer state kept otherwise (replicated or
+    sharded) than this run's plan keeps it: a shard is not a whole state, nor the reverse."""
+    saved_opt, opt = [s.optimizer for s in saved.stages], [s.optimizer for s in plan.stages]
+    if saved_opt != opt:
+        raise CheckpointError(f"{what} was written with the stages' optimizer state {saved_opt}"
+                              f", this run's plan keeps it {opt}; resume with the plan it was "
+                              "written under (its plan.json as 'plan' in the hapt config)")
+
+
 def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
     """Refuse a checkpoint that is incomplete or was written under another plan."""
     ckpt = Path(ckpt)
@@ -233,6 +255,7 @@ def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
                               f"{[list(s.layers) for s in saved.stages]}) than this run's "
                               f"({[list(s.layers) for s in plan.stages]}); resume with the same "
                               "plan (pass the checkpoint's plan.json as 'plan' in the hapt config)")
+    check_optimizer_states(saved, plan, f"checkpoint {str(ckpt)!r}")
     if saved.precision.to_dict() != plan.precision.to_dict():
         raise CheckpointError(f"checkpoint {str(ckpt)!r} was written training in "
                               f"{saved.precision.describe()}, this run trains in "

@@ -41,6 +41,7 @@ from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, torch
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
+from hapt_hf.pipeline.zero import StageOptimizer, check_optimizer
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
 
@@ -61,8 +62,9 @@ class _MicroBatch:
     grad_recv: list[Transfer] | None = None
 
 
-class PipelineRuntime:
-    """Executes the plan's schedule for this rank. See the module docstring."""
+class PipelineRuntime(StageOptimizer):
+    """Executes the plan's schedule for this rank. See the module docstring; the optimizer
+    the plan asks for comes from :class:`~hapt_hf.pipeline.zero.StageOptimizer`'s methods."""
 
     def __init__(self, plan: Plan, model_config: PretrainedConfig,
                  config: RuntimeConfig = RuntimeConfig()) -> None:
@@ -119,6 +121,8 @@ class PipelineRuntime:
             dp_group, tied_group = stage_groups(
                 self.plan, self.rank, self.work.tied_ranks,
                 bool(getattr(model_config, "tie_word_embeddings", False)))
+        self._replica_group = dp_group
+        """The stage's replicas: gradients are summed in it, a sharded optimizer splits in it."""
         self._grads = GradSync(self.stage, dp_group, tied_group, self.config.grad_bucket_bytes,
                                self.config.overlap_grad_sync)
 
@@ -186,13 +190,15 @@ class PipelineRuntime:
         over every rank either way). On an overflow anywhere, every rank drops its gradients,
         skips the optimizer and the LR-scheduler step (as ``Trainer`` does for a step its
         GradScaler skipped) and halves the scale; the loss is reported all the same.
+        ``optimizer``: from ``make_optimizer`` / ``prepare_optimizer`` where the plan shards it.
         """
+        check_optimizer(self.stage_plan, optimizer)
         optimizer.zero_grad(set_to_none=True)
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         loss = self.forward_backward(batch)
         clip = max_grad_norm is not None
         if self.loss_scaler is None:
-            return self._step(optimizer, lr_scheduler, StepResult(
+            return self.step_optimizer(optimizer, lr_scheduler, StepResult(
                 loss, self.clip_grad_norm_(max_grad_norm) if clip else None))
         sq, overflow = self._grad_stats(norm=clip, check=True)
         norm = math.sqrt(sq) if clip else None
@@ -202,14 +208,8 @@ class PipelineRuntime:
             return StepResult(loss, norm, skipped=True, loss_scale=scale)
         if clip:
             self._grads.clip(norm, max_grad_norm)
-        return self._step(optimizer, lr_scheduler, StepResult(loss, norm, loss_scale=scale))
-
-    @staticmethod
-    def _step(optimizer: torch.optim.Optimizer, lr_scheduler: Any, result: StepResult) -> StepResult:
-        optimizer.step()
-        if lr_scheduler is not None:
-            lr_scheduler.step()
-        return result
+        return self.step_optimizer(optimizer, lr_scheduler, StepResult(loss, norm,
+                                                                       loss_scale=scale))
 
     def predict(self, batch: Batch) -> Prediction:
         """Loss and full logits of one global batch, forward only, in eval mode (see

@@ -22,21 +22,22 @@ def _config():
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
 
 
-def _plan_file(tmp: Path, world: int = 4) -> Path:
-    """Uneven stages under H-1F1B: emb + 2 blocks | 1 block on two replicas | 1 block + head."""
+def _plan_file(tmp: Path, world: int = 4, optimizer: str = "replicated") -> Path:
+    """Uneven stages under H-1F1B: emb + 2 blocks | 1 block on two replicas | 1 block + head;
+    ``optimizer``: how the two replicas keep their optimizer state."""
     if world == 1:
         stages = (StagePlan(0, (0, 6), "cpu", "cpu", (0,), 1),)
     else:
         stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2),
-                  StagePlan(1, (3, 5), "cpu", "cpu", (1, 2), 2),
+                  StagePlan(1, (3, 5), "cpu", "cpu", (1, 2), 2, optimizer=optimizer),
                   StagePlan(2, (5, 6), "cpu", "cpu", (3,), 1))
     plan = Plan("tiny-gpt2", 6, SEQ, G, BS, GA, "h1f1b", stages).validate(world_size=world)
     return plan.save(tmp / "plan.json")
 
 
-def _hapt_config(tmp: Path, world: int = 4, **kw):
+def _hapt_config(tmp: Path, world: int = 4, optimizer: str = "replicated", **kw):
     from hapt_hf.integration.config import HaptConfig
-    return HaptConfig(plan=_plan_file(tmp, world), schedule="h1f1b", global_batch_size=G,
+    return HaptConfig(plan=_plan_file(tmp, world, optimizer), schedule="h1f1b", global_batch_size=G,
                       seq_len=SEQ, timeout_s=60, **kw)
 
 
@@ -56,7 +57,8 @@ def _np(t):
 
 
 def loop(rank: int, world: int, tmp: str, hapt: bool, steps: int, save_at: int | None = None,
-         resume: str | None = None, out: str | None = None) -> dict:
+         resume: str | None = None, out: str | None = None,
+         optimizer_state: str = "replicated") -> dict:
     """The user's loop; only the Accelerator line differs between the two runs."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -71,7 +73,7 @@ def loop(rank: int, world: int, tmp: str, hapt: bool, steps: int, save_at: int |
     scheduler = get_linear_schedule_with_warmup(optimizer, 1, 10)
     if hapt:
         acc = HaptAccelerator(cpu=True, gradient_accumulation_steps=GA,
-                              hapt_plugin=_hapt_config(Path(tmp)))
+                              hapt_plugin=_hapt_config(Path(tmp), optimizer=optimizer_state))
     else:
         acc = Accelerator(cpu=True, gradient_accumulation_steps=GA)
     model, optimizer, dl, scheduler = acc.prepare(model, optimizer, dl, scheduler)
@@ -99,7 +101,8 @@ def loop(rank: int, world: int, tmp: str, hapt: bool, steps: int, save_at: int |
                 acc.save_state(str(Path(tmp) / "state"))
             if done == steps:
                 break
-    result = {"losses": losses, "lr": scheduler.get_last_lr(), "norms": norms}
+    result = {"losses": losses, "lr": scheduler.get_last_lr(), "norms": norms,
+              "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__}
     state = acc.get_state_dict(model)
     if out:
         acc.unwrap_model(model).save_pretrained(out, state_dict=state,
@@ -148,6 +151,31 @@ def test_loop_matches_one_process_and_resumes(tmp_path):
     with torch.no_grad():
         mine = loaded(input_ids=torch.from_numpy(ids).long()).logits
     torch.testing.assert_close(mine, torch.from_numpy(logits), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.multiproc
+def test_sharded_optimizer_loop_matches_one_process_and_resumes(tmp_path):
+    """The same loop on a plan whose two-replica stage shards its optimizer state: the user's
+    AdamW and the scheduler built on it drive the sharded optimizer; save_state writes each
+    replica's shard and load_state takes it back exactly."""
+    ref = run_ranks(loop, 1, str(tmp_path / "ref"), False, 3, timeout_s=240)[0].value
+    run = tmp_path / "run"
+    run.mkdir()
+    full = run_ranks(loop, 4, str(run), True, 3, 2, None, None, "sharded", timeout_s=240)
+    assert [o.value["optimizer"] for o in full] == ["AdamW", "ShardedOptimizer",
+                                                    "ShardedOptimizer", "AdamW"]
+    got = full[0].value
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                               rtol=RTOL, atol=ATOL)
+    assert got["lr"] == pytest.approx(ref["lr"])
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(torch.from_numpy(got["weights"][k]), torch.from_numpy(v),
+                                   rtol=RTOL, atol=ATOL, msg=k)
+    resumed = run_ranks(loop, 4, str(run), True, 3, 2, str(run / "state"), None, "sharded",
+                        timeout_s=240)[0].value
+    assert resumed["losses"] == got["losses"][2:]
+    for k, v in got["weights"].items():
+        assert (resumed["weights"][k] == v).all(), k
 
 
 # -- every Accelerate setting: honoured or refused by name ------------------------------------

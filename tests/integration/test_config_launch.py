@@ -218,6 +218,21 @@ def test_plan_and_cluster_that_disagree_are_refused(tmp_path):
         resolve_plan(plugin, AutoConfig.from_pretrained(GPT2), 64, SINGLE)
 
 
+def test_a_replica_in_a_group_the_cluster_lacks_is_refused(tmp_path):
+    from hapt_hf.planner.plan import Replica
+    replicas = (Replica(1, "slow", "cpu-slow", 2), Replica(2, "slow", "cpu-slow", 1),
+                Replica(3, "elsewhere", "cpu-slow", 1))  # not the stage's first replica's group
+    plan = Plan(model_name="gpt2-tiny", num_layers=8, seq_len=64, global_batch_size=8,
+                micro_batch_size=4, num_microbatches=2, schedule="1f1b",
+                stages=(StagePlan(0, (0, 5), "fast", "cpu-fast", (0,), 2),
+                        StagePlan.of_replicas(1, (5, 8), replicas, 1)))
+    plan.save(tmp_path / "plan.json")
+    plugin = HaptPlugin.from_yaml(_write(tmp_path / "hapt.yaml",
+                                         f"cluster: {CLUSTER}\nplan: plan.json\n"))
+    with pytest.raises(PlanError, match=r"groups \['elsewhere'\]"):
+        resolve_plan(plugin, AutoConfig.from_pretrained(GPT2), 64, SINGLE)
+
+
 def test_plan_file_checked_against_model_and_world(tmp_path):
     _two_stage_plan(seq_len=32).save(tmp_path / "plan.json")
     plugin = HaptPlugin.from_yaml(_write(tmp_path / "hapt.yaml", "plan: plan.json\n"

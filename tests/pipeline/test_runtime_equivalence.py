@@ -58,12 +58,12 @@ def make_plan(layout: Layout, schedule: str) -> Plan:
     return plan.with_schedule(schedule).validate()
 
 
-def make_batches(vocab: int, seed: int) -> list:
+def make_batches(vocab: int, seed: int, rows: int = MBS * M) -> list:
     from hapt_hf.pipeline import Batch
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(STEPS):
-        ids = torch.randint(0, vocab, (MBS * M, SEQ), generator=g)
+        ids = torch.randint(0, vocab, (rows, SEQ), generator=g)
         mask = torch.ones_like(ids)
         mask[1::3, -2:] = 0  # right padding on some samples
         labels = ids.masked_fill(mask == 0, -100)

@@ -1,0 +1,199 @@
+"""HaptTrainer on a plan whose last stage shards its optimizer state between two replicas that
+take uneven shares (3:1) of every micro-batch: it trains as one process would, its exported
+model is that process's model, and a run resumed from a checkpoint (every rank's shard in its
+own file) continues bit for bit as the uninterrupted run; a script's own AdamW and the
+scheduler built on it (``optimizers=``) are sharded the same way, without the scheduler's
+"step before optimizer.step()" warning."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from hapt_hf.planner.plan import Plan, Replica, StagePlan
+from hapt_hf.testing import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+SEQ, VOCAB, MBS, M = 8, 97, 4, 2
+G = MBS * M
+STEPS, SAVE_AT = 4, 2
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def _plan() -> Plan:
+    last = (Replica(1, "cpu", "cpu", 3), Replica(2, "cpu", "cpu", 1))
+    return Plan("tiny-gpt2", 6, SEQ, G, MBS, M, "1f1b", (
+        StagePlan(0, (0, 4), "cpu", "cpu", (0,), 2),
+        StagePlan.of_replicas(1, (4, 6), last, 1, optimizer="sharded"))).validate(3)
+
+
+def _config():
+    from transformers import GPT2Config
+    return GPT2Config(n_layer=4, n_embd=32, n_head=2, n_positions=32, vocab_size=VOCAB,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+
+
+def _rows() -> torch.Tensor:
+    # fewer rows than STEPS global batches: the run crosses an epoch (a new sample order)
+    return torch.randint(0, VOCAB, (G * 3, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _args(out: str, **kw):
+    from transformers import TrainingArguments
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=MBS,
+                             gradient_accumulation_steps=M, report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, max_steps=STEPS, logging_steps=1,
+                             save_strategy="steps", save_steps=SAVE_AT, learning_rate=1e-3,
+                             lr_scheduler_type="linear", max_grad_norm=1.0, **kw)
+
+
+def _train(out: str, resume: str | None = None, own_optimizer: bool = False) -> dict:
+    """A run; ``own_optimizer``: the script passes its AdamW and a scheduler built on it."""
+    import warnings
+
+    from transformers import get_linear_schedule_with_warmup
+
+    from hapt_hf.integration.trainer import HaptTrainer
+    from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+    runtime = PipelineRuntime(_plan(), _config(), RuntimeConfig(timeout_s=60))
+    optimizers = (None, None)
+    if own_optimizer:
+        opt = torch.optim.AdamW(runtime.stage.parameters(), lr=1e-3, weight_decay=0.0)
+        optimizers = (opt, get_linear_schedule_with_warmup(opt, 0, STEPS))
+    trainer = HaptTrainer(runtime, runtime.plan, _args(out), train_dataset=_rows(),
+                          optimizers=optimizers)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
+    opt = trainer.optimizer
+    result = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+              "weights": {k: v.detach().numpy().copy()
+                          for k, v in runtime.stage.named_parameters()},
+              "optimizer": type(opt).__name__,
+              "state": len(getattr(opt, "optim", opt).state),
+              "scheduler_warnings": [str(w.message) for w in seen if "lr_scheduler" in str(w.message)]}
+    runtime.shutdown()
+    return result
+
+
+def _one_process() -> tuple[dict, list[float]]:
+    """The same training on one process: Trainer's AdamW, linear schedule, clipping, order."""
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+    from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
+    from hapt_hf.integration.data import epoch_order
+    rows = _rows()
+    torch.manual_seed(0)  # RuntimeConfig's default seed builds these weights
+    model = AutoModelForCausalLM.from_config(_config(),
+                                             attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = get_linear_schedule_with_warmup(opt, 0, STEPS)
+    per_epoch, losses = len(rows) // G, []
+    for step in range(STEPS):
+        epoch, i = divmod(step, per_epoch)
+        batch = rows[epoch_order(len(rows), 0, epoch)[i * G:(i + 1) * G]]
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return ({n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+            losses)
+
+
+def _worker(rank: int, world_size: int, root: str) -> dict:
+    full = _train(f"{root}/full")
+    if rank == 0:  # the checkpoint of step SAVE_AT only, in a fresh run directory
+        shutil.copytree(f"{root}/full/checkpoint-{SAVE_AT}",
+                        f"{root}/resumed/checkpoint-{SAVE_AT}")
+    torch.distributed.barrier()
+    resumed = _train(f"{root}/resumed", resume=f"{root}/resumed/checkpoint-{SAVE_AT}")
+    own = _train(f"{root}/own", own_optimizer=True)
+    ref, ref_losses = _one_process()
+    errors = []
+    for n, w in full["weights"].items():
+        try:
+            torch.testing.assert_close(torch.from_numpy(w), ref[n], rtol=RTOL, atol=ATOL)
+        except AssertionError as e:
+            errors.append(f"{n}: {str(e).splitlines()[:3]}")
+    if rank == 0:  # the exported model of the last checkpoint is the one process's model
+        from transformers import AutoModelForCausalLM
+        exported = AutoModelForCausalLM.from_pretrained(f"{root}/full/checkpoint-{STEPS}")
+        for n, p in exported.named_parameters():
+            try:
+                torch.testing.assert_close(p.detach(), ref[n], rtol=RTOL, atol=ATOL)
+            except AssertionError as e:
+                errors.append(f"exported {n}: {str(e).splitlines()[:3]}")
+    for n, w in own["weights"].items():  # the script's AdamW and scheduler, sharded
+        try:
+            torch.testing.assert_close(torch.from_numpy(w), ref[n], rtol=RTOL, atol=ATOL)
+        except AssertionError as e:
+            errors.append(f"own optimizer {n}: {str(e).splitlines()[:3]}")
+    return {"full": full, "resumed": resumed, "own": own, "errors": errors,
+            "ref_losses": ref_losses}
+
+
+def test_sharded_uneven_trainer_matches_one_process_and_resumes_exactly(tmp_path):
+    outs = [o.value for o in run_ranks(_worker, 3, str(tmp_path), timeout_s=240)]
+    for rank, out in enumerate(outs):
+        assert not out["errors"], f"rank {rank}: " + "\n".join(out["errors"])
+        full, resumed = out["full"], out["resumed"]
+        for step in range(1, STEPS + 1):
+            assert full["losses"][step] == pytest.approx(out["ref_losses"][step - 1],
+                                                         rel=RTOL, abs=ATOL), step
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            assert resumed["losses"][step] == full["losses"][step], (rank, step)
+        for k, v in full["weights"].items():
+            assert (resumed["weights"][k] == v).all(), (rank, k)
+    # the script's own optimizer was sharded too, and its scheduler saw it step
+    assert [outs[r]["own"]["optimizer"] for r in (1, 2)] == ["ShardedOptimizer"] * 2
+    assert not any(o[k]["scheduler_warnings"] for o in outs for k in ("full", "own", "resumed"))
+    # the last stage's two replicas each hold a part of its Adam state, together all of it
+    last = [outs[r]["full"] for r in (1, 2)]
+    assert all(o["optimizer"] == "ShardedOptimizer" for o in last)
+    assert all(0 < o["state"] < len(o["weights"]) for o in last)
+    assert sum(o["state"] for o in last) == len(last[0]["weights"])
+    assert outs[0]["full"]["optimizer"] != "ShardedOptimizer"
+
+
+# -- a checkpoint whose optimizer state was kept otherwise is refused --------------------------
+
+def test_a_checkpoint_of_another_optimizer_setting_is_refused(tmp_path):
+    from dataclasses import replace
+
+    from hapt_hf.integration.trainer_checkpoint import CheckpointError, check_resumable
+    for name in ("trainer_state.json", "model.safetensors", "hapt_rank0.pt", "hapt_rank1.pt",
+                 "hapt_rank2.pt"):
+        (tmp_path / name).write_text("")
+    sharded = _plan()
+    sharded.save(tmp_path / "plan.json")
+    check_resumable(tmp_path, sharded, 3)  # the same plan: fine
+    replicated = replace(sharded, stages=(sharded.stages[0],
+                                          replace(sharded.stages[1], optimizer="replicated")))
+    with pytest.raises(CheckpointError, match=r"optimizer state \['replicated', 'sharded'\], "
+                                              r"this run's plan keeps it \['replicated', "
+                                              r"'replicated'\]"):
+        check_resumable(tmp_path, replicated, 3)
+
+
+class _SavedShard:
+    """Stands for a sharded optimizer at save time: its state dict is one replica's shard."""
+
+    def state_dict(self) -> dict:
+        from hapt_hf.pipeline.zero import SHARD_KEY
+        return {"state": {}, "param_groups": [{"params": [0], "lr": 1e-3}],
+                SHARD_KEY: {"stage": 1, "replica": 0, "replicas": 2, "owned": [0]}}
+
+
+def test_a_plain_optimizer_never_takes_a_shard(tmp_path):
+    from hapt_hf.integration.trainer_checkpoint import (CheckpointError, load_rank_state,
+                                                        save_rank_state)
+    save_rank_state(tmp_path, 1, _SavedShard(), None)
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    with pytest.raises(CheckpointError, match="holds one shard of a sharded optimizer state"):
+        load_rank_state(tmp_path, 1, plain, None)
+    assert not plain.state
