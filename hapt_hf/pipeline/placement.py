@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hapt_hf.core.shares import slices
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.core.schedules import ActionKind
 from hapt_hf.planner.schedule import Action, Schedule, build_schedule
@@ -68,17 +69,15 @@ class RankWork:
 
 def replica_slice(micro_batch_size: int, stage: StagePlan, replica: int) -> tuple[int, int]:
     """Samples ``[lo, hi)`` of a micro-batch owned by ``replica`` of ``stage``."""
-    shares = stage.shares(micro_batch_size)
-    lo = sum(shares[:replica])
-    return lo, lo + shares[replica]
+    return slices(stage.shares(micro_batch_size))[replica]
 
 
 def pieces_between(micro_batch_size: int, mine: tuple[int, int],
                    neighbour: StagePlan) -> tuple[Piece, ...]:
-    """The overlaps of my slice ``mine`` with each replica of ``neighbour``, in sample order."""
+    """The overlaps of my slice ``mine`` with each replica of ``neighbour``, in sample order
+    (what :func:`hapt_hf.core.shares.overlaps` counts for the planner's price of the cut)."""
     out = []
-    for r, peer in enumerate(neighbour.ranks):
-        lo, hi = replica_slice(micro_batch_size, neighbour, r)
+    for peer, (lo, hi) in zip(neighbour.ranks, slices(neighbour.shares(micro_batch_size))):
         a, b = max(lo, mine[0]), min(hi, mine[1])
         if a < b:
             out.append(Piece(peer, a - mine[0], b - mine[0]))
