@@ -12,10 +12,12 @@ The simulator's result and the baselines are read by attribute only (``iteration
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from hapt_hf.core.layers import layer_names
+from hapt_hf.core.precision import SHARDED
 from hapt_hf.planner.plan import Plan
 
 if TYPE_CHECKING:  # only for annotations: the simulator imports nothing of this module
@@ -200,9 +202,26 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
 
 
 def _sharding_lines(plan: Plan, why: Mapping[int, str]) -> tuple[str, ...]:
-    return tuple(f"stage {s.index} over {s.dp} replicas" + (f": {why[s.index]}"
-                                                          if s.index in why else "")
-                 for s in plan.stages if s.optimizer == "sharded")
+    """One line per run of consecutive sharded stages of one width and one reason (a deep plan
+    would otherwise print a line per stage); a run's reason leaves out where each stage's
+    layers start."""
+    runs: list[list] = []  # [first, last, dp, reason key, full reason of the first]
+    for s in plan.stages:
+        if s.optimizer != SHARDED:
+            continue
+        full = why.get(s.index, "")
+        key = re.sub(r" from \S+", "", full)
+        if runs and runs[-1][1] == s.index - 1 and runs[-1][2:4] == [s.dp, key]:
+            runs[-1][1] = s.index
+        else:
+            runs.append([s.index, s.index, s.dp, key, full])
+    out = []
+    for first, last, dp, key, full in runs:
+        head = (f"stage {first} over {dp} replicas" if first == last
+                else f"stages {first}-{last} over {dp} replicas each")
+        text = full if first == last else key
+        out.append(head + (f": {text}" if text else ""))
+    return tuple(out)
 
 
 def _data_parallel(plan: Plan, sim: Any | None) -> str:

@@ -173,3 +173,20 @@ def test_fit_advice_recommends_sharding_only_where_it_is_off_and_would_fit():
     # where sharding cannot help, it is not advised
     tiny = CostModel(model, _one_group(0.01, 8))
     assert not any("allow_sharded_optimizer" in a for a in fit_advice(tiny, 8, off))
+
+
+def test_report_merges_runs_of_sharded_stages_with_one_reason():
+    """A deep plan prints one line per run of alike sharded stages, not one per stage."""
+    from hapt_hf.planner.plan import Plan, StagePlan
+    from hapt_hf.planner.report import build_report
+    stages = tuple(StagePlan(i, (i, i + 1), "g", "V100-32", (2 * i, 2 * i + 1), 4 - i,
+                             optimizer=SHARDED) for i in range(4))
+    plan = Plan("m", 4, 64, 8, 2, 4, "1f1b", stages).validate()
+    why = {0: "fits 2 layers per V100-32 from emb instead of 1",
+           1: "fits 3 layers per V100-32 from b1 instead of 2",
+           2: "fits 3 layers per V100-32 from b4 instead of 2",
+           3: "faster optimizer step"}
+    assert build_report(plan, None, sharding=why).sharding == (
+        "stage 0 over 2 replicas: fits 2 layers per V100-32 from emb instead of 1",
+        "stages 1-2 over 2 replicas each: fits 3 layers per V100-32 instead of 2",
+        "stage 3 over 2 replicas: faster optimizer step")
