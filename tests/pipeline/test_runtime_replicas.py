@@ -60,7 +60,9 @@ class Case:
 
 CASES = {
     3: [Case("3:1|1", "gpt2", (2, 1), ((3, 1), (4,))),
-        Case("3:1-sharded|1", "llama", (2, 1), ((3, 1), (4,)), sharded=(0,))],
+        Case("3:1-sharded|1", "llama", (2, 1), ((3, 1), (4,)), sharded=(0,)),
+        # one stage: plain uneven data parallelism over GPUs of different groups
+        Case("5:2:1-one-stage", "gpt2", (2,), ((5, 2, 1),), groups=True)],
     4: [Case("1|5:2:1", "llama", (1, 2), ((8,), (5, 2, 1))),
         Case("3:1|1:3-groups", "gpt2", (1, 2), ((3, 1), (1, 3)), groups=True),
         Case("2-sharded|2-sharded", "gpt2", (2, 1), ((2, 2), (2, 2)), sharded=(0, 1)),
