@@ -1,5 +1,14 @@
 """ModelSpec: the layer sequence the planner cuts, built from a transformers config (no weights).
 
+Where the figures come from: :meth:`ModelSpec.from_config` takes them from the installed model
+reader (:func:`register_reader`; ``hapt-hf plan``, ``hapt-hf profile`` and the launch path
+install :mod:`hapt_hf.profiling.model_reader`, which reads them off the model with torch) for
+every accepted type. Without a reader, the planner used as a library stays torch-free: gpt2,
+llama, mistral, qwen2 and opt get this module's hand formulas (:meth:`ModelSpec.from_formula`,
+also the oracle the reader is tested against) and every other type is refused. The formulas
+follow the conventions below; the reader keeps the formulas' signatures for these five
+families, so profiles stored under them apply to both.
+
 The sequence is ``[embedding, block_0 .. block_{N-1}, head]``:
 
 - the embedding owns the token embedding (and learned positions, OPT's ``project_in``);
@@ -69,14 +78,14 @@ SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
 """Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
 _INDEX_BYTES = 8  # token ids are int64
 _MODEL_READER: dict[str, Any] = {}
-"""The reader of model types without a hand formula, installed from above (it needs torch):
+"""The model reader, installed from above (it needs torch):
 ``fn(config, seq_len, dtype, attn_implementation) -> ReadModel``."""
 
 
 def register_reader(fn) -> None:
-    """Install the reader ModelSpec.from_config uses for accepted model types without a hand
-    formula (:func:`hapt_hf.profiling.model_reader.install_model_reader` installs the
-    measuring one; the planner itself stays torch-free)."""
+    """Install the reader ModelSpec.from_config takes every accepted type's figures from, the
+    hand-formula families' included (:func:`hapt_hf.profiling.model_reader.install_model_reader`
+    installs the measuring one; the planner itself stays torch-free)."""
     _MODEL_READER["read"] = fn
 
 
@@ -119,7 +128,7 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ReadModel:
-    """What the installed reader returns for a model type without a hand formula."""
+    """What the installed reader returns for a model config (any accepted type)."""
 
     layers: tuple[LayerSpec, ...]
     """``[embedding, block_0 .. block_{N-1}, head]``."""
@@ -276,7 +285,8 @@ class ModelSpec:
                     profile_name: str | None = None,
                     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
         """From a transformers ``PretrainedConfig`` (or a config path / built-in name, as
-        :func:`model_config` reads them); no weights are created."""
+        :func:`model_config` reads them); no weights are created. The installed reader's
+        figures; without one, the hand formula's (:meth:`from_formula`) where the type has one."""
         config, name = _config_and_name(config, name)
         dtype = _check_dtype(dtype)
         _check_attn(attn_implementation)
@@ -334,7 +344,7 @@ class ModelSpec:
     def _from_reader(cls, config, seq_len: int, dtype: str, name: str | None,
                      profile_name: str | None, attn_implementation: str) -> "ModelSpec":
         """An accepted type without a hand formula: the installed reader's figures (half-block
-        figures where its blocks are an attention residual then an MLP residual)."""
+        figures where the stage builder cuts its blocks in two)."""
         family = getattr(config, "model_type", None)
         if family not in accepted_model_types():
             raise UnsupportedModel(

@@ -1,9 +1,11 @@
 """Per-layer figures read off a causal LM itself (built on the meta device, no weights, no compute).
 
-The first piece of a ModelSpec for model types without a hand formula in
-:mod:`hapt_hf.planner.model_spec`: exact parameters per layer of ``[embedding, blocks.., head]``
-and forward / backward FLOPs per sample counted by ``FlopCounterMode`` over one meta forward at
-``seq_len``. The score and context matmuls (``aten.bmm``, counted as the whole s x s square)
+The figures of a ModelSpec for every accepted model type, the five with a hand formula in
+:mod:`hapt_hf.planner.model_spec` included (the formulas are this reader's test oracles and the
+torch-free path): each layer counted over the modules the runtime's stage holds (the family's
+own adapter for gpt2, LLaMA-shaped and opt models, the generic one otherwise); exact parameters
+per layer of ``[embedding, blocks.., head]`` and forward / backward FLOPs per sample counted by
+``FlopCounterMode`` over one meta forward at ``seq_len``. The score and context matmuls (``aten.bmm``, counted as the whole s x s square)
 follow the planner's convention: eager attention as counted, backward 2x; sdpa's causal kernels
 half of it forward and 5/4 of it backward (they recompute the scores). Everything else:
 backward = 2x forward.
@@ -13,18 +15,18 @@ distinct kind is built as the runtime builds it (:func:`~hapt_hf.profiling.profi
 and run forward under saved-tensor hooks (every storage once, parameters excluded), all on fake
 CPU tensors: the same shapes, dtypes and autocast casts as on the CPU, no data and no memory, so
 a 405B-class model reads in seconds (``benchmarks/model_reader.py``) and the figures equal a real
-CPU run's byte for byte.
+CPU run's byte for byte, dropout aside: it is kept as the GPU kernels the runtime trains with
+keep it (a 1-byte mask; none inside sdpa's fused kernel), not as the CPU's wider masks.
 The run is at the asked ``seq_len`` (fake tensors cost nothing at any length, so sliding
 windows, chunked attention and eager's s x s scores are measured, not extrapolated). Two
 micro-batch sizes split the per-sample bytes from the per-micro-batch ones (autocast's weight
 copies, RoPE's cos / sin shared by the micro-batch).
 
-:func:`read_model` adds the half-block sequence where a block is the LLaMA block (the generic
-stage builder cuts those after the attention residual): each half's parameters and FLOPs are its
+:func:`read_model` adds the half-block sequence where the stage builder cuts blocks in two
+(GPT-2's block and the LLaMA block, after the attention residual): each half's parameters and FLOPs are its
 own modules' (the MLP half the block's rest), its kept bytes measured on a one-half stage; where
 the blocks cannot be halved it gives the builder's reason instead. :func:`install_model_reader`
-hands it to :meth:`hapt_hf.planner.model_spec.ModelSpec.from_config` for the types without a
-hand formula.
+hands it to :meth:`hapt_hf.planner.model_spec.ModelSpec.from_config`.
 """
 from __future__ import annotations
 
@@ -165,9 +167,9 @@ def read_layer_specs(config: PretrainedConfig, seq_len: int, dtype: str,
 
 def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
                attn_implementation: str = "sdpa") -> ReadModel:
-    """The whole-block sequence and, where a block is the pre-norm attention residual then the
-    MLP residual (the generic stage builder cuts those), the half-block sequence; otherwise
-    the reason the blocks cannot be halved (attention and MLP in parallel, another forward)."""
+    """The whole-block sequence and, where the stage builder cuts a block in two (GPT-2's, the
+    pre-norm attention residual then MLP residual of the LLaMA block), the half-block sequence;
+    otherwise the builder's reason (attention and MLP in parallel, OPT, another forward)."""
     reader = _Reader(config, seq_len, dtype, attn_implementation)
     layers = reader.layers()
     if reader.meta.adapter.attention_half is None:
@@ -176,7 +178,8 @@ def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
 
 
 def install_model_reader() -> None:
-    """Let ModelSpec.from_config describe every accepted model type without a hand formula."""
+    """Let ModelSpec.from_config read every accepted model type off the model, the
+    hand-formula families included."""
     register_reader(read_model)
 
 
