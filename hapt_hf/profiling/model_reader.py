@@ -5,8 +5,8 @@ The figures of a ModelSpec for every accepted model type, the five with a hand f
 torch-free path): each layer counted over the modules the runtime's stage holds (the family's
 own adapter for gpt2, LLaMA-shaped and opt models, the generic one otherwise); exact parameters
 per layer of ``[embedding, blocks.., head]`` and forward / backward FLOPs per sample counted by
-``FlopCounterMode`` over one meta forward at ``seq_len``. The score and context matmuls (``aten.bmm``, counted as the whole s x s square)
-follow the planner's convention: eager attention as counted, backward 2x; sdpa's causal kernels
+``FlopCounterMode`` over one meta forward at ``seq_len``. The score and context matmuls
+(``aten.bmm``, counted as the whole s x s square) follow the planner's convention: eager attention as counted, backward 2x; sdpa's causal kernels
 half of it forward and 5/4 of it backward (they recompute the scores). Everything else:
 backward = 2x forward.
 
