@@ -6,9 +6,9 @@ torch-free path): each layer counted over the modules the runtime's stage holds 
 own adapter for gpt2, LLaMA-shaped and opt models, the generic one otherwise); exact parameters
 per layer of ``[embedding, blocks.., head]`` and forward / backward FLOPs per sample counted by
 ``FlopCounterMode`` over one meta forward at ``seq_len``. The score and context matmuls
-(``aten.bmm``, counted as the whole s x s square) follow the planner's convention: eager attention as counted, backward 2x; sdpa's causal kernels
-half of it forward and 5/4 of it backward (they recompute the scores). Everything else:
-backward = 2x forward.
+(``aten.bmm``, counted as the whole s x s square) follow the planner's convention: eager
+attention as counted, backward 2x; sdpa's causal kernels half of it forward and 5/4 of it
+backward (they recompute the scores). Everything else: backward = 2x forward.
 
 :func:`read_layer_specs` adds what autograd keeps for the backward, measured: one layer of each
 distinct kind is built as the runtime builds it (:func:`~hapt_hf.profiling.profiler.build_layer`)
