@@ -5,7 +5,8 @@
 Builds a config of the LLaMA 3.1 405B shape (hidden 16384, MLP 53248, 126 blocks, 128 heads,
 8 key/value heads, vocabulary 128256) of the given model type and reads its layer sequence
 through the model reader (:func:`hapt_hf.profiling.model_reader.read_model`, the path
-``ModelSpec.from_config`` takes for types without a hand formula: whole blocks and halves). Prints one JSON line: the
+``ModelSpec.from_config`` takes for every type once the reader is installed: whole blocks and
+halves). Prints one JSON line: the
 seconds taken, the growth of the process's peak resident memory over the read, and the model's
 parameter count. For ``--type llama`` it also gives the largest relative difference of the kept
 bytes from the hand formula's.
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
            "half_layers": len(read.half_layers)}
     if args.type == "llama":
         from hapt_hf.planner.model_spec import ModelSpec
-        formula = ModelSpec.from_config(config, args.seq_len, args.dtype).layers
+        formula = ModelSpec.from_formula(config, args.seq_len, args.dtype).layers
         out["kept_vs_formula"] = max(
             abs((a.act_keep_bytes + a.act_keep_fixed_bytes)
                 / (b.act_keep_bytes + b.act_keep_fixed_bytes) - 1) for a, b in zip(layers, formula))

@@ -59,14 +59,19 @@ BUILDER_DOES_NOT_FIT = {
 
 
 PLANNER_NOTE = (
-    "The planner has hand formulas for gpt2, llama, mistral, qwen2 and opt; for every other "
-    "accepted type `hapt-hf plan` and the launch path read the figures off the model "
-    "(hapt_hf/profiling/model_reader.py: parameters and FLOPs from the model built on the meta "
-    "device, only the experts that run for MoE; the bytes kept for the backward measured on one "
-    "layer of each kind on fake CPU tensors, no memory). Blocks that are an attention residual "
-    "then an MLP residual (the LLaMA block) can be cut in halves (`layer_unit: half`); the other "
-    "types are planned in whole blocks and `layer_unit: half` is refused with the reason "
-    "(attention and MLP in parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
+    "Wherever torch is at hand (`hapt-hf plan`, `hapt-hf profile` and the launch path install "
+    "the reader), the planner reads every accepted type's figures off the model, gpt2, llama, "
+    "mistral, qwen2 and opt included (hapt_hf/profiling/model_reader.py: parameters and FLOPs "
+    "from the model built on the meta device, only the experts that run for MoE; the bytes kept "
+    "for the backward measured on one layer (and half) of each kind on fake CPU tensors, no "
+    "memory, with the attention implementation the runtime builds and dropout kept as GPU "
+    "kernels keep it). The hand formulas of gpt2, llama, mistral, qwen2 and opt "
+    "(`ModelSpec.from_formula`) are the tests' oracles and the figures of the planner used as a "
+    "library without torch, where every other type is refused. Blocks cut in halves "
+    "(`layer_unit: half`) are those the stage builder cuts: GPT-2's and the LLaMA block (an "
+    "attention residual then an MLP residual); the other types are planned in whole blocks and "
+    "`layer_unit: half` is refused with the reason (OPT: no half cut; attention and MLP in "
+    "parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
 """How the planner describes the accepted types (the page's header)."""
 
 

@@ -20,7 +20,7 @@ from hapt_hf.profiling.model_reader import (install_model_reader, read_layer_cou
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_read_counts_match_the_formulas(model_type, attn):
     config = tiny_config(model_type, blocks=2)
-    spec = ModelSpec.from_config(config, 32, attn_implementation=attn)
+    spec = ModelSpec.from_formula(config, 32, attn_implementation=attn)
     got = read_layer_counts(config, 32, attn)
     assert [c.params for c in got] == [l.params for l in spec.layers]
     assert sum(c.params for c in got) == sum(
@@ -34,7 +34,7 @@ def test_read_counts_match_the_formulas(model_type, attn):
 @pytest.mark.parametrize("seq_len", [64, 512])  # 512: kept bytes fitted from shorter runs
 def test_reader_spec_matches_the_llama_formula(seq_len, dtype):
     config = tiny_config("llama", blocks=2)
-    formula = ModelSpec.from_config(config, seq_len, dtype)
+    formula = ModelSpec.from_formula(config, seq_len, dtype)
     read = read_layer_specs(config, seq_len, dtype)
     assert [l.kind for l in read] == [l.kind for l in formula.layers]
     for got, want in zip(read, formula.layers):
@@ -102,7 +102,7 @@ def test_a_405b_class_config_reads_without_real_memory():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_reader_half_blocks_match_the_llama_formula(dtype, attn):
     config = tiny_config("llama", blocks=2)
-    formula = ModelSpec.from_config(config, 64, dtype, attn_implementation=attn).split_blocks()
+    formula = ModelSpec.from_formula(config, 64, dtype, attn_implementation=attn).split_blocks()
     read = read_model(config, 64, dtype, attn)
     assert read.half_refusal == "" and len(read.half_layers) == formula.num_layers
     for got, want in zip(read.half_layers, formula.layers):

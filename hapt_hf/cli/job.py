@@ -75,8 +75,9 @@ def model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str,
 
 
 def install_lazy_model_reader() -> None:
-    """Model types without a hand formula are read off the model with torch: imported only
-    when such a model is planned, so that the other commands start without torch."""
+    """Every model planned is read off the model with torch (the hand-formula families too):
+    the reader is imported only when a model is planned, so that the other commands start
+    without it."""
     from hapt_hf.planner.model_spec import register_reader
 
     def read(*args):

@@ -168,7 +168,7 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
     from hapt_hf.planner.search import plan_job
     from hapt_hf.profiling.model_reader import install_model_reader
 
-    install_model_reader()  # types without a hand formula are read off the model
+    install_model_reader()  # every type's figures read off the model
     name = Path(str(getattr(model_config, "name_or_path", "") or model_config.model_type)).name
     cluster = Cluster.load(plugin.cluster)
     precision = cluster.precision(plugin.requested_precision)

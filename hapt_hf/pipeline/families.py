@@ -73,6 +73,8 @@ class FamilyAdapter:
     None where the family's block cannot be cut exactly."""
     mlp_half: tuple[str, str] | None = None
     """(norm, MLP) submodule names of a block: its second half."""
+    half_refusal: str = ""
+    """Why a block cannot be cut in two ("" where it can)."""
 
     def position_ids(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         """Position ids when the caller gives none. GPT2Model and LlamaModel use a plain arange
@@ -221,7 +223,10 @@ _ADAPTERS: tuple[FamilyAdapter, ...] = (
         blocks_path="model.decoder.layers",
         head_paths=("model.decoder.final_layer_norm", "model.decoder.project_out", "lm_head"),
         rotary_path=None,
-        input_embedding_key="model.decoder.embed_tokens.weight", output_embedding_key="lm_head.weight"),
+        input_embedding_key="model.decoder.embed_tokens.weight", output_embedding_key="lm_head.weight",
+        half_refusal="the stage builder has no half cut for OPT blocks: they hold no MLP "
+                     "submodule (fc1, the activation and fc2 run in the block's own forward) "
+                     "and place their norms by config.do_layer_norm_before"),
 )
 
 

@@ -118,8 +118,6 @@ class GenericAdapter(FamilyAdapter):
     prologue_names: tuple[str, ...] = ()
     epilogue_names: tuple[str, ...] = ()
     rotary_names: tuple[str, ...] = ()
-    half_refusal: str = ""
-    """Why a block cannot be cut in two ("" where it can)."""
     shells: _Shells | None = None
 
     def position_ids(self, x: Tensor, attention_mask: Tensor | None) -> Tensor | None:

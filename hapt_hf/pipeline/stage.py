@@ -266,8 +266,7 @@ def _check_unit(layer_unit: str, adapter: FamilyAdapter) -> None:
 
 
 def _half_reason(adapter: FamilyAdapter) -> str:
-    reason = getattr(adapter, "half_refusal", "")
-    return f": {reason}" if reason else ""
+    return f": {adapter.half_refusal}" if adapter.half_refusal else ""
 
 
 def _check_range(layer_range: tuple[int, int], config: PretrainedConfig,

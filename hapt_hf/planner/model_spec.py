@@ -1,5 +1,14 @@
 """ModelSpec: the layer sequence the planner cuts, built from a transformers config (no weights).
 
+Where the figures come from: :meth:`ModelSpec.from_config` takes them from the installed model
+reader (:func:`register_reader`; ``hapt-hf plan``, ``hapt-hf profile`` and the launch path
+install :mod:`hapt_hf.profiling.model_reader`, which reads them off the model with torch) for
+every accepted type. Without a reader, the planner used as a library stays torch-free: gpt2,
+llama, mistral, qwen2 and opt get this module's hand formulas (:meth:`ModelSpec.from_formula`,
+also the oracle the reader is tested against) and every other type is refused. The formulas
+follow the conventions below; the reader keeps the formulas' signatures for these five
+families, so profiles stored under them apply to both.
+
 The sequence is ``[embedding, block_0 .. block_{N-1}, head]``:
 
 - the embedding owns the token embedding (and learned positions, OPT's ``project_in``);
@@ -69,14 +78,14 @@ SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
 """Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
 _INDEX_BYTES = 8  # token ids are int64
 _MODEL_READER: dict[str, Any] = {}
-"""The reader of model types without a hand formula, installed from above (it needs torch):
+"""The model reader, installed from above (it needs torch):
 ``fn(config, seq_len, dtype, attn_implementation) -> ReadModel``."""
 
 
 def register_reader(fn) -> None:
-    """Install the reader ModelSpec.from_config uses for accepted model types without a hand
-    formula (:func:`hapt_hf.profiling.model_reader.install_model_reader` installs the
-    measuring one; the planner itself stays torch-free)."""
+    """Install the reader ModelSpec.from_config takes every accepted type's figures from, the
+    hand-formula families' included (:func:`hapt_hf.profiling.model_reader.install_model_reader`
+    installs the measuring one; the planner itself stays torch-free)."""
     _MODEL_READER["read"] = fn
 
 
@@ -119,7 +128,7 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ReadModel:
-    """What the installed reader returns for a model type without a hand formula."""
+    """What the installed reader returns for a model config (any accepted type)."""
 
     layers: tuple[LayerSpec, ...]
     """``[embedding, block_0 .. block_{N-1}, head]``."""
@@ -177,6 +186,8 @@ class _Shape:
     """The head starts with a norm (OPT with post-norm blocks has none)."""
     sliding_window: int | None = None
     """Attention window shorter than the model's reach (Mistral), or None."""
+    embed_dropout: bool = False
+    """Dropout on the embedding's output (GPT-2's embd_pdrop): a 1-byte mask."""
 
 
 @dataclass(frozen=True)
@@ -274,34 +285,66 @@ class ModelSpec:
                     profile_name: str | None = None,
                     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
         """From a transformers ``PretrainedConfig`` (or a config path / built-in name, as
-        :func:`model_config` reads them); no weights are created."""
-        if isinstance(config, (str, Path)):
-            name = name or str(config)
-            config = model_config(config)
+        :func:`model_config` reads them); no weights are created. The installed reader's
+        figures; without one, the hand formula's (:meth:`from_formula`) where the type has one."""
+        config, name = _config_and_name(config, name)
+        dtype = _check_dtype(dtype)
+        _check_attn(attn_implementation)
+        family = getattr(config, "model_type", None)
+        if family not in _READERS:
+            return cls._from_reader(config, seq_len, dtype, name, profile_name,
+                                    attn_implementation)
+        if "read" not in _MODEL_READER:  # library use without torch: the hand formula
+            return cls.from_formula(config, seq_len, dtype, name, profile_name,
+                                    attn_implementation)
+        shape = _READERS[family](config)  # the config's checks, sizes and profile names
+        _check_seq_len(seq_len, shape)
+        read = _MODEL_READER["read"](config, int(seq_len), dtype, attn_implementation)
+        layers, halves = _named(read, _signatures(shape, int(seq_len), dtype,
+                                                  attn_implementation == "eager"))
+        return cls._of_shape(shape, int(seq_len), dtype, layers, halves, name, profile_name,
+                             attn_implementation, half_refusal=read.half_refusal)
+
+    @classmethod
+    def from_formula(cls, config, seq_len: int, dtype: str = "fp32", name: str | None = None,
+                     profile_name: str | None = None,
+                     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
+        """The hand formula's figures of a gpt2, llama, mistral, qwen2 or opt config (this
+        module's docstring): what :meth:`from_config` returns where no reader is installed
+        (the planner used as a library without torch), and the oracle the reader's figures are
+        tested against."""
+        config, name = _config_and_name(config, name)
         dtype = _check_dtype(dtype)
         eager_attention = _check_attn(attn_implementation) == "eager"
         family = getattr(config, "model_type", None)
-        reader = _READERS.get(family)
-        if reader is None:
-            return cls._from_reader(config, seq_len, dtype, name, profile_name,
-                                    attn_implementation)
-        shape = reader(config)
+        if family not in _READERS:
+            raise UnsupportedModel(f"model type {family!r} has no hand formula (only "
+                                   f"{', '.join(_READERS)} have); use ModelSpec.from_config")
+        shape = _READERS[family](config)
         _check_seq_len(seq_len, shape)
         layers = _layers(shape, int(seq_len), dtype, eager_attention)
         halves = _half_layers(layers, shape, int(seq_len), dtype, eager_attention) \
             if shape.attn_params else ()
-        return cls(name=name or getattr(config, "name_or_path", "") or family, family=family,
+        return cls._of_shape(shape, int(seq_len), dtype, layers, halves, name, profile_name,
+                             attn_implementation)
+
+    @classmethod
+    def _of_shape(cls, shape: "_Shape", seq_len: int, dtype: str, layers, halves,
+                  name: str | None, profile_name: str | None, attn_implementation: str,
+                  half_refusal: str = "") -> "ModelSpec":
+        return cls(name=name or shape.family, family=shape.family,
                    hidden_size=shape.hidden, num_blocks=shape.num_blocks, vocab_size=shape.vocab,
-                   seq_len=int(seq_len), dtype=dtype, tied_embeddings=shape.tied, layers=layers,
+                   seq_len=seq_len, dtype=dtype, tied_embeddings=shape.tied, layers=layers,
                    num_heads=shape.heads, num_kv_heads=shape.kv_heads,
                    intermediate_size=shape.intermediate, profile_name=profile_name,
-                   half_layers=halves, attn_implementation=attn_implementation)
+                   half_layers=halves, half_refusal=half_refusal,
+                   attn_implementation=attn_implementation)
 
     @classmethod
     def _from_reader(cls, config, seq_len: int, dtype: str, name: str | None,
                      profile_name: str | None, attn_implementation: str) -> "ModelSpec":
         """An accepted type without a hand formula: the installed reader's figures (half-block
-        figures where its blocks are an attention residual then an MLP residual)."""
+        figures where the stage builder cuts its blocks in two)."""
         family = getattr(config, "model_type", None)
         if family not in accepted_model_types():
             raise UnsupportedModel(
@@ -357,6 +400,30 @@ class ModelSpec:
                              f"got {type(model).__name__}")
 
 
+def _config_and_name(config, name: str | None) -> tuple[Any, str | None]:
+    """A config (read where a path or built-in name is given) and the name to show it by."""
+    if isinstance(config, (str, Path)):
+        return model_config(config), name or str(config)
+    return config, name or getattr(config, "name_or_path", "") or None
+
+
+def _named(read: ReadModel, signatures: tuple[str, str, str]
+           ) -> tuple[tuple[LayerSpec, ...], tuple[LayerSpec, ...]]:
+    """The reader's layers (and halves) under the hand-formula families' signatures, which
+    name the config's shape, so profiles stored under them still apply."""
+    embed, block, head = signatures
+    layers = (replace(read.layers[0], signature=embed),
+              *(replace(l, signature=block) for l in read.layers[1:-1]),
+              replace(read.layers[-1], signature=head))
+    halves = read.half_layers
+    if halves:
+        halves = (replace(halves[0], signature=embed),
+                  *(replace(l, signature=f"{block}:{l.signature.rpartition(':')[2]}",
+                            profile_signature=block) for l in halves[1:-1]),
+                  replace(halves[-1], signature=head))
+    return layers, halves
+
+
 # --- per-family readers ---------------------------------------------------------------------
 
 def _linear(n_in: int, n_out: int, bias: bool) -> int:
@@ -399,7 +466,8 @@ def _gpt2_shape(c) -> _Shape:
                   head_params=ln + (0 if tied else v * h), head_matmul=v * h,
                   gated_mlp=False, attn_dropout=c.attn_pdrop > 0, resid_dropout=c.resid_pdrop > 0,
                   act_extra=_act_extra(c.activation_function), max_positions=c.n_positions,
-                  attn_inputs=1, mlp_inputs=1, position_ids="per_batch")
+                  attn_inputs=1, mlp_inputs=1, position_ids="per_batch",
+                  embed_dropout=c.embd_pdrop > 0)
 
 
 def _llama_shape(c) -> _Shape:
@@ -467,14 +535,17 @@ def _half_keep_bytes(s: int, x: _Shape, c: int, eager: bool) -> tuple[float, flo
     # fp32 linears share their input; under autocast each keeps its own 16-bit cast of it
     attn = (x.attn_inputs if mixed else 1) * c * s * h
     attn += c * s * (aw + 2 * kvw + aw)  # Q, K, V, out-projection input
-    if eager:  # fp32 softmax output, its 16-bit copy, dropout mask (1 B) and output
-        per_score = MASTER_BYTES + (c if mixed else 0) + ((1 + c) if x.attn_dropout else 0)
+    if eager:  # fp32 softmax output, its 16-bit copy, or the dropout's mask (1 B) and output
+        # (dropout keeps only its mask, so the copy it reads is not kept)
+        per_score = MASTER_BYTES + ((1 + c) if x.attn_dropout else (c if mixed else 0))
         attn += x.heads * s * s * per_score
         attn += 2 * c * s * (aw - kvw)  # grouped K/V are copied to every head before matmul
     else:  # fused kernels keep the fp32 log-sum-exp per row and head
         attn += 4 * x.heads * s
         if x.sliding_window is not None and x.sliding_window < s:
             attn += 4 * s * s  # the window's explicit mask, as the kernel's float mask
+            # with a mask, transformers' sdpa path copies grouped K/V to every head (as eager)
+            attn += 2 * c * s * (aw - kvw)
     # MLP: input(s), then gate/up/act/product (SwiGLU) or fc1 output + activation (GeLU)
     mlp = (x.mlp_inputs if mixed else 1) * c * s * h
     mlp += ((4 if x.gated_mlp else 2) + x.act_extra) * c * s * i
@@ -499,20 +570,21 @@ def _attention_flops(s: int, x: _Shape, eager: bool) -> tuple[float, float]:
     return square / 2, 1.25 * square
 
 
-def _embedding(x: _Shape, s: int, c: int, tag: str) -> LayerSpec:
+def _embedding(x: _Shape, s: int, c: int, signature: str) -> LayerSpec:
     fwd = 2.0 * s * x.embed_matmul
     proj = x.embed_matmul // x.hidden  # OPT's project_in width (0: none)
     # a lookup's backward needs only the indices: token ids, and position ids where learned;
     # OPT's project_in also keeps its input
     ids = _INDEX_BYTES * s * (2 if x.position_ids == "per_sample" else 1)
+    ids += s * x.hidden if x.embed_dropout else 0  # the dropout's 1-byte mask
     shared = _INDEX_BYTES * s if x.position_ids == "per_batch" else 0
-    return LayerSpec(0, "embedding", f"{x.family}-embedding:v{x.vocab}:{tag}", x.embed_params,
+    return LayerSpec(0, "embedding", signature, x.embed_params,
                      fwd, 2 * fwd, float(c * s * x.hidden), act_keep_bytes=float(ids + c * s * proj),
                      act_in_bytes=float(_INDEX_BYTES * s),
                      act_keep_fixed_bytes=_weight_copies(x.embed_matmul, c) + shared)
 
 
-def _head(x: _Shape, s: int, c: int, tag: str) -> LayerSpec:
+def _head(x: _Shape, s: int, c: int, signature: str) -> LayerSpec:
     fwd = 2.0 * s * x.head_matmul
     proj = x.embed_matmul // x.hidden
     norm = (2 if x.rms_norm else 1) * MASTER_BYTES * s * x.hidden if x.final_norm else 0
@@ -520,29 +592,36 @@ def _head(x: _Shape, s: int, c: int, tag: str) -> LayerSpec:
     # log-softmax over the vocabulary, and the int64 labels
     inputs = c * s * (x.hidden + proj if proj else x.hidden)
     keep = norm + inputs + MASTER_BYTES * s * x.vocab + _INDEX_BYTES * s
-    return LayerSpec(1 + x.num_blocks, "head", f"{x.family}-head:v{x.vocab}:{tag}",
+    return LayerSpec(1 + x.num_blocks, "head", signature,
                      x.head_params, fwd, 2 * fwd, 0.0, float(keep),
                      float(MASTER_BYTES * s * x.hidden),
                      act_keep_fixed_bytes=_weight_copies(x.head_matmul, c))
 
 
-def _layers(x: _Shape, s: int, dtype: str, eager: bool) -> tuple[LayerSpec, ...]:
-    c = DTYPE_BYTES[dtype]
+def _signatures(x: _Shape, s: int, dtype: str, eager: bool) -> tuple[str, str, str]:
+    """(embedding, block, head) signatures: the shape, seq_len and dtype a profile entry is for."""
     tag = f"h{x.hidden}:s{s}:{dtype}"
     attn_sig = f"a{x.heads}:kv{x.kv_heads}" + ("" if x.head_dim * x.heads == x.hidden
                                                  else f":d{x.head_dim}")
-    att_f, att_b = _attention_flops(s, x, eager)
-    block_fwd = 2.0 * s * x.block_matmul + att_f
-    block_bwd = 4.0 * s * x.block_matmul + att_b
     # eager blocks keep more and run longer: a profile measured for one is not the other's
     block_sig = f"{x.family}:h{x.hidden}:i{x.intermediate}:{attn_sig}:s{s}:{dtype}" + \
         (":eager" if eager else "")
+    return (f"{x.family}-embedding:v{x.vocab}:{tag}", block_sig,
+            f"{x.family}-head:v{x.vocab}:{tag}")
+
+
+def _layers(x: _Shape, s: int, dtype: str, eager: bool) -> tuple[LayerSpec, ...]:
+    c = DTYPE_BYTES[dtype]
+    embed_sig, block_sig, head_sig = _signatures(x, s, dtype, eager)
+    att_f, att_b = _attention_flops(s, x, eager)
+    block_fwd = 2.0 * s * x.block_matmul + att_f
+    block_bwd = 4.0 * s * x.block_matmul + att_b
     keep = sum(_half_keep_bytes(s, x, c, eager))
     blocks = [LayerSpec(1 + k, "block", block_sig, x.block_params, block_fwd, block_bwd,
                         float(c * s * x.hidden), keep, float(MASTER_BYTES * s * x.hidden),
                         act_keep_fixed_bytes=_weight_copies(x.block_matmul, c))
               for k in range(x.num_blocks)]
-    return (_embedding(x, s, c, tag), *blocks, _head(x, s, c, tag))
+    return (_embedding(x, s, c, embed_sig), *blocks, _head(x, s, c, head_sig))
 
 
 def _half_layers(layers: tuple[LayerSpec, ...], x: _Shape, s: int, dtype: str,

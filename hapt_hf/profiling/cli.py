@@ -52,7 +52,7 @@ def cli_main(argv: list[str]) -> int:
         import torch
 
         from .model_reader import install_model_reader
-        install_model_reader()  # types without a hand formula: their layers read off the model
+        install_model_reader()  # every type's layers read off the model
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         options = ProfilerOptions(micro_batches=_micro_batches(args.micro_batches),
                                   repeats=args.repeats, budget_s=args.budget_s,

@@ -1,41 +1,46 @@
 """Per-layer figures read off a causal LM itself (built on the meta device, no weights, no compute).
 
-The first piece of a ModelSpec for model types without a hand formula in
-:mod:`hapt_hf.planner.model_spec`: exact parameters per layer of ``[embedding, blocks.., head]``
-and forward / backward FLOPs per sample counted by ``FlopCounterMode`` over one meta forward at
-``seq_len``. The score and context matmuls (``aten.bmm``, counted as the whole s x s square)
-follow the planner's convention: eager attention as counted, backward 2x; sdpa's causal kernels
-half of it forward and 5/4 of it backward (they recompute the scores). Everything else:
-backward = 2x forward.
+The figures of a ModelSpec for every accepted model type, the five with a hand formula in
+:mod:`hapt_hf.planner.model_spec` included (the formulas are this reader's test oracles and the
+torch-free path): each layer counted over the modules the runtime's stage holds (the family's
+own adapter for gpt2, LLaMA-shaped and opt models, the generic one otherwise); exact parameters
+per layer of ``[embedding, blocks.., head]`` and forward / backward FLOPs per sample counted by
+``FlopCounterMode`` over one meta forward at ``seq_len``. The score and context matmuls
+(``aten.bmm``, counted as the whole s x s square) follow the planner's convention: eager
+attention as counted, backward 2x; sdpa's causal kernels half of it forward and 5/4 of it
+backward (they recompute the scores). Everything else: backward = 2x forward.
 
 :func:`read_layer_specs` adds what autograd keeps for the backward, measured: one layer of each
 distinct kind is built as the runtime builds it (:func:`~hapt_hf.profiling.profiler.build_layer`)
 and run forward under saved-tensor hooks (every storage once, parameters excluded), all on fake
 CPU tensors: the same shapes, dtypes and autocast casts as on the CPU, no data and no memory, so
 a 405B-class model reads in seconds (``benchmarks/model_reader.py``) and the figures equal a real
-CPU run's byte for byte.
+CPU run's byte for byte, dropout aside: it is kept as the GPU kernels the runtime trains with
+keep it (a 1-byte mask; none inside sdpa's fused kernel), not as the CPU's wider masks.
 The run is at the asked ``seq_len`` (fake tensors cost nothing at any length, so sliding
 windows, chunked attention and eager's s x s scores are measured, not extrapolated). Two
 micro-batch sizes split the per-sample bytes from the per-micro-batch ones (autocast's weight
 copies, RoPE's cos / sin shared by the micro-batch).
 
-:func:`read_model` adds the half-block sequence where a block is the LLaMA block (the generic
-stage builder cuts those after the attention residual): each half's parameters and FLOPs are its
+:func:`read_model` adds the half-block sequence where the stage builder cuts blocks in two
+(GPT-2's block and the LLaMA block, after the attention residual): each half's parameters and FLOPs are its
 own modules' (the MLP half the block's rest), its kept bytes measured on a one-half stage; where
 the blocks cannot be halved it gives the builder's reason instead. :func:`install_model_reader`
-hands it to :meth:`hapt_hf.planner.model_spec.ModelSpec.from_config` for the types without a
-hand formula.
+hands it to :meth:`hapt_hf.planner.model_spec.ModelSpec.from_config`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hapt_hf.compat.torch_api import fake_tensors
 from hapt_hf.core.precision import DTYPE_BYTES, MASTER_BYTES
+from hapt_hf.pipeline.families import FamilyAdapter, adapter_for
 from hapt_hf.pipeline.generic import generic_adapter
 from hapt_hf.core.layers import BLOCK, HALF
 from hapt_hf.planner.model_spec import LayerSpec, ReadModel, register_reader
@@ -79,11 +84,12 @@ class _MetaCounts:
             # (the grouped kernel has no fp32 meta form, the eager loop reads routing values)
             self.full = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                          experts_implementation="batched_mm")
-        self.adapter = generic_adapter(self.full)
+        self.adapter = runtime_adapter(self.full)
         self.attn_implementation = attn_implementation
         counter = FlopCounterMode(display=False)
         with counter, torch.no_grad():  # inputs_embeds: the id-based checks read token values
-            self.full(inputs_embeds=torch.zeros(1, seq_len, config.hidden_size, device="meta"))
+            width = self.full.get_input_embeddings().embedding_dim  # OPT's project_in: not h
+            self.full(inputs_embeds=torch.zeros(1, seq_len, width, device="meta"))
         self.counts = {k.partition(".")[2]: v for k, v in counter.get_flop_counts().items()}
         self.blocks = [f"{self.adapter.blocks_path}.{i}"
                        for i in range(len(self.full.get_submodule(self.adapter.blocks_path)))]
@@ -104,6 +110,7 @@ class _MetaCounts:
                                 whole.bwd_flops - attn.bwd_flops)
 
     def count(self, paths: list[str], seen: set[int]) -> LayerCount:
+        paths = [p for p in paths if _present(self.full, p)]  # OPT's optional projections
         params = 0
         for path in paths:
             for p in self.full.get_submodule(path).parameters():
@@ -121,6 +128,19 @@ class _MetaCounts:
             return [path]
         return [f"{path}.{name}" for name, _ in self.full.get_submodule(path).named_children()
                 if _is_attention(name)]
+
+
+def runtime_adapter(full: torch.nn.Module) -> FamilyAdapter:
+    """The adapter the stage builder cuts ``full`` with: its family's hand-written one (gpt2,
+    LLaMA-shaped, opt), else the generic one read off the model; so the layers and halves
+    counted here are the modules a stage of each holds."""
+    return adapter_for(full.config.model_type) or generic_adapter(full)
+
+
+def _present(full: torch.nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` exists (OPT leaves project_in / project_out None)."""
+    parent, _, name = path.rpartition(".")
+    return getattr(full.get_submodule(parent) if parent else full, name, None) is not None
 
 
 def _is_attention(child_name: str) -> bool:
@@ -147,9 +167,9 @@ def read_layer_specs(config: PretrainedConfig, seq_len: int, dtype: str,
 
 def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
                attn_implementation: str = "sdpa") -> ReadModel:
-    """The whole-block sequence and, where a block is the pre-norm attention residual then the
-    MLP residual (the generic stage builder cuts those), the half-block sequence; otherwise
-    the reason the blocks cannot be halved (attention and MLP in parallel, another forward)."""
+    """The whole-block sequence and, where the stage builder cuts a block in two (GPT-2's, the
+    pre-norm attention residual then MLP residual of the LLaMA block), the half-block sequence;
+    otherwise the builder's reason (attention and MLP in parallel, OPT, another forward)."""
     reader = _Reader(config, seq_len, dtype, attn_implementation)
     layers = reader.layers()
     if reader.meta.adapter.attention_half is None:
@@ -158,7 +178,8 @@ def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
 
 
 def install_model_reader() -> None:
-    """Let ModelSpec.from_config describe every accepted model type without a hand formula."""
+    """Let ModelSpec.from_config read every accepted model type off the model, the
+    hand-formula families included."""
     register_reader(read_model)
 
 
@@ -237,6 +258,44 @@ def _measure_kept(config, layer: LayerSpec, seq_len: int, dtype: str,
                   options: ProfilerOptions, unit: str) -> tuple[float, float]:
     torch.manual_seed(0)
     stage = build_layer(config, layer, "cpu", options, unit)
-
-    one, two = (_saved(config, stage, layer.kind, mb, seq_len, dtype) for mb in (1, 2))
+    with _GpuDropout():
+        one, two = (_saved(config, stage, layer.kind, mb, seq_len, dtype) for mb in (1, 2))
     return two - one, 2 * one - two  # (per sample, per micro-batch)
+
+
+class _GpuDropout(TorchFunctionMode):
+    """Dropout kept as the GPU kernels the runtime trains with keep it, not as the CPU's.
+
+    CPU dropout keeps a mask as wide as its input, and sdpa with dropout falls back on the CPU
+    to the math kernel that keeps the s x s probabilities and their mask; on a GPU dropout keeps
+    a 1-byte mask and sdpa's fused kernels draw their dropout inside (no mask kept)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("dropout_p", 0.0) > 0:
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        elif func is F.dropout:
+            x, p, training = _dropout_args(*args, **kwargs)
+            if training and p > 0:
+                return _MaskedDropout.apply(x, p)
+        return func(*args, **kwargs)
+
+
+def _dropout_args(input, p=0.5, training=True, inplace=False):
+    return input, p, training
+
+
+class _MaskedDropout(torch.autograd.Function):
+    """Dropout keeping a 1-byte mask for its backward, as CUDA's ``native_dropout`` does."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+        ctx.save_for_backward(keep)
+        ctx.scale = 1 / (1 - p)
+        return x * keep * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep, = ctx.saved_tensors
+        return grad * keep * ctx.scale, None

@@ -1,0 +1,117 @@
+"""The families with a hand formula (gpt2, llama, mistral, qwen2, opt) are read off the model
+too: the reader's figures against the formulas as oracles, whole blocks and halves, and
+ModelSpec.from_config returning the reader's figures wherever a reader is installed."""
+from __future__ import annotations
+
+import pytest
+
+from hapt_hf.errors import StageBuildError
+from hapt_hf.pipeline.coverage import tiny_config
+from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError, model_config
+from hapt_hf.profiling.model_reader import install_model_reader, read_model
+
+SEQ = 64
+
+CASES = {
+    "gpt2": ("gpt2", {}),
+    "gpt2-dropout": ("gpt2", {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1}),
+    "llama": ("llama", {}),
+    "mistral-window": ("mistral", {}),  # tiny window (6) below SEQ: an explicit mask
+    "qwen2": ("qwen2", {}),
+    "opt": ("opt", {}),
+    "opt-postnorm-dropout": ("opt", {"do_layer_norm_before": False, "dropout": 0.1,
+                                     "attention_dropout": 0.1}),
+}
+
+
+def _config(case: str):
+    model_type, overrides = CASES[case]
+    config = tiny_config(model_type, blocks=2)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _kept(layer) -> float:
+    return layer.act_keep_bytes + layer.act_keep_fixed_bytes
+
+
+def _assert_near(read, formula) -> None:
+    """Parameters exact, FLOPs within 2%, kept bytes within 10%, the boundary bytes equal."""
+    assert [(l.index, l.kind) for l in read] == [(l.index, l.kind) for l in formula]
+    for got, want in zip(read, formula):
+        where = f"layer {got.index} ({want.signature})"
+        assert got.params == want.params, where
+        assert got.fwd_flops == pytest.approx(want.fwd_flops, rel=0.02), where
+        assert got.bwd_flops == pytest.approx(want.bwd_flops, rel=0.02), where
+        assert (got.act_out_bytes, got.act_in_bytes) == (want.act_out_bytes, want.act_in_bytes)
+        assert _kept(got) == pytest.approx(_kept(want), rel=0.10), where
+        assert got.profile_share == pytest.approx(want.profile_share, rel=0.02), where
+        assert bool(got.profile_signature) == bool(want.profile_signature), where
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_reader_matches_the_formula_in_blocks_and_halves(case, dtype, attn):
+    config = _config(case)
+    formula = ModelSpec.from_formula(config, SEQ, dtype, attn_implementation=attn)
+    read = read_model(config, SEQ, dtype, attn)
+    _assert_near(read.layers, formula.layers)
+    if formula.can_split_blocks:
+        assert read.half_refusal == ""
+        _assert_near(read.half_layers, formula.split_blocks().layers)
+    else:  # OPT: the stage builder has no half cut, and the reader says why
+        assert read.half_layers == () and "no half cut for OPT" in read.half_refusal
+
+
+def test_opt_halves_are_refused_as_the_stage_builder_refuses_them():
+    from hapt_hf.pipeline.stage import build_stage
+    read = read_model(_config("opt"), SEQ, "fp32", "sdpa")
+    with pytest.raises(StageBuildError) as err:
+        build_stage(_config("opt"), (0, 2), layer_unit="half")
+    assert read.half_refusal in str(err.value)
+
+
+def _figures(layers) -> list[tuple]:
+    return [(l.index, l.kind, l.params, l.fwd_flops, l.bwd_flops, l.act_out_bytes,
+             l.act_keep_bytes, l.act_in_bytes, l.act_keep_fixed_bytes, l.profile_share)
+            for l in layers]
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2", "opt"])
+def test_from_config_takes_the_readers_figures_once_installed(model_type):
+    config = tiny_config(model_type, blocks=2)
+    formula = ModelSpec.from_formula(config, SEQ, "bf16")
+    assert _figures(ModelSpec.from_config(config, SEQ, "bf16").layers) == \
+        _figures(formula.layers)  # no reader installed: the torch-free hand formula
+    read = read_model(config, SEQ, "bf16", "sdpa")
+    install_model_reader()
+    spec = ModelSpec.from_config(config, SEQ, "bf16")
+    assert _figures(spec.layers) == _figures(read.layers)
+    assert _figures(spec.half_layers) == _figures(read.half_layers)
+    assert spec.half_refusal == read.half_refusal
+    assert _figures(spec.layers) != _figures(formula.layers)  # measured, not the formula's
+    # the signatures still name the shape as the formula does: stored profiles keep applying
+    assert [l.signature for l in spec.layers] == [l.signature for l in formula.layers]
+    if spec.can_split_blocks:
+        halves = spec.split_blocks().layers
+        assert [(l.signature, l.profile_signature) for l in halves] == \
+            [(l.signature, l.profile_signature) for l in formula.split_blocks().layers]
+
+
+def test_the_plan_command_reads_gpt2_in_halves():
+    """`hapt-hf plan` builds its ModelSpec through the CLI's reader: the README's GPT-2 gets
+    the reader's figures and can still be cut in halves."""
+    from hapt_hf.cli.job import model_spec
+    spec = model_spec("gpt2", SEQ, "fp16", "the test")
+    read = read_model(model_config("gpt2"), SEQ, "fp16", "sdpa")
+    assert _figures(spec.layers) == _figures(read.layers)
+    assert spec.can_split_blocks and spec.split_blocks().num_layers == 2 * spec.num_blocks + 2
+
+
+def test_a_gpt2_config_error_is_still_reported_with_the_reader():
+    config = tiny_config("gpt2", blocks=2)
+    install_model_reader()
+    with pytest.raises(ModelSpecError, match="seq_len 4096 exceeds the gpt2 model's learned position"):
+        ModelSpec.from_config(config, 4096, "fp32")
