@@ -31,7 +31,7 @@ from ..simulate import SimResult
 from .options import Layout, PlannerOptions
 from .partition import cut_times, estimate_s, smallest_feasible_cap
 from .refine import refine_boundaries
-from .replays import better, simulate_layout
+from .replays import better
 from .shapes import divisors
 from .state import stage_state
 from .warmups import hapt_warmups, in_flight_guess, refine_warmups
