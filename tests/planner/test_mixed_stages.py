@@ -11,10 +11,11 @@ from hapt_hf.planner.cost_model import CostModel, ReplicaSlot, StageShape
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.plan import Plan
 from hapt_hf.planner.report import build_report, format_report
-from hapt_hf.planner.search import PlannerOptions, PlanningError, plan_job
-from hapt_hf.planner.search.mixed import column_layouts, speed_shape
+from hapt_hf.planner.search import PlannerOptions, PlanningError, layout_of_plan, plan_job
+from hapt_hf.planner.search.mixed import column_layouts, merge_boundaries, speed_shape
 from hapt_hf.planner.search.state import stage_state
 from hapt_hf.planner.simulate import simulate_plan
+from tests.planner.test_cost_model import toy_model
 
 FAST = LinkSpec(400.0, 5.0)
 
@@ -132,3 +133,19 @@ def test_a_mixed_stage_fits_only_where_every_replica_holds_its_own_share():
                                  ReplicaSlot(cm.group("v100"), 0, 6)])
     assert stage_state(cm, shape, 7, 0, 2, 1, False, False) is None
     assert stage_state(cm, shape, 7, 0, 1, 1, False, False) == (False, "replicated")
+
+
+def test_merging_a_group_boundary_keeps_both_stages_layers_on_both_gpus_by_speed():
+    # one fast and one slow GPU, a light model: the two one-GPU stages merged into one stage
+    # over both (3 samples and 1 of each micro-batch of 4) replays faster than the pipeline
+    m, cl = toy_model(6), cluster(1, 1, 4.0)
+    res = plan_job(m, cl, 16, options=PlannerOptions(
+        allow_mixed_stages=False, allow_uneven_dp=False, include_baselines=False,
+        all_groups=True))
+    assert res.plan.num_stages == 2
+    cm = CostModel(m, cl)
+    lay, sim = merge_boundaries(cm, layout_of_plan(cm, res.plan), res.sim,
+                                res.plan.num_microbatches, PlannerOptions())
+    assert lay.bounds == ((0, m.num_layers),)
+    assert {r.group.name: r.samples for r in lay.shapes[0].replicas} == {"a100": 3, "v100": 1}
+    assert sim.iteration_s < res.sim.iteration_s * 0.95
