@@ -67,10 +67,16 @@ def _gpus(shape: StageShape, mbs: int) -> list[tuple[GpuGroup, int]]:
     return [(r.group, r.index) for r in shape.slots(mbs)]
 
 
+_REFINE_WITHIN = 1.05
+"""A column layout's boundaries are refined only when its replay is within this factor of the
+best time so far: moving a layer rarely gains more, and each move costs a replay."""
+
+
 def _finish(cm: CostModel, layout: Layout, m: int, options: PlannerOptions,
-            refine_budget: int) -> tuple[Layout, SimResult] | None:
-    """Warm-ups from HAPT's thresholds, then replayed with its warm-ups and boundaries refined;
-    None where it does not fit or its replicas cannot all-reduce."""
+            refine_budget: int, best_s: float = float("inf")) -> tuple[Layout, SimResult] | None:
+    """Warm-ups from HAPT's thresholds, then replayed with its warm-ups refined, and its
+    boundaries where it comes near ``best_s``; None where it does not fit or its replicas
+    cannot all-reduce."""
     try:
         cuts = cut_times(cm, layout.shapes, layout.bounds, layout.micro_batch_size)
         costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
@@ -83,7 +89,7 @@ def _finish(cm: CostModel, layout: Layout, m: int, options: PlannerOptions,
         return None
     if not r.feasible:
         return None
-    if refine_budget > 0:
+    if refine_budget > 0 and r.iteration_s < best_s * _REFINE_WITHIN:
         lay, r = refine_boundaries(cm, lay, r, m, options, refine_budget)
     return lay, r
 
@@ -239,7 +245,8 @@ def mixed_candidate(cm: CostModel, global_batch: int, options: PlannerOptions,
     best_l, best_r = merge_boundaries(cm, layout, sim, m, options)
     for lay in column_layouts(cm, global_batch, options)[:options.simulate_top]:
         got = _finish(cm, lay, global_batch // lay.micro_batch_size, options,
-                      options.max_refine_simulations // options.simulate_top)
+                      options.max_refine_simulations // options.simulate_top,
+                      best_r.iteration_s)
         if got and better(got[1], best_r):
             best_l, best_r = got
     if best_l is layout:
