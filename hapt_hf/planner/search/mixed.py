@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hapt_hf.core.precision import REPLICATED, SHARDED
 from hapt_hf.errors import CostModelError
 
 from ..cluster import GpuGroup
@@ -203,6 +204,21 @@ def _column_partition(cm: CostModel, shapes: list[StageShape], mbs: int,
     return smallest_feasible_cap(greedy, 0.0, hi, got, 1e-3)[1]
 
 
+def _could_fit(cm: CostModel, cols: list[list[tuple[GpuGroup, int]]], k: int,
+               options: PlannerOptions) -> bool:
+    """Whether ``k`` columns can hold the model at all: some column holds ``ceil(L / k)``
+    layers or more, and every column holds a GPU of the least memory, so the lightest such
+    run of layers' weights and state (sharded over the widest column where allowed: the
+    least it can take) must fit that GPU; a quick necessary test before any partition."""
+    L = cm.model.num_layers
+    run = -(-L // k)
+    state = SHARDED if options.allow_sharded_optimizer else REPLICATED
+    widest = max(len(c) for c in cols)
+    least = min(cm.capacity_bytes(g) for g in cm.cluster.groups)
+    return min(cm.static_bytes(a, a + run, state, widest)
+               for a in range(L - run + 1)) <= least
+
+
 def column_layouts(cm: CostModel, global_batch: int, options: PlannerOptions) -> list[Layout]:
     """Column layouts over every group of ``cm``'s cluster: each column count up to the
     smallest group, at the first few micro-batch sizes giving every GPU a sample, partitioned,
@@ -218,6 +234,8 @@ def column_layouts(cm: CostModel, global_batch: int, options: PlannerOptions) ->
         if cols is None:
             continue
         width = max(len(c) for c in cols)
+        if not _could_fit(cm, cols, k, options):
+            continue
         sizes = [mb for mb in divisors(global_batch) if mb >= width and
                  (options.micro_batch_sizes is None or mb in options.micro_batch_sizes)]
         for mbs in sizes[:_COLUMN_MBS]:
