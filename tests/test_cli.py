@@ -281,6 +281,23 @@ def test_plan_says_which_stages_shard_and_the_flag_forbids_it(tmp_path, capsys):
                for s in json.loads(out)["plan"]["stages"])
 
 
+def test_the_mixed_stages_flag_reaches_the_planner(tmp_path, capsys, monkeypatch):
+    import hapt_hf.planner.search as search
+    seen = []
+    real = search.plan_job
+
+    def spy(*args, options, **kw):
+        seen.append(options.allow_mixed_stages)
+        return real(*args, options=options, **kw)
+
+    monkeypatch.setattr(search, "plan_job", spy)
+    cluster = _write(tmp_path, SHARDING_CLUSTER)
+    for flags in ([], ["--no-mixed-stages"]):
+        code, out, err = _run(["plan", "--cluster", cluster, "--json", *flags], capsys)
+        assert code == 0, err
+    assert seen == [True, False]
+
+
 def _assert_user_error(code, out, err, field):
     assert code == 2
     assert err.startswith("hapt-hf: error: ") and "Traceback" not in err

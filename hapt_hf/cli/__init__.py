@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep every stage's whole optimizer state on each of its replicas; by "
                         "default a stage may shard its Adam moments among them (ZeRO-1) where "
                         "that fits more layers, needs less recompute or steps faster")
+    p.add_argument("--no-mixed-stages", action="store_true",
+                   help="keep every pipeline stage on one group; by default a stage may hold "
+                        "GPUs of several linked groups, each GPU's share of the micro-batch by "
+                        "its speed, where the simulator finds that faster")
     p.add_argument("-o", "--output", metavar="PLAN_JSON", help="write the plan here")
     p.add_argument("--timeline", metavar="PNG", help="draw the simulated iteration here")
     p.add_argument("--json", action="store_true", help="print the report and plan as JSON")

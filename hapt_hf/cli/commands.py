@@ -58,6 +58,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = PlannerOptions(
         schedule=args.schedule, all_groups=args.all_groups,
         allow_sharded_optimizer=not args.no_sharded_optimizer,
+        allow_mixed_stages=not args.no_mixed_stages,
         micro_batch_sizes=None if args.micro_batch is None else (args.micro_batch,))
     result = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
                       options=options)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from hapt_hf.core.layers import layer_names
 from hapt_hf.core.precision import SHARDED
-from hapt_hf.planner.plan import Plan
+from hapt_hf.planner.plan import Plan, StagePlan
 
 if TYPE_CHECKING:  # only for annotations: the simulator imports nothing of this module
     from hapt_hf.planner.simulate import SimResult
@@ -96,6 +96,9 @@ class PlanReport:
     data_parallel: str = ""
     """For a one-stage plan on several GPUs (data parallelism): the shares each GPU takes and
     why the plan is one stage; empty otherwise."""
+    mixed_stages: tuple[str, ...] = ()
+    """One line per pipeline stage whose GPUs differ (several groups, or uneven shares): each
+    kind of GPU's share of every micro-batch."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -198,7 +201,8 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         physical_limit_s=physical_limit_s, search_time_s=search_time_s,
         baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
         all_groups_s=all_groups_s, sharding=_sharding_lines(plan, sharding or {}),
-        data_parallel=_data_parallel(plan, sim if feasible else None))
+        data_parallel=_data_parallel(plan, sim if feasible else None),
+        mixed_stages=_mixed_lines(plan))
 
 
 def _sharding_lines(plan: Plan, why: Mapping[int, str]) -> tuple[str, ...]:
@@ -229,17 +233,9 @@ def _data_parallel(plan: Plan, sim: Any | None) -> str:
     all-reduce hides behind the backward (from the replay's events)."""
     if plan.num_stages != 1 or plan.stages[0].dp < 2:
         return ""
-    stage = plan.stages[0]
-    reps = stage.replica_list(plan.micro_batch_size)
-    kinds: dict[tuple[str, str, int], int] = {}
-    for r in reps:
-        kinds[(r.group, r.device_type, r.samples)] = kinds.get((r.group, r.device_type,
-                                                                r.samples), 0) + 1
-    shares = ", ".join(f"{g} ({d}) {s} x {k} GPU{'s' * (k > 1)}"
-                       for (g, d, s), k in kinds.items())
-    how = "by speed" if len({s for _, _, s in kinds}) > 1 else "equal"
+    reps = plan.stages[0].replica_list(plan.micro_batch_size)
     line = (f"one stage: the whole model fits every GPU, so all {len(reps)} train data-parallel; "
-            f"samples of each micro-batch ({how}): {shares}")
+            f"samples of each micro-batch {_shares(plan.stages[0], plan.micro_batch_size)}")
     ends = [e.end for e in getattr(sim, "events", ()) if e.kind == "B"]
     ar = [e for e in getattr(sim, "events", ()) if e.kind == "ALLREDUCE"]
     if ends and ar:
@@ -247,6 +243,26 @@ def _data_parallel(plan: Plan, sim: Any | None) -> str:
         line += ("; gradient all-reduce hidden behind the backward" if after < 1e-9 else
                  f"; gradient all-reduce runs {_fmt_s(after)} past the last backward")
     return line
+
+
+def _shares(stage: StagePlan, mbs: int) -> str:
+    """Each kind of GPU's share of a micro-batch, e.g. ``(by speed): a100 (A100-40) 13 x 3
+    GPUs, v100 (V100-32) 5 x 5 GPUs``."""
+    kinds: dict[tuple[str, str, int], int] = {}
+    for r in stage.replica_list(mbs):
+        key = (r.group, r.device_type, r.samples)
+        kinds[key] = kinds.get(key, 0) + 1
+    text = ", ".join(f"{g} ({d}) {s} x {k} GPU{'s' * (k > 1)}" for (g, d, s), k in kinds.items())
+    return f"({'by speed' if len({s for _, _, s in kinds}) > 1 else 'equal'}): {text}"
+
+
+def _mixed_lines(plan: Plan) -> tuple[str, ...]:
+    """Per pipeline stage over several groups or with uneven shares: its shares."""
+    if plan.num_stages == 1:  # the data-parallel line says it
+        return ()
+    return tuple(f"stage {s.index}: samples of each micro-batch "
+                 f"{_shares(s, plan.micro_batch_size)}"
+                 for s in plan.stages if s.replicas)
 
 
 # -- text ----------------------------------------------------------------------------------
@@ -300,6 +316,8 @@ def format_report(rep: PlanReport) -> str:
         out.append(_idle_line(rep))
     if rep.data_parallel:
         out.append(f"data parallel    {rep.data_parallel}")
+    for i, line in enumerate(rep.mixed_stages):
+        out.append(f"{'mixed stages' if i == 0 else '':<17}{line}")
     over = [r for r in rep.stages if not r.fits]
     if not rep.feasible or over:
         why = rep.reason or ", ".join(f"stage {r.index} needs {r.peak_memory_gb:.1f} GB of "

@@ -16,11 +16,14 @@ How it searches (every step deterministic):
 4. The best few are replayed in the event simulator; for H-1F1B their warm-up depths start from
    HAPT's 1/2/3 thresholds and are refined one slow link at a time by simulation; then the layer
    boundaries of the best plan are moved one layer at a time while the simulation improves.
-5. The baselines' plans (:mod:`~hapt_hf.planner.search.baselines`) are candidates too, so the
+5. Stages that mix groups (:mod:`~hapt_hf.planner.search.mixed`): the best pipeline with its
+   group boundaries merged, and layouts whose every stage takes a slice of every group, each
+   GPU's share by its speed; kept only when the simulator finds them faster.
+6. The baselines' plans (:mod:`~hapt_hf.planner.search.baselines`) are candidates too, so the
    planner never returns a slower plan.
 
 One module per step: ``options`` (settings and records), ``shapes``, ``partition``, ``warmups``,
-``replays``, ``candidates``, ``refine``, ``baselines``, ``infeasible`` (the message when
+``replays``, ``candidates``, ``refine``, ``mixed``, ``baselines``, ``infeasible`` (the message when
 nothing fits) and ``driver`` (:func:`plan_job`). The exhaustive yardstick
 (:mod:`hapt_hf.planner.exhaustive`) builds on the public helpers re-exported here.
 

@@ -18,6 +18,7 @@ from .baselines import baseline_plans
 from .candidates import search_layouts
 from .data_parallel import data_parallel
 from .infeasible import does_not_fit
+from .mixed import mixed_candidate
 from .options import BaselineResult, Layout, PlannerOptions, PlanResult
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
 from .refine import as_schedule, refine_boundaries
@@ -105,6 +106,16 @@ def _plan_on(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             continue
         tried += n
         found.append((final.iteration_s, len(found), unit_cm, lay, final))
+    if options.allow_mixed_stages and found:
+        # stages over several groups, shares by speed: from the best pipeline (its group
+        # boundaries merged) and column layouts; after the pipelines, so they win a tie
+        _, _, unit_cm, lay, final = min(found, key=lambda f: f[:2])
+        got = mixed_candidate(unit_cm, global_batch_size, options, lay, final)
+        if got is not None:
+            m = global_batch_size // got[0].micro_batch_size
+            r = simulate_layout(unit_cm, got[0], m, exact=True, record_events=True)
+            if r.feasible:
+                found.append((r.iteration_s, len(found), unit_cm, got[0], r))
     dp_at = -1
     if options.allow_uneven_dp:
         # one stage of every GPU, shares by speed: a candidate of its own, never cut, so it

@@ -69,6 +69,12 @@ class PlannerOptions:
     """Weigh plain data parallelism too: one stage holding the whole model on every GPU, each
     GPU's share of every micro-batch in proportion to its speed (where the model fits every
     GPU); kept when the simulator finds it faster than every pipeline."""
+    allow_mixed_stages: bool = True
+    """Weigh pipeline stages that hold GPUs of several linked groups, each GPU's share of every
+    micro-batch by its speed (:mod:`~hapt_hf.planner.search.mixed`: the search's best pipeline
+    with a group boundary's two stages merged, and layouts whose every stage takes a slice of
+    every group); kept when the simulator finds them faster. False: every pipeline stage sits
+    on one group with even shares."""
     layer_unit: str = LAYER_UNIT_OPTIONS[0]
     """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
     fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep

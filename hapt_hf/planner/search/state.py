@@ -36,12 +36,14 @@ def stage_state(cm: CostModel, shape: StageShape, mbs: int, a: int, b: int, in_f
     """(recompute, optimizer) that lets the stage hold layers [a, b) with ``in_flight``
     micro-batches: recompute only where nothing fits without, then the faster step among the
     states that fit; None when nothing fits."""
-    s, cap = mbs // shape.width, cm.capacity_bytes(shape.group)
+    # every kind of replica against its own GPU (a mixed stage's shares and GPUs differ)
+    kinds = {(r.group.name, r.samples): r for r in shape.slots(mbs)}.values()
     for rc in ((False, True) if allow_rc else (False,)):
         fits = [o for o in state_options(shape, allow_sharded)
-                if cm.memory_bytes(s, a, b, in_flight, rc, o, shape.width) <= cap]
+                if all(cm.memory_bytes(r.samples, a, b, in_flight, rc, o, shape.width)
+                       <= cm.capacity_bytes(r.group) for r in kinds)]
         if fits:
-            return rc, faster_state(cm, shape, s, a, b, fits)
+            return rc, faster_state(cm, shape, mbs // shape.width, a, b, fits)
     return None
 
 

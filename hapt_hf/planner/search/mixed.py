@@ -1,0 +1,273 @@
+"""Pipeline stages that mix groups: GPUs of several groups in one stage, shares by speed.
+
+The pipeline search puts every stage on one group (even shares). Two bounded families of
+layouts let a stage hold GPUs of several linked groups, each GPU taking a share of every
+micro-batch in proportion to its speed (:func:`~hapt_hf.planner.shares.speed_shares`):
+
+* **merged boundary**: in a pipeline already found, the last stage of one group and the first
+  stage of the next become one stage over both stages' GPUs and layers (one stage of fill and
+  one group-link cut fewer; the slower group no longer paces the pipeline alone). Merges are
+  taken greedily, one boundary at a time, while the replay improves.
+* **columns**: ``k`` stages, each taking a slice of every group (as equal as the group's size
+  allows), so every stage has about the same mix and speed: a group whose GPU count divides
+  neither the micro-batch nor the layers, or a slow group that would be a bottleneck stage on
+  its own, is spread over every stage instead. The layers are cut by a min-max partition over
+  the stages' slowest replicas under every replica's memory.
+
+Both are replayed by the same simulator as every candidate and kept only when faster. A stage's
+replicas all-reduce over the slowest link its ring crosses, so a layout whose stages span
+groups without links between them is not weighed.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hapt_hf.core.precision import REPLICATED, SHARDED
+from hapt_hf.errors import CostModelError
+
+from ..cluster import GpuGroup
+from ..cost_model import CostModel, ReplicaSlot, StageShape
+from ..shares import speed_shares
+from ..simulate import SimResult
+from .options import Layout, PlannerOptions
+from .partition import cut_times, estimate_s, smallest_feasible_cap
+from .refine import refine_boundaries
+from .replays import better
+from .shapes import divisors
+from .state import stage_state
+from .warmups import hapt_warmups, in_flight_guess, refine_warmups
+
+__all__ = ["speed_shape", "merge_boundaries", "column_layouts", "mixed_candidate"]
+
+_COLUMN_MBS = 3
+"""Micro-batch sizes tried per column count: the smallest giving every GPU a sample, and the
+next ones (larger ones only lengthen the fill)."""
+
+
+def speed_shape(cm: CostModel, gpus: list[tuple[GpuGroup, int]], mbs: int, a: int,
+                b: int) -> StageShape | None:
+    """A stage over ``gpus`` ((group, index in group), in order) holding layers [a, b), each
+    GPU's share of a micro-batch of ``mbs`` by its speed on those layers; None when ``mbs``
+    cannot give each GPU a sample."""
+    if mbs < len(gpus):
+        return None
+    memo: dict[tuple[str, int], float] = {}
+
+    def timer(g: GpuGroup):
+        def t(s: int) -> float:
+            if (g.name, s) not in memo:
+                memo[g.name, s] = sum(cm.compute_s(g, s, a, b))
+            return memo[g.name, s]
+        return t
+
+    shares = speed_shares(mbs, [timer(g) for g, _ in gpus])
+    return StageShape.of_slots([ReplicaSlot(g, i, s) for (g, i), s in zip(gpus, shares)])
+
+
+def _gpus(shape: StageShape, mbs: int) -> list[tuple[GpuGroup, int]]:
+    return [(r.group, r.index) for r in shape.slots(mbs)]
+
+
+_REFINE_WITHIN = 1.05
+"""A column layout's boundaries are refined only when its replay is within this factor of the
+best time so far: moving a layer rarely gains more, and each move costs a replay."""
+
+
+def _finish(cm: CostModel, layout: Layout, m: int, options: PlannerOptions,
+            refine_budget: int, best_s: float = float("inf")) -> tuple[Layout, SimResult] | None:
+    """Warm-ups from HAPT's thresholds, then replayed with its warm-ups refined, and its
+    boundaries where it comes near ``best_s``; None where it does not fit or its replicas
+    cannot all-reduce."""
+    try:
+        cuts = cut_times(cm, layout.shapes, layout.bounds, layout.micro_batch_size)
+        costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
+                               layout.recompute, layout.optimizers)
+        cap = max(c.forward_s + c.backward_s for c in costs.stages)
+        lay = replace(layout, warmups=hapt_warmups(layout.shapes, cuts, cap, m,
+                                                   layout.schedule))
+        lay, r = refine_warmups(cm, lay, m)
+    except CostModelError:  # groups the gradient ring cannot cross
+        return None
+    if not r.feasible:
+        return None
+    if refine_budget > 0 and r.iteration_s < best_s * _REFINE_WITHIN:
+        lay, r = refine_boundaries(cm, lay, r, m, options, refine_budget)
+    return lay, r
+
+
+def _merged(cm: CostModel, layout: Layout, i: int, in_flight: tuple[int, ...],
+            options: PlannerOptions) -> Layout | None:
+    """``layout`` with stages i and i + 1 as one stage over both's GPUs and layers."""
+    mbs = layout.micro_batch_size
+    a, b = layout.bounds[i][0], layout.bounds[i + 1][1]
+    shape = speed_shape(cm, _gpus(layout.shapes[i], mbs) + _gpus(layout.shapes[i + 1], mbs),
+                        mbs, a, b)
+    if shape is None:
+        return None
+    got = stage_state(cm, shape, mbs, a, b, max(in_flight[i], in_flight[i + 1]),
+                      options.allow_recompute, options.allow_sharded_optimizer)
+    if got is None:
+        return None
+    opts = layout.optimizers
+
+    def spliced(seq, item):
+        return tuple(seq[:i]) + (item,) + tuple(seq[i + 2:])
+
+    return replace(layout, shapes=spliced(layout.shapes, shape),
+                   bounds=spliced(layout.bounds, (a, b)),
+                   recompute=spliced(layout.recompute, got[0]),
+                   optimizer=spliced(opts, got[1]),
+                   warmups=spliced(layout.warmups, layout.warmups[i]))
+
+
+def merge_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
+                     options: PlannerOptions) -> tuple[Layout, SimResult]:
+    """Merge, one at a time, the two stages at a group boundary while the replay improves."""
+    improved = True
+    while improved:
+        improved = False
+        best = None
+        inflight = sim.peak_in_flight or layout.warmups
+        for i in range(layout.num_stages - 1):
+            left, right = layout.shapes[i], layout.shapes[i + 1]
+            if {g.name for g in left.groups} == {g.name for g in right.groups}:
+                continue  # inside one group: an even stage of both is the search's own
+            cand = _merged(cm, layout, i, tuple(inflight), options)
+            got = cand and _finish(cm, cand, m, options, 0)
+            if got and better(got[1], sim) and (best is None or better(got[1], best[1])):
+                best = got
+        if best is not None:
+            layout, sim = best
+            improved = True
+    return layout, sim
+
+
+def _columns(cluster_groups, k: int) -> list[list[tuple[GpuGroup, int]]] | None:
+    """``k`` slices of every group, as equal as its size allows, or None where a group has
+    fewer than ``k`` GPUs."""
+    if any(g.size < k for g in cluster_groups):
+        return None
+    cols: list[list[tuple[GpuGroup, int]]] = [[] for _ in range(k)]
+    for g in cluster_groups:
+        off = 0
+        for j in range(k):
+            w = g.size // k + (j < g.size % k)
+            cols[j] += [(g, off + x) for x in range(w)]
+            off += w
+    return cols
+
+
+def _column_partition(cm: CostModel, shapes: list[StageShape], mbs: int,
+                      in_flight: list[int], options: PlannerOptions):
+    """Min-max contiguous layers over ``shapes`` (each stage timed by its slowest replica)
+    under every replica's memory: (bounds, recompute, optimizer), or None."""
+    n, L = len(shapes), cm.model.num_layers
+    kinds = [list({(r.group.name, r.samples): r for r in sh.replicas}.values())
+             for sh in shapes]
+
+    def reach(i: int, a: int, cap: float, limit: int):
+        b = limit
+        for r in kinds[i]:
+            t = cm.table(r.group, r.samples)
+            b = min(b, cm.max_layers_fitting(t.fb_rc if options.allow_recompute else t.fb,
+                                             a, cap))
+        while b > a:
+            got = stage_state(cm, shapes[i], mbs, a, b, in_flight[i], options.allow_recompute,
+                              options.allow_sharded_optimizer)
+            if got is not None:
+                if got[0]:  # recomputing: its backward repeats the forward, so check the cap
+                    if max(sum(cm.compute_s(r.group, r.samples, a, b, True))
+                           for r in kinds[i]) <= cap:
+                        return b, got
+                else:
+                    return b, got
+            b -= 1
+        return a, None
+
+    def greedy(cap: float):
+        a, bounds, states = 0, [], []
+        for i in range(n):
+            b, got = reach(i, a, cap, L - (n - i - 1))
+            if b <= a:
+                return None
+            bounds.append((a, b))
+            states.append(got)
+            a = b
+        return (tuple(bounds), tuple(s[0] for s in states),
+                tuple(s[1] for s in states)) if a == L else None
+
+    top = max(sum(cm.compute_s(r.group, r.samples, 0, L, True)) for ks in kinds for r in ks)
+    hi = top * 1.001
+    got = greedy(hi)
+    if got is None:
+        return None
+    return smallest_feasible_cap(greedy, 0.0, hi, got, 1e-3)[1]
+
+
+def _could_fit(cm: CostModel, cols: list[list[tuple[GpuGroup, int]]], k: int,
+               options: PlannerOptions) -> bool:
+    """Whether ``k`` columns can hold the model at all: some column holds ``ceil(L / k)``
+    layers or more, and every column holds a GPU of the least memory, so the lightest such
+    run of layers' weights and state (sharded over the widest column where allowed: the
+    least it can take) must fit that GPU; a quick necessary test before any partition."""
+    L = cm.model.num_layers
+    run = -(-L // k)
+    state = SHARDED if options.allow_sharded_optimizer else REPLICATED
+    widest = max(len(c) for c in cols)
+    least = min(cm.capacity_bytes(g) for g in cm.cluster.groups)
+    return min(cm.static_bytes(a, a + run, state, widest)
+               for a in range(L - run + 1)) <= least
+
+
+def column_layouts(cm: CostModel, global_batch: int, options: PlannerOptions) -> list[Layout]:
+    """Column layouts over every group of ``cm``'s cluster: each column count up to the
+    smallest group, at the first few micro-batch sizes giving every GPU a sample, partitioned,
+    best analytic estimate first."""
+    groups = cm.cluster.groups
+    if len(groups) < 2:
+        return []
+    L = cm.model.num_layers
+    top_k = min(min(g.size for g in groups), L, options.max_stages or L)
+    scored = []
+    for k in range(2, top_k + 1):
+        cols = _columns(groups, k)
+        if cols is None:
+            continue
+        width = max(len(c) for c in cols)
+        if not _could_fit(cm, cols, k, options):
+            continue
+        sizes = [mb for mb in divisors(global_batch) if mb >= width and
+                 (options.micro_batch_sizes is None or mb in options.micro_batch_sizes)]
+        for mbs in sizes[:_COLUMN_MBS]:
+            m = global_batch // mbs
+            shapes = [speed_shape(cm, c, mbs, 0, L) for c in cols]
+            try:
+                inflight = in_flight_guess(shapes, mbs, m, options.schedule, cm, 1.0)
+                part = _column_partition(cm, shapes, mbs, inflight, options)
+                if part is None:
+                    continue
+                lay = Layout(tuple(shapes), part[0], part[1], mbs, tuple(inflight),
+                             options.schedule, part[2])
+                scored.append((estimate_s(cm, lay, m), k, mbs, lay))
+            except CostModelError:  # its stages span groups with no link between them
+                return []
+    scored.sort(key=lambda s: s[:3])
+    return [s[3] for s in scored]
+
+
+def mixed_candidate(cm: CostModel, global_batch: int, options: PlannerOptions,
+                    layout: Layout, sim: SimResult) -> tuple[Layout, SimResult] | None:
+    """The fastest layout with mixed stages found from the search's best ``layout`` (merged
+    boundaries) and from column layouts, or None where none replays faster than ``sim``."""
+    m = global_batch // layout.micro_batch_size
+    best_l, best_r = merge_boundaries(cm, layout, sim, m, options)
+    for lay in column_layouts(cm, global_batch, options)[:options.simulate_top]:
+        got = _finish(cm, lay, global_batch // lay.micro_batch_size, options,
+                      options.max_refine_simulations // options.simulate_top,
+                      best_r.iteration_s)
+        if got and better(got[1], best_r):
+            best_l, best_r = got
+    if best_l is layout:
+        return None
+    return best_l, best_r
+
