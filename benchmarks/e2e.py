@@ -320,7 +320,7 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
         "predicted_iteration_s": round(predicted, 4), "measured_iteration_s": measured,
         "contenders": rows,
         "plan": {"stages": [{"layers": s["layers"], "group": s["group"], "ranks": s["ranks"],
-                             "warmup": s["warmup"],
+                             "warmup": s["warmup"], "optimizer": s.get("optimizer", "replicated"),
                              **({"samples": [r["samples"] for r in s["replicas"]]}
                                 if "replicas" in s else {})} for s in plan["stages"]],
                  "micro_batch_size": plan["micro_batch_size"],
