@@ -174,40 +174,6 @@ def test_measured_links_replace_the_cluster_file_figures():
     assert (link.bandwidth_gbps, link.latency_us) == (0.1, 900.0)
 
 
-def test_a_group_link_to_itself_replaces_its_intra_node_link():
-    cluster = Cluster.from_dict({
-        "name": "two", "links": [{"between": ["a", "b"], "bandwidth_gbps": 10, "latency_us": 5}],
-        "groups": [{"name": "a", "gpu": "cpu", "nodes": 1, "gpus_per_node": 2},
-                   {"name": "b", "gpu": "cpu", "nodes": 1, "gpus_per_node": 1}]})
-    prof = Profile(links=[LinkMeasurement("a", "a", 0.5, 300.0),
-                          LinkMeasurement("b", "b", 0.2, 100.0)])
-    a, b = cluster_with_links(cluster, prof).groups
-    assert (a.intra_node.bandwidth_gbps, a.intra_node.latency_us) == (0.5, 300.0)
-    assert a.inter_node == cluster.groups[0].inter_node
-    assert b == cluster.groups[1]  # one GPU per node: no link inside a node to replace
-    link = cluster_with_links(cluster, prof).link("a", "b")
-    assert (link.bandwidth_gbps, link.latency_us) == (10, 5)
-
-
-def _leaders_of_one_group(rank: int, world_size: int) -> list:
-    import torch.distributed as dist  # noqa: F401 (run_ranks set the group up)
-    from hapt_hf.profiling import profile_group_leaders
-    config = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=8,
-                        bos_token_id=0, eos_token_id=0)
-    prof = profile_group_leaders(config, groups={"g": [0, 1]}, device_names={"g": "cpu-g"},
-                                 seq_len=8, options=ProfilerOptions(
-                                     micro_batches=(1,), warmup=1, repeats=3, min_window_s=0.01,
-                                     budget_s=0.1), link_sizes=(1 << 12, 1 << 16))
-    return [(m.a, m.b) for m in prof.links]
-
-
-@pytest.mark.multiproc
-def test_group_leaders_time_the_link_inside_a_group_of_two():
-    from hapt_hf.testing import run_ranks
-    outs = run_ranks(_leaders_of_one_group, 2, timeout_s=120)
-    assert [o.value for o in outs] == [[("g", "g")]] * 2
-
-
 LEADERS_SCRIPT = """
 import json, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])

@@ -7,7 +7,7 @@ measurements (:func:`load_sailor_profiles`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -270,14 +270,9 @@ def link_pair(a: str, b: str) -> tuple[str, str]:
 
 
 def cluster_with_links(cluster: Cluster, profile: Profile) -> Cluster:
-    """The cluster with each measured link replacing the figures the file gave for it: a link
-    between two groups replaces the group link, a group's link to itself (measured between its
-    first two GPUs, which the file places on one node) its ``intra_node`` link."""
+    """The cluster with each measured link replacing the figures the file gave for it."""
     measured = {link_pair(m.a, m.b): LinkSpec(m.bandwidth_gbps, m.latency_us)
                 for m in profile.links}
     links = tuple(GroupLink(l.a, l.b, measured.get(link_pair(l.a, l.b), l.link))
                   for l in cluster.links)
-    groups = tuple(replace(g, intra_node=measured[(g.name, g.name)])
-                   if (g.name, g.name) in measured and g.gpus_per_node > 1 else g
-                   for g in cluster.groups)
-    return Cluster(cluster.name, groups, links, cluster.job, cluster.profiles)
+    return Cluster(cluster.name, cluster.groups, links, cluster.job, cluster.profiles)

@@ -338,9 +338,7 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
                           busy_peers: bool = False) -> Profile:
     """Collective over an initialised process group: the first rank of each group profiles its
     device type (all groups at once, each under its own conditions), then the leaders time
-    every pair of groups' link, and the first two ranks of every group of two or more the link
-    inside it (a measurement of group ``g`` to itself: what its replicas' gradient all-reduce
-    runs on). Every rank returns the merged Profile; rank 0 saves the store.
+    every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
 
     ``groups``: group name -> global ranks; ``device_names``: group name -> device type name.
     ``busy_peers``: the other ranks run the same profile too and discard it, and every rank
@@ -378,12 +376,6 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
                 sender = rank == leaders[a]
                 links.append(measure_link(leaders[b] if sender else leaders[a], sender, a, b,
                                           link_sizes))
-            dist.barrier()
-    for g, ranks in groups.items():
-        if len(ranks) > 1:
-            if rank in ranks[:2]:
-                links.append(measure_link(ranks[1] if rank == ranks[0] else ranks[0],
-                                          rank == ranks[0], g, g, link_sizes))
             dist.barrier()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, [m for m in links if rank == leaders[m.a]]))
