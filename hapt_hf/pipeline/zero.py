@@ -59,7 +59,11 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  group: Any, stage: int, source: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
-        super().__init__(params, optimizer_class=optimizer_class, process_group=group, **kwargs)
+        # one broadcast of each replica's whole shard after the step (its parameters laid out
+        # as views of one flat bucket), as the planner prices the all-gather; parameter by
+        # parameter it would pay the link latency once per tensor
+        super().__init__(params, optimizer_class=optimizer_class, process_group=group,
+                         parameters_as_bucket_view=True, **kwargs)
         self.stage_index = stage
         self._source = source
 
