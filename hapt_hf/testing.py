@@ -119,7 +119,8 @@ class _FnRef:
 
 
 def _child(ref: _FnRef, rank: int, world_size: int, port: int, args: tuple, env: dict,
-           init_pg: bool, pg_timeout_s: float, stderr_path: str, results: Any) -> None:
+           init_pg: bool, pg_timeout_s: float, stderr_path: str, results: Any,
+           peers_done: Any, linger_s: float) -> None:
     # stderr goes to a file so that a rank that dies still leaves its last words
     fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 2)
@@ -141,6 +142,13 @@ def _child(ref: _FnRef, rank: int, world_size: int, port: int, args: tuple, env:
         results.put((rank, False, traceback.format_exc(), time.monotonic() - start))
     results.close()
     results.join_thread()
+    if ok and rank == 0 and world_size > 1:
+        # rank 0 hosts the rendezvous store (MASTER_PORT), as under a plain env:// start: a
+        # rank 0 done first stays until its peers are done with the store, as torchrun's agent
+        # store outlives the ranks (a slow peer still polling a barrier would otherwise find
+        # the store gone). Only after success: a failed rank 0 ends at once, and a frozen peer
+        # is a failure test's business
+        peers_done.wait(linger_s)
     sys.stderr.flush()
     # skip interpreter teardown: destroying a process group whose peers are gone can block;
     # a rank whose function raised exits non-zero, as the program it stands for would
@@ -183,13 +191,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()
     results = ctx.Queue()
+    peers_done = ctx.Event()
     port = free_port()
     ref = _FnRef.of(fn)
     tmp = tempfile.mkdtemp(prefix="ranks_")
     paths = [os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)]
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(ref, r, world_size, port, args, dict(env or {}),
-                               init_process_group, pg_timeout_s, paths[r], results))
+                               init_process_group, pg_timeout_s, paths[r], results,
+                               peers_done, timeout_s))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -198,6 +208,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while len(got) < world_size and time.monotonic() < deadline:
         _note_ended(procs, ended)
+        if all(r in got or not p.is_alive() for r, p in enumerate(procs) if r):
+            peers_done.set()  # rank 0 may leave: no other rank uses the store any more
         try:
             rank, ok, payload, took = results.get(timeout=0.2)
             got[rank] = (ok, payload, took)
@@ -210,6 +222,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                         got[rank] = (ok, payload, took)
                 except queue.Empty:
                     break
+    peers_done.set()  # every rank has answered (or died, or the deadline passed)
     killed: set[int] = set()
     for r, p in enumerate(procs):
         p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
