@@ -162,9 +162,10 @@ def test_planner_fed_a_profile_follows_a_slowed_group(measured, tmp_path):
                     "gpus_per_node": 1} for n in ("a", "b")]})
     spec = ModelSpec.from_config(_config(), SEQ)
     # the layer split is what follows the profile: pipelines of one group per stage only
-    # (data parallelism over both, or a stage mixing them, would hold every layer on both)
+    # (data parallelism over both, as the uneven candidate or the equal-share DDP baseline,
+    # or a stage mixing them, would hold every layer on both)
     opts = search.PlannerOptions(schedule="1f1b", micro_batch_sizes=(2,), allow_uneven_dp=False,
-                                 allow_mixed_stages=False)
+                                 allow_mixed_stages=False, include_baselines=False)
     plans = {name: search.plan_job(spec, cluster, 8, profile=prof, options=opts).plan
              for name, prof in (("alike", alike), ("unlike", unlike))}
     assert [s.layers for s in plans["alike"].stages] != [s.layers for s in plans["unlike"].stages]
