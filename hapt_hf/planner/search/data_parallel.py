@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from hapt_hf.core.precision import REPLICATED, SHARDED
 from hapt_hf.errors import CostModelError
 
+from ..cluster import GpuGroup
 from ..cost_model import CostModel, ReplicaSlot, StageShape
 from ..shares import speed_shares
 from ..simulate import SimResult
@@ -29,7 +30,7 @@ from .replays import simulate_layout
 from .shapes import divisors
 from .warmups import hapt_warmups
 
-__all__ = ["DataParallel", "data_parallel", "dp_shares"]
+__all__ = ["DataParallel", "data_parallel", "dp_shares", "layer_speed_shares"]
 
 
 @dataclass(frozen=True)
@@ -42,23 +43,28 @@ class DataParallel:
     """Why no layout fits (empty when there is one)."""
 
 
+def layer_speed_shares(cm: CostModel, gpus: list[GpuGroup], mbs: int, a: int, b: int,
+                       recompute: bool = False) -> tuple[int, ...]:
+    """Shares of a micro-batch of ``mbs`` for GPUs of these groups (one entry per GPU, in
+    order) holding layers [a, b), by each GPU's forward + backward time on them."""
+    memo: dict[tuple[str, int], float] = {}
+
+    def timer(g: GpuGroup):
+        def t(s: int) -> float:
+            if (g.name, s) not in memo:
+                memo[g.name, s] = sum(cm.compute_s(g, s, a, b, recompute))
+            return memo[g.name, s]
+        return t
+
+    return speed_shares(mbs, [timer(g) for g in gpus])
+
+
 def dp_shares(cm: CostModel, mbs: int, recompute: bool, even: bool) -> tuple[int, ...]:
     """Each GPU's share of a micro-batch of ``mbs``, GPUs in rank order: equal, or by speed."""
     gpus = [g for g in cm.cluster.groups for _ in range(g.size)]
     if even:
         return (mbs // len(gpus),) * len(gpus)
-    L = cm.model.num_layers
-    memo: dict[tuple[str, int], float] = {}
-
-    def timer(g):
-        def t(s: int) -> float:
-            key = (g.name, s)
-            if key not in memo:
-                memo[key] = sum(cm.compute_s(g, s, 0, L, recompute))
-            return memo[key]
-        return t
-
-    return speed_shares(mbs, [timer(g) for g in gpus])
+    return layer_speed_shares(cm, gpus, mbs, 0, cm.model.num_layers, recompute)
 
 
 def dp_shape(cm: CostModel, shares: tuple[int, ...]) -> StageShape:

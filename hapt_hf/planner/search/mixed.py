@@ -27,8 +27,8 @@ from hapt_hf.errors import CostModelError
 
 from ..cluster import GpuGroup
 from ..cost_model import CostModel, ReplicaSlot, StageShape
-from ..shares import speed_shares
 from ..simulate import SimResult
+from .data_parallel import layer_speed_shares
 from .options import Layout, PlannerOptions
 from .partition import cut_times, estimate_s, smallest_feasible_cap
 from .refine import refine_boundaries
@@ -51,16 +51,7 @@ def speed_shape(cm: CostModel, gpus: list[tuple[GpuGroup, int]], mbs: int, a: in
     cannot give each GPU a sample."""
     if mbs < len(gpus):
         return None
-    memo: dict[tuple[str, int], float] = {}
-
-    def timer(g: GpuGroup):
-        def t(s: int) -> float:
-            if (g.name, s) not in memo:
-                memo[g.name, s] = sum(cm.compute_s(g, s, a, b))
-            return memo[g.name, s]
-        return t
-
-    shares = speed_shares(mbs, [timer(g) for g, _ in gpus])
+    shares = layer_speed_shares(cm, [g for g, _ in gpus], mbs, a, b)
     return StageShape.of_slots([ReplicaSlot(g, i, s) for (g, i), s in zip(gpus, shares)])
 
 
