@@ -7,7 +7,7 @@ measurements (:func:`load_sailor_profiles`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from hapt_hf.core.files import write_atomic
 from hapt_hf.errors import ProfileError
 
 from .catalogue import device_names
-from .cluster import Cluster, GroupLink, LinkSpec
+from .cluster import Cluster, GpuGroup, GroupLink, LinkSpec
 from .model_spec import ModelSpec
 
 __all__ = ["ProfileKey", "LayerTiming", "LinkMeasurement", "Profile", "ProfileError",
@@ -270,9 +270,23 @@ def link_pair(a: str, b: str) -> tuple[str, str]:
 
 
 def cluster_with_links(cluster: Cluster, profile: Profile) -> Cluster:
-    """The cluster with each measured link replacing the figures the file gave for it."""
+    """The cluster with each measured link replacing the figures the file gave for it.
+
+    A measurement from a group to itself (``a == b``, an all-reduce timed among the group's
+    ranks) replaces the link its stages' gradients are all-reduced on: the intra-node link of a
+    group on one node, the inter-node link of a group over several (what a ring over all its
+    GPUs is held to)."""
     measured = {link_pair(m.a, m.b): LinkSpec(m.bandwidth_gbps, m.latency_us)
                 for m in profile.links}
     links = tuple(GroupLink(l.a, l.b, measured.get(link_pair(l.a, l.b), l.link))
                   for l in cluster.links)
-    return Cluster(cluster.name, cluster.groups, links, cluster.job, cluster.profiles)
+    groups = tuple(_with_inside_link(g, measured.get((g.name, g.name))) for g in cluster.groups)
+    return Cluster(cluster.name, groups, links, cluster.job, cluster.profiles)
+
+
+def _with_inside_link(group: GpuGroup, inside: LinkSpec | None) -> GpuGroup:
+    if inside is None:
+        return group
+    if group.nodes > 1:
+        return replace(group, inter_node=inside)
+    return replace(group, intra_node=inside)

@@ -27,14 +27,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, GRAD_BUCKET_BYTES
 from hapt_hf.core.layers import BLOCK, body_part, num_layers
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey
 
 from .store import ProfilerError, ProfilerOptions, ProfileStore
 
-__all__ = ["profile_model", "time_layer", "measure_link", "fit_link", "profile_group_leaders",
+__all__ = ["profile_model", "time_layer", "measure_link", "measure_group_allreduce", "fit_link",
+           "profile_group_leaders",
            "LayerMemory", "layer_memory", "build_layer", "layer_run"]
 
 
@@ -310,6 +311,54 @@ def measure_link(peer: int, sender: bool, a: str, b: str,
     return LinkMeasurement(a, b, bw, lat_both / 2)
 
 
+def measure_group_allreduce(group_name: str, group, width: int,
+                            sizes_bytes: tuple[int, ...] = (1 << 20, 1 << 23, GRAD_BUCKET_BYTES),
+                            repeats: int = 3) -> LinkMeasurement:
+    """Time all-reduces of fp32 buffers among one group's ``width`` ranks (each of them calls
+    it, with ``group`` their process group): the link the planner prices a stage's gradient
+    all-reduce on, measured by doing one.
+
+    The fit is the cost model's own ring formula, ``t = 2(d-1)/d * bytes / bandwidth + 2(d-1) *
+    latency``, so the measured figures put back in it give the times seen here. The sizes run up
+    to one gradient bucket, what the runtime all-reduces at a time.
+    """
+    import torch
+    import torch.distributed as dist
+    ring, hops = 2 * (width - 1) / width, 2 * (width - 1)
+    xs, ys = [], []
+    for size in sizes_bytes:
+        buf = torch.zeros(max(size // 4, 1))
+        for i in range(repeats + 1):  # the first also opens the connections: not counted
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if i:
+                xs.append(ring * buf.numel() * 4)
+                ys.append(time.perf_counter() - t0)
+    bw, lat = fit_link(xs, ys)
+    return LinkMeasurement(group_name, group_name, bw, lat / hops)
+
+
+def _time_inside_groups(groups: dict[str, list[int]], rank: int,
+                        sizes_bytes: tuple[int, ...]) -> list[LinkMeasurement]:
+    """Collective: every group of two or more ranks times its all-reduce, all groups at once
+    (as their stages' gradient all-reduces overlap in training). Returns what this rank's group
+    measured if this rank leads it, else nothing."""
+    import torch.distributed as dist
+    out = []
+    for name in sorted(groups):
+        ranks = list(groups[name])
+        if len(ranks) < 2:
+            continue
+        sub = dist.new_group(ranks)  # every rank takes part in making every group
+        if rank in ranks:
+            m = measure_group_allreduce(name, sub, len(ranks), sizes_bytes)
+            if rank == ranks[0]:
+                out.append(m)
+        dist.barrier()
+        dist.destroy_process_group(sub)
+    return out
+
+
 def _keep_busy_until_all_done(config, seq_len: int, dtype: str, micro_batch: int,
                               options: ProfilerOptions) -> None:
     """Run forward and backward of one block until every rank has finished its profile.
@@ -335,7 +384,9 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
                           options: ProfilerOptions = ProfilerOptions(),
                           store_path: str | Path | None = None,
                           link_sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22),
-                          busy_peers: bool = False) -> Profile:
+                          busy_peers: bool = False,
+                          allreduce_sizes: tuple[int, ...] = (1 << 20, 1 << 23, GRAD_BUCKET_BYTES),
+                          ) -> Profile:
     """Collective over an initialised process group: the first rank of each group profiles its
     device type (all groups at once, each under its own conditions), then the leaders time
     every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
@@ -345,6 +396,9 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     keeps computing until the last one is done. Only for ranks that share cores (CPU processes
     on one machine): the leaders are then timed under the load training puts on the machine,
     not on a machine left idle by their peers.
+    ``allreduce_sizes``: each group of two or more ranks times an all-reduce of these sizes
+    among its ranks (:func:`measure_group_allreduce`), recorded as the link from the group to
+    itself (the link its stages' gradients are all-reduced on); empty: not timed.
     """
     import torch.distributed as dist
 
@@ -377,6 +431,8 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
                 links.append(measure_link(leaders[b] if sender else leaders[a], sender, a, b,
                                           link_sizes))
             dist.barrier()
+    if allreduce_sizes:
+        links += _time_inside_groups(groups, rank, allreduce_sizes)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, [m for m in links if rank == leaders[m.a]]))
     profile = Profile(source=str(store_path or ""))
