@@ -68,10 +68,10 @@ PLANNER_NOTE = (
     "kernels keep it). The hand formulas of gpt2, llama, mistral, qwen2 and opt "
     "(`ModelSpec.from_formula`) are the tests' oracles and the figures of the planner used as a "
     "library without torch, where every other type is refused. Blocks cut in halves "
-    "(`layer_unit: half`) are those the stage builder cuts: GPT-2's and the LLaMA block (an "
-    "attention residual then an MLP residual); the other types are planned in whole blocks and "
-    "`layer_unit: half` is refused with the reason (OPT: no half cut; attention and MLP in "
-    "parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
+    "(`layer_unit: half`) are those the stage builder cuts: GPT-2's, OPT's (pre-norm or "
+    "post-norm) and the LLaMA block (an attention residual then an MLP residual); the other "
+    "types are planned in whole blocks and `layer_unit: half` is refused with the reason "
+    "(attention and MLP in parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
 """How the planner describes the accepted types (the page's header)."""
 
 

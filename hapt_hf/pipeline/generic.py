@@ -138,7 +138,7 @@ class GenericAdapter(FamilyAdapter):
         out = block(hidden, *args, **kwargs)
         return out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT: a list
 
-    def run_attention_half(self, block, hidden, inputs, mask_kind):
+    def run_attention_half(self, block, hidden, inputs, mask_kind, config):
         _, args, kwargs = inputs.masks[mask_kind]
         attn_output, _ = block.self_attn(hidden_states=block.input_layernorm(hidden), **kwargs)
         return hidden + attn_output

@@ -118,11 +118,12 @@ class PipelineStage(nn.Module):
     def _run_part(self, part: BlockPart, hidden: Tensor, inputs) -> Tensor:
         block = self.get_submodule(f"{self.adapter.blocks_path}.{part.index}")
         if part.part == "mlp":
-            run, args = self.adapter.run_mlp_half, (block, hidden)
+            run, args = self.adapter.run_mlp_half, (block, hidden, self.config)
         else:
             kind = self.adapter.attention_kind(self.config, part.index)
-            run = self.adapter.run_block if part.part == "full" else self.adapter.run_attention_half
-            args = (block, hidden, inputs, kind)
+            run, args = self.adapter.run_block, (block, hidden, inputs, kind)
+            if part.part == "attn":
+                run, args = self.adapter.run_attention_half, (*args, self.config)
         if self.recompute and torch.is_grad_enabled():
             # Keep only the block's input; recompute its inside during backward.
             return checkpoint(run, *args, use_reentrant=False)
