@@ -14,7 +14,8 @@ Rather than re-write each family's forward, a stage runs the model's OWN code ar
 - **Layers** are then called with exactly those arguments (the KV cache dropped, ``use_cache``
   off). Parallel blocks (GPT-J, GPT-NeoX, Falcon, Phi) and MoE blocks run inside the layer.
 - **Epilogue**: the modules the base model registers after the layer list (the final norm), in
-  order; then the causal-LM forward itself with its base model replaced by the normed hidden
+  order (one holding no tensors also stays in the prologue's run, where a forward may call it
+  before the layers too); then the causal-LM forward itself with its base model replaced by the normed hidden
   state, so the LM head and whatever follows it (Gemma 2's logit soft-capping, Granite's logit
   scaling, Cohere's logit scale) are the model's own code.
 """
@@ -205,6 +206,23 @@ def refusal(config: PretrainedConfig) -> str | None:
     if getattr(config, "layerdrop", 0.0):
         return (f"config.layerdrop is {config.layerdrop}; skipping random blocks cannot be split "
                 "across stages: set config.layerdrop = 0.0")
+    return _side_stream_refusal(config)
+
+
+def _side_stream_refusal(config: PretrainedConfig) -> str | None:
+    """Why layers read more than the hidden state from earlier ones (which stages do not pass
+    on), or None."""
+    per_layer = getattr(config, "hidden_size_per_layer_input", 0)
+    if per_layer:
+        return (f"config.hidden_size_per_layer_input is {per_layer}: every layer also reads its "
+                "own embedding of the input ids, a second stream beside the hidden state that "
+                "pipeline stages do not carry; only configs without per-layer inputs "
+                "(hidden_size_per_layer_input 0) are cut")
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if shared:
+        return (f"config.num_kv_shared_layers is {shared}: the last layers reuse the keys and "
+                "values of earlier layers, which pipeline stages do not pass on; only configs "
+                "with num_kv_shared_layers 0 are cut")
     return None
 
 
@@ -290,12 +308,20 @@ def bind_shells(adapter: GenericAdapter, full: nn.Module) -> GenericAdapter:
     n = len(base.get_submodule(stack))
     base.register_module(stack, nn.ModuleList(_Recorder(i, shells.log, shells.stop_at) for i in range(n)))
     for name in adapter.epilogue_names:
-        base.register_module(name, _Identity())
+        if not _stateless(base.get_submodule(name)):
+            base.register_module(name, _Identity())
     full.register_module(adapter.base_path, shells.given)
     for name, _ in list(full.named_children()):
         if name != adapter.base_path:
             full.register_module(name, _Identity())
     return replace(adapter, shells=shells)
+
+
+def _stateless(module: nn.Module) -> bool:
+    """Whether ``module`` holds no tensors (a norm without weights): the shell keeps it, so a
+    base forward that also calls it before the layers (NanoChat norms the embedding with its
+    final norm) runs it in the prologue as the full model does."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
 
 
 def _layer_stack(full: nn.Module, base: nn.Module) -> str:
