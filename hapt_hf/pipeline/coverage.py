@@ -30,7 +30,7 @@ _SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
           "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 128,
           "encoder_ffn_dim": 128, "decoder_layers": 2, "encoder_layers": 2,
           # per-layer input embeddings and layers reusing earlier layers' keys and values
-          # (Gemma 3n, Gemma 4) are refused (generic.refusal): the configs without them
+          # (Gemma 3n, Gemma 4) are refused (config_checks.refusal): the configs without them
           "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 0,
           "num_kv_shared_layers": 0}
 # Multi-head latent attention (DeepSeek V2/V3 and kin): the rotary part of each head is
@@ -41,12 +41,27 @@ _MLA_SIZES = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_
 
 
 def _type_sizes(model_type: str, blocks: int) -> dict:
-    """Sizes one type names its own way: GPT-Neo lists its layers' attention kinds as
-    ``[[kinds, repeats], ...]`` that must expand to exactly ``blocks`` layers (global and local
-    alternating, a local window below the test's sequence)."""
+    """Settings a type names its own way, or that its published checkpoints set and
+    transformers' default config lacks (the default does not build its model)."""
     if model_type == "gpt_neo":
+        # attention kinds as [[kinds, repeats], ...], expanding to exactly `blocks` layers:
+        # global and local alternating, a local window below the test's sequence
         kinds = [[["global", "local"], blocks // 2]] + ([[["global"], 1]] if blocks % 2 else [])
         return {"attention_types": kinds, "window_size": 6}
+    if model_type == "dbrx":
+        # sub-configs of their own; DBRX checkpoints set rope_theta and clip_qkv there (the
+        # default has neither, and its attention reads both)
+        return {"d_model": 64, "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4,
+                                              "moe_top_k": 2},
+                "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}}
+    if model_type == "lfm2_moe":
+        # the default names no layer kinds: every layer attention, as LFM2's default (its
+        # convolution layers are refused by their kind), the first dense, the others MoE
+        return {"layer_types": ["full_attention"] * blocks, "num_dense_layers": 1}
+    if model_type == "cohere_compass_text":
+        # rotary settings per attention kind (the default gives none)
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        return {"rope_parameters": {"full_attention": rope, "sliding_attention": rope}}
     return {}
 
 
