@@ -36,22 +36,19 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from hapt_hf.core.families import MATRIX_FILE, VERIFIED_STATUSES  # noqa: E402
 from hapt_hf.errors import HaptError  # noqa: E402
 from hapt_hf.pipeline.coverage import chain_ranges, check_chain, tiny_config  # noqa: E402
-from hapt_hf.pipeline.generic import recurrent_refusal  # noqa: E402
+from hapt_hf.pipeline.config_checks import recurrent_refusal  # noqa: E402
 
 ATOL = 4e-5
 MAX_PARAMS = 5_000_000
 TESTED = ("gpt2", "llama", "mistral", "qwen2", "opt", "qwen3", "phi3", "phi", "gemma", "gemma2",
           "gemma3_text", "gpt_neox", "falcon", "stablelm", "olmo2", "granite", "starcoder2", "gptj",
-          "bloom", "mixtral", "qwen2_moe", "cohere", "deepseek_v2", "biogpt", "afmoe")
+          "bloom", "mixtral", "qwen2_moe", "cohere", "deepseek_v2", "biogpt", "afmoe", "nanochat",
+          "gemma4_text", "gpt_neo", "dbrx", "lfm2_moe", "cohere_compass_text", "openai-gpt", "ctrl")
 RECURRENT = "refused: recurrent/hybrid layers"
 NOT_A_STACK = "refused: not one layer stack"
 DEFAULT_BROKEN = "not verified: transformers' default config does not build"
 DOES_NOT_FIT = "not verified: the generic builder does not fit"
 BUILDER_DOES_NOT_FIT = {
-    "ctrl": "the sinusoidal position table is a buffer of the base model itself, not of a "
-            "submodule, so a stage (which keeps submodules) leaves it on the meta device",
-    "openai-gpt": "the base forward reads its dtype off its own parameters, which a stage "
-                  "without the embeddings does not hold",
     "xmod": "every layer picks a language adapter set on the model (set_default_language), "
             "which the stage does not carry",
 }
@@ -68,10 +65,10 @@ PLANNER_NOTE = (
     "kernels keep it). The hand formulas of gpt2, llama, mistral, qwen2 and opt "
     "(`ModelSpec.from_formula`) are the tests' oracles and the figures of the planner used as a "
     "library without torch, where every other type is refused. Blocks cut in halves "
-    "(`layer_unit: half`) are those the stage builder cuts: GPT-2's and the LLaMA block (an "
-    "attention residual then an MLP residual); the other types are planned in whole blocks and "
-    "`layer_unit: half` is refused with the reason (OPT: no half cut; attention and MLP in "
-    "parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
+    "(`layer_unit: half`) are those the stage builder cuts: GPT-2's, OPT's (pre-norm or "
+    "post-norm) and the LLaMA block (an attention residual then an MLP residual); the other "
+    "types are planned in whole blocks and `layer_unit: half` is refused with the reason "
+    "(attention and MLP in parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
 """How the planner describes the accepted types (the page's header)."""
 
 

@@ -26,8 +26,7 @@ class Family:
 FAMILIES = (
     Family("gpt2", ("gpt2",), halvable=True),
     Family("llama", ("llama", "mistral", "qwen2"), halvable=True),
-    # OPT places its norms before or after the residual (do_layer_norm_before): not cut in two
-    Family("opt", ("opt",), halvable=False),
+    Family("opt", ("opt",), halvable=True),
 )
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)
 

@@ -28,12 +28,41 @@ _SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
           "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
           "moe_topk": 2, "index_n_heads": 2, "index_head_dim": 16,
           "decoder_attention_heads": 4, "encoder_attention_heads": 4, "decoder_ffn_dim": 128,
-          "encoder_ffn_dim": 128, "decoder_layers": 2, "encoder_layers": 2}
+          "encoder_ffn_dim": 128, "decoder_layers": 2, "encoder_layers": 2,
+          # per-layer input embeddings and layers reusing earlier layers' keys and values
+          # (Gemma 3n, Gemma 4) are refused (config_checks.refusal): the configs without them
+          "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 0,
+          "num_kv_shared_layers": 0}
 # Multi-head latent attention (DeepSeek V2/V3 and kin): the rotary part of each head is
 # qk_rope_head_dim wide and the config's head_dim is that width (the rotary tables' size); the
 # keys and values come from a shared low-rank projection with as many heads as the queries.
 _MLA_SIZES = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
               "qk_head_dim": 16, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4}
+
+
+def _type_sizes(model_type: str, blocks: int) -> dict:
+    """Settings a type names its own way, or that its published checkpoints set and
+    transformers' default config lacks (the default does not build its model)."""
+    if model_type == "gpt_neo":
+        # attention kinds as [[kinds, repeats], ...], expanding to exactly `blocks` layers:
+        # global and local alternating, a local window below the test's sequence
+        kinds = [[["global", "local"], blocks // 2]] + ([[["global"], 1]] if blocks % 2 else [])
+        return {"attention_types": kinds, "window_size": 6}
+    if model_type == "dbrx":
+        # sub-configs of their own; DBRX checkpoints set rope_theta and clip_qkv there (the
+        # default has neither, and its attention reads both)
+        return {"d_model": 64, "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4,
+                                              "moe_top_k": 2},
+                "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}}
+    if model_type == "lfm2_moe":
+        # the default names no layer kinds: every layer attention, as LFM2's default (its
+        # convolution layers are refused by their kind), the first dense, the others MoE
+        return {"layer_types": ["full_attention"] * blocks, "num_dense_layers": 1}
+    if model_type == "cohere_compass_text":
+        # rotary settings per attention kind (the default gives none)
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        return {"rope_parameters": {"full_attention": rope, "sliding_attention": rope}}
+    return {}
 
 
 def tiny_config(model_type: str, blocks: int = 3) -> PretrainedConfig:
@@ -45,7 +74,7 @@ def tiny_config(model_type: str, blocks: int = 3) -> PretrainedConfig:
     default = AutoConfig.for_model(model_type)
     known = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     overlay = {**_SIZES, **(_MLA_SIZES if "kv_lora_rank" in known else {})}
-    sizes = {k: v for k, v in overlay.items() if k in known}
+    sizes = {**{k: v for k, v in overlay.items() if k in known}, **_type_sizes(model_type, blocks)}
     config = AutoConfig.for_model(model_type, num_hidden_layers=blocks, **sizes)
     kinds = getattr(config, "layer_types", None)
     if kinds and "sliding_attention" in kinds:

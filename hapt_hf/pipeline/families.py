@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PretrainedConfig
+from transformers.activations import ACT2FN
 
 from hapt_hf.compat.transformers_api import SLIDING_ATTENTION, attention_mask as build_mask
 from hapt_hf.core.families import family
@@ -71,8 +72,8 @@ class FamilyAdapter:
     attention_half: tuple[str, str] | None = None
     """(norm, attention) submodule names of a block: its first half when blocks are cut in two;
     None where the family's block cannot be cut exactly."""
-    mlp_half: tuple[str, str] | None = None
-    """(norm, MLP) submodule names of a block: its second half."""
+    mlp_half: tuple[str, ...] | None = None
+    """Submodule names of a block's second half: its norm, then the MLP's module(s)."""
     half_refusal: str = ""
     """Why a block cannot be cut in two ("" where it can)."""
 
@@ -125,9 +126,10 @@ class FamilyAdapter:
         return block(hidden, **kwargs)
 
     def run_attention_half(self, block: nn.Module, hidden: Tensor, inputs: BlockInputs,
-                           mask_kind: str) -> Tensor:
+                           mask_kind: str, config: PretrainedConfig) -> Tensor:
         """The block's forward up to and including the attention residual, with the very calls
-        and arguments the block's own forward makes (GPT2Block, LlamaDecoderLayer)."""
+        and arguments the block's own forward makes (GPT2Block, LlamaDecoderLayer). ``block``
+        holds only this half's submodules; ``config`` gives what the block read off it."""
         norm, attn = (getattr(block, name) for name in self.attention_half)
         kwargs: dict[str, Any] = {"attention_mask": inputs.masks[mask_kind],
                                   "position_ids": inputs.position_ids,
@@ -137,7 +139,7 @@ class FamilyAdapter:
         attn_output, _ = attn(norm(hidden), **kwargs)
         return hidden + attn_output
 
-    def run_mlp_half(self, block: nn.Module, hidden: Tensor) -> Tensor:
+    def run_mlp_half(self, block: nn.Module, hidden: Tensor, config: PretrainedConfig) -> Tensor:
         """The rest of the block's forward: norm, MLP, residual."""
         norm, mlp = (getattr(block, name) for name in self.mlp_half)
         return hidden + mlp(norm(hidden))
@@ -190,6 +192,27 @@ class _OptAdapter(FamilyAdapter):
     def mask_position_ids(self, position_ids):
         return None  # OPTDecoder builds its causal mask without position ids
 
+    # OPTDecoderLayer's forward, cut after its attention residual. Pre-norm blocks (every OPT
+    # size but 350m) norm each half's input; post-norm blocks (do_layer_norm_before False) norm
+    # each half's residual sum, so the cut still falls between two complete residual steps.
+    def run_attention_half(self, block, hidden, inputs, mask_kind, config):
+        norm, attn = (getattr(block, name) for name in self.attention_half)
+        pre = config.do_layer_norm_before
+        out, _ = attn(hidden_states=norm(hidden) if pre else hidden, past_key_values=None,
+                      position_ids=inputs.position_ids, attention_mask=inputs.masks[mask_kind])
+        hidden = hidden + nn.functional.dropout(out, p=config.dropout, training=block.training)
+        return hidden if pre else norm(hidden)
+
+    def run_mlp_half(self, block, hidden, config):
+        norm, fc1, fc2 = (getattr(block, name) for name in self.mlp_half)
+        pre = config.do_layer_norm_before
+        shape = hidden.shape
+        residual = hidden.reshape(-1, hidden.size(-1))  # the block's fc layers run on 2-D rows
+        out = fc2(ACT2FN[config.activation_function](fc1(norm(residual) if pre else residual)))
+        out = nn.functional.dropout(out, p=config.dropout, training=block.training)
+        hidden = (residual + out).view(shape)
+        return hidden if pre else norm(hidden)
+
     def check_config(self, config):
         if getattr(config, "layerdrop", 0.0) > 0.0:
             return (f"config.layerdrop is {config.layerdrop}; skipping random blocks cannot be "
@@ -224,9 +247,8 @@ _ADAPTERS: tuple[FamilyAdapter, ...] = (
         head_paths=("model.decoder.final_layer_norm", "model.decoder.project_out", "lm_head"),
         rotary_path=None,
         input_embedding_key="model.decoder.embed_tokens.weight", output_embedding_key="lm_head.weight",
-        half_refusal="the stage builder has no half cut for OPT blocks: they hold no MLP "
-                     "submodule (fc1, the activation and fc2 run in the block's own forward) "
-                     "and place their norms by config.do_layer_norm_before"),
+        attention_half=("self_attn_layer_norm", "self_attn"),
+        mlp_half=("final_layer_norm", "fc1", "fc2")),
 )
 
 

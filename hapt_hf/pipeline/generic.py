@@ -14,7 +14,8 @@ Rather than re-write each family's forward, a stage runs the model's OWN code ar
 - **Layers** are then called with exactly those arguments (the KV cache dropped, ``use_cache``
   off). Parallel blocks (GPT-J, GPT-NeoX, Falcon, Phi) and MoE blocks run inside the layer.
 - **Epilogue**: the modules the base model registers after the layer list (the final norm), in
-  order; then the causal-LM forward itself with its base model replaced by the normed hidden
+  order (one holding no tensors also stays in the prologue's run, where a forward may call it
+  before the layers too); then the causal-LM forward itself with its base model replaced by the normed hidden
   state, so the LM head and whatever follows it (Gemma 2's logit soft-capping, Granite's logit
   scaling, Cohere's logit scale) are the model's own code.
 """
@@ -29,10 +30,12 @@ from torch import Tensor, nn
 from transformers import Cache, PretrainedConfig
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
+from hapt_hf.compat.transformers_api import init_module_buffers
 from hapt_hf.errors import StageBuildError
+from hapt_hf.pipeline.config_checks import refusal
 from hapt_hf.pipeline.families import BlockInputs, FamilyAdapter
 
-__all__ = ["GenericAdapter", "generic_adapter", "recurrent_refusal", "refusal"]
+__all__ = ["GenericAdapter", "generic_adapter"]
 
 _HALF_BLOCK = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -138,7 +141,7 @@ class GenericAdapter(FamilyAdapter):
         out = block(hidden, *args, **kwargs)
         return out[0] if isinstance(out, (tuple, list)) else out  # OpenAI GPT: a list
 
-    def run_attention_half(self, block, hidden, inputs, mask_kind):
+    def run_attention_half(self, block, hidden, inputs, mask_kind, config):
         _, args, kwargs = inputs.masks[mask_kind]
         attn_output, _ = block.self_attn(hidden_states=block.input_layernorm(hidden), **kwargs)
         return hidden + attn_output
@@ -165,6 +168,7 @@ class GenericAdapter(FamilyAdapter):
             path = f"{self.base_path}.{name}"
             owned = _has(root, path)
             base.register_module(name, root.get_submodule(path) if owned else _Identity())
+        _follow_stage(base, root, x.device)
         shells.log.clear()
         shells.stop_at[0] = max(needed)
         first = not x.is_floating_point()
@@ -188,53 +192,6 @@ def _clean(entry: tuple) -> tuple:
         kwargs["use_cache"] = False
     args = tuple(None if isinstance(a, Cache) else a for a in args)
     return hidden, args, kwargs
-
-
-def refusal(config: PretrainedConfig) -> str | None:
-    """Why this config's settings cannot be cut into stages exactly, or None."""
-    if getattr(config, "is_encoder_decoder", False):
-        return (f"{config.model_type!r} is an encoder-decoder model (config.is_encoder_decoder); only "
-                "decoder-only causal LMs can be cut into pipeline stages")
-    problem = recurrent_refusal(config)
-    if problem is not None:
-        return problem
-    if getattr(config, "output_router_logits", False):
-        return ("config.output_router_logits is True: the router's auxiliary loss is a non-linear "
-                "function of every layer's routing over the whole batch, which pipeline stages and "
-                "micro-batches cannot reproduce; set config.output_router_logits = False")
-    if getattr(config, "layerdrop", 0.0):
-        return (f"config.layerdrop is {config.layerdrop}; skipping random blocks cannot be split "
-                "across stages: set config.layerdrop = 0.0")
-    return None
-
-
-def recurrent_refusal(config: PretrainedConfig) -> str | None:
-    """Why this config's layers are not all attention layers (recurrent, convolutional or other
-    per-layer kinds), or None."""
-    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
-    if kinds:
-        return (f"config.layer_types holds {sorted(kinds)}: only full and sliding-window attention "
-                "layers are cut (layers with recurrent or other per-layer state are not)")
-    state = _recurrent_state_argument(getattr(config, "model_type", ""))
-    if state is not None:
-        return (f"the base model's forward carries a recurrent state ({state!r}) instead of a KV "
-                "cache: only full and sliding-window attention layers are cut (layers with "
-                "recurrent or other per-layer state are not)")
-    return None
-
-
-def _recurrent_state_argument(model_type: str) -> str | None:
-    """The argument through which the type's base model passes a recurrent state (Mamba's
-    ``cache_params``, RWKV's ``state``), or None. Models whose config names no layer kinds
-    (RWKV, xLSTM) show their recurrence only there."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-    cls = getattr(transformers, MODEL_MAPPING_NAMES.get(model_type, ""), None)
-    try:
-        params = inspect.signature(cls.forward).parameters if cls is not None else {}
-    except (TypeError, ValueError):
-        return None
-    return next((p for p in ("cache_params", "state") if p in params), None)
 
 
 def generic_adapter(full: nn.Module) -> GenericAdapter:
@@ -286,16 +243,54 @@ def bind_shells(adapter: GenericAdapter, full: nn.Module) -> GenericAdapter:
     """
     base = full.get_submodule(adapter.base_path)
     shells = _Shells(base=base, lm=full, given=_Given())
+    # tensors of the base model itself run in its forward (OpenAI GPT's position ids, CTRL's
+    # sinusoidal table); some forwards read the model's dtype off its first parameter, which a
+    # stage owning none of the base's modules would not give it: an empty one stands for them
+    fill_module_buffers(base, full)
+    dtype = next(full.parameters()).dtype
+    base.register_parameter("_stage_dtype", nn.Parameter(torch.empty(0, dtype=dtype),
+                                                         requires_grad=False))
     stack = adapter.blocks_path.rpartition(".")[2]
     n = len(base.get_submodule(stack))
     base.register_module(stack, nn.ModuleList(_Recorder(i, shells.log, shells.stop_at) for i in range(n)))
     for name in adapter.epilogue_names:
-        base.register_module(name, _Identity())
+        if not _stateless(base.get_submodule(name)):
+            base.register_module(name, _Identity())
     full.register_module(adapter.base_path, shells.given)
     for name, _ in list(full.named_children()):
         if name != adapter.base_path:
             full.register_module(name, _Identity())
     return replace(adapter, shells=shells)
+
+
+def _stateless(module: nn.Module) -> bool:
+    """Whether ``module`` holds no tensors (a norm without weights): the shell keeps it, so a
+    base forward that also calls it before the layers (NanoChat norms the embedding with its
+    final norm) runs it in the prologue as the full model does."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is None
+
+
+def fill_module_buffers(module: nn.Module, full: nn.Module) -> None:
+    """``module``'s own buffers left on meta, on the CPU and computed as ``full``'s
+    initialisation computes them (GPT-J's position table, OpenAI GPT's position ids)."""
+    metas = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
+    if not metas:
+        return
+    for name in metas:
+        old = module.get_buffer(name)
+        module.register_buffer(name, torch.empty(old.shape, dtype=old.dtype), persistent=False)
+    init_module_buffers(full, module)
+
+
+def _follow_stage(base: nn.Module, stage: nn.Module, device: torch.device) -> None:
+    """Give the shell's base the stage's device and parameter dtype (a shell is not a submodule
+    of the stage, so moving or casting the stage leaves its tensors as they were)."""
+    for name, buf in list(base.named_buffers(recurse=False)):
+        if buf.device != device:
+            base.register_buffer(name, buf.to(device), persistent=False)
+    dtype = next((p.dtype for p in stage.parameters() if p.is_floating_point()), None)
+    if dtype is not None and base._stage_dtype.dtype != dtype:
+        base._stage_dtype = nn.Parameter(base._stage_dtype.to(dtype), requires_grad=False)
 
 
 def _layer_stack(full: nn.Module, base: nn.Module) -> str:

@@ -22,12 +22,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.compat.transformers_api import causal_lm_loss_sum, init_module_buffers
+from hapt_hf.compat.transformers_api import causal_lm_loss_sum
 from hapt_hf.core.families import generic_refusal
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, BlockPart, block_parts, num_layers
 from hapt_hf.errors import HaptError, StageBuildError
 from hapt_hf.pipeline import checkpoint_io, init_replay
-from hapt_hf.pipeline.generic import GenericAdapter, bind_shells, generic_adapter, refusal
+from hapt_hf.pipeline.config_checks import refusal
+from hapt_hf.pipeline.generic import GenericAdapter, bind_shells, fill_module_buffers, generic_adapter
 from hapt_hf.pipeline.families import FamilyAdapter, adapter_for, num_blocks, supported_families
 
 __all__ = ["BlockPart", "PipelineStage", "StageBuildError", "StageInputError", "build_stage",
@@ -118,11 +119,12 @@ class PipelineStage(nn.Module):
     def _run_part(self, part: BlockPart, hidden: Tensor, inputs) -> Tensor:
         block = self.get_submodule(f"{self.adapter.blocks_path}.{part.index}")
         if part.part == "mlp":
-            run, args = self.adapter.run_mlp_half, (block, hidden)
+            run, args = self.adapter.run_mlp_half, (block, hidden, self.config)
         else:
             kind = self.adapter.attention_kind(self.config, part.index)
-            run = self.adapter.run_block if part.part == "full" else self.adapter.run_attention_half
-            args = (block, hidden, inputs, kind)
+            run, args = self.adapter.run_block, (block, hidden, inputs, kind)
+            if part.part == "attn":
+                run, args = self.adapter.run_attention_half, (*args, self.config)
         if self.recompute and torch.is_grad_enabled():
             # Keep only the block's input; recompute its inside during backward.
             return checkpoint(run, *args, use_reentrant=False)
@@ -214,13 +216,7 @@ def _fill_computed_buffers(stage: PipelineStage, full: nn.Module) -> None:
     """Non-persistent buffers left on meta (GPT-J's position table): computed as the model's own
     initialisation computes them (the rotary module is rebuilt separately)."""
     for _, module in stage.named_modules():
-        metas = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
-        if not metas:
-            continue
-        for name in metas:
-            old = module.get_buffer(name)
-            module.register_buffer(name, torch.empty(old.shape, dtype=old.dtype), persistent=False)
-        init_module_buffers(full, module)
+        fill_module_buffers(module, full)
 
 
 def _check_materialised(stage: PipelineStage) -> None:

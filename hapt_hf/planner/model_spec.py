@@ -248,7 +248,7 @@ class ModelSpec:
         if not self.can_split_blocks:
             raise ModelSpecError(
                 f"model {self.name!r} ({self.family}) has no half-block figures for its layer "
-                f"sequence: its blocks cannot be cut in two (halves exist for gpt2, "
+                f"sequence: its blocks cannot be cut in two (halves exist for gpt2, opt, "
                 f"LLaMA-shaped blocks, on the sequence from_config built); plan with "
                 f"layer_unit 'block'")
         return replace(self, layers=self.half_layers, layer_unit=HALF, half_layers=())
@@ -510,8 +510,8 @@ def _opt_shape(c) -> _Shape:
                   h // c.num_attention_heads, v, c.num_hidden_layers, tied,
                   embed_params=embed, embed_matmul=proj_mm,
                   block_params=block, block_matmul=4 * h * h + 2 * h * f,
-                  # OPT's post-attention norm placement varies; its blocks are not cut in two
-                  attn_params=0, attn_matmul=0,
+                  # the attention half: its norm (before or after the residual) and q, k, v, out
+                  attn_params=ln + 4 * _linear(h, h, bias), attn_matmul=4 * h * h,
                   head_params=final_ln + proj_mm + (0 if tied else v * proj),
                   head_matmul=proj_mm + v * proj,
                   gated_mlp=False, attn_dropout=c.attention_dropout > 0,

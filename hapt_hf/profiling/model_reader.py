@@ -23,9 +23,9 @@ micro-batch sizes split the per-sample bytes from the per-micro-batch ones (auto
 copies, RoPE's cos / sin shared by the micro-batch).
 
 :func:`read_model` adds the half-block sequence where the stage builder cuts blocks in two
-(GPT-2's block and the LLaMA block, after the attention residual): each half's parameters and FLOPs are its
-own modules' (the MLP half the block's rest), its kept bytes measured on a one-half stage; where
-the blocks cannot be halved it gives the builder's reason instead. :func:`install_model_reader`
+(GPT-2's, OPT's and the LLaMA block, after the attention residual): each half's parameters and
+FLOPs are its own modules' (the MLP half the block's rest), its kept bytes measured on a
+one-half stage; where the blocks cannot be halved it gives the builder's reason instead. :func:`install_model_reader`
 hands it to :meth:`hapt_hf.planner.model_spec.ModelSpec.from_config`.
 """
 from __future__ import annotations
@@ -167,9 +167,9 @@ def read_layer_specs(config: PretrainedConfig, seq_len: int, dtype: str,
 
 def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
                attn_implementation: str = "sdpa") -> ReadModel:
-    """The whole-block sequence and, where the stage builder cuts a block in two (GPT-2's, the
-    pre-norm attention residual then MLP residual of the LLaMA block), the half-block sequence;
-    otherwise the builder's reason (attention and MLP in parallel, OPT, another forward)."""
+    """The whole-block sequence and, where the stage builder cuts a block in two (GPT-2's,
+    OPT's, the pre-norm attention residual then MLP residual of the LLaMA block), the half-block
+    sequence; otherwise the builder's reason (attention and MLP in parallel, another forward)."""
     reader = _Reader(config, seq_len, dtype, attn_implementation)
     layers = reader.layers()
     if reader.meta.adapter.attention_half is None:

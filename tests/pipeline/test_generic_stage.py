@@ -15,7 +15,8 @@ ATOL = 4e-5
 HAND_WRITTEN = ("gpt2", "llama", "mistral", "qwen2", "opt")
 GENERIC = ("qwen3", "phi3", "phi", "gemma", "gemma2", "gemma3_text", "gpt_neox", "falcon",
            "stablelm", "olmo2", "granite", "starcoder2", "gptj", "bloom", "mixtral", "qwen2_moe",
-           "cohere", "deepseek_v2", "biogpt", "afmoe")
+           "cohere", "deepseek_v2", "biogpt", "afmoe", "nanochat", "gemma4_text", "gpt_neo", "dbrx",
+           "lfm2_moe", "cohere_compass_text", "openai-gpt", "ctrl")
 HALVABLE = ("qwen3", "gemma", "starcoder2", "qwen2_moe")
 PARALLEL = ("gptj", "gpt_neox", "falcon", "phi", "cohere")
 
@@ -84,3 +85,26 @@ def test_softcapping_runs_in_the_head():
     stage = build_stage(config, (0, 5), attn_implementation="eager")
     logits = stage(torch.randint(3, 100, (1, 8)))
     assert logits.abs().max() <= 0.5
+
+
+def test_a_weightless_norm_before_the_layers_runs_on_the_first_stage():
+    # NanoChat norms the embedding with its (weightless) final norm before the first layer: the
+    # first stage's output is the normed embedding, as the full model hands it to layer 0
+    import torch
+    config = tiny_config("nanochat")
+    stage = build_stage(config, (0, 1))
+    ids = torch.randint(3, 100, (2, 8))
+    embedded = stage.get_submodule("model.embed_tokens")(ids)
+    torch.testing.assert_close(stage(ids), torch.nn.functional.rms_norm(
+        embedded, (embedded.shape[-1],), eps=config.rms_norm_eps))
+
+
+@pytest.mark.parametrize(("setting", "value"), [("hidden_size_per_layer_input", 16),
+                                                ("num_kv_shared_layers", 1)])
+def test_layers_reading_more_than_the_hidden_state_are_refused(setting, value):
+    # Gemma 4's per-layer input embeddings and shared keys / values are streams beside the
+    # hidden state: the configs without them are cut (tiny_config), these are refused
+    config = tiny_config("gemma4_text")
+    setattr(config, setting, value)
+    with pytest.raises(StageBuildError, match=f"config.{setting} is {value}: .*only configs"):
+        build_stage(config, (0, 2))

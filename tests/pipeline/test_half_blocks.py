@@ -9,6 +9,9 @@ from torch.testing import assert_close
 
 from hapt_hf.pipeline import checkpoint_io, init_replay
 from hapt_hf.pipeline.stage import BlockPart, StageBuildError, block_parts, build_stage
+from transformers import OPTConfig
+
+from hapt_hf.pipeline.coverage import tiny_config
 from tests.pipeline.test_stage import (TOL, assert_grads_match, batch, gpt2, llama, opt, qwen2,
                                        reference, run_chain, token_count)
 
@@ -21,10 +24,21 @@ PARTITIONS = {
     "single_halves": [(0, 3), (3, 4), (4, 5), (5, 8)],
     # cut between whole blocks in half units, plus the head alone
     "whole_blocks_in_half_units": [(0, 3), (3, 7), (7, 8)],
+    # two stages: block 1's attention half ends the first, its MLP half starts the second
+    "two_stages": [(0, 4), (4, 8)],
 }
 
 
-@pytest.mark.parametrize("family", [gpt2, llama, qwen2], ids=["gpt2_tied", "llama_untied", "qwen2_sliding"])
+def opt_postnorm(blocks: int) -> OPTConfig:
+    """OPT-350m's block shape: each half norms its residual sum (do_layer_norm_before False)."""
+    config = opt(blocks, projected=True)
+    config.do_layer_norm_before = False
+    return config
+
+
+@pytest.mark.parametrize("family", [gpt2, llama, qwen2, opt, opt_postnorm],
+                         ids=["gpt2_tied", "llama_untied", "qwen2_sliding", "opt_prenorm",
+                              "opt_postnorm_projected"])
 @pytest.mark.parametrize("partition", list(PARTITIONS), ids=list(PARTITIONS))
 def test_half_chain_equals_full_model(family: Callable, partition: str) -> None:
     config = family(3)
@@ -39,6 +53,16 @@ def test_half_chain_equals_full_model(family: Callable, partition: str) -> None:
     out.loss.backward()
     loss.backward()
     assert_grads_match(stages, ref)
+
+
+def test_opt_split_block_keeps_each_half_on_its_stage() -> None:
+    config = opt(3)
+    first, second = (build_stage(config, r, layer_unit="half") for r in [(0, 4), (4, 8)])
+    a, b = set(first.hf_state_dict()), set(second.hf_state_dict())
+    assert not a & b and set(reference(config).state_dict()) == a | b
+    block = "model.decoder.layers.1"
+    assert {f"{block}.self_attn.q_proj.weight", f"{block}.self_attn_layer_norm.weight"} <= a
+    assert {f"{block}.fc1.weight", f"{block}.fc2.weight", f"{block}.final_layer_norm.weight"} <= b
 
 
 def test_split_block_tensors_live_on_one_stage_each() -> None:
@@ -62,7 +86,7 @@ def test_block_parts_merge_whole_blocks() -> None:
                                                BlockPart(2, "full"))
 
 
-@pytest.mark.parametrize("family", [gpt2, llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("family", [gpt2, llama, opt], ids=["gpt2", "llama", "opt"])
 def test_half_seed_init_is_bit_identical(family: Callable, monkeypatch) -> None:
     config = family(3)
     ref_state = reference(config, seed=3).state_dict()
@@ -96,8 +120,9 @@ def test_half_checkpoint_load_and_recompute(tmp_path) -> None:
 
 
 def test_half_refused_where_not_exact() -> None:
-    with pytest.raises(StageBuildError, match="layer_unit 'half' is not supported for the opt"):
-        build_stage(opt(3), (0, 2), layer_unit="half")
+    with pytest.raises(StageBuildError, match="layer_unit 'half' is not supported for the "
+                                              "gpt_neox family .* in parallel"):
+        build_stage(tiny_config("gpt_neox"), (0, 2), layer_unit="half")
     with pytest.raises(StageBuildError, match="layer_unit 'quarter' is unknown"):
         build_stage(gpt2(3), (0, 2), layer_unit="quarter")
     with pytest.raises(StageBuildError, match=r"0 <= start < end <= 8"):

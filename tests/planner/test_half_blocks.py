@@ -27,9 +27,27 @@ CONFIGS = {
     "llama-bias": lambda: transformers.LlamaConfig(**LLAMA_LIKE, attention_bias=True,
                                                    mlp_bias=True),
     "qwen2": lambda: transformers.Qwen2Config(**LLAMA_LIKE),
+    "opt": lambda: transformers.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=3,
+                                          num_attention_heads=4, vocab_size=128,
+                                          max_position_embeddings=64),
+    "opt-postnorm": lambda: transformers.OPTConfig(hidden_size=64, ffn_dim=96,
+                                                   num_hidden_layers=3, num_attention_heads=4,
+                                                   vocab_size=128, max_position_embeddings=64,
+                                                   do_layer_norm_before=False),
 }
 HALVES = {"gpt2": (("ln_1", "attn"), ("ln_2", "mlp")),
-          "llama": (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))}
+          "llama": (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")),
+          "opt": (("self_attn_layer_norm", "self_attn"), ("final_layer_norm", "fc1", "fc2"))}
+
+
+def _blocks_and_halves(model, key: str):
+    """The model's decoder blocks and the submodule names of their two halves."""
+    family = key.split("-")[0]
+    if family == "gpt2":
+        return model.transformer.h, HALVES["gpt2"]
+    if family == "opt":
+        return model.model.decoder.layers, HALVES["opt"]
+    return model.model.layers, HALVES["llama"]
 
 
 def _numel(*modules) -> int:
@@ -49,8 +67,7 @@ def test_half_params_and_flops_match_the_real_modules(key):
     eager = ModelSpec.from_config(cfg, seq_len=SEQ, attn_implementation="eager").split_blocks()
     assert half.layer_unit == "half" and half.num_layers == 2 * cfg.num_hidden_layers + 2
     assert half.total_params == spec.total_params
-    blocks = model.transformer.h if key == "gpt2" else model.model.layers
-    attn_names, mlp_names = HALVES["gpt2" if key == "gpt2" else "llama"]
+    blocks, (attn_names, mlp_names) = _blocks_and_halves(model, key)
     attn_width = spec.num_heads * (spec.hidden_size // spec.num_heads)
     for i, block in enumerate(blocks):
         a, m = half.layers[1 + 2 * i], half.layers[2 + 2 * i]
@@ -80,11 +97,11 @@ def test_half_params_and_flops_match_the_real_modules(key):
     assert [l.index for l in half.layers] == list(range(half.num_layers))
 
 
-def test_opt_blocks_are_not_halved_and_say_so():
+def test_opt_blocks_are_halved():
     spec = ModelSpec.from_name_or_path("opt-tiny", 32)
-    assert not spec.can_split_blocks
-    with pytest.raises(ModelSpecError, match="plan with layer_unit 'block'"):
-        spec.split_blocks()
+    assert spec.can_split_blocks and spec.half_refusal == ""
+    half = spec.split_blocks()
+    assert half.num_layers == 2 * spec.num_blocks + 2 and half.total_params == spec.total_params
 
 
 def _half_plan(layer_unit="half", num_layers=8) -> Plan:
@@ -155,8 +172,12 @@ def test_layer_unit_option_is_checked():
     with pytest.raises(PlanningError, match="layer_unit 'quarter' is unknown"):
         PlannerOptions(layer_unit="quarter")
     model, cluster, job = _scenario("sailor_a100x8_v100x8_opt350")
+    # OPT-350m's post-norm blocks are cut in halves too
+    half = plan_job(model, cluster, job.global_batch_size, options=PlannerOptions(layer_unit="half"))
+    assert half.plan.layer_unit == "half" and half.plan.num_layers == 2 * model.num_blocks + 2
+    whole = replace(model, half_layers=())  # a sequence without half figures
     with pytest.raises(PlanningError, match="cannot be cut in two"):
-        plan_job(model, cluster, job.global_batch_size, options=PlannerOptions(layer_unit="half"))
+        plan_job(whole, cluster, job.global_batch_size, options=PlannerOptions(layer_unit="half"))
 
 
 def test_with_layer_unit_gives_the_sequence_a_plan_indexes():
