@@ -19,17 +19,29 @@ object registered with :func:`close_at_exit` (a runtime drops its groups and joi
 watchdog), destroys the process groups and collects the cycles that may still hold one: the
 last reference goes, the destructors join the workers, and only then does finalizing start.
 A normal ``return`` from ``main`` or ``sys.exit(code)`` ends the process, with its exit code.
+
+One more holder is torch's own: a few ``torch.distributed`` modules take ``group.WORLD`` as a
+default argument (``torch.distributed.nn.functional``'s collectives, the ZeRO optimizer's
+``_broadcast_object``), evaluated when the module is imported. Imported after
+``init_process_group`` (``torch.distributed.optim`` and ``torch.distributed.pipelining`` import
+them, and so does :mod:`hapt_hf.pipeline`), they hold the default group for the life of the
+process, so destroying it frees nothing and its worker threads run into finalization: a script
+that set up torch.distributed first and then imported hapt_hf aborted this way about once in 40
+runs. :func:`end_distributed_workers` therefore also sets such captured defaults back to None
+(which means the default group in each of those functions) before collecting.
 """
 from __future__ import annotations
 
 import atexit
 import gc
+import sys
 import weakref
+from types import FunctionType
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["close_at_exit", "install", "end_distributed_workers"]
+__all__ = ["close_at_exit", "install", "end_distributed_workers", "release_captured_groups"]
 
 _to_close: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 _installed = False
@@ -64,4 +76,47 @@ def end_distributed_workers() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a group already broken by a failed peer: nothing to end
             pass
+    release_captured_groups()
     gc.collect()
+
+
+def release_captured_groups() -> int:
+    """Set every process group held as a default argument by a function of a loaded
+    ``torch.distributed`` module back to None; returns how many were released."""
+    released = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            continue
+        for fn in _functions_of(module):
+            released += _release_defaults(fn)
+    return released
+
+
+def _functions_of(module) -> list:
+    """The module's own functions and the methods of its own classes."""
+    out = []
+    for obj in list(vars(module).values()):
+        # type() and not isinstance(): a deprecated module attribute warns on any attribute
+        # read (torch.distributed.reduce_op), and nothing should be printed at exit
+        if type(obj) is FunctionType and obj.__module__ == module.__name__:
+            out.append(obj)
+        elif issubclass(type(obj), type) and obj.__module__ == module.__name__:
+            for member in list(vars(obj).values()):
+                if type(member) in (staticmethod, classmethod):
+                    member = member.__func__
+                if type(member) is FunctionType:
+                    out.append(member)
+    return out
+
+
+def _release_defaults(fn) -> int:
+    group_type = dist.ProcessGroup
+    released = 0
+    if fn.__defaults__ and any(isinstance(d, group_type) for d in fn.__defaults__):
+        released += sum(isinstance(d, group_type) for d in fn.__defaults__)
+        fn.__defaults__ = tuple(None if isinstance(d, group_type) else d for d in fn.__defaults__)
+    if fn.__kwdefaults__ and any(isinstance(d, group_type) for d in fn.__kwdefaults__.values()):
+        released += sum(isinstance(d, group_type) for d in fn.__kwdefaults__.values())
+        fn.__kwdefaults__ = {k: None if isinstance(d, group_type) else d
+                             for k, d in fn.__kwdefaults__.items()}
+    return released

@@ -60,3 +60,59 @@ def test_setting_up_registers_the_guard_with_atexit(monkeypatch):
     exit_guard.install()
     exit_guard.install()
     assert registered == [exit_guard.end_distributed_workers]
+
+
+LATE_IMPORT_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+# imported after set-up, as a script that sets up torch.distributed itself and then imports
+# hapt_hf does: torch.distributed.nn's collectives take group.WORLD as a default argument
+sys.path.insert(0, sys.argv[1])
+from hapt_hf.pipeline import exit_guard
+
+def gloo_workers():
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            n += open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo")
+        except OSError:
+            pass
+    return n
+
+before = gloo_workers()
+exit_guard.end_distributed_workers()
+print(before, gloo_workers())
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_a_group_held_by_torchs_default_arguments_is_freed_too(tmp_path):
+    # the default group captured by torch.distributed.nn.functional when it is imported after
+    # init_process_group kept Gloo's worker threads running into interpreter finalization
+    script = tmp_path / "late.py"
+    script.write_text(LATE_IMPORT_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(ROOT), str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, after = map(int, run.stdout.split())
+    assert before > 0 and after == 0, run.stdout
+
+
+def test_release_captured_groups_sets_a_default_group_back_to_none(monkeypatch):
+    import torch.distributed as dist
+
+    from hapt_hf.pipeline import exit_guard
+    group = dist.ProcessGroup.__new__(dist.ProcessGroup)  # an object of the type, never set up
+
+    def collective(tensor, group=group, *, other=group, keep=3):
+        return tensor
+
+    monkeypatch.setattr(collective, "__module__", "torch.distributed.fake_for_test")
+    module = type(sys)("torch.distributed.fake_for_test")
+    module.collective = collective
+    monkeypatch.setitem(sys.modules, "torch.distributed.fake_for_test", module)
+    assert exit_guard.release_captured_groups() >= 2
+    assert collective.__defaults__ == (None,)
+    assert collective.__kwdefaults__ == {"other": None, "keep": 3}
