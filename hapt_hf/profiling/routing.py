@@ -18,13 +18,13 @@ written since is made real where it meets routing data (JetMoE counts tokens per
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterator
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hapt_hf.compat.torch_api import (DispatchMode, is_fake, outside_fake_tensors, storage_key,
@@ -58,17 +58,25 @@ class BalancedRouting(DispatchMode):
         kwargs = kwargs or {}
         if func is aten.topk.default and _dataless(args[0]):
             return _balanced_topk(*args, **kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        tensors = _tensors(args, kwargs)
+        real = [t for t in tensors if not _dataless(t)]
+        if real:  # routing data, or a real tensor among data-less ones (rare: the fast path)
+            return self._with_real(func, args, kwargs, tensors, real)
+        out = func(*args, **kwargs)
+        self._track(func, args, out)
+        return out
+
+    def _with_real(self, func, args: tuple, kwargs: dict, tensors: list, real: list):
         dataless = [t for t in tensors if _dataless(t)]
-        if tensors and all(t in self.constants for t in dataless) and \
-                any(not _dataless(t) and (t.dim() > 0 or not dataless) for t in tensors) and \
-                not any(_dataless(args[i]) for i in written_arguments(func, args)):
+        if all(t in self.constants for t in dataless) and \
+                any(t.dim() > 0 or not dataless for t in real) and \
+                not any(_dataless(args[i]) for i in _written(func, len(args))):
             # routing data (and constants it meets): computed for real
-            args, kwargs = tree_map_only(Tensor, self._real, (args, kwargs))
+            args, kwargs = _map_tensors(self._real, args, kwargs)
             with outside_fake_tensors():
                 return func(*args, **kwargs)
         if any(t.device.type == "meta" for t in dataless):
-            args, kwargs = tree_map_only(Tensor, _to_meta, (args, kwargs))
+            args, kwargs = _map_tensors(_to_meta, args, kwargs)
         out = func(*args, **kwargs)
         self._track(func, args, out)
         return out
@@ -80,13 +88,41 @@ class BalancedRouting(DispatchMode):
             return torch.full(t.shape, self.constants[t], dtype=t.dtype)
 
     def _track(self, func, args: tuple, out) -> None:
-        written = [storage_key(args[i]) for i in written_arguments(func, args)
-                   if isinstance(args[i], Tensor)]
+        written = [storage_key(args[i]) for i in _written(func, len(args))
+                   if isinstance(args[i], Tensor)] if self.constants else []
         if written:  # a constant written in place (or through a view) is one no more
             for t in [t for t in self.constants if storage_key(t) in written]:
                 del self.constants[t]
         if func in _FILL and isinstance(out, Tensor) and _dataless(out):
             self.constants[out] = _FILL[func](args)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among an aten op's arguments (alone or in a list, as aten passes them)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(x for x in a if isinstance(x, Tensor))
+    return found
+
+
+def _map_tensors(fn, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with ``fn`` applied to every tensor (alone or in a list)."""
+    def one(a):
+        if isinstance(a, Tensor):
+            return fn(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(fn(x) if isinstance(x, Tensor) else x for x in a)
+        return a
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _written(func, n_args: int) -> tuple[int, ...]:
+    """Positions of the arguments ``func`` writes in place, among its first ``n_args``."""
+    return tuple(written_arguments(func, (None,) * n_args))
 
 
 def _to_meta(t: Tensor) -> Tensor:
@@ -111,7 +147,7 @@ class _RealCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        tensors = _tensors(args, kwargs)
         if tensors and not any(_dataless(t) for t in tensors):
             with outside_fake_tensors():
                 return func(*args, **kwargs)
