@@ -108,3 +108,15 @@ def test_plan_plans_the_type(model_type, tmp_path, capsys):
     assert code == 0, err
     plan = Plan.load(out_json).validate()
     assert plan.num_layers == 4 and plan.model_name == str(tmp_path / "model")
+
+
+def test_top_k_over_data_less_scores_is_real_and_evenly_spread():
+    from hapt_hf.profiling.routing import balanced_routing
+    scores = torch.empty(2, 15, 8, device="meta")  # (batch, tokens, experts)
+    with balanced_routing():
+        values, experts = scores.topk(3, dim=-1)
+    assert experts.device.type == "cpu" and experts.shape == (2, 15, 3)
+    assert values.shape == (2, 15, 3) and torch.all(values == 1 / 3)
+    assert all(len(set(row.tolist())) == 3 for row in experts.view(-1, 3))  # 3 distinct a token
+    load = torch.bincount(experts.flatten(), minlength=8)
+    assert load.sum() == 2 * 15 * 3 and load.max() - load.min() <= 1
