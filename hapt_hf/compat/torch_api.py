@@ -18,7 +18,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "fake_tensors",
-           "default_store", "mark_stepped_for_schedulers"]
+           "is_fake", "outside_fake_tensors", "default_store", "mark_stepped_for_schedulers"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -65,6 +65,26 @@ def fake_tensors():
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (see :func:`fake_tensors`).
+
+    Tested on torch 2.13 (``torch._subclasses.fake_tensor.is_fake``, since torch 2.0).
+    """
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+    return _is_fake(tensor)
+
+
+def outside_fake_tensors():
+    """A context in which ops run on real tensors again, inside a :func:`fake_tensors` one (a
+    no-op outside any).
+
+    Tested on torch 2.13 (``torch._subclasses.fake_tensor.unset_fake_temporarily``, since
+    torch 2.1).
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
 
 
 def default_store() -> Any:

@@ -8,7 +8,8 @@ from functools import lru_cache
 from hapt_hf.core.data import DATA_DIR
 
 __all__ = ["Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "MATRIX_FILE", "VERIFIED_STATUSES",
-           "family", "family_of", "generic_matrix", "verified_generic_types", "generic_refusal",
+           "family", "family_of", "generic_matrix", "verified_generic_types", "unverified_reason",
+           "generic_refusal",
            "accepted_model_types"]
 
 
@@ -67,17 +68,23 @@ def accepted_model_types() -> tuple[str, ...]:
     return SUPPORTED_MODEL_TYPES + verified_generic_types()
 
 
+def unverified_reason(model_type: str) -> str | None:
+    """The matrix's status and detail of ``model_type`` in words, or None where it is verified."""
+    entry = generic_matrix()["types"].get(model_type)
+    if entry is None:
+        return "it was not in transformers' causal-LM mapping when the list was made"
+    if entry["status"] in VERIFIED_STATUSES:
+        return None
+    return f"{entry['status']}: {entry['detail']}"
+
+
 def generic_refusal(model_type: str) -> str | None:
     """Why the generic builder refuses ``model_type`` (one message with the way to check it), or
     None where it is verified."""
     matrix = generic_matrix()
-    entry = matrix["types"].get(model_type)
-    if entry is not None and entry["status"] in VERIFIED_STATUSES:
+    why = unverified_reason(model_type)
+    if why is None:
         return None
-    if entry is None:
-        why = "it was not in transformers' causal-LM mapping when the list was made"
-    else:
-        why = f"{entry['status']}: {entry['detail']}"
     return (f"config.model_type {model_type!r} is not supported ({why}; docs/models.md, checked on "
             f"transformers {matrix['transformers']}). Stages are built for {', '.join(SUPPORTED_MODEL_TYPES)} "
             f"and the {len(verified_generic_types())} types whose chain of stages matched the full model "

@@ -24,7 +24,8 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_TIMEOUT_S
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, verified_generic_types
+from hapt_hf.core.families import (SUPPORTED_MODEL_TYPES, accepted_model_types, unverified_reason,
+                                   verified_generic_types)
 from hapt_hf.core.layers import layer_name, num_layers
 from hapt_hf.core.precision import SHARDED
 from hapt_hf.errors import HaptError, LaunchError
@@ -104,7 +105,8 @@ def check_model_family(model_config: Any) -> None:
     model_type = getattr(model_config, "model_type", None)
     if model_type not in accepted_model_types():
         raise LaunchError(f"model type {model_type!r} is not supported by the pipeline stage "
-                          f"builder; supported: {', '.join(SUPPORTED_MODEL_TYPES)} and the "
+                          f"builder ({unverified_reason(str(model_type))}); supported: "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES)} and the "
                           f"{len(verified_generic_types())} verified types of docs/models.md")
 
 

@@ -62,13 +62,14 @@ class _Recorder(nn.Module):
 class _Identity(nn.Module):
     """A base-model module this stage does not own, run on a non-first stage's stand-in input.
 
-    A hidden state (a float tensor: norms, scalings) passes through. Anything else is a term
-    computed from ids, masks or positions (learned or sinusoidal position embeddings, BioGPT,
-    GPT-BigCode, XGLM) that the forward adds to the stand-in, whose value a non-first stage never
-    uses: a zero scalar adds to any hidden state."""
+    A hidden state (a float tensor of 3 or more dimensions: norms, scalings) passes through.
+    Anything else is a term computed from ids, masks or positions (learned or sinusoidal position
+    embeddings, BioGPT, GPT-BigCode, XGLM) that the forward adds to the stand-in, whose value a
+    non-first stage never uses: a zero scalar adds to any hidden state. A [b, s] float mask is
+    such a term (BioGPT makes one of ones when the batch has no mask)."""
 
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(x, Tensor) or x.is_floating_point():
+        if not isinstance(x, Tensor) or (x.is_floating_point() and x.dim() >= 3):
             return x
         return torch.zeros((), device=x.device)
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, generic_refusal
 from hapt_hf.errors import ModelSpecError, UnsupportedModel
 
 __all__ = ["BUILTIN_MODELS", "HUB_ALIASES", "PROFILE_NAMES", "model_config",
@@ -83,6 +83,8 @@ def _config_class(family: str, generic: bool = False):
         return classes[family]
     if generic and family in accepted_model_types():  # a verified type: transformers' own class
         return transformers.AutoConfig.for_model(family).__class__
+    if generic:  # a config.json of a type the matrix knows: its status says why
+        raise UnsupportedModel(generic_refusal(family))
     raise UnsupportedModel(f"model family {family!r} is not supported; supported: the families "
                            f"{', '.join(SUPPORTED_MODEL_TYPES)} and the verified types of "
                            f"docs/models.md")

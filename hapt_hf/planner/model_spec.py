@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types
+from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, generic_refusal
 from hapt_hf.core.layers import BLOCK, HALF, num_layers
 from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, MASTER_BYTES, canonical_dtype
 from hapt_hf.errors import ModelSpecError, UnsupportedModel
@@ -346,11 +346,8 @@ class ModelSpec:
         """An accepted type without a hand formula: the installed reader's figures (half-block
         figures where the stage builder cuts its blocks in two)."""
         family = getattr(config, "model_type", None)
-        if family not in accepted_model_types():
-            raise UnsupportedModel(
-                f"model type {family!r} is not supported; supported: the families "
-                f"{', '.join(SUPPORTED_FAMILIES)} and the verified types of docs/models.md. "
-                f"Pass a config of one of these model types.")
+        if family not in accepted_model_types():  # the matrix's status and detail say why
+            raise UnsupportedModel(generic_refusal(family))
         if "read" not in _MODEL_READER:
             raise UnsupportedModel(
                 f"model type {family!r} has no hand formula: its figures are read off the model "

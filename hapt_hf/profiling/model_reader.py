@@ -47,6 +47,7 @@ from hapt_hf.planner.model_spec import LayerSpec, ReadModel, register_reader
 
 from .memory import saved_tensor_bytes
 from .profiler import build_layer, layer_run
+from .routing import balanced_routing
 from .store import ProfilerOptions
 
 __all__ = ["LayerCount", "read_layer_counts", "read_layer_specs", "read_model",
@@ -84,12 +85,21 @@ class _MetaCounts:
             # (the grouped kernel has no fp32 meta form, the eager loop reads routing values)
             self.full = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                          experts_implementation="batched_mm")
+        # no gradients in a count: a module called with a view of a parameter (DBRX's experts)
+        # would otherwise get a leaf view requiring grad, which the counter's module tracker
+        # cannot hook
+        self.full.requires_grad_(False)
         self.adapter = runtime_adapter(self.full)
         self.attn_implementation = attn_implementation
         counter = FlopCounterMode(display=False)
-        with counter, torch.no_grad():  # inputs_embeds: the id-based checks read token values
+        with counter, torch.no_grad(), balanced_routing():
             width = self.full.get_input_embeddings().embedding_dim  # OPT's project_in: not h
-            self.full(inputs_embeds=torch.zeros(1, seq_len, width, device="meta"))
+            # inputs_embeds: the id-based checks read token values. A real padding mask (all
+            # ones, as a batch's mask may be; s integers): the mask builders read its values
+            # (recurrent masks) or, without one, the position ids' (packed sequences); the
+            # routing mode takes it in as meta where it meets the model's tensors
+            self.full(inputs_embeds=torch.zeros(1, seq_len, width, device="meta"),
+                      attention_mask=torch.ones(1, seq_len, dtype=torch.long))
         self.counts = {k.partition(".")[2]: v for k, v in counter.get_flop_counts().items()}
         self.blocks = [f"{self.adapter.blocks_path}.{i}"
                        for i in range(len(self.full.get_submodule(self.adapter.blocks_path)))]
@@ -258,7 +268,7 @@ def _measure_kept(config, layer: LayerSpec, seq_len: int, dtype: str,
                   options: ProfilerOptions, unit: str) -> tuple[float, float]:
     torch.manual_seed(0)
     stage = build_layer(config, layer, "cpu", options, unit)
-    with _GpuDropout():
+    with _GpuDropout(), balanced_routing(fake=True):
         one, two = (_saved(config, stage, layer.kind, mb, seq_len, dtype) for mb in (1, 2))
     return two - one, 2 * one - two  # (per sample, per micro-batch)
 

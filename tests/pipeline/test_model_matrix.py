@@ -1,12 +1,15 @@
 """The generic stage builder accepts exactly the verified model types, and docs/models.md says so."""
 from __future__ import annotations
 
+import copy
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
 
-from hapt_hf.core.families import accepted_model_types, generic_matrix, verified_generic_types
+from hapt_hf.core.families import (VERIFIED_STATUSES, accepted_model_types, generic_matrix,
+                                   verified_generic_types)
 from hapt_hf.pipeline.coverage import tiny_config
 from hapt_hf.pipeline.stage import StageBuildError, build_stage
 
@@ -44,3 +47,42 @@ def test_unverified_type_is_refused_with_its_reason_and_the_check(model_type, re
 def test_verified_type_builds():
     stage = build_stage(tiny_config("qwen3", blocks=2), (0, 2))
     assert stage.is_first and sum(p.numel() for p in stage.parameters()) > 0
+
+
+def _without_balanced_routing(monkeypatch):
+    """The reader as it was before it routed data-less tokens: DBRX's experts cannot be read."""
+    import contextlib
+    monkeypatch.setattr("hapt_hf.profiling.model_reader.balanced_routing",
+                        lambda fake=False: contextlib.nullcontext())
+
+
+def test_a_type_the_reader_cannot_read_is_not_verified(monkeypatch):
+    script = _script()
+    assert script.classify("dbrx")[0] == "tested"  # the chain and the read pass
+    _without_balanced_routing(monkeypatch)
+    status, detail = script.classify("dbrx")  # the same chain, the read fails
+    assert status == script.NOT_READ and status not in VERIFIED_STATUSES
+    assert detail.startswith("NotImplementedError") and "nonzero" in detail
+
+
+def _refused_in_the_matrix(monkeypatch, model_type: str, status: str, detail: str) -> None:
+    matrix = copy.deepcopy(generic_matrix())
+    matrix["types"][model_type] = {"status": status, "detail": detail}
+    monkeypatch.setattr("hapt_hf.core.families.generic_matrix", lambda: matrix)
+
+
+def test_a_type_the_reader_cannot_read_is_refused_by_the_builder_and_the_planner(
+        monkeypatch, tmp_path, capsys):
+    from hapt_hf.cli import main
+    status = _script().NOT_READ
+    _refused_in_the_matrix(monkeypatch, "dbrx", status, "NotImplementedError: nonzero on meta")
+    config = tiny_config("dbrx", blocks=2)
+    why = f"'dbrx' is not supported \\({status}: NotImplementedError: nonzero on meta"
+    with pytest.raises(StageBuildError, match=why):
+        build_stage(config, (0, 2))
+    config.save_pretrained(tmp_path / "model")
+    code = main(["plan", "--model", str(tmp_path / "model"), "--seq-len", "32",
+                 "--global-batch", "8"])
+    out, err = capsys.readouterr()
+    assert code != 0 and re.search(why, err) and "model_matrix.py --type dbrx" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
