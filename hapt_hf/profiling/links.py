@@ -1,0 +1,106 @@
+"""Timing the links the planner prices: one link between two groups' leaders (a send and a
+one-element reply), and the link inside a group (a real all-reduce among its ranks).
+
+Both fit ``t = latency + bytes / bandwidth`` by least squares (:func:`fit_link`); the
+all-reduce fit is put in the cost model's own ring formula, so the figures it gives, priced
+again by the planner, are the times measured here.
+"""
+from __future__ import annotations
+
+import time
+
+from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
+from hapt_hf.planner.profile import LinkMeasurement
+
+from .store import ProfilerError
+
+__all__ = ["fit_link", "measure_link", "measure_group_allreduce", "time_inside_groups"]
+
+
+def fit_link(sizes_bytes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares fit of ``t = latency + bytes / bandwidth``: (bandwidth_gbps, latency_us)."""
+    n = len(sizes_bytes)
+    if n < 2 or len(set(sizes_bytes)) < 2:
+        raise ProfilerError("a link fit needs at least two distinct message sizes")
+    mx, my = sum(sizes_bytes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes_bytes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes_bytes, seconds)) / sxx
+    slope = max(slope, 1e-15)  # a link faster than we can resolve: cap, never negative
+    latency = max(my - slope * mx, 0.0)
+    return 8.0 / slope / 1e9, latency * 1e6
+
+
+def measure_link(peer: int, sender: bool, a: str, b: str,
+                 sizes_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22),
+                 repeats: int = 3) -> LinkMeasurement:
+    """Time one-way transfers to ``peer`` (both ranks call it, one with ``sender=True``).
+
+    Each transfer is a send of the message and a one-element reply, so the receiver's clock is
+    never needed; the reply's own latency is removed by halving the fitted intercept.
+    """
+    import torch
+    import torch.distributed as dist
+    xs, ys = [], []
+    for size in sizes_bytes:
+        buf, ack = torch.zeros(max(size // 4, 1)), torch.zeros(1)
+        for i in range(repeats + 1):  # the first also opens the connection: not counted
+            t0 = time.perf_counter()
+            if sender:
+                dist.send(buf, peer)
+                dist.recv(ack, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(ack, peer)
+            if i:
+                xs.append(buf.numel() * 4)
+                ys.append(time.perf_counter() - t0)
+    bw, lat_both = fit_link(xs, ys)
+    return LinkMeasurement(a, b, bw, lat_both / 2)
+
+
+def measure_group_allreduce(group_name: str, group, width: int,
+                            sizes_bytes: tuple[int, ...] = (1 << 20, 1 << 23, GRAD_BUCKET_BYTES),
+                            repeats: int = 3) -> LinkMeasurement:
+    """Time all-reduces of fp32 buffers among one group's ``width`` ranks (each of them calls
+    it, with ``group`` their process group): the link the planner prices a stage's gradient
+    all-reduce on, measured by doing one.
+
+    The fit is the cost model's own ring formula, ``t = 2(d-1)/d * bytes / bandwidth + 2(d-1) *
+    latency``, so the measured figures put back in it give the times seen here. The sizes run up
+    to one gradient bucket, what the runtime all-reduces at a time.
+    """
+    import torch
+    import torch.distributed as dist
+    ring, hops = 2 * (width - 1) / width, 2 * (width - 1)
+    xs, ys = [], []
+    for size in sizes_bytes:
+        buf = torch.zeros(max(size // 4, 1))
+        for i in range(repeats + 1):  # the first also opens the connections: not counted
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if i:
+                xs.append(ring * buf.numel() * 4)
+                ys.append(time.perf_counter() - t0)
+    bw, lat = fit_link(xs, ys)
+    return LinkMeasurement(group_name, group_name, bw, lat / hops)
+
+
+def time_inside_groups(groups: dict[str, list[int]], rank: int,
+                        sizes_bytes: tuple[int, ...]) -> list[LinkMeasurement]:
+    """Collective: every group of two or more ranks times its all-reduce, all groups at once
+    (as their stages' gradient all-reduces overlap in training). Returns what this rank's group
+    measured if this rank leads it, else nothing."""
+    import torch.distributed as dist
+    out = []
+    for name in sorted(groups):
+        ranks = list(groups[name])
+        if len(ranks) < 2:
+            continue
+        sub = dist.new_group(ranks)  # every rank takes part in making every group
+        if rank in ranks:
+            m = measure_group_allreduce(name, sub, len(ranks), sizes_bytes)
+            if rank == ranks[0]:
+                out.append(m)
+        dist.barrier()
+        dist.destroy_process_group(sub)
+    return out
