@@ -110,13 +110,15 @@ def _functions_of(module) -> list:
 
 
 def _release_defaults(fn) -> int:
-    group_type = dist.ProcessGroup
+    """Set the process groups among ``fn``'s default arguments to None; how many there were."""
+    def held(d: Any) -> bool:
+        return isinstance(d, dist.ProcessGroup)
+
     released = 0
-    if fn.__defaults__ and any(isinstance(d, group_type) for d in fn.__defaults__):
-        released += sum(isinstance(d, group_type) for d in fn.__defaults__)
-        fn.__defaults__ = tuple(None if isinstance(d, group_type) else d for d in fn.__defaults__)
-    if fn.__kwdefaults__ and any(isinstance(d, group_type) for d in fn.__kwdefaults__.values()):
-        released += sum(isinstance(d, group_type) for d in fn.__kwdefaults__.values())
-        fn.__kwdefaults__ = {k: None if isinstance(d, group_type) else d
-                             for k, d in fn.__kwdefaults__.items()}
+    if fn.__defaults__ and any(map(held, fn.__defaults__)):
+        released += sum(map(held, fn.__defaults__))
+        fn.__defaults__ = tuple(None if held(d) else d for d in fn.__defaults__)
+    if fn.__kwdefaults__ and any(map(held, fn.__kwdefaults__.values())):
+        released += sum(map(held, fn.__kwdefaults__.values()))
+        fn.__kwdefaults__ = {k: None if held(d) else d for k, d in fn.__kwdefaults__.items()}
     return released

@@ -87,9 +87,9 @@ def measure_group_allreduce(group_name: str, group, width: int,
 
 def time_inside_groups(groups: dict[str, list[int]], rank: int,
                         sizes_bytes: tuple[int, ...]) -> list[LinkMeasurement]:
-    """Collective: every group of two or more ranks times its all-reduce, all groups at once
-    (as their stages' gradient all-reduces overlap in training). Returns what this rank's group
-    measured if this rank leads it, else nothing."""
+    """Collective: every group of two or more ranks times its all-reduce, one group after
+    another (every rank takes part in making each group's process group; the others wait at
+    the barrier). Returns what this rank's group measured if this rank leads it, else nothing."""
     import torch.distributed as dist
     out = []
     for name in sorted(groups):

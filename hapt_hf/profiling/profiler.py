@@ -308,8 +308,9 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     on one machine): the leaders are then timed under the load training puts on the machine,
     not on a machine left idle by their peers.
     ``allreduce_sizes``: each group of two or more ranks times an all-reduce of these sizes
-    among its ranks (:func:`~hapt_hf.profiling.links.measure_group_allreduce`), recorded as the link from the group to
-    itself (the link its stages' gradients are all-reduced on); empty: not timed.
+    among its ranks (:func:`~hapt_hf.profiling.links.measure_group_allreduce`), recorded as
+    the link from the group to itself (the link its stages' gradients are all-reduced on);
+    empty: not timed.
     """
     import torch.distributed as dist
 
