@@ -4,6 +4,7 @@
 name: two-speed
 cpu_per_rank: 0.45          # CPU cores of quota a rank with slowdown 1.0 gets
 cpu_cap: 0.45               # optional, with the hook: every rank's quota (see TestbedSpec)
+pin_cpus: true              # ranks under a quota get one core each, round robin
 slowdown: auto              # auto | cgroup | hook  (how compute is slowed)
 network: auto               # auto | netns | shim   (how links are shaped)
 groups:
@@ -75,6 +76,9 @@ class TestbedSpec:
     would not be the speed of training; under an equal cap each rank has its own share, as
     each GPU is its own device. Keep ``cap * world_size`` under the machine's free cores.
     Ignored (with a note) where cgroups cannot be made."""
+    pin_cpus: bool = True
+    """Ranks under a CPU quota are pinned to one core each, round robin (see
+    ``Testbed._cpu_of``)."""
 
     @property
     def world_size(self) -> int:
@@ -120,7 +124,8 @@ class TestbedSpec:
                    slowdown_mechanism=str(d.get("slowdown", "auto")),
                    network_mechanism=str(d.get("network", "auto")),
                    cpu_cap=(_positive(d, "cpu_cap", 1.0, "cpu_cap")
-                            if d.get("cpu_cap") is not None else None))
+                            if d.get("cpu_cap") is not None else None),
+                   pin_cpus=_flag(d, "pin_cpus", True))
         if spec.slowdown_mechanism not in SLOWDOWN_MECHANISMS:
             raise TestbedError(f"slowdown: {spec.slowdown_mechanism!r} is not one of "
                                f"{SLOWDOWN_MECHANISMS}")
@@ -133,6 +138,7 @@ class TestbedSpec:
         return {"name": self.name, "cpu_per_rank": self.cpu_per_rank,
                 "slowdown": self.slowdown_mechanism, "network": self.network_mechanism,
                 **({"cpu_cap": self.cpu_cap} if self.cpu_cap is not None else {}),
+                "pin_cpus": self.pin_cpus,
                 "groups": [{"name": g.name, "ranks": g.ranks, "slowdown": g.slowdown}
                            for g in self.groups],
                 "links": [{"between": [l.a, l.b], "bandwidth_mbps": l.bandwidth_mbps,
@@ -154,6 +160,13 @@ def _list(d: dict, key: str) -> list:
     v = d.get(key)
     if not isinstance(v, list):
         raise TestbedError(f"'{key}' must be a list; got {type(v).__name__}")
+    return v
+
+
+def _flag(d: dict, key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise TestbedError(f"{key} must be true or false; got {v!r}")
     return v
 
 

@@ -24,7 +24,9 @@ Conventions:
   that overlap the stage's last backward as the runtime does: the gradients become final in
   reverse layer order (each layer at the end of its own backward), a bucket goes on the replica
   link once its last byte is final and the link is free, one bucket after another. Only what
-  runs past the end of the last backward adds to the iteration.
+  runs past the end of the last backward adds to the iteration. On CPU devices nothing
+  overlaps: Gloo's copies and reductions run on the cores the backward runs on, so every
+  bucket is priced after the backward.
 * Memory per GPU: fp32 weights, fp32 gradients and Adam state take :data:`STATE_BYTES_PER_PARAM`
   (16) bytes per parameter in every precision (a stage whose optimizer is ``sharded``, ZeRO-1
   over its ``d`` replicas: ``8 + 8/d``, the Adam moments split, weights and gradients whole; see
@@ -462,14 +464,16 @@ class CostModel:
         if w is not None:
             return w
         link = shape.group.inter_node if spans else shape.group.intra_node
-        w = self._ring_window(d, link, self.table(shape.group, samples), a, b, recompute)
+        w = self._ring_window(d, link, self.table(shape.group, samples), a, b, recompute,
+                              overlap=not shape.group.gpu.is_cpu)
         self._windows[key] = w
         return w
 
     def _ring_window(self, d: int, link: LinkSpec, t: _LayerTable, a: int, b: int,
-                     recompute: bool) -> AllReduceWindow:
+                     recompute: bool, overlap: bool = True) -> AllReduceWindow:
         """Ring all-reduce of ``d`` replicas over ``link``, in buckets behind the backward of
-        layers [a, b) timed by ``t`` (the replica that finishes its backward last)."""
+        layers [a, b) timed by ``t`` (the replica that finishes its backward last); without
+        ``overlap`` (CPU devices) every bucket runs after the backward."""
         bw = link.bandwidth_gbps * 1e9 / 8
         ring, lat = 2 * (d - 1) / d, 2 * (d - 1) * link.latency_us * 1e-6
         gb = self.grad_dtype_bytes
@@ -479,6 +483,8 @@ class CostModel:
             if recompute:
                 dur += t.block_fwd[j + 1] - t.block_fwd[j]
             layers.append((dur, (self.params[j + 1] - self.params[j]) * gb))
+        if not overlap:  # every gradient is final, then the buckets go one after another
+            layers = [(sum(x for x, _ in layers), 0.0)] + [(0.0, n) for _, n in layers]
         return overlapped_allreduce(layers, GRAD_BUCKET_BYTES, lambda n: ring * n / bw + lat)
 
     def replica_link(self, shape: StageShape) -> LinkSpec:
@@ -658,7 +664,8 @@ class CostModel:
         times = {k: self.compute_s(r.group, r.samples, a, b, rc) for k, r in kinds.items()}
         slow = kinds[max(times, key=lambda k: sum(times[k]))]
         ar = AllReduceWindow(0.0, 0.0, 0.0) if sh.width <= 1 else self._ring_window(
-            sh.width, self.replica_link(sh), self.table(slow.group, slow.samples), a, b, rc)
+            sh.width, self.replica_link(sh), self.table(slow.group, slow.samples), a, b, rc,
+            overlap=not any(g.gpu.is_cpu for g in sh.groups))
         first = sh.replicas[0]
         return StageCost(
             forward_s=max(f for f, _ in times.values()),

@@ -58,6 +58,10 @@ def measure_link(peer: int, sender: bool, a: str, b: str,
     return LinkMeasurement(a, b, bw, lat_both / 2)
 
 
+_GRADS_PER_BUCKET = 8
+"""Gradients in each timed bucket (a transformer block's weight and bias tensors, roughly)."""
+
+
 def measure_group_allreduce(group_name: str, group, width: int,
                             sizes_bytes: tuple[int, ...] = (1 << 20, 1 << 23, GRAD_BUCKET_BYTES),
                             repeats: int = 3) -> LinkMeasurement:
@@ -67,19 +71,27 @@ def measure_group_allreduce(group_name: str, group, width: int,
 
     The fit is the cost model's own ring formula, ``t = 2(d-1)/d * bytes / bandwidth + 2(d-1) *
     latency``, so the measured figures put back in it give the times seen here. The sizes run up
-    to one gradient bucket, what the runtime all-reduces at a time.
+    to one gradient bucket, what the runtime all-reduces at a time, and each is a bucket of
+    several gradients all-reduced as the runtime does it
+    (:func:`~hapt_hf.pipeline.grad_sync.bucket_all_reduce`: packed into one buffer and copied
+    back, which on a CPU costs as much as a fast link's transfer).
     """
     import torch
-    import torch.distributed as dist
+
+    from hapt_hf.pipeline.grad_sync import bucket_all_reduce, flat_buffer
     ring, hops = 2 * (width - 1) / width, 2 * (width - 1)
     xs, ys = [], []
     for size in sizes_bytes:
-        buf = torch.zeros(max(size // 4, 1))
+        numel = max(size // 4 // _GRADS_PER_BUCKET, 1)
+        params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(_GRADS_PER_BUCKET)]
+        for p in params:
+            p.grad = torch.zeros(numel)
+        flat = flat_buffer(params)
         for i in range(repeats + 1):  # the first also opens the connections: not counted
             t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
+            bucket_all_reduce(params, flat, group)
             if i:
-                xs.append(ring * buf.numel() * 4)
+                xs.append(ring * numel * _GRADS_PER_BUCKET * 4)
                 ys.append(time.perf_counter() - t0)
     bw, lat = fit_link(xs, ys)
     return LinkMeasurement(group_name, group_name, bw, lat / hops)

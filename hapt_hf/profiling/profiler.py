@@ -29,6 +29,7 @@ from typing import Callable
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, GRAD_BUCKET_BYTES
 from hapt_hf.core.layers import BLOCK, body_part, num_layers
+from hapt_hf.core.precision import STATE_BYTES_PER_PARAM
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
 
@@ -115,18 +116,35 @@ def _spread(sorted_values: list[float]) -> float:
     return (q[2] - q[0]) / statistics.median(sorted_values)
 
 
+UPDATE_WORKING_SET_BYTES = 256 * 2**20
+"""The optimizer step is timed over at least this many bytes of weights, gradients and Adam
+state (copies of the layer's parameters), and divided back to one layer. The step is
+memory-bound: one layer's state alone sits in the cache (32 MiB of L3, 50 MiB of an H100's L2)
+and steps several times faster than a stage's many layers streaming from memory do. 256 MiB is
+what ``triton.testing.do_bench`` writes to flush a GPU's cache."""
+
+
 def _update_s(stage, clock: _Clock) -> float:
-    """Adam step over the layer's parameters (their gradients exist after the passes)."""
+    """Adam step over the layer's parameters (their gradients exist after the passes), timed
+    on :data:`UPDATE_WORKING_SET_BYTES` of copies so that it streams from memory as a stage's
+    step does."""
     import torch
     params = [p for p in stage.parameters() if p.grad is not None]
     if not params:
         return 0.0
-    opt = torch.optim.AdamW(params, lr=1e-6)
+    per_copy = sum(p.numel() for p in params) * STATE_BYTES_PER_PARAM
+    copies = max(1, math.ceil(UPDATE_WORKING_SET_BYTES / per_copy))
+    work = params  # a layer this large streams from memory as it is
+    if copies > 1:
+        work = [torch.nn.Parameter(p.detach().clone()) for _ in range(copies) for p in params]
+        for w, p in zip(work, params * copies):
+            w.grad = p.grad.detach().clone()
+    opt = torch.optim.AdamW(work, lr=1e-6)
     opt.step()  # creates the state: the first step is not what training repeats
     times = [clock.measure(opt.step)[0] for _ in range(3)]
     for p in params:
         p.grad = None
-    return statistics.median(times)
+    return statistics.median(times) / copies
 
 
 def _activation_bytes(run: _LayerRun, device: str) -> tuple[float, float]:
