@@ -334,3 +334,38 @@ def test_store_write_is_atomic(tmp_path, monkeypatch):
         store.save()
     assert path.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+
+
+class _FixedClock:
+    """Runs what it times, and says every call took 6 s."""
+
+    def measure(self, fn):
+        return 6.0, fn()
+
+
+@pytest.mark.parametrize("working_set,copies", [(10_000, 6), (100, 1)])
+def test_the_optimizer_step_is_timed_over_the_working_set_and_divided_back(
+        monkeypatch, working_set, copies):
+    """A layer's Adam state alone sits in the cache; the step is timed over copies of it
+    reaching the working set (110 parameters x 16 bytes = 1760 B a copy), then divided."""
+    import torch
+
+    from hapt_hf.profiling import profiler
+    monkeypatch.setattr(profiler, "UPDATE_WORKING_SET_BYTES", working_set)
+    seen = []
+
+    class Counting(torch.optim.AdamW):
+        def __init__(self, params, **kw):
+            params = list(params)
+            seen.append(len(params))
+            super().__init__(params, **kw)
+    monkeypatch.setattr(torch.optim, "AdamW", Counting)
+    layer = torch.nn.Linear(10, 10)
+    for p in layer.parameters():
+        p.grad = torch.ones_like(p)
+    w0 = layer.weight.detach().clone()
+    assert profiler._update_s(layer, _FixedClock()) == pytest.approx(6.0 / copies)
+    assert seen == [2 * copies]  # the layer's weight and bias, copies times
+    assert all(p.grad is None for p in layer.parameters())
+    # copies step on clones; a layer as large as the working set steps on itself
+    assert torch.equal(layer.weight.detach(), w0) == (copies > 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,8 @@ def test_file_format_and_rank_numbering(tmp_path):
     assert spec.cpu_cap is None
     capped = TestbedSpec.from_dict({**spec.to_dict(), "cpu_cap": 0.4})
     assert capped.cpu_cap == 0.4 and TestbedSpec.from_dict(capped.to_dict()) == capped
+    assert spec.pin_cpus and not TestbedSpec.from_dict({**spec.to_dict(),
+                                                         "pin_cpus": False}).pin_cpus
 
 
 @pytest.mark.parametrize("change, field", [
@@ -43,6 +46,7 @@ def test_file_format_and_rank_numbering(tmp_path):
     ({"links": [{"between": ["fast", "nope"], "bandwidth_mbps": 1}]}, "links[0].between"),
     ({"links": [{"between": ["fast", "slow"], "bandwidth_mbps": -1}]}, "links[0].bandwidth_mbps"),
     ({"slowdown": "magic"}, "slowdown"),
+    ({"pin_cpus": "yes"}, "pin_cpus"),
 ])
 def test_bad_file_names_the_field(change, field):
     with pytest.raises(TestbedError, match=field.replace("[", r"\[").replace("]", r"\]")):
@@ -106,12 +110,17 @@ def test_cpu_cap_gives_every_rank_the_same_quota_under_the_hook():
     with Testbed(spec) as tb:
         tag = tb.tag
         assert tb.mechanisms.slowdown == "hook"
-        results = tb.run(["cat", "/proc/self/cgroup"], timeout_s=30)
+        results = tb.run(["sh", "-c", "cat /proc/self/cgroup; grep Cpus_allowed_list "
+                          "/proc/self/status"], timeout_s=30)
         quotas = [int((CPU_CGROUP_ROOT / f"hapt_tb_{tag}" / f"rank{r}" / "cpu.cfs_quota_us")
                       .read_text()) for r in range(2)]
     assert all(r.returncode == 0 and f"hapt_tb_{tag}/rank{r.rank}" in r.output
                for r in results), [r.output for r in results]
     assert quotas == [3000, 3000]  # 0.3 cores of a 10 ms period, slow rank as fast one
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:  # each capped rank on a core of its own, round robin
+        assert [r.output.split("Cpus_allowed_list:")[1].strip() for r in results] == \
+            [str(cpus[r % len(cpus)]) for r in range(2)]
     assert _leftovers(tag) == []
 
 

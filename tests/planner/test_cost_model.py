@@ -6,7 +6,7 @@ import pytest
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import (DEFAULT_EFFICIENCY, GRAD_BUCKET_BYTES,
                                         STATE_BYTES_PER_PARAM, CostModel, CostModelError,
-                                        StageShape, overlapped_allreduce)
+                                        ReplicaSlot, StageShape, overlapped_allreduce)
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
@@ -225,3 +225,28 @@ def test_recompute_lengthens_the_backward_that_hides_the_all_reduce():
     _, b = cm.compute_s(cm.group("a"), 1, 0, 10)
     _, b_rc = cm.compute_s(cm.group("a"), 1, 0, 10, recompute=True)
     assert rc.exposed_s == pytest.approx(plain.exposed_s - (b_rc - b))
+
+
+def _cpu_twin(g: GpuGroup) -> GpuGroup:
+    return GpuGroup(g.name, GpuType(g.gpu.name, g.gpu.tflops, g.gpu.memory_gb, is_cpu=True),
+                    g.nodes, g.gpus_per_node, g.intra_node, g.inter_node)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_on_cpu_devices_the_all_reduce_runs_after_the_backward(mixed):
+    """Gloo's copies and reductions run on the cores the backward runs on: nothing hides."""
+    gpu = group("a", 100.0, gpn=4, intra=(1000.0, 10.0))
+    cpu = _cpu_twin(gpu)
+    windows = {}
+    for g in (gpu, cpu):
+        cm = CostModel(big_model(), Cluster("one", (g,), ()))
+        a = cm.group("a")
+        shape = (StageShape.of_slots([ReplicaSlot(a, 0, 2), ReplicaSlot(a, 1, 1)]) if mixed
+                 else StageShape(a, 2, 0))
+        c = cm.stage_costs([shape], [(0, 10)], 3 if mixed else 2, [False]).stages[0]
+        windows[g.gpu.is_cpu] = c
+    on_gpu, on_cpu = windows[False], windows[True]
+    assert on_cpu.allreduce_s == pytest.approx(on_gpu.allreduce_s)  # the same buckets
+    assert on_cpu.allreduce_lead_s == 0.0
+    assert on_cpu.allreduce_after_s == pytest.approx(on_cpu.allreduce_s)
+    assert on_gpu.allreduce_after_s < 0.5 * on_gpu.allreduce_s  # the fast link hides most
