@@ -93,12 +93,15 @@ class RaceConfig:
     leader timed next to idle peers would look faster than it is during training."""
     unshaped: bool = False
     """Leave the link between the groups unshaped (loopback speed); the compute gap stays."""
+    pin_cpus: bool = True
+    """Pin every capped rank to one core (see TestbedSpec.pin_cpus)."""
 
     def testbed(self) -> dict:
         links = [] if self.unshaped else [
             {"between": ["fast", "slow"], "bandwidth_mbps": self.link_mbps,
              "latency_ms": self.link_latency_ms}]
         return {"name": "race", "cpu_per_rank": self.cpu_per_rank, "cpu_cap": self.cpu_cap,
+                "pin_cpus": self.pin_cpus,
                 "slowdown": self.slowdown_mechanism,
                 "groups": [{"name": "fast", "ranks": self.fast_ranks},
                            {"name": "slow", "ranks": self.slow_ranks, "slowdown": self.slowdown}],
@@ -376,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="profile the group leaders with their peers idle")
     ap.add_argument("--unshaped", action="store_true",
                     help="leave the link between the groups at the machine's speed")
+    ap.add_argument("--no-pin-cpus", action="store_true",
+                    help="leave the capped ranks free to run on any core")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -388,7 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
             "slowdown_mechanism": args.slowdown_mechanism,
             "busy_profile": False if args.idle_profile else None,
             "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap,
-            "unshaped": True if args.unshaped else None}
+            "unshaped": True if args.unshaped else None,
+            "pin_cpus": False if args.no_pin_cpus else None}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
     if cfg.cpu_cap is not None and cfg.cpu_cap <= 0:
         cfg = RaceConfig(**{**asdict(cfg), "cpu_cap": None})
