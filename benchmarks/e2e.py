@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import statistics
 import sys
@@ -268,6 +269,12 @@ def worker(cfg: RaceConfig) -> None:
     planned, profile_s, plan_s = _plan(cfg, config)
     plan_a = Plan.from_dict(planned["plan"])
     steps = _contenders(cfg, config, plan_a, rank, planned["links"])
+    # Five contenders' models live in every rank, where a training job holds one: the
+    # collector's full passes over them (about 1 s a rank over a run) would land in random
+    # steps. Everything made so far is frozen out of the collector's passes, as it would be
+    # in a process holding only one of them.
+    gc.collect()
+    gc.freeze()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab, (cfg.global_batch, cfg.seq), generator=g)
     batch = Batch(ids, ids.clone())

@@ -369,3 +369,17 @@ def test_the_optimizer_step_is_timed_over_the_working_set_and_divided_back(
     assert all(p.grad is None for p in layer.parameters())
     # copies step on clones; a layer as large as the working set steps on itself
     assert torch.equal(layer.weight.detach(), w0) == (copies > 1)
+
+
+def test_a_groups_ranks_pool_their_measurements_by_median():
+    from hapt_hf.profiling.profiler import pool_timings
+    blk = ProfileKey("cpu-fast", "gpt2:b", 2, 64, "fp32")
+    head = ProfileKey("cpu-fast", "gpt2:h", 2, 64, "fp32")
+    lead = {blk: LayerTiming(1.0, 2.0, 0.5, peak_memory_bytes=7.0, kept_bytes=3.0),
+            head: LayerTiming(4.0, 8.0)}
+    peers = [{blk: LayerTiming(3.0, 6.0, 0.1, peak_memory_bytes=9.0)},
+             {blk: LayerTiming(2.0, 2.5, 0.3)}]
+    pooled = pool_timings([lead, *peers])
+    assert pooled[blk] == LayerTiming(2.0, 2.5, 0.3, peak_memory_bytes=7.0, kept_bytes=3.0)
+    assert pooled[head] == lead[head]  # measured by one rank only
+    assert pool_timings([lead, {}]) == lead

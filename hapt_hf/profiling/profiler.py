@@ -37,7 +37,7 @@ from .links import measure_link, time_inside_groups
 from .store import ProfilerOptions, ProfileStore
 
 __all__ = ["profile_model", "time_layer", "profile_group_leaders", "LayerMemory", "layer_memory",
-           "build_layer", "layer_run"]
+           "build_layer", "layer_run", "pool_timings"]
 
 
 # -- timing one layer ------------------------------------------------------------------------
@@ -288,6 +288,20 @@ def layer_memory(config, seq_len: int, dtype: str = "fp32",
 
 # -- the group leaders, together ---------------------------------------------------------
 
+def pool_timings(measured: list[dict[ProfileKey, LayerTiming]]) -> dict[ProfileKey, LayerTiming]:
+    """Every key any rank measured, with the median over the ranks that measured it of the
+    forward, backward and optimizer-step times; the memory figures and the spread are the
+    first such rank's (a group's leader, where ranks are in order)."""
+    by_key: dict[ProfileKey, list[LayerTiming]] = {}
+    for timings in measured:
+        for k, t in timings.items():
+            by_key.setdefault(k, []).append(t)
+    return {k: replace(ts[0], forward_s=statistics.median(t.forward_s for t in ts),
+                       backward_s=statistics.median(t.backward_s for t in ts),
+                       update_s=statistics.median(t.update_s for t in ts))
+            for k, ts in by_key.items()}
+
+
 def _keep_busy_until_all_done(config, seq_len: int, dtype: str, micro_batch: int,
                               options: ProfilerOptions) -> None:
     """Run forward and backward of one block until every rank has finished its profile.
@@ -321,10 +335,12 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
 
     ``groups``: group name -> global ranks; ``device_names``: group name -> device type name.
-    ``busy_peers``: the other ranks run the same profile too and discard it, and every rank
-    keeps computing until the last one is done. Only for ranks that share cores (CPU processes
-    on one machine): the leaders are then timed under the load training puts on the machine,
-    not on a machine left idle by their peers.
+    ``busy_peers``: the other ranks run the same profile too, and every rank keeps computing
+    until the last one is done. Only for ranks that share cores (CPU processes on one machine):
+    the leaders are then timed under the load training puts on the machine, not on a machine
+    left idle by their peers. Every rank of a group having measured the same layers, each
+    entry's times are the median over them (:func:`pool_timings`): two fast ranks of the race
+    measured the same block's backward 23 and 29 ms in one profile.
     ``allreduce_sizes``: each group of two or more ranks times an all-reduce of these sizes
     among its ranks (:func:`~hapt_hf.profiling.links.measure_group_allreduce`), recorded as
     the link from the group to itself (the link its stages' gradients are all-reduced on);
@@ -347,8 +363,8 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
             mine = profile_model(config, device_name=device_names[g], seq_len=seq_len,
                                  dtype=dtype, options=options, store=cache, save=False).timings
         elif busy_peers and rank in groups[g]:
-            profile_model(config, device_name=device_names[g], seq_len=seq_len, dtype=dtype,
-                          options=options)
+            mine = profile_model(config, device_name=device_names[g], seq_len=seq_len,
+                                 dtype=dtype, options=options).timings
     if busy_peers:
         _keep_busy_until_all_done(config, seq_len, dtype, min(options.micro_batches), options)
     dist.barrier()
@@ -366,8 +382,8 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, [m for m in links if rank == leaders[m.a]]))
     profile = Profile(source=str(store_path or ""))
-    for timings, measured in gathered:
-        profile.timings.update(timings)
+    profile.timings.update(pool_timings([timings for timings, _ in gathered]))
+    for _, measured in gathered:
         profile.links.extend(measured)
     if rank == 0 and store is not None:
         for k, t in profile.timings.items():
