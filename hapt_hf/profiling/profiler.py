@@ -119,9 +119,10 @@ def _spread(sorted_values: list[float]) -> float:
 UPDATE_WORKING_SET_BYTES = 256 * 2**20
 """The optimizer step is timed over at least this many bytes of weights, gradients and Adam
 state (copies of the layer's parameters), and divided back to one layer. The step is
-memory-bound: one layer's state alone sits in the cache (32 MiB of L3, 50 MiB of an H100's L2)
-and steps several times faster than a stage's many layers streaming from memory do. 256 MiB is
-what ``triton.testing.do_bench`` writes to flush a GPU's cache."""
+memory-bound: one layer's state alone sits in the cache (a 32 MiB L3 of the CPU in
+docs/benchmarks.md, an H100's 50 MiB L2) and stepped up to 1.8x faster there than a stage's many layers
+streaming from memory did. 256 MiB is what ``triton.testing.do_bench`` writes to flush a GPU's
+cache."""
 
 
 def _update_s(stage, clock: _Clock) -> float:
