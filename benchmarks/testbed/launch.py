@@ -220,9 +220,9 @@ class Testbed:
         A CPU quota is handed to a CPU's run queue in slices of 5 ms
         (``sched_cfs_bandwidth_slice_us``), more than a 0.45-core quota's 4.5 ms per 10 ms
         period: a rank whose main thread and communication threads run on two cores at once
-        finds its quota on the other core and is throttled with quota left, which made every
-        layer about 1.2x slower during a pipeline's run (threads busy sending) than when it was
-        profiled (one thread computing). Pinned, the rank's threads share one run queue."""
+        can find its quota on the other core and be throttled with quota left, which a profile
+        (one thread computing) does not see and training (threads sending) does. Pinned, the
+        rank's threads share one run queue. The race with and without it: docs/benchmarks.md."""
         cpus = sorted(os.sched_getaffinity(0))
         if self._quotas is None or not self.spec.pin_cpus or len(cpus) < 2:
             return None

@@ -13,7 +13,8 @@ the buffer is kept from one iteration to the next: a fresh one of tens of MiB is
 from the system every time (its pages faulted in and zeroed), which costs more than the copy
 itself; a GPU's caching allocator gives the block back at no cost, and the buffer is not held
 through the forward, when activations peak. The profiler times the same routine
-(:func:`bucket_all_reduce`), so the planner prices the all-reduce as the runtime runs it.
+(:func:`all_reduce_flat` with a :func:`flat_buffer`), so the planner prices the all-reduce as
+the runtime runs it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["GradSync", "GradBuckets", "all_reduce_flat", "bucket_all_reduce", "flat_buffer"]
+__all__ = ["GradSync", "GradBuckets", "all_reduce_flat", "flat_buffer"]
 
 
 class GradSync:
@@ -212,7 +213,7 @@ class GradBuckets:
             self._launch(self._next)
 
     def _launch(self, i: int) -> None:
-        flat = pack(self.buckets[i], self._flats[i])
+        flat = pack([p.grad for p in self.buckets[i]], self._flats[i])
         self._works.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
         self._launched.append(time.perf_counter())
         self._next = i + 1
@@ -241,19 +242,19 @@ class GradBuckets:
         return [t - end for t in launched]
 
 
-def flat_buffer(params: list[torch.nn.Parameter]) -> Tensor | None:
-    """The buffer a bucket of ``params`` keeps for its gradients: on a CPU, one flat tensor
-    kept across iterations; elsewhere None (a fresh one each time, from the caching
-    allocator). See the module docstring."""
-    if not params or params[0].device.type != "cpu":
+def flat_buffer(tensors: list[Tensor]) -> Tensor | None:
+    """The buffer a bucket of ``tensors`` (parameters or their gradients) keeps for its
+    gradients: on a CPU, one flat tensor kept across iterations; elsewhere None (a fresh one
+    each time, from the caching allocator). See the module docstring."""
+    if not tensors or tensors[0].device.type != "cpu":
         return None
-    return torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+    return torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
 
 
-def pack(params: list[torch.nn.Parameter], flat: Tensor | None) -> Tensor:
-    """The gradients of ``params`` in one flat tensor (``flat`` when given)."""
-    grads = [p.grad.reshape(-1) for p in params]
-    return torch.cat(grads) if flat is None else torch.cat(grads, out=flat)
+def pack(grads: list[Tensor], flat: Tensor | None) -> Tensor:
+    """``grads`` in one flat tensor (``flat`` when given)."""
+    parts = [g.reshape(-1) for g in grads]
+    return torch.cat(parts) if flat is None else torch.cat(parts, out=flat)
 
 
 def unpack(flat: Tensor, grads: list[Tensor]) -> None:
@@ -265,18 +266,12 @@ def unpack(flat: Tensor, grads: list[Tensor]) -> None:
         offset += n
 
 
-def bucket_all_reduce(params: list[torch.nn.Parameter], flat: Tensor | None, group) -> None:
-    """One bucket's all-reduce as :class:`GradBuckets` runs it (pack, all-reduce (SUM),
-    unpack), synchronously: what the profiler times."""
-    buf = pack(params, flat)
-    dist.all_reduce(buf, group=group)
-    unpack(buf, [p.grad for p in params])
-
-
-def all_reduce_flat(grads: list[Tensor], group) -> None:
-    """One all-reduce (SUM) over the concatenation of ``grads`` instead of one per tensor."""
+def all_reduce_flat(grads: list[Tensor], group, flat: Tensor | None = None) -> None:
+    """One all-reduce (SUM) over the concatenation of ``grads`` instead of one per tensor,
+    packed into ``flat`` when given (a :func:`flat_buffer`): a bucket of :class:`GradBuckets`,
+    synchronously, as the profiler times it."""
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    unpack(flat, grads)
+    buf = pack(grads, flat)
+    dist.all_reduce(buf, group=group)
+    unpack(buf, grads)

@@ -136,6 +136,11 @@ class StageShape:
         return tuple({r.group.name: r.group for r in self.replicas}.values())
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether a GPU of the stage is a CPU (its collectives share the compute's cores)."""
+        return any(g.gpu.is_cpu for g in self.groups)
+
+    @property
     def first_node(self) -> int:
         return self.offset // self.group.gpus_per_node
 
@@ -465,7 +470,7 @@ class CostModel:
             return w
         link = shape.group.inter_node if spans else shape.group.intra_node
         w = self._ring_window(d, link, self.table(shape.group, samples), a, b, recompute,
-                              overlap=not shape.group.gpu.is_cpu)
+                              overlap=not shape.on_cpu)
         self._windows[key] = w
         return w
 
@@ -665,7 +670,7 @@ class CostModel:
         slow = kinds[max(times, key=lambda k: sum(times[k]))]
         ar = AllReduceWindow(0.0, 0.0, 0.0) if sh.width <= 1 else self._ring_window(
             sh.width, self.replica_link(sh), self.table(slow.group, slow.samples), a, b, rc,
-            overlap=not any(g.gpu.is_cpu for g in sh.groups))
+            overlap=not sh.on_cpu)
         first = sh.replicas[0]
         return StageCost(
             forward_s=max(f for f, _ in times.values()),

@@ -73,23 +73,22 @@ def measure_group_allreduce(group_name: str, group, width: int,
     latency``, so the measured figures put back in it give the times seen here. The sizes run up
     to one gradient bucket, what the runtime all-reduces at a time, and each is a bucket of
     several gradients all-reduced as the runtime does it
-    (:func:`~hapt_hf.pipeline.grad_sync.bucket_all_reduce`: packed into one buffer and copied
-    back, which on a CPU costs as much as a fast link's transfer).
+    (:func:`~hapt_hf.pipeline.grad_sync.all_reduce_flat` into a bucket's
+    :func:`~hapt_hf.pipeline.grad_sync.flat_buffer`: packed into one buffer and copied back,
+    which on a CPU costs as much as a fast link's transfer).
     """
     import torch
 
-    from hapt_hf.pipeline.grad_sync import bucket_all_reduce, flat_buffer
+    from hapt_hf.pipeline.grad_sync import all_reduce_flat, flat_buffer
     ring, hops = 2 * (width - 1) / width, 2 * (width - 1)
     xs, ys = [], []
     for size in sizes_bytes:
         numel = max(size // 4 // _GRADS_PER_BUCKET, 1)
-        params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(_GRADS_PER_BUCKET)]
-        for p in params:
-            p.grad = torch.zeros(numel)
-        flat = flat_buffer(params)
+        grads = [torch.zeros(numel) for _ in range(_GRADS_PER_BUCKET)]
+        flat = flat_buffer(grads)
         for i in range(repeats + 1):  # the first also opens the connections: not counted
             t0 = time.perf_counter()
-            bucket_all_reduce(params, flat, group)
+            all_reduce_flat(grads, group, flat)
             if i:
                 xs.append(ring * numel * _GRADS_PER_BUCKET * 4)
                 ys.append(time.perf_counter() - t0)

@@ -19,7 +19,7 @@ def test_pack_and_unpack_round_trip_into_the_kept_buffer():
     ps = _params([3, 5, 2], value=1.0)
     flat = flat_buffer(ps)
     assert flat is not None and flat.numel() == 10 and flat.dtype == torch.float32
-    out = pack(ps, flat)
+    out = pack([p.grad for p in ps], flat)
     assert out.data_ptr() == flat.data_ptr()  # packed in place, not a new buffer
     assert out.tolist() == [1.0] * 3 + [2.0] * 5 + [3.0] * 2
     grads = [torch.empty_like(p.grad) for p in ps]
@@ -31,7 +31,7 @@ def test_no_buffer_is_kept_for_no_parameters_or_off_the_cpu():
     assert flat_buffer([]) is None
     meta = [torch.nn.Parameter(torch.zeros(4, device="meta"))]
     assert flat_buffer(meta) is None
-    assert pack(_params([2, 2]), None).tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert pack([p.grad for p in _params([2, 2])], None).tolist() == [0.0, 0.0, 1.0, 1.0]
 
 
 def _two_iterations(rank: int, world: int) -> tuple[list[list[float]], list[bool]]:
