@@ -189,6 +189,20 @@ class StageCost:
     replica_memory: tuple["ReplicaMemory", ...] = ()
     """Where the stage's replicas differ: the memory of each kind of replica (GPU type and
     share); the memory fields above are then the first replica's."""
+    send_forward_latency_s: float = 0.0
+    """The link latency inside ``send_forward_s``: the message is in flight that long after
+    the link is free for the next one (sends of one direction pipeline their latencies)."""
+    send_backward_latency_s: float = 0.0
+    """The same for ``send_backward_s``."""
+
+    @property
+    def send_forward_busy_s(self) -> float:
+        """Seconds a forward send holds its link direction (its transfer, not its latency)."""
+        return self.send_forward_s - self.send_forward_latency_s
+
+    @property
+    def send_backward_busy_s(self) -> float:
+        return self.send_backward_s - self.send_backward_latency_s
 
     @property
     def allreduce_after_s(self) -> float:
@@ -558,6 +572,27 @@ class CostModel:
         samples = max(mbs // left.width, mbs // right.width)
         return link.transfer_s(self.model.boundary_bytes(last_layer, samples))
 
+    def cut_latency_s(self, left: StageShape, right: StageShape, mbs: int) -> float:
+        """The part of :meth:`cut_s` that is the link's latency rather than its transfer: a
+        link carries the next message while the last one is still in flight. Where the cut's
+        pieces take several links, the least of their latencies (the link is never taken for
+        freer than it is)."""
+        return min(link.latency_us for link in self._cut_links(left, right, mbs)) * 1e-6
+
+    def _cut_links(self, left: StageShape, right: StageShape, mbs: int) -> list[LinkSpec]:
+        if left.replicas or right.replicas:
+            ls, rs = left.slots(mbs), right.slots(mbs)
+            return [self._neighbour_link(ls[i].group.name, rs[j].group.name)
+                    if ls[i].group.name != rs[j].group.name
+                    else (ls[i].group.intra_node if ls[i].node == rs[j].node
+                          else ls[i].group.inter_node)
+                    for i, j, _ in overlaps([r.samples for r in ls], [r.samples for r in rs])]
+        if left.group.name != right.group.name:
+            return [self._neighbour_link(left.group.name, right.group.name)]
+        g = left.group
+        same_node = (left.first_node == left.last_node == right.first_node == right.last_node)
+        return [g.intra_node if same_node else g.inter_node]
+
     def _pieces_cut_s(self, left: StageShape, right: StageShape, last_layer: int,
                       mbs: int) -> float:
         """The cut where a stage's replicas differ, piece by piece (the samples each pair of
@@ -639,11 +674,13 @@ class CostModel:
                                  f"{self.model.num_layers} layers")
         cuts = [self.cut_s(shapes[i], shapes[i + 1], bounds[i][1] - 1, mbs)
                 for i in range(n - 1)]
+        lats = [self.cut_latency_s(shapes[i], shapes[i + 1], mbs) for i in range(n - 1)]
         out = []
         for i, (sh, (a, b), rc, opt) in enumerate(zip(shapes, bounds, recompute, opts)):
             if sh.replicas:
-                out.append(self._mixed_stage(sh, a, b, rc, cuts[i] if i < n - 1 else 0.0,
-                                             cuts[i - 1] if i > 0 else 0.0, opt))
+                out.append(self._mixed_stage(
+                    sh, a, b, rc, cuts[i] if i < n - 1 else 0.0, cuts[i - 1] if i > 0 else 0.0,
+                    opt, lats[i] if i < n - 1 else 0.0, lats[i - 1] if i > 0 else 0.0))
                 continue
             samples = mbs // sh.width
             f, bw = self.compute_s(sh.group, samples, a, b, rc)
@@ -652,6 +689,8 @@ class CostModel:
                 forward_s=f, backward_s=bw,
                 send_forward_s=cuts[i] if i < n - 1 else 0.0,
                 send_backward_s=cuts[i - 1] if i > 0 else 0.0,
+                send_forward_latency_s=lats[i] if i < n - 1 else 0.0,
+                send_backward_latency_s=lats[i - 1] if i > 0 else 0.0,
                 allreduce_s=ar.link_s,
                 update_s=self.update_s(sh.group, samples, a, b, opt, sh.width),
                 static_bytes=self.static_bytes(a, b, opt, sh.width),
@@ -663,7 +702,8 @@ class CostModel:
         return StageCosts(tuple(out))
 
     def _mixed_stage(self, sh: StageShape, a: int, b: int, rc: bool, send_f: float,
-                     send_b: float, opt: str = REPLICATED) -> StageCost:
+                     send_b: float, opt: str = REPLICATED, lat_f: float = 0.0,
+                     lat_b: float = 0.0) -> StageCost:
         """A stage whose replicas differ: the slowest replica's times, every kind's memory."""
         kinds = {(r.group.gpu.name, r.group.gpu.tflops, r.samples): r for r in sh.replicas}
         times = {k: self.compute_s(r.group, r.samples, a, b, rc) for k, r in kinds.items()}
@@ -675,7 +715,8 @@ class CostModel:
         return StageCost(
             forward_s=max(f for f, _ in times.values()),
             backward_s=max(bw for _, bw in times.values()),
-            send_forward_s=send_f, send_backward_s=send_b, allreduce_s=ar.link_s,
+            send_forward_s=send_f, send_backward_s=send_b, send_forward_latency_s=lat_f,
+            send_backward_latency_s=lat_b, allreduce_s=ar.link_s,
             update_s=max(self.update_s(r.group, r.samples, a, b, opt, sh.width)
                          for r in kinds.values()),
             static_bytes=self.static_bytes(a, b, opt, sh.width),

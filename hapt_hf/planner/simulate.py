@@ -7,8 +7,9 @@ Rules of the replay (the same ones the runtime follows):
   gradient from the next stage;
 * a ``SEND`` starts when the stage reaches it in its list and the link direction is free: sends
   are eager (the receiver buffers), they overlap compute, and the transfers of one direction of
-  one cut go one at a time, in the order they were posted. ``RECV`` actions only post buffers
-  and cost nothing;
+  one cut go one at a time, in the order they were posted. A transfer holds the link for its
+  bytes over the bandwidth and arrives the link's latency later: the next transfer goes on the
+  link while the last one is in flight. ``RECV`` actions only post buffers and cost nothing;
 * a stage all-reduces its gradients among its replicas in buckets that start during its last
   backward (the cost model's ``allreduce_lead_s`` before its end) and may run past it
   (``allreduce_after_s``); the optimizer step follows (on a stage with sharded optimizer state,
@@ -140,14 +141,14 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
                 elif code == _SF:
                     start = t if t > fwd_free[s] else fwd_free[s]
                     end = start + c.send_forward_s
-                    fwd_free[s] = end
+                    fwd_free[s] = end - c.send_forward_latency_s
                     act_arr[s + 1][mb] = end
                     if record_events:
                         events.append(SimEvent(s, "SEND_F", mb, start, end))
                 elif code == _SB:
                     start = t if t > bwd_free[s] else bwd_free[s]
                     end = start + c.send_backward_s
-                    bwd_free[s] = end
+                    bwd_free[s] = end - c.send_backward_latency_s
                     grad_arr[s - 1][mb] = end
                     if record_events:
                         events.append(SimEvent(s, "SEND_B", mb, start, end))

@@ -80,6 +80,8 @@ def test_cut_inside_a_group_is_set_by_the_busiest_rank():
     # width 2 -> width 2: each rank sends its 2 samples in parallel
     wide = cm.cut_s(StageShape(a, 2, 0), StageShape(a, 2, 2), 1, mbs=4)
     assert wide == pytest.approx(2 * 1e6 * 8 / 10e9 + 50e-6)
+    assert cm.cut_latency_s(StageShape(a, 1, 0), StageShape(a, 1, 1), 4) == pytest.approx(10e-6)
+    assert cm.cut_latency_s(StageShape(a, 2, 0), StageShape(a, 2, 2), 4) == pytest.approx(50e-6)
 
 
 def test_ring_allreduce_uses_inter_node_link_when_the_stage_spans_nodes():
@@ -116,6 +118,11 @@ def test_plan_costs_reads_shapes_from_ranks_and_checks_widths():
     assert costs.num_stages == 2
     assert costs.stages[0].send_forward_s == costs.stages[1].send_backward_s > 0
     assert costs.stages[0].send_backward_s == 0 and costs.stages[1].send_forward_s == 0
+    # the a-b link's 1000 us latency is the part of the cut the link is not held for
+    assert costs.stages[0].send_forward_latency_s == pytest.approx(1e-3)
+    assert costs.stages[1].send_backward_latency_s == pytest.approx(1e-3)
+    assert costs.stages[0].send_forward_busy_s == pytest.approx(
+        costs.stages[0].send_forward_s - 1e-3)
     # each of the 4 replicas of stage 0 computes one sample of the 4-sample micro-batch
     assert costs.stages[0].forward_s == pytest.approx(cm.compute_s(cm.group("a"), 1, 0, 3)[0])
     bad = Plan("toy", m.num_layers, m.seq_len, 6, 3, 2, "1f1b", stages)

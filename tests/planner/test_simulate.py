@@ -79,6 +79,25 @@ def test_transfers_of_one_direction_are_serialised():
     assert sends[-1][1] == pytest.approx(1.0 + 2.0 * m)
 
 
+def test_the_latency_of_one_transfer_overlaps_the_next():
+    # the link needs 2 s a micro-batch, 1.5 s of it latency: it holds the link 0.5 s and the
+    # transfers pipeline (as on a real link), so the producer (1 s a forward) paces them
+    n, m = 2, 6
+    st = StageCosts((StageCost(1.0, 0.1, 2.0, 0.0, 0, 0, 0, 0, 0, 0,
+                               send_forward_latency_s=1.5),
+                     StageCost(0.1, 0.1, 0.0, 0.0, 0, 0, 0, 0, 0, 0)))
+    r = simulate_schedule(build_schedule("gpipe", n, m), st)
+    sends = sorted((e.start, e.end) for e in r.events if e.kind == "SEND_F")
+    assert [a for a, _ in sends] == pytest.approx([1.0 + i for i in range(m)])
+    assert all(b - a == pytest.approx(2.0) for a, b in sends)   # each arrives 2 s after
+    # a transfer busier than the producer: the link paces, at its busy time, not its total
+    st2 = StageCosts((StageCost(1.0, 0.1, 4.0, 0.0, 0, 0, 0, 0, 0, 0,
+                                send_forward_latency_s=2.5), st.stages[1]))
+    sends2 = sorted(e.start for e in simulate_schedule(build_schedule("gpipe", n, m), st2).events
+                    if e.kind == "SEND_F")
+    assert [b - a for a, b in zip(sends2, sends2[1:])] == pytest.approx([1.5] * (m - 1))
+
+
 def test_deeper_warmup_hides_a_slow_link():
     n, m = 2, 12
     st = StageCosts((StageCost(1.0, 1.0, 1.5, 0.0, 0, 0, 0, 1, 0, 0),

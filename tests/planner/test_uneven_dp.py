@@ -98,6 +98,9 @@ def test_a_cut_prices_the_pieces_each_pair_of_gpus_trades():
     # 5 samples A100 -> A100 on the intra-node link, 2 samples over the group link
     expect = max(INTRA.transfer_s(5 * per), GROUP_LINK.transfer_s(2 * per))
     assert cm.cut_s(left, right, last, 7) == pytest.approx(expect)
+    # the latency the link is not held for: the least of the two links' latencies
+    assert cm.cut_latency_s(left, right, 7) == pytest.approx(
+        min(INTRA.latency_us, GROUP_LINK.latency_us) * 1e-6)
     assert overlaps([7], [5, 2]) == ((0, 0, 5), (0, 1, 2))
 
 

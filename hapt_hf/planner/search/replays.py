@@ -50,7 +50,7 @@ def simulate_layout(cm: CostModel, layout: Layout, num_microbatches: int, exact:
     r1, r2 = run(m1), run(m2)
     if not (r1.feasible and r2.feasible) and r1.reason.startswith("deadlock"):
         return r1
-    floor = max(max(c.forward_s + c.backward_s, c.send_forward_s, c.send_backward_s)
+    floor = max(max(c.forward_s + c.backward_s, c.send_forward_busy_s, c.send_backward_busy_s)
                 for c in costs.stages)
     period = max((r1.iteration_s - r2.iteration_s) / (m1 - m2), floor)
     it = r1.iteration_s + (m - m1) * period
