@@ -74,6 +74,13 @@ def test_stage_actions_post_receives_ahead_and_send_after_each_compute():
     assert got == ["RECV_F0", "RECV_F1", "F0", "SEND_F0", "RECV_B0", "F1", "SEND_F1", "RECV_F2",
                    "B0", "SEND_B0", "RECV_B1", "F2", "SEND_F2", "RECV_B2", "B1", "SEND_B1",
                    "B2", "SEND_B2"]
+    # early: a stage after an all-forwards-first stage posts every activation's receive at the
+    # start; the gradient of j from a one-deep stage after it right after sending F(j)
+    early = [f"{k.value}{mb}" for k, mb in stage_actions(2, 4, 2, 4, neighbour_warmups=(4, 1))]
+    assert early == ["RECV_F0", "RECV_F1", "RECV_F2", "RECV_F3", "F0", "SEND_F0", "RECV_B0",
+                     "F1", "SEND_F1", "RECV_B1", "B0", "SEND_B0", "F2", "SEND_F2", "RECV_B2",
+                     "B1", "SEND_B1", "F3", "SEND_F3", "RECV_B3", "B2", "SEND_B2", "B3",
+                     "SEND_B3"]
     last = stage_actions(2, 3, 1, 2, receives=False)
     assert all(k not in (ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.SEND_F)
                for k, _ in last)

@@ -136,12 +136,25 @@ _AS_IS = {k: k for k in ActionKind}
 
 
 def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: int,
-                  receives: bool = True, tokens: dict | None = None) -> list[tuple[object, int]]:
+                  receives: bool = True, tokens: dict | None = None,
+                  neighbour_warmups: tuple[int, int] | None = None) -> list[tuple[object, int]]:
     """Stage ``stage``'s whole list: each compute followed by the send of what it produced,
-    and (``receives``) each receive posted one compute action ahead of its consumer, so the
-    transfer overlaps the compute before it. The simulator leaves receives out (posting one
-    costs nothing there) and passes ``tokens``, what to write for each ActionKind (its integer
-    codes): the search builds thousands of these lists."""
+    and (``receives``) each receive posted ahead of its consumer, so the transfer overlaps
+    the compute before it. The simulator leaves receives out (posting one costs nothing
+    there) and passes ``tokens``, what to write for each ActionKind (its integer codes): the
+    search builds thousands of these lists.
+
+    A receive is posted one compute action ahead of its consumer, or, given
+    ``neighbour_warmups`` (the warm-up depths of the stages before and after), as soon as its
+    sender may send: the activation of micro-batch ``k`` leaves the stage before after its
+    backward of ``k - w_before``, which waits for this stage's gradient of that micro-batch;
+    the gradient of ``j`` leaves the stage after once its forward of ``j + w_after - 1`` is
+    done. A Gloo transfer moves only once its receive is posted, so a receive posted one
+    action ahead holds up what H-1F1B's deeper warm-ups sent early (traced on the testbed:
+    the activations reached a slow stage later and later, 0.49 s into a step the schedule
+    had them in at 0.36 s). Early receives suit transports that match each transfer by its
+    tag, as Gloo does; NCCL runs one pair of ranks' transfers in order on one stream, where a
+    receive posted early can stall a send behind it."""
     t = _AS_IS if tokens is None else tokens
     first, last = stage == 0, stage == num_stages - 1
     f, b = t[ActionKind.F], t[ActionKind.B]
@@ -149,21 +162,41 @@ def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: in
     send_b = None if first else t[ActionKind.SEND_B]
     recv_f = None if first or not receives else t[ActionKind.RECV_F]
     recv_b = None if last or not receives else t[ActionKind.RECV_B]
-    order = _forward_order(warmup, num_microbatches)
+    m = num_microbatches
+    order = _forward_order(warmup, m)
+    body: list[tuple[object, int]] = []   # computes and sends, in order
+    at_compute: list[int] = []            # index in body of each compute
+    after_send: dict[tuple[bool, int], int] = {}  # (forward?, mb) -> index after its send
+    for fwd, mb in order:
+        at_compute.append(len(body))
+        body.append((f if fwd else b, mb))
+        snd = send_f if fwd else send_b
+        if snd is not None:
+            body.append((snd, mb))
+            after_send[(fwd, mb)] = len(body)
+    if not receives:
+        return body
+    posts: list[tuple[int, int, object, int]] = []  # (insert before body index, order, kind, mb)
+    for i, (fwd, mb) in enumerate(order):
+        r = recv_f if fwd else recv_b
+        if r is None:
+            continue
+        where = at_compute[i - 1] if i > 0 else 0  # one compute action ahead
+        if neighbour_warmups is not None:
+            before, after = (clamp_warmup(w, m) for w in neighbour_warmups)
+            if fwd:  # the stage before sends F(mb) after its B(mb - before)
+                dep = 0 if mb < before else after_send.get((False, mb - before), where)
+            else:    # the stage after sends B(mb) after its F(mb + after - 1)
+                dep = after_send.get((True, min(mb + after - 1, m - 1)), where)
+            where = min(where, dep)
+        posts.append((where, i, r, mb))
+    posts.sort()
     out: list[tuple[object, int]] = []
-    append = out.append
-    if receives and (r := recv_f if order[0][0] else recv_b) is not None:
-        append((r, order[0][1]))
-    ahead = order[1:] + [None]
-    for (fwd, mb), nxt in zip(order, ahead):
-        if receives and nxt is not None and (r := recv_f if nxt[0] else recv_b) is not None:
-            append((r, nxt[1]))  # posted before this compute so it overlaps it
-        if fwd:
-            append((f, mb))
-            if send_f is not None:
-                append((send_f, mb))
-        else:
-            append((b, mb))
-            if send_b is not None:
-                append((send_b, mb))
+    j = 0
+    for idx, item in enumerate(body):
+        while j < len(posts) and posts[j][0] <= idx:
+            out.append((posts[j][2], posts[j][3]))
+            j += 1
+        out.append(item)
+    out.extend((p[2], p[3]) for p in posts[j:])
     return out

@@ -86,8 +86,12 @@ class Schedule:
 
 def build_schedule(kind: str, num_stages: int, num_microbatches: int,
                    warmups: list[int] | tuple[int, ...] | None = None,
-                   validate: bool = True) -> Schedule:
-    """Build GPipe, 1F1B or H-1F1B (1F1B with per-stage warm-up depths) action lists."""
+                   validate: bool = True, early_receives: bool = False) -> Schedule:
+    """Build GPipe, 1F1B or H-1F1B (1F1B with per-stage warm-up depths) action lists.
+
+    ``early_receives``: post each receive as soon as its sender may send instead of one
+    compute action ahead (see :func:`~hapt_hf.core.schedules.stage_actions`; the runtime
+    asks for it on Gloo)."""
     if num_stages < 1 or num_microbatches < 1:
         raise ScheduleError(f"need at least one stage and one micro-batch, got {num_stages} "
                             f"stages and {num_microbatches} micro-batches")
@@ -101,7 +105,11 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int,
     warm = tuple(clamp_warmup(w, num_microbatches) for w in warmups)
     actions = tuple(
         tuple(Action(s, kind_, mb)
-              for kind_, mb in stage_actions(s, num_stages, warm[s], num_microbatches))
+              for kind_, mb in stage_actions(
+                  s, num_stages, warm[s], num_microbatches,
+                  neighbour_warmups=(warm[s - 1] if s > 0 else 1,
+                                     warm[s + 1] if s < num_stages - 1 else 1)
+                  if early_receives else None))
         for s in range(num_stages))
     sched = Schedule(kind, num_stages, num_microbatches, warm, actions)
     if validate:

@@ -125,8 +125,12 @@ def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
         _check_forward_only(rank, rt, ref, batches[0], errors)
     for p in rt.stage.tied_parameters():  # both copies moved alike
         _compare("tied copy", p.detach(), ref.get_parameter("lm_head.weight").detach(), errors)
+    from hapt_hf.planner.schedule import build_schedule
+    early = build_schedule(rt.plan.schedule, rt.plan.num_stages, rt.plan.num_microbatches,
+                           rt.plan.warmups(), early_receives=True)
     out = {"errors": errors, "params": len(names), "max_live": rt.max_live_activations,
            "in_flight": rt.in_flight_limit, "warmup": rt.stage_plan.warmup,
+           "early_receives": rt.work.actions == early.actions[rt.stage_plan.index],
            "stage": rt.stage_plan.index, "norms": norms}
     rt.shutdown()
     return out
@@ -265,4 +269,5 @@ def test_live_activations_within_schedule(results, world, case):
         # a 1F1B-style list reaches its warm-up depth exactly
         assert r["max_live"] <= r["in_flight"] == min(r["warmup"], M), r
         assert r["max_live"] == r["in_flight"], r
+        assert r["early_receives"], r  # on Gloo, receives go up as soon as the sender may send
 

@@ -203,3 +203,79 @@ def test_every_nonincreasing_warmup_schedule_is_valid(n, m, kind, extra):
             [f"{stage}F{k}" for k in range(m)] + [f"{stage}B{k}" for k in range(m)])
         first_b = next(i for i, a in enumerate(comp) if a.kind is ActionKind.B)
         assert first_b == min(s.warmups[stage], m)
+
+
+def _run_lists(sched: Schedule, dur: list[float]) -> dict:
+    """Execute the action lists with compute durations ``dur[stage]``: a compute waits for its
+    input's arrival, a send leaves when posted and arrives 1.0 later, posting a receive takes
+    no time. Returns when each transfer's send and receive were posted."""
+    n = sched.num_stages
+    pos, clock = [0] * n, [0.0] * n
+    arrive: dict[tuple[str, int, int], float] = {}  # (F|B, stage it arrives at, mb) -> time
+    posted: dict[tuple[str, int, int, str], float] = {}
+    while any(pos[s] < len(sched.actions[s]) for s in range(n)):
+        moved = False
+        for s in range(n):
+            while pos[s] < len(sched.actions[s]):
+                a = sched.actions[s][pos[s]]
+                k, t = a.microbatch, clock[s]
+                if a.kind in (ActionKind.F, ActionKind.B):
+                    need = ("F", s, k) if a.kind is ActionKind.F else ("B", s, k)
+                    has_input = (a.kind is ActionKind.F and s == 0) or (
+                        a.kind is ActionKind.B and s == n - 1)
+                    if not has_input and need not in arrive:
+                        break
+                    clock[s] = max(t, 0.0 if has_input else arrive[need]) + dur[s]
+                elif a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                    to = ("F", s + 1, k) if a.kind is ActionKind.SEND_F else ("B", s - 1, k)
+                    arrive[to] = t + 1.0
+                    posted[to + ("send",)] = t
+                else:
+                    posted[("F" if a.kind is ActionKind.RECV_F else "B", s, k, "recv")] = t
+                pos[s] += 1
+                moved = True
+        assert moved, "the lists deadlock"
+    return posted
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 5), m=st.integers(1, 10),
+       extra=st.lists(st.integers(0, 4), min_size=5, max_size=5),
+       dur=st.lists(st.floats(0.1, 3.0), min_size=5, max_size=5))
+def test_early_receives_are_posted_before_their_send_and_move_nothing_else(n, m, extra, dur):
+    warm = default_warmups("1f1b", n, m)
+    acc = 0
+    for i in reversed(range(n)):
+        acc += extra[i]
+        warm[i] += acc
+    late = build_schedule("h1f1b", n, m, warm)
+    early = build_schedule("h1f1b", n, m, warm, early_receives=True)
+    recv = (ActionKind.RECV_F, ActionKind.RECV_B)
+    for s in range(n):
+        # the computes and sends are the same list; only the receives move, never later
+        assert [a for a in early.actions[s] if a.kind not in recv] == \
+            [a for a in late.actions[s] if a.kind not in recv]
+        def computes_before(lst, a):
+            i = lst.index(a)
+            return sum(1 for x in lst[:i] if x.kind in (ActionKind.F, ActionKind.B))
+        for a in late.actions[s]:
+            if a.kind in recv:
+                assert computes_before(early.actions[s], a) <= computes_before(late.actions[s], a)
+    # whatever the stages' speeds, every receive is up when (or before) its send leaves:
+    # a transport that moves data only once the receive is posted never holds a send back
+    times = _run_lists(early, dur[:n])
+    for (what, stage, k, kind), t_recv in times.items():
+        if kind == "recv":
+            assert t_recv <= times[(what, stage, k, "send")] + 1e-9, f"{what}{k} into {stage}"
+
+
+def test_a_receive_one_action_ahead_can_come_after_its_send():
+    # what early receives fix: H-1F1B's stage 1 sends all 8 activations at once, the 1F1B
+    # stage after it posts each receive one compute action ahead
+    warm = [8, 8, 2, 1]
+    for early, late_ones in ((False, True), (True, False)):
+        times = _run_lists(build_schedule("h1f1b", 4, 8, warm, early_receives=early),
+                           [0.2, 0.2, 1.0, 1.0])
+        late = [(w, s, k) for (w, s, k, kind), t in times.items()
+                if kind == "recv" and t > times[(w, s, k, "send")] + 1e-9]
+        assert bool(late) is late_ones, late
