@@ -112,11 +112,14 @@ def test_cpu_cap_gives_every_rank_the_same_quota_under_the_hook():
         assert tb.mechanisms.slowdown == "hook"
         results = tb.run(["sh", "-c", "cat /proc/self/cgroup; grep Cpus_allowed_list "
                           "/proc/self/status"], timeout_s=30)
-        quotas = [int((CPU_CGROUP_ROOT / f"hapt_tb_{tag}" / f"rank{r}" / "cpu.cfs_quota_us")
-                      .read_text()) for r in range(2)]
+        read = lambda r, f: int((CPU_CGROUP_ROOT / f"hapt_tb_{tag}" / f"rank{r}" / f)  # noqa: E731
+                                .read_text())
+        quotas = [(read(r, "cpu.cfs_quota_us"), read(r, "cpu.cfs_period_us")) for r in range(2)]
     assert all(r.returncode == 0 and f"hapt_tb_{tag}/rank{r.rank}" in r.output
                for r in results), [r.output for r in results]
-    assert quotas == [3000, 3000]  # 0.3 cores of a 10 ms period, slow rank as fast one
+    # 0.3 cores, slow rank as fast one, over the shortest period whose quota the kernel takes
+    # (1 ms at least): 1 ms of every 3.334 ms
+    assert quotas == [(1000, 3334), (1000, 3334)]
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) > 1:  # each capped rank on a core of its own, round robin
         assert [r.output.split("Cpus_allowed_list:")[1].strip() for r in results] == \

@@ -218,7 +218,7 @@ class Testbed:
         use), or None: not pinned (no quotas, ``pin_cpus`` off, or a single core).
 
         A CPU quota is handed to a CPU's run queue in slices of 5 ms
-        (``sched_cfs_bandwidth_slice_us``), more than a 0.45-core quota's 4.5 ms per 10 ms
+        (``sched_cfs_bandwidth_slice_us``), more than a 0.45-core quota's 1 ms per 2.2 ms
         period: a rank whose main thread and communication threads run on two cores at once
         can find its quota on the other core and be throttled with quota left, which a profile
         (one thread computing) does not see and training (threads sending) does. Pinned, the

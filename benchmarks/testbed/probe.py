@@ -20,7 +20,7 @@ def _compute_s(model: torch.nn.Module, x: torch.Tensor, reps: int, windows: int 
     """Seconds per forward+backward, (wall, main-thread CPU): the fastest of ``windows`` windows
     of ``reps`` passes.
 
-    A window of many short layers spans many 10 ms quota periods, so it sees the average speed;
+    A window of many short layers spans many quota periods, so it sees the average speed;
     the fastest window is the one least disturbed by the machine's other jobs. The CPU figure is
     what the delay hook scales (it spins the main thread for ``factor - 1`` times the CPU time of
     the work), so it shows the slow-down even where other jobs crowd the cores and stretch every
