@@ -86,7 +86,9 @@ def planned(tmp_path_factory) -> Planned:
 def test_plan_writes_a_plan_that_reloads_and_a_timeline(planned):
     assert planned.code == 0, planned.err
     plan = Plan.load(planned.plan_json).validate(world_size=3)
-    assert plan.num_layers == 6 and plan.seq_len == 128 and plan.global_batch_size == 16
+    # 4 blocks with the embedding and the head, in the unit the planner chose
+    assert plan.num_layers == (2 * 4 + 2 if plan.layer_unit == "half" else 4 + 2)
+    assert plan.seq_len == 128 and plan.global_batch_size == 16
     assert plan.schedule == "1f1b"
     png = planned.png
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
@@ -151,12 +153,14 @@ def test_simulate_replays_a_hand_edited_plan(planned, tmp_path, capsys):
                           capsys)
     assert code == 0, err
     rep = json.loads(out)["report"]
-    assert [r["layers"] for r in rep["stages"]] == [[0, 6]]
+    assert [r["layers"] for r in rep["stages"]] == [[0, d["model"]["num_layers"]]]
     assert rep["stages"][0]["fits"] and rep["feasible"]
     # the figures are the simulator's on the edited plan, not the planner's old predictions
     from hapt_hf.cli import resolve_job
     job = resolve_job(str(cluster))
-    sim = simulate_plan(Plan.load(edited), job.model, job.cluster, job.profile)
+    plan = Plan.load(edited)
+    sim = simulate_plan(plan, job.model.with_layer_unit(plan.layer_unit), job.cluster,
+                        job.profile)
     assert rep["iteration_s"] == pytest.approx(sim.iteration_s)
     assert png.stat().st_size > 5_000
 

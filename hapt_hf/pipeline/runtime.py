@@ -1,12 +1,11 @@
 """Run a plan's schedule over torch.distributed: one rank, one stage replica, one action list.
 
-Every rank holds the whole global batch (it is small: token ids), builds only its own stage, and
-executes its stage's action list from :func:`hapt_hf.planner.schedule.build_schedule`. Receives
-are posted where the list posts them (on Gloo as soon as the sender may send, on NCCL one
-compute action ahead) and waited for at the compute that needs them; sends are
-posted right after the compute that produced them. The loss is the mean over the non-ignored
-tokens of the WHOLE global batch: each per-micro-batch token sum of the last stage is divided by
-the global token count (every rank has the full batch) before backward, so gradients add up.
+Every rank holds the whole global batch (token ids), builds only its own stage, and runs its
+stage's list from :func:`hapt_hf.planner.schedule.build_schedule`: receives posted where it
+posts them (Gloo: once the sender may send; NCCL: one compute ahead), waited for at the compute
+that needs them; sends right after the compute that made them. The loss is the mean over the
+non-ignored tokens of the WHOLE global batch: the last stage divides each micro-batch's token sum
+by the global token count (every rank has the full batch) before backward, so gradients add up.
 
 Precision comes from the plan (:mod:`~hapt_hf.pipeline.precision`): fp32 modules and optimizer
 state, the forward under autocast to the plan's compute dtype (on CPU too), activations and
@@ -82,12 +81,8 @@ class PipelineRuntime(StageOptimizer):
         self.wire_dtype = torch_dtype(plan.dtype)
         """Activations and their gradients cross stage boundaries in the compute dtype."""
         self.rank = dist.get_rank()
-        # Gloo matches each transfer by its tag: receives go up as soon as their sender may
-        # send, so the transfers H-1F1B's warm-ups start early are not held back (NCCL keeps
-        # one pair's transfers in order: there a receive stays one compute action ahead)
         self.schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                                       plan.warmups(),
-                                       early_receives=dist.get_backend() == "gloo")
+                                       plan.warmups(), early_receives=dist.get_backend() == "gloo")
         self.work: RankWork = rank_work(plan, self.rank, self.schedule)
         self.stage_plan: StagePlan = self.work.stage
         self.device = torch.device(config.device or local_device())
