@@ -560,46 +560,36 @@ class CostModel:
 
     def cut_s(self, left: StageShape, right: StageShape, last_layer: int, mbs: int) -> float:
         """Seconds to move one micro-batch's activations (or their gradients) across the cut
-        after layer ``last_layer`` between two neighbouring stages."""
-        if left.replicas or right.replicas:
-            return self._pieces_cut_s(left, right, last_layer, mbs)
-        if left.group.name != right.group.name:
-            link = self._neighbour_link(left.group.name, right.group.name)
-            return link.transfer_s(self.model.boundary_bytes(last_layer, mbs))
-        g = left.group
-        same_node = (left.first_node == left.last_node == right.first_node == right.last_node)
-        link = g.intra_node if same_node else g.inter_node
-        samples = max(mbs // left.width, mbs // right.width)
-        return link.transfer_s(self.model.boundary_bytes(last_layer, samples))
+        after layer ``last_layer`` between two neighbouring stages: its slowest route."""
+        nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
+        return max(sum(link.transfer_s(nbytes(n)) for link, n in route)
+                   for route in self._cut_routes(left, right, mbs))
 
     def cut_latency_s(self, left: StageShape, right: StageShape, mbs: int) -> float:
         """The part of :meth:`cut_s` that is the link's latency rather than its transfer: a
-        link carries the next message while the last one is still in flight. Where the cut's
-        pieces take several links, the least of their latencies (the link is never taken for
-        freer than it is)."""
-        return min(link.latency_us for link in self._cut_links(left, right, mbs)) * 1e-6
+        link carries the next message while the last one is still in flight. Where the cut
+        takes several links, the least of their latencies (the link is never taken for freer
+        than it is)."""
+        return min(link.latency_us for route in self._cut_routes(left, right, mbs)
+                   for link, _ in route) * 1e-6
 
-    def _cut_links(self, left: StageShape, right: StageShape, mbs: int) -> list[LinkSpec]:
-        if left.replicas or right.replicas:
-            ls, rs = left.slots(mbs), right.slots(mbs)
-            return [self._neighbour_link(ls[i].group.name, rs[j].group.name)
-                    if ls[i].group.name != rs[j].group.name
-                    else (ls[i].group.intra_node if ls[i].node == rs[j].node
-                          else ls[i].group.inter_node)
-                    for i, j, _ in overlaps([r.samples for r in ls], [r.samples for r in rs])]
-        if left.group.name != right.group.name:
-            return [self._neighbour_link(left.group.name, right.group.name)]
-        g = left.group
-        same_node = (left.first_node == left.last_node == right.first_node == right.last_node)
-        return [g.intra_node if same_node else g.inter_node]
-
-    def _pieces_cut_s(self, left: StageShape, right: StageShape, last_layer: int,
-                      mbs: int) -> float:
-        """The cut where a stage's replicas differ, piece by piece (the samples each pair of
-        replicas share, :func:`~hapt_hf.core.shares.overlaps`): a group link is one shared pipe
-        carrying every piece between its two groups; inside a group each GPU moves its own
-        pieces, one after another, over the intra- or inter-node link to its peer. The slowest
-        of these sets the cut."""
+    def _cut_routes(self, left: StageShape, right: StageShape,
+                    mbs: int) -> list[list[tuple[LinkSpec, int]]]:
+        """The cut as routes, each a list of (link, samples) moved one after another; routes
+        run side by side. Between two groups of even stages: the whole micro-batch over the
+        group link. Inside a group: each rank its share, over the intra- or inter-node link
+        (the busiest rank sets the cut). Where a stage's replicas differ, the pieces each pair
+        of replicas shares (:func:`~hapt_hf.core.shares.overlaps`): all pieces between two
+        groups share their group link as one route; inside a group each GPU moves its own
+        pieces, one after another, to its peers."""
+        if not (left.replicas or right.replicas):
+            if left.group.name != right.group.name:
+                return [[(self._neighbour_link(left.group.name, right.group.name), mbs)]]
+            g = left.group
+            same_node = (left.first_node == left.last_node == right.first_node
+                         == right.last_node)
+            link = g.intra_node if same_node else g.inter_node
+            return [[(link, max(mbs // left.width, mbs // right.width))]]
         ls, rs = left.slots(mbs), right.slots(mbs)
         pipes: dict[tuple[str, str], int] = {}
         per_gpu: dict[tuple[int, int], dict[LinkSpec, int]] = {}
@@ -612,11 +602,8 @@ class CostModel:
             for gpu in ((0, i), (1, j)):
                 mine = per_gpu.setdefault(gpu, {})
                 mine[link] = mine.get(link, 0) + n
-        nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
-        times = [self._neighbour_link(a, b).transfer_s(nbytes(n)) for (a, b), n in pipes.items()]
-        times += [sum(link.transfer_s(nbytes(n)) for link, n in mine.items())
-                  for mine in per_gpu.values()]
-        return max(times)
+        return ([[(self._neighbour_link(a, b), n)] for (a, b), n in pipes.items()]
+                + [list(mine.items()) for mine in per_gpu.values()])
 
     # -- whole plans -----------------------------------------------------------------------
     def used_groups(self, plan: Plan) -> list[str]:
