@@ -176,6 +176,8 @@ def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: in
             after_send[(fwd, mb)] = len(body)
     if not receives:
         return body
+    if neighbour_warmups is not None:
+        before, after = (clamp_warmup(w, m) for w in neighbour_warmups)
     posts: list[tuple[int, int, object, int]] = []  # (insert before body index, order, kind, mb)
     for i, (fwd, mb) in enumerate(order):
         r = recv_f if fwd else recv_b
@@ -183,7 +185,6 @@ def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: in
             continue
         where = at_compute[i - 1] if i > 0 else 0  # one compute action ahead
         if neighbour_warmups is not None:
-            before, after = (clamp_warmup(w, m) for w in neighbour_warmups)
             if fwd:  # the stage before sends F(mb) after its B(mb - before)
                 dep = 0 if mb < before else after_send.get((False, mb - before), where)
             else:    # the stage after sends B(mb) after its F(mb + after - 1)

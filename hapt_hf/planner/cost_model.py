@@ -561,17 +561,22 @@ class CostModel:
     def cut_s(self, left: StageShape, right: StageShape, last_layer: int, mbs: int) -> float:
         """Seconds to move one micro-batch's activations (or their gradients) across the cut
         after layer ``last_layer`` between two neighbouring stages: its slowest route."""
-        nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
-        return max(sum(link.transfer_s(nbytes(n)) for link, n in route)
-                   for route in self._cut_routes(left, right, mbs))
+        return self._cut(left, right, last_layer, mbs)[0]
 
     def cut_latency_s(self, left: StageShape, right: StageShape, mbs: int) -> float:
         """The part of :meth:`cut_s` that is the link's latency rather than its transfer: a
         link carries the next message while the last one is still in flight. Where the cut
         takes several links, the least of their latencies (the link is never taken for freer
         than it is)."""
-        return min(link.latency_us for route in self._cut_routes(left, right, mbs)
-                   for link, _ in route) * 1e-6
+        return self._cut(left, right, 0, mbs)[1]
+
+    def _cut(self, left: StageShape, right: StageShape, last_layer: int,
+             mbs: int) -> tuple[float, float]:
+        """(:meth:`cut_s`, :meth:`cut_latency_s`) from one walk of the cut's routes."""
+        nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
+        routes = self._cut_routes(left, right, mbs)
+        return (max(sum(link.transfer_s(nbytes(n)) for link, n in route) for route in routes),
+                min(link.latency_us for route in routes for link, _ in route) * 1e-6)
 
     def _cut_routes(self, left: StageShape, right: StageShape,
                     mbs: int) -> list[list[tuple[LinkSpec, int]]]:
@@ -659,25 +664,24 @@ class CostModel:
         if self.model.num_layers and bounds and bounds[-1][1] > self.model.num_layers:
             raise CostModelError(f"the stages reach layer {bounds[-1][1]} but the model has "
                                  f"{self.model.num_layers} layers")
-        cuts = [self.cut_s(shapes[i], shapes[i + 1], bounds[i][1] - 1, mbs)
+        # each cut's (seconds, latency); nothing leaves the first stage backward or the last
+        # forward
+        cuts = [self._cut(shapes[i], shapes[i + 1], bounds[i][1] - 1, mbs)
                 for i in range(n - 1)]
-        lats = [self.cut_latency_s(shapes[i], shapes[i + 1], mbs) for i in range(n - 1)]
+        fwd, bwd = cuts + [(0.0, 0.0)], [(0.0, 0.0)] + cuts
         out = []
         for i, (sh, (a, b), rc, opt) in enumerate(zip(shapes, bounds, recompute, opts)):
             if sh.replicas:
-                out.append(self._mixed_stage(
-                    sh, a, b, rc, cuts[i] if i < n - 1 else 0.0, cuts[i - 1] if i > 0 else 0.0,
-                    opt, lats[i] if i < n - 1 else 0.0, lats[i - 1] if i > 0 else 0.0))
+                out.append(self._mixed_stage(sh, a, b, rc, fwd[i][0], bwd[i][0], opt,
+                                             fwd[i][1], bwd[i][1]))
                 continue
             samples = mbs // sh.width
             f, bw = self.compute_s(sh.group, samples, a, b, rc)
             ar = self.allreduce_window(sh, samples, a, b, rc)
             out.append(StageCost(
                 forward_s=f, backward_s=bw,
-                send_forward_s=cuts[i] if i < n - 1 else 0.0,
-                send_backward_s=cuts[i - 1] if i > 0 else 0.0,
-                send_forward_latency_s=lats[i] if i < n - 1 else 0.0,
-                send_backward_latency_s=lats[i - 1] if i > 0 else 0.0,
+                send_forward_s=fwd[i][0], send_backward_s=bwd[i][0],
+                send_forward_latency_s=fwd[i][1], send_backward_latency_s=bwd[i][1],
                 allreduce_s=ar.link_s,
                 update_s=self.update_s(sh.group, samples, a, b, opt, sh.width),
                 static_bytes=self.static_bytes(a, b, opt, sh.width),

@@ -148,10 +148,10 @@ def estimate_s(cm: CostModel, layout: Layout, num_microbatches: int) -> float:
     st = costs.stages
     steps = [c.forward_s + c.backward_s for c in st]
     cuts = [c.send_forward_s for c in st[:-1]]
-    # in the steady state a cut passes one micro-batch a period: its link is held for the
-    # transfer, and the latency of one overlaps the next
-    period = max(steps + [c.send_forward_busy_s for c in st[:-1]]
-                 + [c.send_backward_busy_s for c in st[1:]])
+    # in the steady state a cut passes one micro-batch a period each way: its link is held
+    # for the transfer, and the latency of one overlaps the next (a cut costs the same both
+    # ways, so the forward sends stand for it)
+    period = max(steps + [c.send_forward_busy_s for c in st[:-1]])
     # the drain runs upstream: stage i's last backward ends the earlier by the backward and
     # cut times of the stages before it, so its all-reduce and step overlap theirs (the part
     # of its all-reduce that its own last backward hides adds nothing)
