@@ -152,9 +152,9 @@ def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: in
     done. A Gloo transfer moves only once its receive is posted, so a receive posted one
     action ahead holds up what H-1F1B's deeper warm-ups sent early (traced on the testbed:
     the activations reached a slow stage later and later, 0.49 s into a step the schedule
-    had them in at 0.36 s). Early receives suit transports that match each transfer by its
-    tag, as Gloo does; NCCL runs one pair of ranks' transfers in order on one stream, where a
-    receive posted early can stall a send behind it."""
+    had them in at 0.36 s). On NCCL, which pairs transfers in posting order on one stream per
+    communicator, they are safe as the runtime posts them, each boundary's each direction on
+    a group of its own (:mod:`hapt_hf.planner.stream_order`)."""
     t = _AS_IS if tokens is None else tokens
     first, last = stage == 0, stage == num_stages - 1
     f, b = t[ActionKind.F], t[ActionKind.B]

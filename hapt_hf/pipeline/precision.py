@@ -1,5 +1,6 @@
 """How the runtime computes in a plan's precision: the torch dtype of each precision name, the
-autocast region of a forward, and the dtype activations travel in between stages.
+autocast region of a forward, the dtype activations travel in between stages, and the context of
+a forward-only pass.
 
 Mixed precision as the runtime runs it (:mod:`hapt_hf.core.precision`): the stage's modules,
 their gradients and the optimizer state stay fp32 (the master weights); the forward runs under
@@ -17,7 +18,7 @@ import torch
 
 from hapt_hf.core.precision import TORCH_DTYPE_NAMES
 
-__all__ = ["torch_dtype", "compute_context", "autocast_mismatch"]
+__all__ = ["torch_dtype", "compute_context", "autocast_mismatch", "inference_context"]
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -42,3 +43,20 @@ def autocast_mismatch(plan_dtype: str, autocast_dtype: torch.dtype | None) -> st
     return (f"RuntimeConfig.autocast_dtype={autocast_dtype} but the plan computes in "
             f"{plan_dtype} (plan.json precision.compute); leave autocast_dtype unset to follow "
             f"the plan, or re-plan with the precision you want")
+
+
+@contextlib.contextmanager
+def inference_context(module: torch.nn.Module, device: torch.device):
+    """Run a forward-only pass as a single process's ``model.eval()`` under ``no_grad``
+    would: dropout off, and the RNG streams training draws from (the CPU generator, and
+    ``device`` if it is a GPU) left as they were, so that evaluating between two steps
+    changes nothing that follows. Every module gets its own mode back afterwards."""
+    modes = [(m, m.training) for m in module.modules()]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            module.eval()
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training

@@ -1,9 +1,9 @@
 """Run a plan's schedule over torch.distributed: one rank, one stage replica, one action list.
 
 Every rank holds the whole global batch (token ids), builds only its own stage, and runs its
-stage's list from :func:`hapt_hf.planner.schedule.build_schedule`: receives posted where it
-posts them (Gloo: once the sender may send; NCCL: one compute ahead), waited for at the compute
-that needs them; sends right after the compute that made them. The loss is the mean over the
+stage's list from :func:`hapt_hf.planner.schedule.build_schedule`: receives posted once the
+sender may send, waited for at the compute that needs them; sends right after the compute that
+made them; each boundary's each direction on a group of its own (``transfer_groups``). The loss is the mean over the
 non-ignored tokens of the WHOLE global batch: the last stage divides each micro-batch's token sum
 by the global token count (every rank has the full batch) before backward, so gradients add up.
 
@@ -37,8 +37,9 @@ from hapt_hf.pipeline.gather import gather_logits, gather_state_dict
 from hapt_hf.pipeline.grad_sync import GradSync
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work
-from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, torch_dtype
-from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups
+from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, inference_context, torch_dtype
+from hapt_hf.pipeline.process_group import (init_distributed, local_device, open_transfers, stage_groups,
+                                            transfer_groups)
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
 from hapt_hf.pipeline.zero import StageOptimizer, check_optimizer
@@ -82,7 +83,7 @@ class PipelineRuntime(StageOptimizer):
         """Activations and their gradients cross stage boundaries in the compute dtype."""
         self.rank = dist.get_rank()
         self.schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                                       plan.warmups(), early_receives=dist.get_backend() == "gloo")
+                                       plan.warmups(), early_receives=True)
         self.work: RankWork = rank_work(plan, self.rank, self.schedule)
         self.stage_plan: StagePlan = self.work.stage
         self.device = torch.device(config.device or local_device())
@@ -121,6 +122,8 @@ class PipelineRuntime(StageOptimizer):
             dp_group, tied_group = stage_groups(
                 self.plan, self.rank, self.work.tied_ranks,
                 bool(getattr(model_config, "tie_word_embeddings", False)))
+            self._transfer_groups = open_transfers(self.work, transfer_groups(self.plan, self.rank),
+                                                   self.device)
         self._replica_group = dp_group
         """The stage's replicas: gradients are summed in it, a sharded optimizer splits in it."""
         self._grads = GradSync(self.stage, dp_group, tied_group, self.config.grad_bucket_bytes,
@@ -155,10 +158,10 @@ class PipelineRuntime(StageOptimizer):
         return self._global_loss(loss_sum, tokens)
 
     def evaluate(self, batch: Batch) -> float:
-        """Forward only, in eval mode (see :meth:`_inference`); the same loss definition as
-        :meth:`forward_backward`."""
+        """Forward only, in eval mode (:func:`~hapt_hf.pipeline.precision.inference_context`);
+        the same loss definition as :meth:`forward_backward`."""
         ids, labels, mask, tokens = self._inputs(batch)
-        with self._inference():
+        with inference_context(self.stage, self.device):
             loss_sum, _ = self._run(self._forward_actions(), ids, labels, mask, tokens,
                                     backward=False)
         return self._global_loss(loss_sum, tokens)
@@ -213,9 +216,9 @@ class PipelineRuntime(StageOptimizer):
 
     def predict(self, batch: Batch) -> Prediction:
         """Loss and full logits of one global batch, forward only, in eval mode (see
-        :meth:`_inference`); the loss as :meth:`evaluate` computes it."""
+        :func:`~hapt_hf.pipeline.precision.inference_context`); the loss as :meth:`evaluate` computes it."""
         ids, labels, mask, tokens = self._inputs(batch)
-        with self._inference():
+        with inference_context(self.stage, self.device):
             loss_sum, outs = self._run(self._forward_actions(), ids, labels, mask, tokens,
                                        backward=False, keep_logits=True)
         loss = self._global_loss(loss_sum, tokens)
@@ -241,27 +244,12 @@ class PipelineRuntime(StageOptimizer):
         """Stop the watchdog, drop the groups (not destroyed: see ``exit_guard``)."""
         self.channel.close()
         self._grads.release_groups()
+        self._transfer_groups = {}
 
     # -- the action loop and its helpers ---------------------------------------------------
     def _forward_actions(self) -> tuple[Action, ...]:
         return tuple(a for a in self.work.actions
                      if a.kind in (ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F))
-
-    @contextlib.contextmanager
-    def _inference(self):
-        """Run a forward-only pass as a single process's ``model.eval()`` under ``no_grad``
-        would: dropout off, and the RNG streams training draws from (the CPU generator, and
-        this rank's CUDA device) left as they were, so that evaluating between two steps
-        changes nothing that follows. Every module gets its own mode back afterwards."""
-        modes = [(m, m.training) for m in self.stage.modules()]
-        devices = [self.device] if self.device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                self.stage.eval()
-                yield
-        finally:
-            for m, training in modes:
-                m.training = training
 
     def _run(self, actions: tuple[Action, ...], ids: Tensor, labels: Tensor,
              mask: Tensor | None, tokens: int, *, backward: bool,
@@ -356,25 +344,29 @@ class PipelineRuntime(StageOptimizer):
         m.output, m.grad_recv = None, None
         self._live -= 1
 
+    def _group(self, kind: str) -> Any:  # the boundary's group for the transfer's direction
+        s = self.stage_plan.index
+        return self._transfer_groups[(s - (kind in ("RECV_F", "SEND_B")), kind[-1] == "F")]
+
     def _post_recv(self, pieces: tuple[Piece, ...], k: int, seq: int, kind: str) -> list[Transfer]:
-        out = []
+        out, group = [], self._group(kind)
         for p in pieces:
             buf = torch.empty((p.size, seq, self.hidden_size), dtype=self.wire_dtype,
                               device=self.device)
             what = (f"{kind} of micro-batch {k} from rank {p.peer} "
                     f"(stage {self.plan.stage_of_rank(p.peer).index})")
-            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.irecv(b, q, tag=k), p.peer, what,
-                                          buf, self.stage_plan.index))
+            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.irecv(b, q, group, tag=k), p.peer,
+                                          what, buf, self.stage_plan.index))
         return out
 
     def _post_send(self, pieces: tuple[Piece, ...], k: int, t: Tensor, kind: str) -> list[Transfer]:
         t = t.detach().to(self.wire_dtype)
-        out = []
+        out, group = [], self._group(kind)
         for p in pieces:
             buf = t[p.start:p.stop].contiguous()
             what = f"{kind} of micro-batch {k} to rank {p.peer}"
-            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.isend(b, q, tag=k), p.peer, what,
-                                          buf, self.stage_plan.index))
+            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.isend(b, q, group, tag=k), p.peer,
+                                          what, buf, self.stage_plan.index))
         return out
 
     def _inputs(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor | None, int]:

@@ -91,7 +91,7 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int,
 
     ``early_receives``: post each receive as soon as its sender may send instead of one
     compute action ahead (see :func:`~hapt_hf.core.schedules.stage_actions`; the runtime
-    asks for it on Gloo)."""
+    asks for it)."""
     if num_stages < 1 or num_microbatches < 1:
         raise ScheduleError(f"need at least one stage and one micro-batch, got {num_stages} "
                             f"stages and {num_microbatches} micro-batches")

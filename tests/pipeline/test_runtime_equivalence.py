@@ -78,14 +78,50 @@ def _compare(tag: str, actual, expected, errors: list[str]) -> None:
         errors.append(f"{tag}: {str(e).splitlines()[:4]}")
 
 
+class TransferLog:
+    """Every point-to-point call this rank makes (set-up's and the lists'), with its group."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, str, int, int]] = []  # (group, op, peer, tag)
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> "TransferLog":
+        import torch.distributed as dist
+        for op in ("send", "recv", "isend", "irecv"):
+            real = self._saved[op] = getattr(dist, op)
+
+            def call(tensor, peer=None, group=None, tag=0, _real=real, _op=op, **kw):
+                self.calls.append((group, _op, peer, tag))
+                return _real(tensor, peer, group, tag, **kw)
+            setattr(dist, op, call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+        for op, real in self._saved.items():
+            setattr(dist, op, real)
+
+    def labelled(self, groups: dict) -> list[tuple[object, str, int, int]]:
+        """The calls with each group named by its runtime key (boundary, forward?)."""
+        names = {id(g): key for key, g in groups.items()}
+        return [(names.get(id(g), "other"), op, peer, tag) for g, op, peer, tag in self.calls]
+
+
 def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
     """One case on this rank: gradients after one iteration, parameters after STEPS steps."""
+    with TransferLog() as log:
+        out = _run_case(rank, family, layout, schedule, log)
+    return out
+
+
+def _run_case(rank: int, family: str, layout: Layout, schedule: str, log: TransferLog) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
     config = tiny_config(family, sum(layout.blocks))
     plan = make_plan(layout, schedule)
     rt = PipelineRuntime(plan, config, RuntimeConfig(timeout_s=60, seed=7))
+    set_up = len(log.calls)
     torch.manual_seed(7)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     batches = make_batches(config.vocab_size, seed=11)
@@ -121,6 +157,7 @@ def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
     for n, p in rt.stage.named_parameters():
         _compare(f"param {n} after {STEPS} steps", p.detach(), ref.get_parameter(n).detach(),
                  errors)
+    trained = len(log.calls)  # what follows gathers to rank 0 on the default group
     if schedule == "1f1b":  # forward-only paths, once per partition
         _check_forward_only(rank, rt, ref, batches[0], errors)
     for p in rt.stage.tied_parameters():  # both copies moved alike
@@ -131,7 +168,9 @@ def run_case(rank: int, family: str, layout: Layout, schedule: str) -> dict:
     out = {"errors": errors, "params": len(names), "max_live": rt.max_live_activations,
            "in_flight": rt.in_flight_limit, "warmup": rt.stage_plan.warmup,
            "early_receives": rt.work.actions == early.actions[rt.stage_plan.index],
-           "stage": rt.stage_plan.index, "norms": norms}
+           "stage": rt.stage_plan.index, "norms": norms,
+           "transfers": log.labelled(rt._transfer_groups)[:trained], "set_up": set_up,
+           "stages": [st.ranks for st in rt.plan.stages]}
     rt.shutdown()
     return out
 
@@ -269,5 +308,32 @@ def test_live_activations_within_schedule(results, world, case):
         # a 1F1B-style list reaches its warm-up depth exactly
         assert r["max_live"] <= r["in_flight"] == min(r["warmup"], M), r
         assert r["max_live"] == r["in_flight"], r
-        assert r["early_receives"], r  # on Gloo, receives go up as soon as the sender may send
+        assert r["early_receives"], r  # receives go up as soon as the sender may send
+
+
+@pytest.mark.parametrize("world,case", ALL, ids=[f"{w}r-{case_id(*c)}" for w, c in ALL])
+def test_transfers_would_pair_up_on_nccl(results, world, case):
+    """NCCL pairs a communicator's transfers in posting order, not by tag: on each group and
+    pair of ranks the receiver posts the micro-batches in the order the sender sends them; each
+    group carries one boundary one way; set-up made every pair's communicator before the lists
+    (hapt_hf.planner.stream_order replays the lists themselves under NCCL's rules)."""
+    cid = case_id(*case)
+    stages = results[(cid, 0)]["stages"]
+    stage_of = {r: i for i, ranks in enumerate(stages) for r in ranks}
+    sent, received, opened = {}, {}, set()
+    for rank in range(world):
+        r = results[(cid, rank)]
+        for i, (key, op, peer, tag) in enumerate(r["transfers"]):
+            assert key != "other", f"rank {rank}: {op} to/from {peer} on no transfer group"
+            send = op in ("send", "isend")
+            src, dst = (rank, peer) if send else (peer, rank)
+            boundary, forward = key
+            assert (stage_of[src], stage_of[dst]) == ((boundary, boundary + 1) if forward
+                                                      else (boundary + 1, boundary)), (key, src, dst)
+            if i < r["set_up"]:
+                opened.add((key, src, dst, send))
+                continue
+            assert (key, src, dst, send) in opened, f"{key} {src}->{dst} not made at set-up"
+            (sent if send else received).setdefault((key, src, dst), []).append(tag)
+    assert sent and sent == received
 

@@ -1,0 +1,169 @@
+"""Whether a schedule's lists finish on a transport that runs transfers in posting order (NCCL).
+
+:func:`~hapt_hf.planner.schedule.validate_schedule` replays the lists as Gloo runs them: every
+transfer is matched by its tag and moves on its own, so a receive posted early holds nothing up.
+NCCL works differently, and :func:`in_order_hazard` replays the lists under its rules:
+
+* **Matching in order.** Between two ranks, NCCL pairs the k-th send of one with the k-th receive
+  of the other, in the order they were posted; the tag is ignored. A stage that posts its
+  receives in a different micro-batch order from the one its neighbour sends in would get the
+  wrong micro-batch's data.
+* **One stream per communicator.** torch gives each pair of ranks of a process group its own
+  NCCL communicator and CUDA stream, and posts both directions of that pair on it. A receive at
+  the head of the stream waits for its data; whatever was posted behind it waits as well.
+* **A send waits for its receive.** A send larger than NCCL's buffers (a few MB: an activation
+  of one 4k-token sample at hidden size 4096 is 32 MB in bf16) completes only once the receive
+  runs on the other side. The replay assumes every send is that large.
+* **Stream order with compute.** A transfer starts after the compute posted before it (torch
+  makes the communication stream wait for the current one); a compute that consumes a receive
+  waits for it.
+* **The host.** Each rank posts its list in order. The first transfer of a pair on a
+  communicator also creates it, which blocks both hosts until both get there; the last stage
+  reads each forward's loss into host memory, which blocks its host until that forward is done.
+
+The replay builds the graph of these dependencies (a send and its receive are one node, the two
+hosts' first posts on a communicator are one node) and reports a cycle: the lists would hang.
+
+What it shows (tests/planner/test_stream_order.py): on the default group alone, 1F1B's lists
+hang (the stage before posts its gradient receive of micro-batch 0 before its activation send of
+1, the stage after its activation receive of 1 before its gradient send of 0); on one group per
+stage boundary and direction, with the communicators made before the lists start, no list of
+any schedule hangs, whichever way torch makes communicators. That is what the runtime does
+(:func:`hapt_hf.pipeline.process_group.transfer_groups` and ``open_transfers``).
+
+The replay covers the lists only: the gradient all-reduces, launched from the last backward on,
+run on the replica groups' own communicators, in the same order on every replica.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from hapt_hf.core.schedules import ActionKind
+from hapt_hf.planner.schedule import Schedule
+
+__all__ = ["in_order_hazard", "GROUPINGS", "STREAMS"]
+
+_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+_FORWARD = (ActionKind.SEND_F, ActionKind.RECV_F)
+
+
+GROUPINGS = ("one", "direction", "boundary")
+STREAMS = ("pair", "group")
+
+
+def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str = "pair",
+                    made_at_setup: bool = True) -> str | None:
+    """Why ``sched``'s lists would hang or mix up micro-batches under NCCL's rules (above),
+    or None when they finish.
+
+    ``groups``: which process group carries a transfer: ``"one"`` (the default group, every
+    transfer), ``"direction"`` (one group for activations, one for gradients) or
+    ``"boundary"`` (one group per stage boundary and direction: the runtime's).
+    ``streams``: ``"pair"``, torch's communicator per pair of ranks of a group, made by their
+    first transfer; ``"group"``, one communicator and stream per group, all peers on it (a
+    default group initialised with ``device_id``, which torch then makes eagerly).
+    ``made_at_setup``: the pair communicators already exist when the lists start (the
+    runtime's set-up makes them); otherwise a pair's first transfer blocks both hosts."""
+    if groups not in GROUPINGS or streams not in STREAMS:
+        raise ValueError(f"groups must be one of {GROUPINGS} and streams one of {STREAMS}")
+    n = sched.num_stages
+    parent: dict[tuple, tuple] = {}
+
+    def find(x: tuple) -> tuple:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    edges: list[tuple[tuple, tuple]] = []
+    sends: dict[tuple, list[tuple[tuple, int]]] = defaultdict(list)  # (chan, src, dst)
+    recvs: dict[tuple, list[tuple[tuple, int]]] = defaultdict(list)
+    first_post: dict[tuple, tuple] = {}  # (chan, stage) -> host node of its first transfer
+    for s, lst in enumerate(sched.actions):
+        last_compute = prev_host = host_sync = None
+        tail: dict[object, tuple] = {}  # stream -> its last node
+        received: dict[tuple[bool, int], tuple] = {}
+        for j, a in enumerate(lst):
+            host, node = ("H", s, j), ("G", s, j)
+            for before in (prev_host, host_sync):
+                if before is not None:
+                    edges.append((before, host))
+            edges.append((host, node))
+            prev_host, host_sync = host, None
+            k = a.microbatch
+            if a.is_compute:
+                stream, fwd = "compute", a.kind is ActionKind.F
+                if (fwd and s > 0) or (not fwd and s < n - 1):
+                    edges.append((received[(fwd, k)], node))
+                last_compute = node
+                if fwd and s == n - 1:
+                    host_sync = node  # the loss read back to the host
+            else:
+                fwd = a.kind in _FORWARD
+                peer = s + 1 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else s - 1
+                edge = min(s, peer)  # the boundary's index
+                chan = {"one": ("all",), "direction": ("all", fwd),
+                        "boundary": (edge, fwd)}[groups]
+                stream = (chan, edge) if streams == "pair" else chan
+                if streams == "pair" and not made_at_setup:
+                    first_post.setdefault((stream, s), host)
+                if last_compute is not None:
+                    edges.append((last_compute, node))
+                if a.kind in _SENDS:
+                    sends[(chan, s, peer)].append((node, k))
+                else:
+                    recvs[(chan, peer, s)].append((node, k))
+                    received[(fwd, k)] = node
+            if stream in tail:
+                edges.append((tail[stream], node))
+            tail[stream] = node
+    for key, out in sends.items():
+        into = recvs.get(key, [])
+        _, src, dst = key
+        if len(out) != len(into):
+            return (f"stage {src} posts {len(out)} sends to stage {dst} but stage {dst} posts "
+                    f"{len(into)} receives from it")
+        for (snd, k), (rcv, k2) in zip(out, into):
+            if k != k2:
+                return (f"stage {src}'s send of micro-batch {k} would land in stage {dst}'s "
+                        f"receive of micro-batch {k2}: NCCL matches a pair's transfers in "
+                        "posting order, not by tag")
+            parent[find(snd)] = find(rcv)
+    by_comm: dict[object, list[tuple]] = defaultdict(list)
+    for (stream, _), host in first_post.items():
+        by_comm[stream].append(host)
+    for hosts in by_comm.values():
+        for h in hosts[1:]:
+            parent[find(h)] = find(hosts[0])
+    return _cycle(sched, {(find(u), find(v)) for u, v in edges}, find)
+
+
+def _cycle(sched: Schedule, edges: set[tuple[tuple, tuple]], find) -> str | None:
+    """Kahn's order over the merged nodes; where it stops, each stage's first action left."""
+    succ: dict[tuple, list[tuple]] = defaultdict(list)
+    indeg: dict[tuple, int] = defaultdict(int)
+    nodes = {find(("G", s, j)) for s, lst in enumerate(sched.actions) for j in range(len(lst))}
+    nodes |= {find(("H", s, j)) for s, lst in enumerate(sched.actions) for j in range(len(lst))}
+    for u, v in edges:
+        if u == v:
+            continue
+        succ[u].append(v)
+        indeg[v] += 1
+    ready = [x for x in nodes if indeg[x] == 0]
+    done: set[tuple] = set()
+    while ready:
+        x = ready.pop()
+        done.add(x)
+        for y in succ[x]:
+            indeg[y] -= 1
+            if indeg[y] == 0:
+                ready.append(y)
+    if len(done) == len(nodes):
+        return None
+    stuck = []
+    for s, lst in enumerate(sched.actions):
+        j = next((j for j in range(len(lst)) if find(("G", s, j)) not in done), None)
+        if j is not None:
+            stuck.append(f"stage {s} at {lst[j]}")
+    return "the lists hang: " + ", ".join(stuck)
