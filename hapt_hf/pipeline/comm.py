@@ -1,8 +1,9 @@
 """Point-to-point transfers and failure signalling for the pipeline runtime.
 
 Transfers are torch.distributed's own ``isend``/``irecv``, on the groups of each stage boundary
-(:func:`~hapt_hf.pipeline.process_group.transfer_groups`); what is written here is what torch.distributed does not give: a failure anywhere must end every rank
-within a bounded time, with a message that names the rank that failed and what it was doing.
+(:func:`~hapt_hf.pipeline.process_group.transfer_groups`); what is written here is what
+torch.distributed does not give: a failure anywhere must end every rank within a bounded time,
+with a message that names the rank that failed and what it was doing.
 
 What every rank publishes in the rendezvous store, under the runtime's namespace:
 
