@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ddp-max-s", type=float, default=None,
                     help="run (e) DDP when its estimated all-reduce takes at most this long")
     ap.add_argument("--ddp-reps", type=int, default=None)
+    ap.add_argument("--profile-budget-s", type=float, default=None,
+                    help="timed seconds the profiler aims at per layer and size (default 1.0)")
     ap.add_argument("--idle-profile", action="store_true",
                     help="profile the group leaders with their peers idle")
     ap.add_argument("--unshaped", action="store_true",
@@ -403,6 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
             "link_latency_ms": args.link_latency_ms,
             "slowdown_mechanism": args.slowdown_mechanism,
             "busy_profile": False if args.idle_profile else None,
+            "profile_budget_s": args.profile_budget_s,
             "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap,
             "unshaped": True if args.unshaped else None,
             "pin_cpus": False if args.no_pin_cpus else None}
