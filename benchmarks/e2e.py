@@ -90,8 +90,9 @@ class RaceConfig:
     this 2-core machine some room. ``--cpu-cap 0`` turns it off."""
     profile_budget_s: float = 2.0
     """Timed seconds the profiler aims at per layer and size. 2.0 (was 1.0): in five interleaved
-    pairs of unshaped races, the prediction error's median fell from 0.060 to 0.022 and the
-    profile took no longer (29-34 s either way; docs/benchmarks.md)."""
+    pairs of unshaped races the prediction error's median was 0.022 against 0.060; ten runs at
+    2.0 all came within 0.15 (median 0.050); the profile took 29-40 s against 30-33 s
+    (docs/benchmarks.md)."""
     busy_profile: bool = True
     """Every rank profiles while the group leaders are timed: CPU ranks share two cores, so a
     leader timed next to idle peers would look faster than it is during training."""
