@@ -85,10 +85,11 @@ def pieces_between(micro_batch_size: int, mine: tuple[int, int],
 
 
 def rank_work(plan: Plan, rank: int, schedule: Schedule | None = None) -> RankWork:
-    """This rank's stage, slice, neighbours and action list under ``plan``."""
+    """This rank's stage, slice, neighbours and action list under ``plan``: by default the
+    list the runtime runs, each receive posted as soon as its sender may send."""
     if schedule is None:
         schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                                  plan.warmups())
+                                  plan.warmups(), early_receives=True)
     stage = plan.stage_of_rank(rank)
     replica = stage.ranks.index(rank)
     mbs = plan.micro_batch_size

@@ -6,8 +6,7 @@ the recipes (through :func:`hapt_hf.integration.launch.init_process_group`, whic
 (:func:`hapt_hf.testing.run_ranks`) all call it. Gloo on CPU, NCCL on CUDA (each rank on the
 GPU ``LOCAL_RANK`` names); its timeout, ``DEFAULT_TIMEOUT_S`` unless given, bounds every
 collective. :func:`stage_groups` makes the subgroups the runtime sums gradients in;
-:func:`transfer_groups` and :func:`open_transfers` the ones its activations and gradients cross
-stage boundaries in. Setting up registers
+:func:`transfer_groups` the ones its activations and gradients cross stage boundaries in. Setting up registers
 :func:`~hapt_hf.pipeline.exit_guard.end_distributed_workers` to run at exit, so that a process
 that used any of them ends cleanly however it ends.
 """
@@ -26,7 +25,7 @@ from hapt_hf.pipeline.placement import RankWork
 from hapt_hf.pipeline.runtime_types import RuntimeSetupError
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["init_distributed", "stage_groups", "transfer_groups", "open_transfers", "local_device"]
+__all__ = ["init_distributed", "stage_groups", "transfer_groups", "local_device"]
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What ``torchrun`` / ``accelerate launch`` set and the ``env://`` rendezvous reads."""
@@ -90,10 +89,11 @@ def stage_groups(plan: Plan, rank: int, tied_ranks: Sequence[int],
     return mine, tied
 
 
-def transfer_groups(plan: Plan, rank: int) -> dict[tuple[int, bool], Any]:
-    """The groups this rank's transfers go over: one per stage boundary and direction,
-    ``(b, True)`` for the activations from stage ``b`` to ``b + 1``, ``(b, False)`` for the
-    gradients back.
+def transfer_groups(plan: Plan, work: RankWork,
+                    device: torch.device) -> dict[tuple[int, bool], Any]:
+    """The groups this rank's transfers go over, their communicators made: one per stage
+    boundary and direction, ``(b, True)`` for the activations from stage ``b`` to ``b + 1``,
+    ``(b, False)`` for the gradients back.
 
     NCCL matches a pair's transfers in posting order and runs a communicator's transfers in
     order on one stream, so a receive at its head holds up whatever is behind it. On a group of
@@ -101,19 +101,21 @@ def transfer_groups(plan: Plan, rank: int) -> dict[tuple[int, bool], Any]:
     both sides: the schedules' lists then finish on NCCL, whether torch makes a communicator
     per pair (its default) or one per group (a default group bound to a device). On one group
     for every transfer, 1F1B's lists hang (:mod:`hapt_hf.planner.stream_order` replays both).
-    Every rank creates every group, in the same order (``new_group`` is collective)."""
+    Every rank creates every group, in the same order (``new_group`` is collective); then
+    :func:`_open_pairs` makes the communicators."""
     mine: dict[tuple[int, bool], Any] = {}
     for b in range(plan.num_stages - 1):
         ranks = sorted(set(plan.stages[b].ranks) | set(plan.stages[b + 1].ranks))
         for forward in (True, False):
             g = dist.new_group(ranks)
-            if rank in ranks:
+            if work.rank in ranks:
                 mine[(b, forward)] = g
+    _open_pairs(work, mine, device)
     return mine
 
 
-def open_transfers(work: RankWork, groups: dict[tuple[int, bool], Any],
-                   device: torch.device) -> dict[tuple[int, bool], Any]:
+def _open_pairs(work: RankWork, groups: dict[tuple[int, bool], Any],
+                device: torch.device) -> None:
     """Send one element over every pair of ranks and direction the lists will use, in one
     order all ranks share (boundary, direction, sender, receiver).
 
@@ -121,7 +123,7 @@ def open_transfers(work: RankWork, groups: dict[tuple[int, bool], Any],
     until both get there: left to the lists, a stage that posts its first gradient receive
     before sending on (GPipe's lists, 1F1B's with one micro-batch) would wait for a gradient
     that needs that send. Made here, in one global order, no rank waits for one that waits
-    for it. Returns ``groups``."""
+    for it."""
     s, me = work.stage.index, work.rank
     events = []  # (order, send?, peer, group key)
     for p in work.upstream:
@@ -133,4 +135,3 @@ def open_transfers(work: RankWork, groups: dict[tuple[int, bool], Any],
     one = torch.zeros(1, device=device)
     for _, send, peer, key in sorted(events):
         (dist.send if send else dist.recv)(one, peer, group=groups[key])
-    return groups

@@ -3,9 +3,10 @@
 Every rank holds the whole global batch (token ids), builds only its own stage, and runs its
 stage's list from :func:`hapt_hf.planner.schedule.build_schedule`: receives posted once the
 sender may send, waited for at the compute that needs them; sends right after the compute that
-made them; each boundary's each direction on a group of its own (``transfer_groups``). The loss is the mean over the
-non-ignored tokens of the WHOLE global batch: the last stage divides each micro-batch's token sum
-by the global token count (every rank has the full batch) before backward, so gradients add up.
+made them; each boundary's each direction on a group of its own (``transfer_groups``). The
+loss is the mean over the non-ignored tokens of the WHOLE global batch: the last stage divides
+each micro-batch's token sum by the global token count (every rank has the full batch) before
+backward, so gradients add up.
 
 Precision comes from the plan (:mod:`~hapt_hf.pipeline.precision`): fp32 modules and optimizer
 state, the forward under autocast to the plan's compute dtype (on CPU too), activations and
@@ -38,13 +39,12 @@ from hapt_hf.pipeline.grad_sync import GradSync
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work
 from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, inference_context, torch_dtype
-from hapt_hf.pipeline.process_group import (init_distributed, local_device, open_transfers, stage_groups,
-                                            transfer_groups)
+from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups, transfer_groups
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
 from hapt_hf.pipeline.zero import StageOptimizer, check_optimizer
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.planner.schedule import Action, ActionKind, build_schedule
+from hapt_hf.planner.schedule import Action, ActionKind
 
 # settings, results, errors and process-group set-up: importable from here too, as always
 __all__ = ["Batch", "RuntimeConfig", "StepResult", "Prediction", "RuntimeSetupError",
@@ -82,9 +82,7 @@ class PipelineRuntime(StageOptimizer):
         self.wire_dtype = torch_dtype(plan.dtype)
         """Activations and their gradients cross stage boundaries in the compute dtype."""
         self.rank = dist.get_rank()
-        self.schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                                       plan.warmups(), early_receives=True)
-        self.work: RankWork = rank_work(plan, self.rank, self.schedule)
+        self.work: RankWork = rank_work(plan, self.rank)
         self.stage_plan: StagePlan = self.work.stage
         self.device = torch.device(config.device or local_device())
         self._all_ranks = tuple(range(plan.world_size))
@@ -122,8 +120,7 @@ class PipelineRuntime(StageOptimizer):
             dp_group, tied_group = stage_groups(
                 self.plan, self.rank, self.work.tied_ranks,
                 bool(getattr(model_config, "tie_word_embeddings", False)))
-            self._transfer_groups = open_transfers(self.work, transfer_groups(self.plan, self.rank),
-                                                   self.device)
+            self._transfer_groups = transfer_groups(self.plan, self.work, self.device)
         self._replica_group = dp_group
         """The stage's replicas: gradients are summed in it, a sharded optimizer splits in it."""
         self._grads = GradSync(self.stage, dp_group, tied_group, self.config.grad_bucket_bytes,
@@ -215,8 +212,9 @@ class PipelineRuntime(StageOptimizer):
                                                                        loss_scale=scale))
 
     def predict(self, batch: Batch) -> Prediction:
-        """Loss and full logits of one global batch, forward only, in eval mode (see
-        :func:`~hapt_hf.pipeline.precision.inference_context`); the loss as :meth:`evaluate` computes it."""
+        """Loss and full logits of one global batch, forward only, in eval mode
+        (:func:`~hapt_hf.pipeline.precision.inference_context`); the loss as :meth:`evaluate`
+        computes it."""
         ids, labels, mask, tokens = self._inputs(batch)
         with inference_context(self.stage, self.device):
             loss_sum, outs = self._run(self._forward_actions(), ids, labels, mask, tokens,

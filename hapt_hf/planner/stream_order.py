@@ -29,7 +29,7 @@ hang (the stage before posts its gradient receive of micro-batch 0 before its ac
 1, the stage after its activation receive of 1 before its gradient send of 0); on one group per
 stage boundary and direction, with the communicators made before the lists start, no list of
 any schedule hangs, whichever way torch makes communicators. That is what the runtime does
-(:func:`hapt_hf.pipeline.process_group.transfer_groups` and ``open_transfers``).
+(:func:`hapt_hf.pipeline.process_group.transfer_groups`).
 
 The replay covers the lists only: the gradient all-reduces, launched from the last backward on,
 run on the replica groups' own communicators, in the same order on every replica.
@@ -45,8 +45,6 @@ __all__ = ["in_order_hazard", "GROUPINGS", "STREAMS"]
 
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 _FORWARD = (ActionKind.SEND_F, ActionKind.RECV_F)
-
-
 GROUPINGS = ("one", "direction", "boundary")
 STREAMS = ("pair", "group")
 
@@ -145,9 +143,7 @@ def _cycle(sched: Schedule, edges: set[tuple[tuple, tuple]], find) -> str | None
     indeg: dict[tuple, int] = defaultdict(int)
     nodes = {find(("G", s, j)) for s, lst in enumerate(sched.actions) for j in range(len(lst))}
     nodes |= {find(("H", s, j)) for s, lst in enumerate(sched.actions) for j in range(len(lst))}
-    for u, v in edges:
-        if u == v:
-            continue
+    for u, v in edges:  # a node that waits on itself (u == v) never becomes ready
         succ[u].append(v)
         indeg[v] += 1
     ready = [x for x in nodes if indeg[x] == 0]

@@ -53,7 +53,7 @@ def test_one_group_per_direction_hangs_when_torch_makes_one_communicator_per_gro
 def test_communicators_made_by_the_first_transfer_can_hang(kind, n, m):
     """NCCL makes a pair's communicator on its first transfer, blocking both hosts: GPipe's
     first stage posts its gradient receive before its last activation send. The runtime makes
-    them at set-up (open_transfers)."""
+    them at set-up (process_group.transfer_groups)."""
     sched = build_schedule(kind, n, m, early_receives=True)
     assert in_order_hazard(sched, made_at_setup=False) is not None
     assert in_order_hazard(sched) is None
