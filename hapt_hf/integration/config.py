@@ -54,7 +54,9 @@ class HaptConfig:
         plan: A ready ``plan.json``. With ``cluster`` too, the two must describe the same
             world size and the plan must name the cluster's groups.
         schedule: Pipeline schedule: ``gpipe``, ``1f1b`` or ``h1f1b``.
-        global_batch_size: Samples per optimizer step (the whole pipeline's batch).
+        global_batch_size: Samples per optimizer step (the whole pipeline's batch). Optional:
+            ``HaptTrainer`` and ``HaptAccelerator`` derive it from their arguments as
+            ``Trainer`` / ``Accelerator`` define it; given, it must agree with theirs.
         seq_len: Tokens per sample; the recipes' ``--seq_len`` overrides it.
         precision: ``auto``, ``bf16``, ``fp16`` or ``fp32``: the compute dtype (weights and
             optimizer state stay fp32). ``auto`` (the default): bf16 where every GPU of the
@@ -73,7 +75,8 @@ class HaptConfig:
     plan: Path | None = field(default=None, metadata={"help": "Ready plan.json to run as is."})
     schedule: str = field(default=ScheduleKind.H1F1B.value,
                           metadata={"help": f"One of {SCHEDULES}."})
-    global_batch_size: int = field(default=8, metadata={"help": "Samples per optimizer step."})
+    global_batch_size: int | None = field(
+        default=None, metadata={"help": "Samples per optimizer step (default: derived)."})
     seq_len: int | None = field(default=None, metadata={"help": "Tokens per sample."})
     precision: str | None = field(default=None, metadata={"help": f"One of {PRECISIONS}."})
     dtype: str | None = field(default=None, metadata={"help": "Older name of precision."})
@@ -99,7 +102,8 @@ class HaptConfig:
         if self.schedule not in SCHEDULES:
             raise HaptConfigError(f"{where}: 'schedule' is {self.schedule!r}; use one of "
                                   f"{', '.join(SCHEDULES)}")
-        if not isinstance(self.global_batch_size, int) or self.global_batch_size < 1:
+        if self.global_batch_size is not None and (not isinstance(self.global_batch_size, int)
+                                                   or self.global_batch_size < 1):
             raise HaptConfigError(f"{where}: 'global_batch_size' is {self.global_batch_size!r}; "
                                   "it must be a positive integer")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
@@ -130,6 +134,16 @@ class HaptConfig:
     def requested_precision(self) -> str | None:
         """What the config asks for under either name; None: auto."""
         return self.precision or self.dtype
+
+    def with_global_batch(self, derived: int, how: str) -> "HaptConfig":
+        """This config planning for ``derived`` samples per step, which the caller's own
+        arguments define (``how`` says how, for the message); a ``global_batch_size`` the
+        config sets must be the same number."""
+        if self.global_batch_size not in (None, derived):
+            raise HaptConfigError(f"{self.source}: global_batch_size is {self.global_batch_size}"
+                                  f" but {how} = {derived} samples per step; make the two agree"
+                                  " or remove global_batch_size from the hapt config")
+        return replace(self, global_batch_size=derived)
 
     # -- reading ------------------------------------------------------------------------------
     @classmethod

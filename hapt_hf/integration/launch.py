@@ -172,6 +172,9 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
 
     install_model_reader()  # every type's figures read off the model
     name = Path(str(getattr(model_config, "name_or_path", "") or model_config.model_type)).name
+    if plugin.global_batch_size is None:
+        raise LaunchError(f"{plugin.source}: set global_batch_size (samples per optimizer step)"
+                          "; the cluster file is planned for one")
     cluster = Cluster.load(plugin.cluster)
     precision = cluster.precision(plugin.requested_precision)
     spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=precision.compute, name=name,
