@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs hapt_hf (editable) and, with the argument "test", its test extras.
+# Installs hapt_hf (editable) and, with the argument "test", its test extras at the versions the
+# test suite ran on (scripts/constraints-test.txt); without it, at pyproject.toml's ranges.
 # PyTorch: an existing install is kept. Without one, a machine with no NVIDIA GPU gets a CPU
 # build (a local CPU wheel where pip finds one, else PyTorch's CPU index), so that a CPU-only
 # machine never downloads gigabytes of CUDA packages; a GPU machine gets the regular build.
@@ -17,4 +18,17 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
       || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-"$PY" -m pip install -q -e ".${extras}"
+if [ -z "$extras" ]; then
+  "$PY" -m pip install -q -e .
+elif "$PY" -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
+  # the installed torch is pinned to itself so that no pin of the file makes pip replace it
+  torch_pin=$(mktemp)
+  trap 'rm -f "$torch_pin"' EXIT
+  "$PY" -c "import importlib.metadata as m; d = m.distribution('torch'); print('torch==' + d.version)" \
+    > "$torch_pin" 2>/dev/null || : > "$torch_pin"
+  "$PY" -m pip install -q -e ".${extras}" -c scripts/constraints-test.txt -c "$torch_pin"
+else
+  echo "install.sh: scripts/constraints-test.txt holds Python 3.11 releases; on $("$PY" -V)" \
+    "the test extras are installed at pyproject.toml's ranges" >&2
+  "$PY" -m pip install -q -e ".${extras}"
+fi
