@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hapt_hf.errors import UnsupportedModel
-from hapt_hf.pipeline.coverage import tiny_config
+from hapt_hf.pipeline.coverage import attention_for, tiny_config
 from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
 from hapt_hf.profiling.model_reader import (install_model_reader, read_layer_counts,
                                            read_layer_specs, read_model)
@@ -142,7 +142,7 @@ def test_parallel_blocks_refuse_halves_and_are_planned_whole(model_type):
     config = tiny_config(model_type, blocks=2)
     if model_type == "falcon":
         config.parallel_attn = True  # the default, said here: the refusal depends on it
-    attn = "eager" if model_type == "gptj" else "sdpa"  # GPT-J has no sdpa attention
+    attn = attention_for(config)  # sdpa where the type has it (GPT-J before transformers 5.24 has not)
     spec = ModelSpec.from_config(config, 32, "fp32", attn_implementation=attn)
     assert not spec.can_split_blocks and "in parallel" in spec.half_refusal
     with pytest.raises(ModelSpecError, match=f"'half' is not possible .*{model_type}.*in parallel"):
