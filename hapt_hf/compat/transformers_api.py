@@ -1,4 +1,4 @@
-"""transformers internals the pipeline stages call (tested on transformers 5.23).
+"""transformers internals the pipeline stages call (tested on transformers 5.23 and 5.24).
 
 A stage must build the very masks and compute the very loss the full model does, so it calls
 the functions the model's own forward calls; transformers exports them from modules it does
@@ -6,6 +6,7 @@ not document as public (``transformers.masking_utils``, ``transformers.loss.loss
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import Tensor
@@ -16,6 +17,10 @@ __all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum", "init_mo
 
 SLIDING_ATTENTION = "sliding_attention"
 """The attention kind (``config.layer_types`` entry) masked by a sliding window."""
+_CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters \
+    else "past_key_values"
+"""The mask builders' name for the KV cache: ``cache`` from transformers 5.24 (which deprecates
+``past_key_values`` with a FutureWarning), ``past_key_values`` before."""
 
 
 def attention_mask(kind: str, *, config: Any, inputs_embeds: Tensor,
@@ -24,14 +29,16 @@ def attention_mask(kind: str, *, config: Any, inputs_embeds: Tensor,
     """The mask a decoder layer of attention ``kind`` receives, as the full model builds it.
 
     ``kind`` is ``"full_attention"`` or ``"sliding_attention"``; the result is in the form the
-    configured attention implementation expects (a tensor, a block mask, or None). Tested on
-    transformers 5.23 (``masking_utils.create_causal_mask`` and
-    ``create_sliding_window_causal_mask`` with ``inputs_embeds=``, no ``cache_position``).
+    configured attention implementation expects (a tensor, a block mask, or None);
+    ``past_key_values`` is the (empty) cache the full model builds its mask with. Tested on
+    transformers 5.23 and 5.24 (``masking_utils.create_causal_mask`` and
+    ``create_sliding_window_causal_mask`` with ``inputs_embeds=``, no ``cache_position``, the
+    cache as ``past_key_values=`` up to 5.23 and ``cache=`` from 5.24).
     """
     build = create_sliding_window_causal_mask if kind == SLIDING_ATTENTION \
         else create_causal_mask
     return build(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                 past_key_values=past_key_values, position_ids=position_ids)
+                 position_ids=position_ids, **{_CACHE_ARG: past_key_values})
 
 
 def causal_lm_loss_sum(logits: Tensor, labels: Tensor, vocab_size: int) -> Tensor:

@@ -117,10 +117,10 @@ class FamilyAdapter:
         return BlockInputs(position_ids=position_ids, masks=masks, position_embeddings=rope)
 
     def run_block(self, block: nn.Module, hidden: Tensor, inputs: BlockInputs, mask_kind: str) -> Tensor:
-        """One block's forward with the arguments the full model passes it (no KV cache)."""
+        """One block's forward with the arguments the full model passes it (no KV cache: the
+        cache argument is left at its default, None, under either of its names)."""
         kwargs: dict[str, Any] = {"attention_mask": inputs.masks[mask_kind],
-                                  "position_ids": inputs.position_ids,
-                                  "past_key_values": None, "use_cache": False}
+                                  "position_ids": inputs.position_ids, "use_cache": False}
         if inputs.position_embeddings is not None:
             kwargs["position_embeddings"] = inputs.position_embeddings
         return block(hidden, **kwargs)
@@ -132,8 +132,7 @@ class FamilyAdapter:
         holds only this half's submodules; ``config`` gives what the block read off it."""
         norm, attn = (getattr(block, name) for name in self.attention_half)
         kwargs: dict[str, Any] = {"attention_mask": inputs.masks[mask_kind],
-                                  "position_ids": inputs.position_ids,
-                                  "past_key_values": None, "use_cache": False}
+                                  "position_ids": inputs.position_ids, "use_cache": False}
         if inputs.position_embeddings is not None:
             kwargs["position_embeddings"] = inputs.position_embeddings
         attn_output, _ = attn(norm(hidden), **kwargs)
@@ -198,7 +197,7 @@ class _OptAdapter(FamilyAdapter):
     def run_attention_half(self, block, hidden, inputs, mask_kind, config):
         norm, attn = (getattr(block, name) for name in self.attention_half)
         pre = config.do_layer_norm_before
-        out, _ = attn(hidden_states=norm(hidden) if pre else hidden, past_key_values=None,
+        out, _ = attn(hidden_states=norm(hidden) if pre else hidden,
                       position_ids=inputs.position_ids, attention_mask=inputs.masks[mask_kind])
         hidden = hidden + nn.functional.dropout(out, p=config.dropout, training=block.training)
         return hidden if pre else norm(hidden)
