@@ -12,26 +12,31 @@ TensorBoard and other ``report_to`` integrations, early stopping), ``self.log``,
 best-model bookkeeping (``metric_for_best_model``, ``load_best_model_at_end``). ``evaluate``,
 ``predict`` and ``prediction_step`` run the pipeline forward only, in eval mode.
 
-Batch mapping: one optimizer step consumes the plan's global batch. ``per_device_train_batch_size``
-must equal the plan's ``micro_batch_size`` (samples entering the pipeline per micro-batch, split
-among a stage's replicas) and ``gradient_accumulation_steps`` the plan's ``num_microbatches``;
-their product is ``global_batch_size``. Every rank draws the same global batch (same seeded
-order); the runtime gives each stage the samples it needs.
+Batch mapping, as Trainer's data parallelism defines it: one optimizer step consumes
+``per_device_train_batch_size x gradient_accumulation_steps x processes`` samples, the plan's
+global batch (the planner splits it into its own micro-batches), drawn in the order Trainer on
+one process would draw them (:mod:`hapt_hf.integration.trainer_data`). Every rank draws the same
+global batch; the runtime gives each stage the samples it needs.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, PredictionOutput, SaveStrategy,
+from transformers.trainer_pt_utils import nested_concat, nested_numpify
+from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, EvalPrediction,
+                                        PredictionOutput, SaveStrategy, denumpify_detensorize,
                                         TrainOutput, get_last_checkpoint, rotate_checkpoints,
                                         sort_checkpoints, speed_metrics)
 
@@ -39,17 +44,29 @@ from hapt_hf.compat import trainer_api
 from hapt_hf.compat.trainer_api import TrainerHooks
 from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
-from hapt_hf.integration.data import epoch_order
-from hapt_hf.integration.trainer_checks import (BatchMappingError, as_rows, check_batch_mapping,
-                                                check_best_metric, check_enough,
-                                                check_training_args_honoured, wants_recompute)
+from hapt_hf.integration.launch import read_launch_env, write_plan
 from hapt_hf.integration.precision_args import training_args_precision_mismatch
+from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,
+                                                check_best_metric, check_training_args_honoured,
+                                                wants_recompute)
+from hapt_hf.integration.trainer_data import (RowsDataset, fill_rows, one_process_loader,
+                                              slice_rows, steps, to_batch)
+from hapt_hf.integration.trainer_setup import hapt_config_of, pipeline_for_model, seq_len_of
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
-from hapt_hf.planner.plan import Plan
 
 __all__ = ["HaptTrainer", "TrainingArgsError", "BatchMappingError", "check_batch_mapping"]
 
 TRAINER_STATE = ckpt_io.TRAINER_STATE
+
+
+class _EvalPass(NamedTuple):
+    """What one forward pass over a dataset gives (logits after preprocessing, rank 0)."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, Any]
+    num_samples: int
+    num_batches: int
 
 
 class _StageModel(nn.Module):
@@ -66,24 +83,55 @@ class _StageModel(nn.Module):
 
 
 class HaptTrainer(TrainerHooks, Trainer):
-    """A Trainer whose model is split into pipeline stages across ranks.
+    """``transformers.Trainer`` on a hapt plan: the same constructor, the model split into
+    pipeline stages across the launched processes.
 
     Args:
-        runtime: This rank's :class:`~hapt_hf.pipeline.runtime.PipelineRuntime`.
-        plan: The plan the runtime runs (every rank holds the same one).
-        args: The usual ``TrainingArguments`` (batch sizes must match the plan, see module doc).
-        train_dataset / eval_dataset: packed token rows ``[samples, seq_len]`` (a tensor or a
-            dataset with an ``input_ids`` column).
-        processing_class: Tokenizer, saved next to the model.
-        callbacks / optimizers: as for ``Trainer``.
+        model / args / data_collator / train_dataset / eval_dataset / processing_class /
+            model_init / compute_metrics / callbacks / optimizers / optimizer_cls_and_kwargs /
+            preprocess_logits_for_metrics: as for ``Trainer``. ``model`` is the whole model
+            (its weights are copied into this rank's stage), or a model on the meta device
+            whose ``config.name_or_path`` is a local checkpoint (only this stage's tensors are
+            read). One optimizer step is ``per_device_train_batch_size x
+            gradient_accumulation_steps x processes`` samples, drawn in the order one process
+            would draw them (``hapt_hf.integration.trainer_data``).
+        compute_loss_func: refused: the pipeline's last stage computes the causal LM loss.
+        hapt_config: A :class:`HaptConfig`, a path to ``hapt.yaml``, or None for the
+            ``HAPT_CONFIG`` variable. Rank 0 plans on its cluster for the global batch above
+            (its own ``global_batch_size``, if set, must agree) or loads its plan.
+        runtime: A :class:`PipelineRuntime` built already (its plan decides); instead of
+            ``model`` and ``hapt_config``.
     """
 
-    def __init__(self, runtime: PipelineRuntime, plan: Plan, args: TrainingArguments,
-                 train_dataset=None, eval_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None)) -> None:
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
+                 data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 model_init=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None), optimizer_cls_and_kwargs=None,
+                 preprocess_logits_for_metrics=None, *, hapt_config=None,
+                 runtime: PipelineRuntime | None = None) -> None:
+        if args is None:
+            args = TrainingArguments(output_dir="trainer_output")
+        if compute_loss_func is not None:
+            raise TrainingArgsError("HaptTrainer(compute_loss_func=...) cannot be honoured: the "
+                                    "pipeline's last stage computes the causal LM loss (token "
+                                    "mean of the global batch); leave it out")
         check_training_args_honoured(args)
-        check_batch_mapping(args, plan)
-        check_best_metric(args)
+        check_best_metric(args, compute_metrics)
+        if runtime is None:
+            if model is None and model_init is not None:
+                model = model_init()
+            if model is None:
+                raise TrainingArgsError("HaptTrainer needs model= (or model_init=), as Trainer "
+                                        "does")
+            config = hapt_config_of(hapt_config)
+            seq_len = seq_len_of(config, train_dataset, eval_dataset)
+            _, runtime, _ = pipeline_for_model(model, args, config, seq_len)
+        elif model is not None or hapt_config is not None:
+            raise TrainingArgsError("HaptTrainer takes runtime= instead of model= and "
+                                    "hapt_config=, not with them")
+        plan = runtime.plan
+        check_batch_mapping(args, plan, runtime_world())
+        trainer_api.see_launched_world(args)
         if (mismatch := training_args_precision_mismatch(args, plan)) is not None:
             raise TrainingArgsError(mismatch)
         if args.use_cpu and runtime.device.type != "cpu":
@@ -95,32 +143,50 @@ class HaptTrainer(TrainerHooks, Trainer):
             runtime.stage.recompute = True
         self.runtime = runtime
         self.plan = plan
-        # the data is checked against the plan before Trainer creates the output directory
-        self.train_rows = self._checked_rows(train_dataset, "train_dataset")
-        self.eval_rows = self._checked_rows(eval_dataset, "eval_dataset")
+        # packed rows given as a tensor become a dataset of {'input_ids', 'labels'} items
+        train_dataset, eval_dataset = _as_dataset(train_dataset), _as_dataset(eval_dataset)
         # Trainer checks the datasets against the strategies (eval_strategy needs eval data).
-        super().__init__(model=_StageModel(runtime), args=args, train_dataset=self.train_rows,
-                         eval_dataset=self.eval_rows, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers)
+        super().__init__(model=_StageModel(runtime), args=args, data_collator=data_collator,
+                         train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, compute_metrics=compute_metrics,
+                         callbacks=callbacks, optimizers=optimizers,
+                         optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        # Trainer divides a step's summed token losses by a count of its own: the same here
+        self._count_rule = "shifted" if model is None else trainer_api.loss_count_rule(self, model)
 
     # -- batches ------------------------------------------------------------------------------
-    def _checked_rows(self, data: Any, field: str) -> torch.Tensor | None:
-        if data is None:
+    def _loader(self, dataset: Any, batch_size: int, training: bool):
+        """The loader Trainer prepares on ONE process for ``dataset`` (its sampler, collator
+        and column removal), ``batch_size`` rows a batch; every rank draws the same."""
+        collator = self.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = trainer_api.remove_unused_columns(self, dataset, "Training" if training
+                                                        else "Evaluation")
+        else:
+            collator = trainer_api.collator_with_removed_columns(self, collator, "Training")
+        sampler = None
+        if not isinstance(dataset, torch.utils.data.IterableDataset):
+            sampler = (self._get_train_sampler(dataset) if training
+                       else torch.utils.data.SequentialSampler(dataset))
+        seedable = self.args.accelerator_config.use_seedable_sampler and training
+        return one_process_loader(dataset, batch_size, collator, sampler,
+                                  self.args.dataloader_drop_last, seedable, self.args.data_seed)
+
+    def _train_loader(self):
+        world = runtime_world()
+        return self._loader(self.train_dataset, self.args.per_device_train_batch_size * world,
+                            training=True)
+
+    def _steps_per_epoch(self, loader) -> int | None:
+        """Optimizer steps in one pass (Trainer's count: a short last step counts); None for
+        a loader without a length (an iterable dataset)."""
+        try:
+            batches = len(loader)
+        except TypeError:
             return None
-        rows = as_rows(data, field, self.plan)
-        check_enough(rows, field, self.plan)
-        return rows
-
-    def _batch(self, rows: torch.Tensor) -> Batch:
-        return Batch(input_ids=rows, labels=rows.clone())
-
-    def _steps_per_epoch(self) -> int:
-        return len(self.train_rows) // self.plan.global_batch_size  # >= 1: checked at init
-
-    def _train_batch(self, epoch: int, step: int) -> torch.Tensor:
-        g = self.plan.global_batch_size
-        order = epoch_order(len(self.train_rows), self.args.seed, epoch)
-        return self.train_rows[order[step * g:(step + 1) * g]]
+        acc = self.args.gradient_accumulation_steps
+        return batches // acc + int(batches % acc > 0)
 
     # -- training -----------------------------------------------------------------------------
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
@@ -134,61 +200,90 @@ class HaptTrainer(TrainerHooks, Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
-        if self.train_rows is None:
+        if self.train_dataset is None:
             raise DataError("HaptTrainer.train needs a train_dataset")
+        if kwargs:
+            raise TrainingArgsError(f"HaptTrainer.train({sorted(kwargs)[0]}=...) cannot be "
+                                    "honoured; leave it out")
         args = self.args
         self.is_in_train = True
         self.model.train()  # as Trainer's training_step; evaluation leaves the mode as it was
-        steps_per_epoch = self._steps_per_epoch()
+        loader = self._train_loader()
+        steps_per_epoch = self._steps_per_epoch(loader)
+        if steps_per_epoch is None and args.max_steps <= 0:
+            raise TrainingArgsError("the train_dataset has no length (an iterable dataset): set "
+                                    "max_steps, as Trainer requires")
+        if steps_per_epoch == 0:
+            raise DataError(f"the train_dataset gives no batch of "
+                            f"{args.per_device_train_batch_size * runtime_world()} rows "
+                            "(dataloader_drop_last with fewer rows?); give more data")
         # As Trainer: max_steps wins; otherwise a (possibly fractional) number of epochs.
         max_steps = args.max_steps if args.max_steps > 0 \
             else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
-        num_epochs = math.ceil(max_steps / steps_per_epoch)
-        trainer_api.set_train_batch_size(self, self.plan.global_batch_size)
+        num_epochs = math.ceil(max_steps / steps_per_epoch) if steps_per_epoch else sys.maxsize
+        trainer_api.set_train_batch_size(self, args.per_device_train_batch_size)
         self.create_optimizer_and_scheduler(num_training_steps=max_steps)
         self.state = TrainerState(stateful_callbacks=[
             cb for cb in self.callback_handler.callbacks + [self.control]
             if isinstance(cb, ExportableState)])
-        self.state.train_batch_size = self.plan.global_batch_size
+        self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
         resume = self._resolve_resume(resume_from_checkpoint)
         if resume is not None:
             self._load_checkpoint(resume)
-        trainer_api.prepare_state(self, max_steps, num_epochs, trial)
+        trainer_api.prepare_state(self, max_steps, num_epochs if steps_per_epoch else 1, trial)
         self.callback_handler.model = self.model
         self.callback_handler.optimizer = self.optimizer
         self.callback_handler.lr_scheduler = self.lr_scheduler
-        return self._train_loop(steps_per_epoch, num_epochs, max_steps, trial,
+        return self._train_loop(loader, steps_per_epoch, num_epochs, max_steps, trial,
                                 ignore_keys_for_eval)
 
-    def _train_loop(self, steps_per_epoch: int, num_epochs: int, max_steps: int, trial,
-                    ignore_keys_for_eval) -> TrainOutput:
+    def _epoch_steps(self, loader, epoch: int):
+        """The optimizer steps of one pass, as Trainer's loop draws them (set_epoch first)."""
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+        if hasattr(inner, "set_epoch"):
+            inner.set_epoch(epoch)
+        return steps(iter(loader), self.args.gradient_accumulation_steps)
+
+    def _train_loop(self, loader, steps_per_epoch: int | None, num_epochs: int, max_steps: int,
+                    trial, ignore_keys_for_eval) -> TrainOutput:
         args, start = self.args, time.time()
         first_step = self.state.global_step
-        epochs_done, skip = divmod(first_step, steps_per_epoch)
-        self._loss_since_log, self._last_logged = 0.0, first_step
+        epochs_done, skip = divmod(first_step, steps_per_epoch) if steps_per_epoch \
+            else (0, first_step)
+        self._loss_since_log, self._last_logged, self._lr = 0.0, first_step, None
         total_loss = 0.0
+        g, where = self.plan.global_batch_size, "train_dataset"
+        # every check has passed (a resumed checkpoint loaded on every rank): the run's plan
+        if args.should_save:
+            write_plan(self.plan, args.output_dir, read_launch_env())
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        for epoch in range(epochs_done, num_epochs):
+        epoch = epochs_done
+        while epoch < num_epochs and not self._done(max_steps):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            for step in range(skip if epoch == epochs_done else 0, steps_per_epoch):
+            for step, parts in enumerate(self._epoch_steps(loader, epoch)):
+                if epoch == epochs_done and step < skip:
+                    continue  # trained before the checkpoint: drawn, not run
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                rows = self._train_batch(epoch, step)
-                result = self.runtime.train_step(self._batch(rows), self.optimizer,
-                                                 self.lr_scheduler, args.max_grad_norm or None)
+                batch = self._step_batch(parts, g, where)
+                self._lr = trainer_api.learning_rate(self)  # the LR this step runs with
+                result = self.runtime.train_step(batch, self.optimizer, self.lr_scheduler,
+                                                 args.max_grad_norm or None)
                 self.state.global_step += 1
-                self.state.epoch = epoch + (step + 1) / steps_per_epoch
-                self.state.num_input_tokens_seen += rows.numel()
+                self.state.epoch = epoch + (step + 1) / steps_per_epoch if steps_per_epoch \
+                    else self.state.global_step / max_steps
+                self.state.num_input_tokens_seen += sum(int(p["input_ids"].numel()) for p in parts)
                 self._loss_since_log += result.loss
                 total_loss += result.loss
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 self._log_save_evaluate(result.grad_norm, trial, ignore_keys_for_eval, start)
-                if self.control.should_training_stop or self.state.global_step >= max_steps:
+                if self._done(max_steps):
                     break
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
             self._log_save_evaluate(None, trial, ignore_keys_for_eval, start)
-            if self.control.should_training_stop or self.state.global_step >= max_steps:
-                break
+            epoch += 1
         steps_run = self.state.global_step - first_step
         metrics = speed_metrics("train", start, num_samples=steps_run * self.plan.global_batch_size,
                                 num_steps=steps_run)
@@ -200,13 +295,33 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.is_in_train = False
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
+    def _step_batch(self, parts, rows: int, where: str) -> Batch:
+        """The step's global batch, its loss divided as Trainer divides it: by the labels
+        that are not -100 before the causal shift where Trainer counts them so (a model whose
+        ``loss_type`` is not a causal-LM loss, e.g. GPT2LMHeadModel), else by the tokens
+        predicted. (For a model taking no loss kwargs Trainer averages micro-batch means;
+        that equals the token mean where its micro-batches hold equal token counts.)"""
+        batch = to_batch(parts, rows, self.plan.seq_len, where)
+        if self._count_rule == "unshifted":
+            batch = dataclasses.replace(batch, num_items=max(1, self._count(batch, 0)))
+        return batch
+
+    def _count(self, batch: Batch, predicted: int) -> int:
+        """The tokens Trainer divides ``batch``'s summed loss by (``predicted``: the tokens
+        after the causal shift that are not -100)."""
+        return int((batch.labels != -100).sum()) if self._count_rule == "unshifted" else predicted
+
+    def _done(self, max_steps: int) -> bool:
+        return self.control.should_training_stop or self.state.global_step >= max_steps
+
     def _log_save_evaluate(self, grad_norm, trial, ignore_keys_for_eval, start: float) -> None:
         if self.control.should_log and self.state.global_step > self._last_logged:
             # The runtime's loss is the whole global batch's mean: what one process would log.
             logs = {"loss": self._loss_since_log / (self.state.global_step - self._last_logged)}
             if grad_norm is not None:
                 logs["grad_norm"] = float(grad_norm)
-            logs["learning_rate"] = trainer_api.learning_rate(self)
+            logs["learning_rate"] = self._lr if self._lr is not None \
+                else trainer_api.learning_rate(self)
             self._loss_since_log, self._last_logged = 0.0, self.state.global_step
             self.log(logs, start)
         if self.control.should_evaluate:
@@ -222,29 +337,88 @@ class HaptTrainer(TrainerHooks, Trainer):
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Mean loss over the eval data's whole global batches (a ragged tail is left out).
+        """Trainer's evaluation over EVERY row: its loss (the mean over rows of each batch's
+        token-mean loss, as Trainer computes it), ``compute_metrics`` on the logits (after
+        ``preprocess_logits_for_metrics``, batch by batch) on rank 0, the metrics on every rank.
 
-        Every stage runs in eval mode under no_grad (as ``model.eval()`` on one process) and
-        the training RNG streams are left as they were, so evaluating changes no later step.
+        Collective. Every stage runs in eval mode under no_grad (as ``model.eval()`` on one
+        process) and the training RNG streams are left as they were, so evaluating changes no
+        later step. A dict of eval datasets is evaluated one by one, as Trainer does.
         """
-        rows = self._checked_rows(eval_dataset, "eval_dataset") if eval_dataset is not None \
-            else self.eval_rows
-        if rows is None:
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        if data is None:
             raise DataError("HaptTrainer.evaluate needs an eval_dataset")
-        g = self.plan.global_batch_size
-        batches = len(rows) // g
+        if isinstance(data, dict):
+            metrics: dict[str, float] = {}
+            for name, part in data.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
         start = time.time()
-        # Packed rows have no padding, so every batch has the same token count: the mean of
-        # batch means is the token mean.
-        losses = [self.runtime.evaluate(self._batch(rows[i * g:(i + 1) * g]))
-                  for i in range(batches)]
-        metrics = {f"{metric_key_prefix}_loss": sum(losses) / batches}
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=batches * g,
-                                     num_steps=batches))
+        out = self._eval_pass(_as_dataset(data), metric_key_prefix,
+                              with_logits=self.compute_metrics is not None)
+        metrics = out.metrics
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=out.num_samples,
+                                     num_steps=out.num_batches))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control,
                                                          metrics)
         return metrics
+
+    def _eval_pass(self, dataset, prefix: str, with_logits: bool) -> _EvalPass:
+        """One forward pass over every row of ``dataset`` in the one-process eval batches of
+        ``per_device_eval_batch_size x processes`` rows (each run as global batches of the
+        plan, the last one filled with ignored rows)."""
+        world, g = runtime_world(), self.plan.global_batch_size
+        loader = self._loader(dataset, self.args.per_device_eval_batch_size * world,
+                              training=False)
+        weighted, rows_seen, batches = 0.0, 0, 0
+        preds, labels = None, None
+        for part in loader:
+            batch = to_batch([part], None, self.plan.seq_len, "eval_dataset")
+            loss_sum, tokens, logits = 0.0, 0, []
+            for lo in range(0, len(batch.input_ids), g):
+                chunk = fill_rows(slice_rows(batch, lo, lo + g), g)
+                real = min(g, len(batch.input_ids) - lo)
+                n = int((chunk.labels[:, 1:] != -100).sum())
+                if with_logits:
+                    pred = self.runtime.predict(chunk)
+                    loss = pred.loss
+                    if pred.logits is not None:
+                        logits.append(pred.logits[:real])
+                else:
+                    loss = self.runtime.evaluate(chunk)
+                loss_sum, tokens = loss_sum + loss * n, tokens + self._count(chunk, n)
+            rows = len(batch.input_ids)
+            if tokens:
+                weighted += loss_sum / tokens * rows
+                rows_seen += rows
+            batches += 1
+            if logits:
+                lab = batch.labels
+                out = torch.cat(logits)
+                if self.preprocess_logits_for_metrics is not None:
+                    out = self.preprocess_logits_for_metrics(out, lab)
+                preds = out if preds is None else nested_concat(preds, out, padding_index=-100)
+                labels = lab if labels is None else nested_concat(labels, lab, padding_index=-100)
+        metrics = {f"{prefix}_loss": weighted / max(rows_seen, 1)}
+        metrics.update(self._metrics(preds, labels, prefix))
+        return _EvalPass(None if preds is None else nested_numpify(preds),
+                         None if labels is None else nested_numpify(labels), metrics, rows_seen,
+                         batches)
+
+    def _metrics(self, preds, labels, prefix: str) -> dict[str, Any]:
+        """``compute_metrics`` on rank 0 (which holds the logits), the result on every rank."""
+        if self.compute_metrics is None:
+            return {}
+        found: dict[str, Any] = {}
+        if self.runtime.rank == 0:
+            found = denumpify_detensorize(self.compute_metrics(EvalPrediction(
+                predictions=nested_numpify(preds), label_ids=nested_numpify(labels))))
+        if runtime_world() > 1:
+            box = [found]
+            dist.broadcast_object_list(box, src=0)
+            found = box[0]
+        return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in found.items()}
 
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys=None) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -261,32 +435,17 @@ class HaptTrainer(TrainerHooks, Trainer):
 
     def predict(self, test_dataset, ignore_keys=None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
-        """Logits of every sample (rank 0; None elsewhere) and the mean loss, in eval mode.
-
-        Collective: every rank calls it. A last batch short of the global batch is filled with
-        copies of its first row whose labels are all ignored, and their logits are dropped.
-        """
-        rows = as_rows(test_dataset, "test_dataset", self.plan)
-        if len(rows) == 0:
-            raise DataError("test_dataset is empty; give at least one row to predict")
-        g, start = self.plan.global_batch_size, time.time()
-        parts, loss_sum, tokens = [], 0.0, 0
-        for lo in range(0, len(rows), g):
-            chunk = rows[lo:lo + g]
-            labels = torch.cat([chunk, torch.full_like(chunk[:1], -100).expand(g - len(chunk), -1)])
-            ids = torch.cat([chunk, chunk[:1].expand(g - len(chunk), -1)])
-            pred = self.runtime.predict(Batch(input_ids=ids, labels=labels))
-            n = int((labels[:, 1:] != -100).sum())
-            loss_sum, tokens = loss_sum + pred.loss * n, tokens + n
-            if pred.logits is not None:
-                parts.append(pred.logits[:len(chunk)])
-        metrics = {f"{metric_key_prefix}_loss": loss_sum / max(tokens, 1)}
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(rows),
-                                     num_steps=math.ceil(len(rows) / g)))
+        """Logits of every row (after ``preprocess_logits_for_metrics``; rank 0, None
+        elsewhere), the labels, the loss and ``compute_metrics``, in eval mode. Collective."""
+        start = time.time()
+        out = self._eval_pass(_as_dataset(test_dataset), metric_key_prefix, with_logits=True)
+        metrics = out.metrics
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=out.num_samples,
+                                     num_steps=out.num_batches))
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control,
                                                         metrics)
-        logits = torch.cat(parts) if parts else None
-        return PredictionOutput(predictions=logits, label_ids=rows, metrics=metrics)
+        return PredictionOutput(predictions=out.predictions, label_ids=out.label_ids,
+                                metrics=metrics)
 
     # -- saving -------------------------------------------------------------------------------
     def _write_model(self, out_dir: Path) -> None:
@@ -373,3 +532,27 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.state = ckpt_io.load_checkpoint(ckpt, self.runtime, self.optimizer,
                                              self.lr_scheduler)
         trainer_api.load_callback_state(self)
+
+
+def runtime_world() -> int:
+    """Processes in the job (1 without a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _is_hf_dataset(data: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:  # datasets is a dependency; kept optional here for clarity
+        return False
+    return isinstance(data, (datasets.Dataset, datasets.IterableDataset))
+
+
+def _as_dataset(data: Any) -> Any:
+    """Packed token rows given as a tensor (or a list of rows) become a dataset of
+    ``{'input_ids', 'labels'}`` items; anything else is taken as Trainer takes it."""
+    if isinstance(data, torch.Tensor):
+        if data.ndim != 2 or data.is_floating_point():
+            raise DataError(f"a dataset given as a tensor must hold integer token rows "
+                            f"[samples, seq_len]; got {data.dtype} {tuple(data.shape)}")
+        return RowsDataset(data.long())
+    return data

@@ -1,31 +1,34 @@
-"""What HaptTrainer checks before any step runs: its data and TrainingArguments, against the plan.
+"""What HaptTrainer checks before any step runs: its TrainingArguments, against the plan.
 
-Every step takes one global batch of packed token rows ``[samples, plan.seq_len]``; rows of
-another length, too few rows for one global batch, batch sizes that do not map onto the plan's
-micro-batches, or a best-model metric HaptTrainer cannot compute are refused here, before
-Trainer creates the output directory.
+Batch sizes that do not make the plan's global batch, a setting HaptTrainer cannot honour, or a
+best-model metric it cannot compute are refused here, before Trainer creates the output
+directory.
 """
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import Any
 
-import torch
 from transformers import TrainingArguments
 
-from hapt_hf.errors import DataError, TrainingArgsError
+from hapt_hf.errors import TrainingArgsError
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["TrainingArgsError", "BatchMappingError", "as_rows", "check_enough",
-           "check_best_metric", "check_batch_mapping", "HONOURED_TRAINING_ARGS",
+__all__ = ["TrainingArgsError", "BatchMappingError", "check_best_metric", "check_batch_mapping",
+           "HONOURED_TRAINING_ARGS",
            "check_training_args_honoured", "wants_recompute"]
 
 # Every TrainingArguments field HaptTrainer acts on, and how. Any other field set to a value
 # other than its default is refused by check_training_args_honoured, so none is ignored.
 HONOURED_TRAINING_ARGS: dict[str, str] = {
     "output_dir": "checkpoints and the final model",
-    "per_device_train_batch_size": "must equal the plan's micro_batch_size",
-    "gradient_accumulation_steps": "must equal the plan's num_microbatches",
+    "per_device_train_batch_size": "x gradient_accumulation_steps x processes = global batch",
+    "gradient_accumulation_steps": "x per_device_train_batch_size x processes = global batch",
+    "per_device_eval_batch_size": "x processes = the rows of an eval batch",
+    "data_seed": "the train sampler's seed (accelerate's seedable sampler)",
+    "dataloader_drop_last": "the one-process loader's drop_last",
+    "remove_unused_columns": "columns the pipeline model does not take are removed",
+    "label_names": "the labels column",
     "num_train_epochs": "epochs over the train rows", "max_steps": "optimizer steps",
     "learning_rate": "create_optimizer", "weight_decay": "create_optimizer",
     "adam_beta1": "create_optimizer", "adam_beta2": "create_optimizer",
@@ -58,12 +61,10 @@ HONOURED_TRAINING_ARGS: dict[str, str] = {
 # Why some settings are refused; any other unlisted one: HaptTrainer's loop lacks it.
 _REFUSED_BECAUSE: dict[str, str] = {
     "label_smoothing_factor": "the pipeline's last stage computes plain cross-entropy",
-    "per_device_eval_batch_size": "evaluation takes the plan's global batch",
     "activation_checkpointing_kwargs": "stages recompute whole blocks, with no options",
     "gradient_checkpointing_kwargs": "stages recompute whole blocks, with no options",
     "average_tokens_across_devices": "the loss is always the token mean of the whole global "
                                      "batch",
-    "data_seed": "the data order follows 'seed'",
     "prediction_loss_only": "predict returns the logits on rank 0",
     "torch_compile": "stages are not compiled",
 }
@@ -78,65 +79,29 @@ def _group_fix(seq_len: int) -> str:
             f"pack_tokens(texts, tokenizer, {seq_len}); --seq_len {seq_len} in the recipes)")
 
 
-def as_rows(data: Any, field: str, plan: Plan) -> torch.Tensor:
-    """Packed token rows [samples, plan.seq_len] from a tensor or a dataset with 'input_ids';
-    rows of another or of uneven length are refused here, before any step runs."""
-    if isinstance(data, torch.Tensor):
-        rows = data
-    else:
-        try:
-            ids = data["input_ids"]
-        except (KeyError, TypeError, IndexError):
-            raise DataError(f"{field} has no 'input_ids' column; give packed token rows "
-                            f"[samples, {plan.seq_len}] (a tensor, or a dataset with an "
-                            "'input_ids' column)") from None
-        if not isinstance(ids, torch.Tensor):
-            ids = list(ids)
-            lengths = sorted({len(r) for r in ids})
-            if len(lengths) > 1:
-                raise DataError(f"{field} rows have uneven lengths ({lengths[0]} to "
-                                f"{lengths[-1]} tokens) but every row must hold the plan's "
-                                f"seq_len {plan.seq_len}; {_group_fix(plan.seq_len)}")
-        rows = torch.as_tensor(ids)
-    if rows.ndim != 2 or rows.is_floating_point():
-        raise DataError(f"{field} must be integer token rows [samples, seq_len]; got "
-                        f"{rows.dtype} {tuple(rows.shape)}; {_group_fix(plan.seq_len)}")
-    if rows.shape[1] != plan.seq_len:
-        raise DataError(f"{field} rows have {rows.shape[1]} tokens but the plan was made for "
-                        f"seq_len {plan.seq_len}; {_group_fix(plan.seq_len)}, or re-plan for "
-                        f"seq_len {rows.shape[1]}")
-    return rows.long()
-
-
-def check_enough(rows: torch.Tensor, field: str, plan: Plan) -> None:
-    """Every step and every evaluation takes whole global batches."""
-    g = plan.global_batch_size
-    if len(rows) < g:
-        raise DataError(f"{field} has {len(rows)} samples, fewer than one global batch of the "
-                        f"plan ({g}); pass at least {g} samples, or re-plan for a smaller "
-                        "global batch")
-
-
-def check_best_metric(args: TrainingArguments) -> None:
-    """HaptTrainer.evaluate reports the loss only: another best-model metric could not be
-    found at the first evaluation, after training started."""
+def check_best_metric(args: TrainingArguments, compute_metrics: Any = None) -> None:
+    """Without ``compute_metrics`` HaptTrainer.evaluate reports the loss only: another
+    best-model metric could not be found at the first evaluation, after training started."""
     metric = args.metric_for_best_model
-    if metric is not None and metric.removeprefix("eval_") != "loss":
+    if metric is not None and compute_metrics is None and metric.removeprefix("eval_") != "loss":
         raise TrainingArgsError(f"metric_for_best_model={metric!r} cannot be honoured: "
-                                "HaptTrainer evaluates the loss only; set "
-                                "metric_for_best_model='eval_loss'")
+                                "without compute_metrics HaptTrainer evaluates the loss only; "
+                                "set metric_for_best_model='eval_loss' or give compute_metrics")
 
 
-def check_batch_mapping(args: TrainingArguments, plan: Plan) -> None:
-    """One optimizer step is the plan's global batch: micro-batch size times micro-batches."""
-    if (args.per_device_train_batch_size, args.gradient_accumulation_steps) != (
-            plan.micro_batch_size, plan.num_microbatches):
+def check_batch_mapping(args: TrainingArguments, plan: Plan, world_size: int) -> None:
+    """One optimizer step is the plan's global batch: ``per_device_train_batch_size x
+    gradient_accumulation_steps x processes`` samples, as Trainer's data parallelism has it."""
+    per, acc = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if per * acc * world_size != plan.global_batch_size:
+        fits = [f"per_device_train_batch_size={plan.global_batch_size // (a * world_size)} with "
+                f"gradient_accumulation_steps={a}" for a in range(1, plan.global_batch_size + 1)
+                if plan.global_batch_size % (a * world_size) == 0][:2]
+        fix = f"set {' or '.join(fits)}" if fits else "re-plan for another global batch"
         raise BatchMappingError(
-            f"per_device_train_batch_size={args.per_device_train_batch_size} and "
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps} do not match the "
-            f"plan: set per_device_train_batch_size={plan.micro_batch_size} (the plan's "
-            f"micro_batch_size) and gradient_accumulation_steps={plan.num_microbatches} (its "
-            f"num_microbatches), or re-plan for another global batch")
+            f"per_device_train_batch_size={per} x gradient_accumulation_steps={acc} x "
+            f"{world_size} processes = {per * acc * world_size} samples per step, but the plan "
+            f"runs global batches of {plan.global_batch_size}; {fix}")
 
 
 def check_training_args_honoured(args: TrainingArguments) -> None:

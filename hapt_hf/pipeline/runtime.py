@@ -371,7 +371,7 @@ class PipelineRuntime(StageOptimizer):
         """(input ids, labels, padding mask, tokens the loss averages over) of a batch that
         fits the plan."""
         ids, labels, mask = check_batch(batch, self.plan.global_batch_size)
-        return ids, labels, mask, batch_tokens(labels)
+        return ids, labels, mask, batch.num_items or batch_tokens(labels)
 
     def _rows(self, k: int) -> slice:
         base = k * self.plan.micro_batch_size

@@ -37,6 +37,10 @@ class Batch:
     """[global_batch, seq] un-shifted labels, -100 ignored; None: the input ids."""
     attention_mask: Tensor | None = None
     """[global_batch, seq] padding mask (1 = token, 0 = padding); None: no padding."""
+    num_items: int | None = None
+    """What the summed token losses are divided by; None: the tokens predicted (labels after the
+    shift that are not -100), the token mean. ``Trainer`` divides by its own count
+    (``num_items_in_batch``), which HaptTrainer passes so that its loss is Trainer's."""
 
 
 @dataclass(frozen=True)

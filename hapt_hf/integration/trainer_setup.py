@@ -1,0 +1,118 @@
+"""From what ``Trainer`` is given to what a pipeline runs: the plan and this rank's stage.
+
+``HaptTrainer(model=..., args=...)`` takes the user's whole model, as ``Trainer`` does. Here the
+process group is joined (or the launcher's used), rank 0 plans for the global batch the
+arguments define (``per_device_train_batch_size x gradient_accumulation_steps x processes``, the
+data-parallel meaning ``Trainer`` gives them) and broadcasts the plan, and this rank's stage is
+built and given the model's weights: copied from a model in memory, or read, for this stage only,
+from the checkpoint directory of a model left on the meta device. Nothing here draws from the
+user's random number generators.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hapt_hf.errors import ConfigError, TrainingArgsError
+from hapt_hf.integration.config import HaptConfig
+from hapt_hf.integration.launch import (LaunchEnv, check_model_family, format_plan,
+                                        init_process_group, read_launch_env, resolve_plan)
+from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+from hapt_hf.planner.plan import Plan
+
+__all__ = ["hapt_config_of", "global_batch_of", "seq_len_of", "pipeline_for_model"]
+
+
+def hapt_config_of(given: HaptConfig | str | os.PathLike | None) -> HaptConfig:
+    """The hapt config: a :class:`HaptConfig`, a path to one, or ``$HAPT_CONFIG``."""
+    if isinstance(given, HaptConfig):
+        return given
+    return HaptConfig.from_args_or_env(None if given is None else str(given))
+
+
+def global_batch_of(args: Any, world_size: int) -> tuple[int, str]:
+    """Samples per optimizer step as ``Trainer`` defines them, and how (for messages)."""
+    per, acc = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    return per * acc * world_size, (f"per_device_train_batch_size x gradient_accumulation_steps"
+                                    f" x processes = {per} x {acc} x {world_size}")
+
+
+def seq_len_of(config: HaptConfig, *datasets: Any) -> int:
+    """The plan's tokens per sample: the hapt config's ``seq_len``, else the length of the
+    first row of the first dataset given (drawing no random numbers)."""
+    if config.seq_len is not None:
+        return config.seq_len
+    for data in datasets:
+        if data is None:
+            continue
+        try:
+            first = data[0] if not isinstance(data, torch.Tensor) else {"input_ids": data[0]}
+            return len(first["input_ids"])
+        except (TypeError, KeyError, IndexError, NotImplementedError):
+            continue
+    raise ConfigError(f"{config.source}: cannot read the sequence length from the datasets (an "
+                      "iterable dataset, or rows without 'input_ids'); set seq_len in the hapt "
+                      "config")
+
+
+def _requested_precision(config: HaptConfig, args: Any) -> HaptConfig:
+    """``TrainingArguments(bf16=True)`` / ``fp16=True`` ask for that precision where the hapt
+    config leaves it to the cluster; where the config names another, the trainer's check
+    refuses the pair (integration/precision_args.py)."""
+    wanted = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
+        else None
+    if wanted is None or config.plan is not None or config.requested_precision not in (None, "auto"):
+        return config
+    return replace(config, precision=wanted, dtype=None)
+
+
+def pipeline_for_model(model: nn.Module, args: Any, config: HaptConfig, seq_len: int
+                       ) -> tuple[Plan, PipelineRuntime, LaunchEnv]:
+    """Join the job, agree on the plan and build this rank's stage with ``model``'s weights."""
+    launch = read_launch_env()
+    init_process_group(launch, config.timeout_s)
+    model_config = getattr(model, "config", None)
+    if model_config is None:
+        raise ConfigError(f"HaptTrainer(model=...) got a {type(model).__name__} without a "
+                          "transformers config; give a transformers causal LM (from_pretrained "
+                          "or from_config)")
+    check_model_family(model_config)
+    batch, how = global_batch_of(args, launch.world_size)
+    config = _requested_precision(config.with_global_batch(batch, how), args)
+    with torch.random.fork_rng(devices=[]):  # planning draws nothing from the user's RNG
+        plan = resolve_plan(config, model_config, seq_len, launch)
+    if plan.global_batch_size != batch:
+        raise TrainingArgsError(f"the plan {str(config.plan)!r} runs global batches of "
+                                f"{plan.global_batch_size} samples but {how} = {batch}; set "
+                                "the batch arguments to match or re-plan")
+    if launch.is_main:
+        print(format_plan(plan), flush=True)
+    runtime = _runtime(model, plan, config, args.seed)
+    return plan, runtime, launch
+
+
+def _runtime(model: nn.Module, plan: Plan, config: HaptConfig, seed: int) -> PipelineRuntime:
+    on_meta = any(p.is_meta for p in model.parameters())
+    source = str(getattr(model.config, "name_or_path", "") or "")
+    if on_meta and not list(Path(source or "/nonexistent").glob("*.safetensors")):
+        raise ConfigError(f"the model is on the meta device and its config's name_or_path "
+                          f"{source!r} is no directory with safetensors weights; build it from "
+                          "a local checkpoint's config, or give the model in memory")
+    with torch.random.fork_rng(devices=[]):  # the user's RNG stays as one process has it
+        runtime = PipelineRuntime(plan, model.config, RuntimeConfig(
+            timeout_s=config.timeout_s, seed=seed, checkpoint_dir=source if on_meta else None))
+    if not on_meta:  # the user's own weights, however they were made
+        full = model.state_dict()
+        for key, target in runtime.stage.state_dict(keep_vars=True).items():
+            if key not in full:
+                raise ConfigError(f"the model has no tensor {key!r} that its stage holds; give "
+                                  "the transformers model itself (a PEFT model: merge or pass "
+                                  "its base model and apply LoRA on the stage)")
+            checkpoint_io.copy_into(target, full[key], key)
+    return runtime
