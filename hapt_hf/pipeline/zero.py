@@ -102,7 +102,10 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         """Take back a shard :meth:`state_dict` wrote on the same replica of the same stage.
 
         Refuses (ValueError; the checkpoint reader names the file) a whole optimizer's state
-        (the run that wrote it kept the state replicated) and another replica's shard."""
+        (the run that wrote it kept the state replicated) and another replica's shard. The
+        saved hyperparameters are written into this optimizer's own group dicts, which stay
+        its ``param_groups``, so an LR scheduler built on the optimizer it was made from
+        goes on driving it after the load."""
         shard = state_dict.get(SHARD_KEY)
         mine = {"stage": self.stage_index, "replica": self.rank, "replicas": self.world_size,
                 "owned": self.owned_indices()}
@@ -118,7 +121,15 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
                              f"{self.rank} of {self.world_size} owning {mine['owned']}; resume "
                              "with the same plan and the same trainable parameters")
         state = {k: v for k, v in state_dict.items() if k != SHARD_KEY}
+        # torch's Optimizer.load_state_dict replaces param_groups with new dicts; an LR
+        # scheduler built on the optimizer this one was made from (prepare_optimizer) holds
+        # the old ones and would set every later learning rate where no step reads it. The
+        # loaded settings go into the group dicts this optimizer was built with instead.
+        groups = self.param_groups
         super().load_state_dict(state)
+        for group, loaded in zip(groups, self.param_groups):
+            group.update(loaded)
+        self.param_groups = groups
 
 
 def _replica_group_needed(stage: StagePlan, group: Any) -> None:
