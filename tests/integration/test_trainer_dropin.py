@@ -98,14 +98,14 @@ def _script(rank: int, world: int, cls_name: str, kind: str, out: str, per_devic
             "world": (args.world_size, args.process_index, trainer.is_world_process_zero())}
 
 
-def _one_process(kind, out, per_device, steps, **kw):
-    return run_ranks(_script, 1, "Trainer", kind, out, per_device, steps, None, **kw,
+def _one_process(kind, out, per_device, steps, resume=None, save_steps=0):
+    return run_ranks(_script, 1, "Trainer", kind, out, per_device, steps, None, resume, save_steps,
                      init_process_group=False)[0].value
 
 
-def _hapt(world, kind, out, per_device, steps, hapt, **kw):
+def _hapt(world, kind, out, per_device, steps, hapt, resume=None, save_steps=0):
     return [o.value for o in run_ranks(_script, world, "HaptTrainer", kind, out, per_device, steps,
-                                       hapt, **kw, timeout_s=300)]
+                                       hapt, resume, save_steps, timeout_s=300)]
 
 
 def _assert_same_training(ref: dict, got: dict, exact: bool = False) -> None:
@@ -143,3 +143,34 @@ def test_run_clm_calls_train_as_trainer_on_one_process(tmp_path, kind):
     results = json.loads((tmp_path / "hapt" / "all_results.json").read_text())
     assert results["eval_loss"] == pytest.approx(got[0]["eval_loss"])
     assert (tmp_path / "hapt" / "plan.json").is_file()
+
+
+def _sharded_plan(path: Path, kind: str) -> Path:
+    """4 ranks: the embedding and a block on 2 replicas with sharded optimizer state (ZeRO-1),
+    the other blocks and the head on one rank each; 8 samples a step."""
+    from hapt_hf.core.precision import SHARDED
+    from hapt_hf.planner.plan import Plan, StagePlan
+    layers = 4 + 2  # embedding + 4 blocks + head
+    plan = Plan(f"{kind}-tiny", layers, SEQ, 8, 2, 4, "1f1b", (
+        StagePlan(0, (0, 2), "cpu", "cpu", (0, 1), 3, optimizer=SHARDED),
+        StagePlan(1, (2, 4), "cpu", "cpu", (2,), 2),
+        StagePlan(2, (4, layers), "cpu", "cpu", (3,), 1))).validate(world_size=4)
+    return plan.save(path)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_resume_reproduces_the_uninterrupted_run_with_a_sharded_optimizer_stage(tmp_path, kind):
+    plan = {"plan": _sharded_plan(tmp_path / "plan.json", kind), "schedule": "1f1b"}
+    whole = _hapt(4, kind, str(tmp_path / "whole"), 1, 6, plan, save_steps=3)
+    assert (tmp_path / "whole" / "checkpoint-3").is_dir()
+    # fresh processes, a fresh output directory holding the checkpoint, as a user resumes
+    import shutil
+    shutil.copytree(tmp_path / "whole" / "checkpoint-3", tmp_path / "resumed" / "checkpoint-3")
+    resumed = _hapt(4, kind, str(tmp_path / "resumed"), 1, 6, plan, save_steps=3,
+                    resume=str(tmp_path / "resumed" / "checkpoint-3"))
+    # the history up to step 3 comes with the checkpoint (as Trainer's); 4 to 6 ran again
+    assert [s for s, _, _ in resumed[0]["logs"]] == [1, 2, 3, 4, 5, 6]
+    assert resumed[0]["logs"] == whole[0]["logs"]  # bit for bit: losses and LRs
+    assert resumed[0]["eval_loss"] == whole[0]["eval_loss"]
+    a, b = _load(str(tmp_path / "whole")), _load(str(tmp_path / "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
