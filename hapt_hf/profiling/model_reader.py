@@ -168,11 +168,19 @@ def _count(params: int, per_module: list[dict], attention: list[dict],
     return LayerCount(params, dense + attn / 2, 2 * dense + attn * 5 / 4)
 
 
+def _own_rng():
+    """The reader draws (weights of the layers it builds, dropout) from the CPU generator, whose
+    state it puts back: planning leaves the user's RNG as it was (a run seeded 1 shuffles as
+    seeded 1); it seeds no CUDA generator either (fake CPU tensors only)."""
+    return torch.random.fork_rng(devices=[])
+
+
 def read_layer_specs(config: PretrainedConfig, seq_len: int, dtype: str,
                      attn_implementation: str = "sdpa") -> tuple[LayerSpec, ...]:
     """``[embedding, block_0 .. block_{N-1}, head]`` as the planner's LayerSpecs: parameters and
     FLOPs read off the meta model, kept bytes measured on one layer of each distinct kind."""
-    return _Reader(config, seq_len, dtype, attn_implementation).layers()
+    with _own_rng():
+        return _Reader(config, seq_len, dtype, attn_implementation).layers()
 
 
 def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
@@ -180,11 +188,12 @@ def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
     """The whole-block sequence and, where the stage builder cuts a block in two (GPT-2's,
     OPT's, the pre-norm attention residual then MLP residual of the LLaMA block), the half-block
     sequence; otherwise the builder's reason (attention and MLP in parallel, another forward)."""
-    reader = _Reader(config, seq_len, dtype, attn_implementation)
-    layers = reader.layers()
-    if reader.meta.adapter.attention_half is None:
-        return ReadModel(layers, half_refusal=reader.meta.adapter.half_refusal)
-    return ReadModel(layers, half_layers=reader.half_layers(layers))
+    with _own_rng():
+        reader = _Reader(config, seq_len, dtype, attn_implementation)
+        layers = reader.layers()
+        if reader.meta.adapter.attention_half is None:
+            return ReadModel(layers, half_refusal=reader.meta.adapter.half_refusal)
+        return ReadModel(layers, half_layers=reader.half_layers(layers))
 
 
 def install_model_reader() -> None:
@@ -266,7 +275,7 @@ def _kept_bytes(config, layer: LayerSpec, seq_len: int, dtype: str,
 
 def _measure_kept(config, layer: LayerSpec, seq_len: int, dtype: str,
                   options: ProfilerOptions, unit: str) -> tuple[float, float]:
-    torch.manual_seed(0)
+    torch.default_generator.manual_seed(0)  # the CPU's alone (inside _own_rng): same draws each time
     stage = build_layer(config, layer, "cpu", options, unit)
     with _GpuDropout(), balanced_routing(fake=True):
         one, two = (_saved(config, stage, layer.kind, mb, seq_len, dtype) for mb in (1, 2))

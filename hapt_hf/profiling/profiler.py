@@ -183,7 +183,11 @@ def build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions,
                 layer_unit: str = BLOCK):
     """The one-layer stage the runtime would run for ``layer`` (an entry of the sequence in
     ``layer_unit``: a block half for 'half'), from a model cut short, with fp32 weights (16-bit
-    compute is autocast's, as in the runtime)."""
+    compute is autocast's, as in the runtime). Its weights are those of seed 0, drawn from the
+    CPU generator alone, whose state is then put back: building it moves no caller's RNG and
+    seeds no CUDA generator (``torch.manual_seed`` would, even before CUDA starts)."""
+    import torch
+
     from hapt_hf.pipeline.stage import build_stage  # imports torch: see the module docstring
 
     # Build a model of as few blocks as reach this layer, not the whole model.
@@ -194,8 +198,10 @@ def build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions,
         small.layer_types = small.layer_types[:nblocks]
     last = num_layers(nblocks, layer_unit) - 1
     index = {"embedding": 0, "block": layer.index, "head": last}[layer.kind]
-    stage = build_stage(small, (index, index + 1), seed=0, device=device,
-                        attn_implementation=options.attn_implementation, layer_unit=layer_unit)
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(0)
+        stage = build_stage(small, (index, index + 1), seed=None, device=device,
+                            attn_implementation=options.attn_implementation, layer_unit=layer_unit)
     return stage.train()
 
 
