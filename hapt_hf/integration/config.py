@@ -33,6 +33,7 @@ from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_TIMEOUT_S
 from hapt_hf.core.precision import DTYPES, PRECISIONS, canonical_precision
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
 from hapt_hf.errors import ConfigError, HaptError
+from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.search import PlannerOptions
 
 __all__ = ["HaptConfigError", "HaptConfig", "HaptPlugin", "PlannerOptions", "HAPT_CONFIG_ENV",
@@ -50,7 +51,8 @@ class HaptConfig:
     """What a user asks of hapt_hf for one training job (the contents of ``hapt.yaml``).
 
     Args:
-        cluster: Cluster file (groups of alike GPUs and their links). Rank 0 plans from it.
+        cluster: Cluster file (groups of alike GPUs and their links), or a ``Cluster``. Rank 0
+            plans from it.
         plan: A ready ``plan.json``. With ``cluster`` too, the two must describe the same
             world size and the plan must name the cluster's groups.
         schedule: Pipeline schedule: ``gpipe``, ``1f1b`` or ``h1f1b``.
@@ -71,7 +73,8 @@ class HaptConfig:
         source: Where this config was read from (for messages); not a YAML key.
     """
 
-    cluster: Path | None = field(default=None, metadata={"help": "Cluster YAML file to plan on."})
+    cluster: Path | Cluster | None = field(default=None,
+                                          metadata={"help": "Cluster YAML file to plan on."})
     plan: Path | None = field(default=None, metadata={"help": "Ready plan.json to run as is."})
     schedule: str = field(default=ScheduleKind.H1F1B.value,
                           metadata={"help": f"One of {SCHEDULES}."})
@@ -95,6 +98,8 @@ class HaptConfig:
                                   "(a ready plan.json); neither is set")
         for name in ("cluster", "plan"):
             path = getattr(self, name)
+            if isinstance(path, Cluster):  # a cluster described in memory (local_cluster)
+                continue
             if path is not None and not Path(path).is_file():
                 raise HaptConfigError(f"{where}: '{name}' names {str(path)!r}, which does not "
                                       "exist; fix the path (relative paths are read from the "
@@ -129,6 +134,10 @@ class HaptConfig:
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise HaptConfigError(f"{where}: 'timeout_s' is {self.timeout_s!r}; it must be a "
                                   "positive number of seconds")
+
+    def load_cluster(self) -> "Cluster":
+        """The cluster to plan on: read from the file named, or the one given in memory."""
+        return self.cluster if isinstance(self.cluster, Cluster) else Cluster.load(self.cluster)
 
     @property
     def requested_precision(self) -> str | None:

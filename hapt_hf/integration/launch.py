@@ -124,9 +124,7 @@ def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> Non
 
 
 def _check_plan_against_cluster(plan: Plan, plugin: HaptConfig) -> None:
-    from hapt_hf.planner.cluster import Cluster  # the cluster file is only read when given
-
-    cluster = Cluster.load(plugin.cluster)
+    cluster = plugin.load_cluster()
     groups = {g.name for g in cluster.groups}
     # a plan may leave groups idle: its ranks cover the other groups only
     used = sum(g.size for g in cluster.groups if g.name not in plan.idle_groups)
@@ -165,7 +163,6 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
     has no idle ranks) and rank 0 says what launching only the kept groups would give."""
     from dataclasses import replace
 
-    from hapt_hf.planner.cluster import Cluster
     from hapt_hf.planner.model_spec import ModelSpec
     from hapt_hf.planner.search import plan_job
     from hapt_hf.profiling.model_reader import install_model_reader
@@ -175,7 +172,7 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
     if plugin.global_batch_size is None:
         raise LaunchError(f"{plugin.source}: set global_batch_size (samples per optimizer step)"
                           "; the cluster file is planned for one")
-    cluster = Cluster.load(plugin.cluster)
+    cluster = plugin.load_cluster()
     precision = cluster.precision(plugin.requested_precision)
     spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=precision.compute, name=name,
                                  attn_implementation=plugin.attn_implementation

@@ -19,21 +19,54 @@ import torch
 from torch import nn
 
 from hapt_hf.errors import ConfigError, TrainingArgsError
-from hapt_hf.integration.config import HaptConfig
+from hapt_hf.integration.config import HAPT_CONFIG_ENV, HaptConfig
 from hapt_hf.integration.launch import (LaunchEnv, check_model_family, format_plan,
                                         init_process_group, read_launch_env, resolve_plan)
 from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["hapt_config_of", "global_batch_of", "seq_len_of", "pipeline_for_model"]
+__all__ = ["hapt_config_of", "local_config", "global_batch_of", "seq_len_of", "pipeline_for_model"]
 
 
 def hapt_config_of(given: HaptConfig | str | os.PathLike | None) -> HaptConfig:
-    """The hapt config: a :class:`HaptConfig`, a path to one, or ``$HAPT_CONFIG``."""
+    """The hapt config: a :class:`HaptConfig`, a path to one, ``$HAPT_CONFIG``, or else
+    :func:`local_config` (the launched processes planned as alike devices)."""
     if isinstance(given, HaptConfig):
         return given
+    if given is None and not os.environ.get(HAPT_CONFIG_ENV):
+        return local_config(read_launch_env())
     return HaptConfig.from_args_or_env(None if given is None else str(given))
+
+
+# A CPU's speed, where no cluster file says it: it sets the predicted times, and with every
+# process alike the layers are still shared evenly by speed.
+NOMINAL_CPU_TFLOPS = 0.1
+
+
+def local_config(launch: LaunchEnv) -> HaptConfig:
+    """With no hapt config: the launched processes as ONE group of alike devices (this node's
+    GPU type, or CPUs), ``LOCAL_WORLD_SIZE`` per node. Unlike devices need a cluster file."""
+    from hapt_hf.planner.catalogue import find_gpu
+    from hapt_hf.planner.cluster import Cluster
+
+    world = launch.world_size
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    nodes, per_node = (world // per_node, per_node) if world % per_node == 0 else (1, world)
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(launch.local_rank % torch.cuda.device_count())
+        if find_gpu(name) is None:
+            raise ConfigError(f"no hapt config given and this node's GPU {name!r} is not in the "
+                              "GPU catalogue; give hapt_config= (a cluster file with its tflops "
+                              "and memory_gb, docs/cluster-file.md) or set HAPT_CONFIG")
+        gpu: dict[str, Any] = {"gpu": name}
+    else:
+        ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        gpu = {"gpu": "cpu", "tflops": NOMINAL_CPU_TFLOPS, "memory_gb": ram_gb / per_node}
+    cluster = Cluster.from_dict({"name": "local", "groups": [
+        {"name": "local", **gpu, "nodes": nodes, "gpus_per_node": per_node}]})
+    return HaptConfig(cluster=cluster, source="<no hapt config: the launched processes as "
+                                              "alike devices>")
 
 
 def global_batch_of(args: Any, world_size: int) -> tuple[int, str]:

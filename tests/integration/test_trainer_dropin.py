@@ -76,7 +76,7 @@ def _script(rank: int, world: int, cls_name: str, kind: str, out: str, per_devic
     model = AutoModelForCausalLM.from_config(_config(kind))
     train_dataset, eval_dataset = _datasets()
     preprocess, compute = _metrics_fns()
-    extra = {} if cls_name == "Trainer" else {"hapt_config": HaptConfig(**hapt)}
+    extra = {} if cls_name == "Trainer" or not hapt else {"hapt_config": HaptConfig(**hapt)}
     cls = Trainer if cls_name == "Trainer" else HaptTrainer
     trainer = cls(model=model, args=args, train_dataset=train_dataset,
                   eval_dataset=eval_dataset, processing_class=None,
@@ -143,6 +143,17 @@ def test_run_clm_calls_train_as_trainer_on_one_process(tmp_path, kind):
     results = json.loads((tmp_path / "hapt" / "all_results.json").read_text())
     assert results["eval_loss"] == pytest.approx(got[0]["eval_loss"])
     assert (tmp_path / "hapt" / "plan.json").is_file()
+
+
+def test_the_class_name_alone_changed_plans_the_launched_processes_as_alike(tmp_path, monkeypatch):
+    """No hapt config, no HAPT_CONFIG: the two CPU processes are planned as one group of alike
+    devices, and the run still equals Trainer on one process."""
+    monkeypatch.delenv("HAPT_CONFIG", raising=False)
+    ref = _one_process("llama", str(tmp_path / "ref"), 4, 3)
+    got = _hapt(2, "llama", str(tmp_path / "hapt"), 2, 3, {})
+    _assert_same_training(ref, got[0])
+    plan = json.loads((tmp_path / "hapt" / "plan.json").read_text())
+    assert plan["cluster"] == "local" and plan["global_batch_size"] == 8
 
 
 def _sharded_plan(path: Path, kind: str) -> Path:
