@@ -183,12 +183,9 @@ def build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions,
                 layer_unit: str = BLOCK):
     """The one-layer stage the runtime would run for ``layer`` (an entry of the sequence in
     ``layer_unit``: a block half for 'half'), from a model cut short, with fp32 weights (16-bit
-    compute is autocast's, as in the runtime). Its weights are those of seed 0, drawn from the
-    CPU generator alone, whose state is then put back: building it moves no caller's RNG and
-    seeds no CUDA generator (``torch.manual_seed`` would, even before CUDA starts)."""
-    import torch
-
-    from hapt_hf.pipeline.stage import build_stage  # imports torch: see the module docstring
+    compute is autocast's, as in the runtime): seed 0's weights, the caller's RNG left as it was."""
+    import torch  # inside: see the module docstring
+    from hapt_hf.pipeline.stage import build_stage
 
     # Build a model of as few blocks as reach this layer, not the whole model.
     nblocks = body_part(layer.index, layer_unit).index + 1 if layer.kind == "block" else 1
@@ -199,7 +196,7 @@ def build_layer(config, layer: LayerSpec, device: str, options: ProfilerOptions,
     last = num_layers(nblocks, layer_unit) - 1
     index = {"embedding": 0, "block": layer.index, "head": last}[layer.kind]
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(0)
+        torch.default_generator.manual_seed(0)  # not torch.manual_seed: it seeds CUDA's too
         stage = build_stage(small, (index, index + 1), seed=None, device=device,
                             attn_implementation=options.attn_implementation, layer_unit=layer_unit)
     return stage.train()
