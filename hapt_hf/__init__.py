@@ -5,9 +5,32 @@ root and the facts every side shares), ``hapt_hf.planner`` (pure planning, no to
 ``hapt_hf.pipeline`` (the runtime), ``hapt_hf.profiling`` (measures devices and links),
 ``hapt_hf.integration`` (accelerate, HaptTrainer, recipes) and ``hapt_hf.cli``; see
 docs/architecture.md. Importing ``hapt_hf`` itself loads none of them, so the CLI and the
-planner stay quick to start.
+planner stay quick to start: ``from hapt_hf import HaptAccelerator, HaptTrainer, HaptConfig``
+imports the integration layer (and torch) on first use of the name (PEP 562).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["HaptAccelerator", "HaptTrainer", "HaptConfig", "__version__"]
+
+_LAZY = ("HaptAccelerator", "HaptTrainer", "HaptConfig")
+"""The names re-exported from the top layer, imported on first use."""
+
+
+def __getattr__(name: str):
+    # The root package stands outside the layers of docs/architecture.md: it re-exports the top
+    # layer's entry points, and imports them only when asked for (import-linter sees these).
+    if name == "HaptAccelerator":
+        from hapt_hf.integration.accelerate_plugin import HaptAccelerator as value
+    elif name == "HaptTrainer":
+        from hapt_hf.integration.trainer import HaptTrainer as value
+    elif name == "HaptConfig":
+        from hapt_hf.integration.config import HaptConfig as value
+    else:
+        raise AttributeError(f"module 'hapt_hf' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

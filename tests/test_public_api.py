@@ -106,6 +106,30 @@ def test_top_level_package_is_light_and_versioned():
     assert hapt_hf.__version__ == project["version"]
 
 
+def test_top_level_names_are_the_integration_objects():
+    from hapt_hf import HaptAccelerator, HaptConfig, HaptTrainer
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator as accelerator
+    from hapt_hf.integration.config import HaptConfig as config
+    from hapt_hf.integration.trainer import HaptTrainer as trainer
+
+    assert (HaptAccelerator, HaptTrainer, HaptConfig) == (accelerator, trainer, config)
+    assert hapt_hf.__all__ == ["HaptAccelerator", "HaptTrainer", "HaptConfig", "__version__"]
+    assert all(getattr(hapt_hf, name) is not None for name in hapt_hf.__all__)
+    assert set(hapt_hf.__all__) <= set(dir(hapt_hf))
+    with pytest.raises(AttributeError, match="has no attribute 'HaptPlugin'"):
+        hapt_hf.HaptPlugin  # noqa: B018  (only the names of __all__ are re-exported)
+
+
+def test_top_level_names_load_the_integration_only_when_asked_for():
+    code = ("import sys, hapt_hf; assert 'torch' not in sys.modules; "
+            "assert 'HaptTrainer' in dir(hapt_hf) and 'torch' not in sys.modules; "
+            "from hapt_hf import HaptAccelerator, HaptTrainer, HaptConfig; "
+            "assert 'hapt_hf.integration.trainer' in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 # -- the docs describe what the code does ----------------------------------------------------
 
 def _doc(name: str) -> str:
