@@ -6,7 +6,8 @@
 
 With no --model_name_or_path it builds the small model of recipes/models/gpt2-tiny; with no
 --train_file it trains on the text shipped in recipes/data with the tokenizer shipped there.
-See docs/usage.md for every option.
+It takes every TrainingArguments flag (--bf16, --optim, --save_steps, ...) besides its own;
+docs/usage.md lists them, with the defaults the recipe changes.
 """
 import sys
 from pathlib import Path

@@ -8,7 +8,8 @@ gpt2 (Qwen3, Gemma 2, Phi... docs/models.md), with hapt_hf pipeline parallelism.
 With no --model_name_or_path it builds the small model of recipes/models/llama-tiny; with no
 --train_file it trains on the text shipped in recipes/data with the tokenizer shipped there.
 Add --lora_r 8 to train LoRA adapters (through peft) instead of every weight.
-See docs/usage.md for every option.
+It takes every TrainingArguments flag (--bf16, --optim, --save_steps, ...) besides its own;
+docs/usage.md lists them, with the defaults the recipe changes.
 """
 import sys
 from pathlib import Path

@@ -1,20 +1,27 @@
 """Text data for causal-LM fine-tuning: load with `datasets`, tokenise, pack to fixed length.
 
-Every rank loads the same data and draws the same global batches in the same order (a
-permutation seeded by ``(seed, epoch)``); the pipeline runtime then gives each stage the samples
-it needs. Order depends only on the seed and the epoch, so a resumed run replays it exactly.
+Every rank loads the same data: :func:`load_text_dataset` gives packed token rows
+``[samples, seq_len]``, and :func:`rows_dataset` turns them into the ``datasets.Dataset`` of
+``input_ids`` / ``attention_mask`` / ``labels`` rows of equal length that run_clm.py's
+``group_texts`` makes and ``HaptTrainer`` takes. A file ``datasets`` cannot read is refused with
+the file and, where it can be found, the line. :func:`epoch_order` is a permutation seeded by
+``(seed, epoch)``, for loops that draw global batches themselves (a resumed run replays it).
 """
 from __future__ import annotations
 
+import json
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from hapt_hf.errors import DataError
 
-__all__ = ["DataError", "TextDataConfig", "load_text_dataset", "pack_tokens", "epoch_order",
-           "collate_causal_lm"]
+__all__ = ["DataError", "TextDataConfig", "load_text_dataset", "pack_tokens", "rows_dataset",
+           "epoch_order", "collate_causal_lm"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text"}
 
@@ -45,11 +52,59 @@ def _builder(path: Path, field: str) -> str:
     return builder
 
 
+@contextmanager
+def _datasets_quiet() -> Iterator[None]:
+    """datasets logs a parse failure at ERROR level on every rank before raising; the raise
+    becomes one DataError, so the log line would only repeat it (once per rank)."""
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _why_unreadable(path: Path, builder: str, error: Exception) -> str:
+    """Where a file datasets could not read goes wrong: the first line that is not UTF-8 text
+    or (for JSON lines) not JSON; else datasets' own innermost reason."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        return f"line {line} is not UTF-8 text (byte {e.start}); is it a text file?"
+    if builder == "json":
+        try:
+            json.loads(text)  # one JSON document: the lines are not the problem
+        except ValueError:
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    shown = line if len(line) <= 60 else line[:57] + "..."
+                    return f"line {n} is not JSON ({e.msg}): {shown!r}"
+    cause: BaseException = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    return " ".join(f"{type(cause).__name__}: {cause}".split())
+
+
 def _load_texts(path: Path, column: str, field: str) -> list[str]:
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
     builder = _builder(path, field)
-    ds = datasets.load_dataset(builder, data_files={"train": str(path)}, split="train")
+    try:
+        with _datasets_quiet():
+            ds = datasets.load_dataset(builder, data_files={"train": str(path)}, split="train")
+    except DatasetGenerationError as e:
+        kind = ".json/.jsonl (one object per line)" if builder == "json" else ".txt"
+        raise DataError(f"{field} {str(path)!r} cannot be read as {kind}: "
+                        f"{_why_unreadable(path, builder, e)}; fix the file or give another "
+                        "one") from None
     if column not in ds.column_names:
         raise DataError(f"{field} {str(path)!r} has no column {column!r}; its columns are "
                         f"{ds.column_names}; pass --text_column with one of them")
@@ -82,6 +137,18 @@ def load_text_dataset(cfg: TextDataConfig, tokenizer) -> tuple[torch.Tensor, tor
     if held == 0:
         return train, train[:0]
     return train[:-held], train[-held:]
+
+
+def rows_dataset(rows: torch.Tensor):
+    """Packed rows as a ``datasets.Dataset`` with ``input_ids``, ``attention_mask`` (all ones:
+    packed rows hold no padding) and ``labels`` (the inputs: the model shifts them), as
+    run_clm.py's ``group_texts`` makes it."""
+    import datasets
+
+    ids = rows.tolist()
+    return datasets.Dataset.from_dict({"input_ids": ids,
+                                       "attention_mask": [[1] * rows.shape[1]] * len(ids),
+                                       "labels": ids})
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:

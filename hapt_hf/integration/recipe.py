@@ -1,29 +1,39 @@
 """The fine-tuning recipe shared by ``recipes/finetune_gpt2.py`` and ``recipes/finetune_llama.py``.
 
-Order matters for bad input: everything a user can get wrong (hapt config, model family, data
-file and column, launch, plan vs world size) is checked before anything is written, so a
-refused run leaves the output directory as it found it.
+As run_clm.py: ``HfArgumentParser((RecipeArguments, TrainingArguments))`` takes the recipe's own
+options and every ``TrainingArguments`` flag (HaptTrainer honours or refuses each, by name); the
+model comes from ``AutoModelForCausalLM``, the data is a ``datasets.Dataset`` of packed rows, and
+``HaptTrainer`` takes Trainer's arguments plus the hapt config.
+
+Bad input ends the run with one ``error:`` line from rank 0 and exit status 2 (a usage error:
+argparse's own status), and leaves the output directory as it found it: what the recipe can
+check (arguments, hapt config, resume checkpoint, model, tokenizer, data) is checked before the
+trainer is built, HaptTrainer checks the rest before it writes, and an output directory this run
+created and left empty is removed.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import HfArgumentParser, TrainingArguments
 
-from hapt_hf.errors import HaptError
-from hapt_hf.integration.config import HaptPlugin
-from hapt_hf.integration.data import DataError, TextDataConfig, load_text_dataset
-from hapt_hf.integration.launch import (LaunchEnv, LaunchError, check_model_family, format_plan,
-                                        init_process_group, read_launch_env, resolve_plan,
-                                        write_plan)
+from hapt_hf.errors import CheckpointError, ConfigError, HaptError
+from hapt_hf.integration.config import HaptConfig
+from hapt_hf.integration.data import DataError, TextDataConfig, load_text_dataset, rows_dataset
+from hapt_hf.integration.launch import LaunchError, check_model_family
 from hapt_hf.pipeline.comm import PipelineFailure
 
-__all__ = ["RecipeDefaults", "build_parser", "main"]
+__all__ = ["RecipeDefaults", "RecipeArguments", "LoraRecipeArguments", "RecipeArgumentError",
+           "RECIPE_TRAINING_DEFAULTS", "build_parser", "parse_args", "main"]
+
+
+class RecipeArgumentError(ConfigError):
+    """A recipe flag, or a combination of TrainingArguments flags, that cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -38,63 +48,169 @@ class RecipeDefaults:
     tokenizer_dir: Path
 
 
-def build_parser(defaults: RecipeDefaults) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=f"Fine-tune a {defaults.family} model with hapt_hf "
-                                "pipeline parallelism (run it under `accelerate launch`).")
-    p.add_argument("--hapt_config", help="hapt.yaml (default: $HAPT_CONFIG)")
-    p.add_argument("--output_dir", required=True)
-    p.add_argument("--model_name_or_path", help="local directory or hub name (default: the "
-                   f"built-in small model {defaults.model_dir.name})")
-    p.add_argument("--tokenizer_name", help="default: the model's, else the shipped tokenizer")
-    p.add_argument("--train_file", help="local .json/.jsonl/.txt (default: the shipped corpus)")
-    p.add_argument("--validation_file")
-    p.add_argument("--text_column", default="text")
-    p.add_argument("--seq_len", type=int, help="default: the hapt config's, else 64")
-    p.add_argument("--max_steps", type=int, default=-1)
-    p.add_argument("--num_train_epochs", type=float, default=1.0)
-    p.add_argument("--learning_rate", type=float, default=1e-3)
-    p.add_argument("--weight_decay", type=float, default=0.0)
-    p.add_argument("--warmup_steps", type=int, default=0)
-    p.add_argument("--lr_scheduler_type", default="linear")
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--logging_steps", type=float, default=1)
-    p.add_argument("--save_steps", type=float, default=0, help="0: save only at the end")
-    p.add_argument("--save_total_limit", type=int)
-    p.add_argument("--eval_steps", type=float, default=0, help="0: evaluate only at the end")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report_to", default="none", help="e.g. tensorboard")
-    p.add_argument("--resume_from_checkpoint", help="a checkpoint-N directory, or 'last'")
-    p.add_argument("--disable_tqdm", action="store_true")
-    p.add_argument("--verify_checkpoint", action="store_true",
-                   help="after saving, reload the model with from_pretrained on rank 0 and check "
-                        "its logits equal the pipeline's on one batch")
-    if defaults.family == "llama":
-        p.add_argument("--lora_r", type=int, default=0, help="LoRA rank through peft (0: off)")
-    return p
+@dataclass
+class RecipeArguments:
+    """The recipe's own options; every other flag is a ``TrainingArguments`` field."""
+
+    hapt_config: str | None = field(default=None, metadata={
+        "help": "hapt.yaml: the cluster to plan on or a ready plan (default: $HAPT_CONFIG)"})
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "local directory (config.json, safetensors weights, tokenizer) or hub name "
+                "(default: the built-in small model, random weights from --seed)"})
+    tokenizer_name: str | None = field(default=None, metadata={
+        "help": "default: the model directory's tokenizer, else the shipped one"})
+    train_file: str | None = field(default=None, metadata={
+        "help": "local .json/.jsonl (one object per line) or .txt (one sample per line) "
+                "(default: the shipped corpus)"})
+    validation_file: str | None = field(default=None, metadata={
+        "help": "held-out data, as --train_file (default: the last 10%% of packed samples)"})
+    text_column: str = field(default="text", metadata={"help": "the column with the text"})
+    seq_len: int | None = field(default=None, metadata={
+        "help": "tokens per packed sample (default: the hapt config's, else 64)"})
+    verify_checkpoint: bool = field(default=False, metadata={
+        "help": "after saving, reload the model with from_pretrained on rank 0 and check its "
+                "logits equal the pipeline's on one batch"})
 
 
-def _model_dir(args, defaults: RecipeDefaults, launch: LaunchEnv) -> tuple[Path, bool]:
-    """(directory with config.json, whether it holds weights) for a local dir or a hub name."""
-    name = args.model_name_or_path
+@dataclass
+class LoraRecipeArguments(RecipeArguments):
+    """The LLaMA recipe's options: the shared ones and LoRA."""
+
+    lora_r: int = field(default=0, metadata={
+        "help": "train LoRA adapters of this rank on the attention projections (peft), "
+                "merged into the weights at the final save (0: off)"})
+
+
+RECIPE_TRAINING_DEFAULTS: dict[str, Any] = {
+    "learning_rate": 1e-3, "num_train_epochs": 1.0, "logging_steps": 1,
+    "logging_first_step": True, "report_to": "none", "seed": 0,
+    # 2 x 1 x 4 processes = the README demo's global batch of 8 (hapt_cpu_demo.yaml)
+    "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+}
+"""TrainingArguments defaults the recipes change (``use_cpu`` too: True where there is no CUDA).
+Saving and evaluating default to once, at the end: see :func:`_save_and_eval`."""
+
+# Parsed with a None default, so that the recipe sees whether they were given at all.
+_RESOLVED_AFTER_PARSING = ("output_dir", "save_strategy", "save_steps", "eval_strategy",
+                           "eval_steps")
+
+
+def _is_main_process() -> bool:
+    """Rank 0 (or no launcher): the rank that prints messages, read before any process group
+    exists from the variables torchrun and mpirun set."""
+    for name in ("RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if os.environ.get(name, "") != "":
+            return os.environ[name] == "0"
+    return True
+
+
+class RecipeParser(HfArgumentParser):
+    """HfArgumentParser speaking from rank 0 only: ``--help``, and a usage error as one line
+    (each rank exits with argparse's status 2, the others silently)."""
+
+    def _print_message(self, message, file=None):
+        if _is_main_process():
+            super()._print_message(message, file)
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; `{self.prog} --help` lists every option\n")
+
+
+def build_parser(defaults: RecipeDefaults) -> RecipeParser:
+    own = LoraRecipeArguments if defaults.family == "llama" else RecipeArguments
+    parser = RecipeParser((own, TrainingArguments), description=(
+        f"Fine-tune a {defaults.family} model with hapt_hf pipeline parallelism (run it under "
+        "`accelerate launch`). Takes every TrainingArguments flag; docs/usage.md lists the "
+        "recipe's defaults."))
+    parser.set_defaults(**RECIPE_TRAINING_DEFAULTS, use_cpu=not torch.cuda.is_available(),
+                        **dict.fromkeys(_RESOLVED_AFTER_PARSING))
+    return parser
+
+
+def _field_default(name: str) -> Any:
+    return next(f.default for f in fields(TrainingArguments) if f.name == name)
+
+
+def _save_and_eval(values: dict[str, Any]) -> None:
+    """``--save_steps N`` / ``--eval_steps N`` alone save / evaluate every N steps; with
+    neither the step count nor the strategy given (or a count of 0) the recipe saves and
+    evaluates once, at the end. A strategy given is kept as given."""
+    for kind in ("save", "eval"):
+        steps, strategy = values[f"{kind}_steps"], values[f"{kind}_strategy"]
+        if strategy is None:
+            values[f"{kind}_strategy"] = "steps" if steps else "no"
+        if not steps:
+            values[f"{kind}_steps"] = _field_default(f"{kind}_steps")
+
+
+def parse_args(defaults: RecipeDefaults, argv: list[str] | None = None
+               ) -> tuple[RecipeArguments, TrainingArguments]:
+    """The recipe's options and the TrainingArguments; a flag argparse refuses (unknown, a
+    wrong type or choice) exits with status 2 after one line from rank 0, a combination
+    TrainingArguments refuses raises :class:`RecipeArgumentError`."""
+    parser = build_parser(defaults)
+    values = vars(parser.parse_args(argv))
+    if values["output_dir"] is None:
+        parser.error("the following arguments are required: --output_dir")
+    _save_and_eval(values)
+    own_type = parser.dataclass_types[0]
+    names = {f.name for f in fields(own_type)}
+    own = own_type(**{k: v for k, v in values.items() if k in names})
+    try:
+        training = TrainingArguments(**{k: v for k, v in values.items() if k not in names})
+    except ValueError as e:  # TrainingArguments' own checks of its fields, one by one
+        raise RecipeArgumentError("the TrainingArguments flags cannot be used together: "
+                                  + " ".join(str(e).split())) from None
+    if own.seq_len is not None and own.seq_len < 2:
+        raise RecipeArgumentError(f"--seq_len is {own.seq_len}; give at least 2 tokens")
+    if getattr(own, "lora_r", 0) < 0:
+        raise RecipeArgumentError(f"--lora_r is {own.lora_r}; give a rank >= 1, or 0 for none")
+    return own, training
+
+
+# -- model, tokenizer, data -------------------------------------------------------------------
+def _looks_like_path(name: str) -> bool:
+    """A hub name is 'model' or 'org/model'; anything else can only be a local path."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _model_dir(name: str | None, defaults: RecipeDefaults) -> Path:
+    """The directory with config.json (and weights, if any): local, or fetched from the hub."""
     if name is None:
-        return defaults.model_dir, False
-    path = Path(name)
+        return defaults.model_dir.resolve()
+    path = Path(name).expanduser()
+    fix = ("give a directory written by save_pretrained (with config.json) or the name of a "
+           "model on the Hugging Face Hub")
     if not path.is_dir():
-        from huggingface_hub import snapshot_download
-        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors",
-                                                            "tokenizer*"]))
+        if path.exists() or _looks_like_path(name):
+            what = "is not a directory" if path.exists() else "does not exist"
+            raise RecipeArgumentError(f"--model_name_or_path {name!r} {what}; {fix}")
+        path = _from_hub(name, fix)
     if not (path / "config.json").is_file():
-        raise LaunchError(f"--model_name_or_path {name!r} has no config.json; give a directory "
-                          "written by save_pretrained or a hub model name")
-    weights = any(path.glob("*.safetensors"))
-    return path, weights
+        raise RecipeArgumentError(f"--model_name_or_path {name!r} has no config.json; {fix}")
+    return path.resolve()
 
 
-def _tokenizer(args, model_dir: Path, defaults: RecipeDefaults):
+def _from_hub(name: str, fix: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors",
+                                                            "tokenizer*"]))
+    except (HFValidationError, OSError) as e:  # the hub's HTTP and cache errors are OSErrors
+        reason = " ".join(str(e).split())
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        raise RecipeArgumentError(f"--model_name_or_path {name!r} is no local directory and "
+                                  f"could not be fetched from the Hugging Face Hub "
+                                  f"({type(e).__name__}: {reason}); {fix}") from None
+
+
+def _tokenizer(name: str | None, model_dir: Path, defaults: RecipeDefaults):
     from transformers import AutoTokenizer
 
-    if args.tokenizer_name:
-        return AutoTokenizer.from_pretrained(args.tokenizer_name)
+    if name:
+        return AutoTokenizer.from_pretrained(name)
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(model_dir))
     return AutoTokenizer.from_pretrained(str(defaults.tokenizer_dir))
@@ -111,23 +227,45 @@ def _check_family(config, defaults: RecipeDefaults) -> None:
                           f"use recipes/{other}")
 
 
-def _training_args(args, plan, output_dir: str):
-    from transformers import TrainingArguments
+def _model(model_dir: Path, config, seed: int):
+    """The model HaptTrainer cuts into stages. A directory with safetensors weights: built on
+    the meta device, so that each rank reads only its own stage's tensors from the directory
+    (``config.name_or_path``) and no rank holds the whole model. Other weights (``.bin``) are
+    loaded whole; no weights: random ones from ``seed``, as run_clm.py (``set_seed`` and
+    ``from_config``), so one process with the same seed builds the very same model."""
+    from transformers import AutoModelForCausalLM, set_seed
 
-    return TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=plan.micro_batch_size,
-        gradient_accumulation_steps=plan.num_microbatches, max_steps=args.max_steps,
-        num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-        lr_scheduler_type=args.lr_scheduler_type, max_grad_norm=args.max_grad_norm,
-        logging_steps=args.logging_steps, logging_first_step=True,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or None,
-        save_total_limit=args.save_total_limit,
-        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
-        seed=args.seed, report_to=[] if args.report_to == "none" else args.report_to.split(","),
-        disable_tqdm=args.disable_tqdm, use_cpu=not torch.cuda.is_available())
+    if any(model_dir.glob("*.safetensors")):
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    if any(model_dir.glob("*.bin")):
+        return AutoModelForCausalLM.from_pretrained(str(model_dir))
+    set_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
 
 
+def _resume_checkpoint(training_args: TrainingArguments) -> str | None:
+    """``--resume_from_checkpoint`` as a directory (``last``: the newest ``checkpoint-N`` of the
+    output directory); one that is not there is refused before anything is built."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    given, out = training_args.resume_from_checkpoint, training_args.output_dir
+    if given is None:
+        return None
+    if given == "last":
+        last = get_last_checkpoint(out) if os.path.isdir(out) else None
+        if last is None:
+            raise CheckpointError(f"--resume_from_checkpoint last but {out!r} holds no "
+                                  "checkpoint-N directory; name a checkpoint, or leave the flag "
+                                  "out to start afresh")
+        return last
+    if not os.path.isdir(given):
+        raise CheckpointError(f"--resume_from_checkpoint {given!r} is not a directory; give a "
+                              "checkpoint-N directory an earlier run wrote, or 'last'")
+    return given
+
+
+# -- the run ----------------------------------------------------------------------------------
 # (rtol, atol) of --verify_checkpoint. In fp32 the pipeline's logits equal one process's to
 # float rounding. In 16 bits the pipeline also rounds the residual stream to the compute dtype at
 # every stage boundary (it travels so), which one process does not, and a GPU's kernels round
@@ -135,11 +273,11 @@ def _training_args(args, plan, output_dir: str):
 VERIFY_TOLERANCE = {"fp32": (1e-5, 4e-5), "bf16": (5e-2, 5e-2), "fp16": (1e-2, 1e-2)}
 
 
-def _verify(trainer, runtime, rows: torch.Tensor, output_dir: Path, rank: int) -> None:
+def _verify(trainer, rows: torch.Tensor, output_dir: Path, rank: int) -> None:
     from hapt_hf.pipeline.runtime import Batch
 
     batch = rows[: trainer.plan.global_batch_size]
-    logits = runtime.predict_logits(Batch(input_ids=batch))
+    logits = trainer.runtime.predict_logits(Batch(input_ids=batch))
     if rank != 0:
         return
     from transformers import AutoModelForCausalLM
@@ -161,103 +299,105 @@ def _verify(trainer, runtime, rows: torch.Tensor, output_dir: Path, rank: int) -
         raise RuntimeError("the saved checkpoint's logits differ from the pipeline's")
 
 
-def _run(args, defaults: RecipeDefaults) -> None:
+def _run(args: RecipeArguments, training_args: TrainingArguments,
+         defaults: RecipeDefaults) -> None:
     from transformers import AutoConfig
 
-    plugin = HaptPlugin.from_args_or_env(args.hapt_config)
-    launch = read_launch_env()
-    model_dir, has_weights = _model_dir(args, defaults, launch)
+    from hapt_hf.integration.trainer import HaptTrainer
+
+    hapt = HaptConfig.from_args_or_env(args.hapt_config)
+    seq_len = args.seq_len or hapt.seq_len or 64
+    hapt = replace(hapt, seq_len=seq_len)  # --seq_len overrides the hapt config's
+    resume = _resume_checkpoint(training_args)
+    model_dir = _model_dir(args.model_name_or_path, defaults)
     model_config = AutoConfig.from_pretrained(str(model_dir))
     _check_family(model_config, defaults)
-    tokenizer = _tokenizer(args, model_dir, defaults)
+    tokenizer = _tokenizer(args.tokenizer_name, model_dir, defaults)
     if len(tokenizer) > model_config.vocab_size:
         raise LaunchError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size "
                           f"is {model_config.vocab_size}; use the model's own tokenizer")
-    seq_len = args.seq_len or plugin.seq_len or 64
+    if not _is_main_process():
+        import datasets
+        datasets.disable_progress_bars()
     data = TextDataConfig(Path(args.train_file or defaults.data_file), args.text_column, seq_len,
                           Path(args.validation_file) if args.validation_file else None)
     train_rows, eval_rows = load_text_dataset(data, tokenizer)
-    init_process_group(launch, plugin.timeout_s)
-    plan = resolve_plan(plugin, model_config, seq_len, launch)
-    if (args.eval_steps or args.validation_file) and len(eval_rows) < plan.global_batch_size:
-        flag = "--eval_steps" if args.eval_steps else "--validation_file"
-        raise DataError(f"{flag} needs at least one global batch ({plan.global_batch_size} "
-                        f"samples) of eval data, but there are {len(eval_rows)}; give a larger "
-                        "--validation_file or leave --eval_steps out")
-    if launch.is_main:
-        print(format_plan(plan), flush=True)
-    _train(args, defaults, plugin, launch, plan, model_config, model_dir if has_weights else None,
-           tokenizer, train_rows, eval_rows)
-
-
-def _train(args, defaults, plugin, launch, plan, model_config, weights_dir, tokenizer,
-           train_rows, eval_rows) -> None:
-    from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
-
-    training_args = _training_args(args, plan, args.output_dir)
-    # The plan's precision (the hapt config's, resolved on the cluster) is the one setting:
-    # the runtime autocasts to it and scales the loss where it says so.
-    runtime = PipelineRuntime(plan, model_config, RuntimeConfig(
-        timeout_s=plugin.timeout_s, seed=args.seed,
-        checkpoint_dir=str(weights_dir) if weights_dir else None))
+    if training_args.eval_strategy != "no" and len(eval_rows) == 0:
+        raise DataError(f"--eval_strategy {training_args.eval_strategy.value} needs eval data, "
+                        f"but the held-out tenth of {len(train_rows)} samples is empty; give "
+                        "--validation_file or more training data")
+    trainer = HaptTrainer(model=_model(model_dir, model_config, training_args.seed),
+                          args=training_args, train_dataset=rows_dataset(train_rows),
+                          eval_dataset=rows_dataset(eval_rows) if len(eval_rows) else None,
+                          processing_class=tokenizer, hapt_config=hapt)
     try:
-        if getattr(args, "lora_r", 0):
-            from hapt_hf.integration.lora import apply_lora
-            apply_lora(runtime.stage, args.lora_r)
-        _fit(args, plan, launch, runtime, training_args, tokenizer, train_rows, eval_rows)
+        _fit(args, trainer, resume, eval_rows if len(eval_rows) else train_rows)
     finally:
-        runtime.shutdown()  # the watchdog thread ends before the process group goes
-    if launch.is_main:
-        print(f"saved a Hugging Face checkpoint to {args.output_dir} (load it with "
-              f"AutoModelForCausalLM.from_pretrained({str(args.output_dir)!r})) and the plan "
-              f"that ran to {Path(args.output_dir) / 'plan.json'}", flush=True)
+        trainer.runtime.shutdown()  # the watchdog thread ends before the process group goes
+    if trainer.is_world_process_zero():
+        out = training_args.output_dir
+        print(f"saved a Hugging Face checkpoint to {out} (load it with "
+              f"AutoModelForCausalLM.from_pretrained({out!r})) and the plan that ran to "
+              f"{Path(out) / 'plan.json'}", flush=True)
 
 
-class _WritePlanAtStart(TrainerCallback):
-    """Writes plan.json as training begins: after a resumed checkpoint has loaded (and been
-    agreed on) on every rank, so that a refused run leaves the output directory as it was."""
-
-    def __init__(self, plan, output_dir: str, launch: LaunchEnv) -> None:
-        self.plan, self.output_dir, self.launch = plan, output_dir, launch
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        write_plan(self.plan, self.output_dir, self.launch)
+def _evaluated_at_last_step(trainer) -> bool:
+    step = trainer.state.global_step
+    return any("eval_loss" in h and h.get("step") == step for h in trainer.state.log_history)
 
 
-def _fit(args, plan, launch, runtime, training_args, tokenizer, train_rows, eval_rows) -> None:
-    from hapt_hf.integration.trainer import HaptTrainer
-
-    # a held-out slice smaller than a global batch cannot be evaluated: the run goes without
-    can_evaluate = len(eval_rows) >= plan.global_batch_size
-
-    trainer = HaptTrainer(runtime, plan, training_args, train_dataset=train_rows,
-                          eval_dataset=eval_rows if can_evaluate else None,
-                          processing_class=tokenizer)
-    # Everything else is checked: the output directory is written from the start of training.
-    trainer.add_callback(_WritePlanAtStart(plan, args.output_dir, launch))
-    resume = args.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume == "last" else resume)
-    if can_evaluate and not args.eval_steps:
-        trainer.evaluate()  # with --eval_steps the last step has evaluated already
-    if getattr(args, "lora_r", 0):
+def _fit(args: RecipeArguments, trainer, resume: str | None, verify_rows: torch.Tensor) -> None:
+    lora_r = getattr(args, "lora_r", 0)
+    if lora_r:
+        from hapt_hf.integration.lora import apply_lora
+        apply_lora(trainer.runtime.stage, lora_r)
+    result = trainer.train(resume_from_checkpoint=resume)
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    if trainer.eval_dataset is not None and not _evaluated_at_last_step(trainer):
+        metrics = trainer.evaluate()
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+    if lora_r:
         from hapt_hf.integration.lora import merge_lora
-        merge_lora(runtime.stage)
+        merge_lora(trainer.runtime.stage)
     trainer.save_model()
     trainer.save_state()
     if args.verify_checkpoint:
-        _verify(trainer, runtime, eval_rows if can_evaluate else train_rows,
-                Path(args.output_dir), launch.rank)
+        _verify(trainer, verify_rows, Path(trainer.args.output_dir), trainer.args.process_index)
+
+
+def _remove_if_left_empty(root: Path) -> None:
+    """Remove ``root`` (made by this run) if the refused run left nothing in it; every file
+    written stays."""
+    if not root.is_dir():
+        return
+    for where, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(where)  # only an empty directory goes
+        except OSError:
+            pass
 
 
 def main(defaults: RecipeDefaults, argv: list[str] | None = None) -> int:
-    args = build_parser(defaults).parse_args(argv)
+    """Run the recipe; the exit status: 0, 2 for a user error (one ``error:`` line on rank 0),
+    1 when a rank of the pipeline failed."""
+    out: Path | None = None
     try:
-        _run(args, defaults)
+        try:
+            args, training_args = parse_args(defaults, argv)
+        except SystemExit as e:  # argparse: --help (0), or a usage error (2) printed already
+            return e.code if isinstance(e.code, int) else 2
+        out = Path(training_args.output_dir)
+        out = None if out.exists() else out  # only a directory this run creates is removed
+        _run(args, training_args, defaults)
     except HaptError as e:
         # a user error: every rank raises the same refusal (checks run on every rank, or are
         # agreed on); anything else is a bug and keeps its traceback
-        if os.environ.get("RANK", "0") == "0":
+        if _is_main_process():
             print(f"error: {e}", file=sys.stderr, flush=True)
+            if out is not None:
+                _remove_if_left_empty(out)
         return 2
     except PipelineFailure as e:
         # each rank names the one that failed and adds what it was doing itself

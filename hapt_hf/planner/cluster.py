@@ -183,9 +183,16 @@ class Cluster:
                                f"YAML cluster file or a built-in name: "
                                f"{', '.join(builtin_cluster_names())}")
         try:
-            d = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ClusterError(f"cluster file {p} is not valid YAML: {e}") from None
+            d = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ClusterError(f"cluster file {p} is not a text YAML file (byte {e.start} is "
+                               "not UTF-8); give a cluster YAML (docs/cluster-file.md) or a "
+                               f"built-in name: {', '.join(builtin_cluster_names())}") from None
+        except yaml.YAMLError as e:  # one line: where, and what is wrong there
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark is not None else ""
+            why = getattr(e, "problem", None) or " ".join(str(e).split())
+            raise ClusterError(f"cluster file {p} is not valid YAML{at}: {why}") from None
         if not isinstance(d, dict):
             raise ClusterError(f"cluster file {p} must hold a mapping with 'groups:' (and "
                                f"'links:'), got {type(d).__name__}")
