@@ -1,9 +1,9 @@
 """HaptTrainer on a plan whose last stage shards its optimizer state between two replicas that
-take uneven shares (3:1) of every micro-batch: it trains as one process would, its exported
-model is that process's model, and a run resumed from a checkpoint (every rank's shard in its
-own file) continues bit for bit as the uninterrupted run; a script's own AdamW and the
-scheduler built on it (``optimizers=``) are sharded the same way, without the scheduler's
-"step before optimizer.step()" warning."""
+take uneven shares (3:1) of every micro-batch: it trains as ``transformers.Trainer`` on one
+process does (the same batches, losses and weights), its exported model is that process's model,
+and a run resumed from a checkpoint (every rank's shard in its own file) continues bit for bit as
+the uninterrupted run; a script's own AdamW and the scheduler built on it (``optimizers=``) are
+sharded the same way, without the scheduler's "step before optimizer.step()" warning."""
 from __future__ import annotations
 
 import shutil
@@ -16,8 +16,9 @@ from hapt_hf.testing import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-SEQ, VOCAB, MBS, M = 8, 97, 4, 2
-G = MBS * M
+SEQ, VOCAB, MBS, M = 8, 97, 4, 3
+G = MBS * M  # 12 samples a step: 2 per device x 2 accumulation x 3 processes
+WORLD, PER_DEVICE, ACCUMULATION = 3, 2, 2
 STEPS, SAVE_AT = 4, 2
 RTOL, ATOL = 1e-5, 4e-5
 
@@ -26,7 +27,7 @@ def _plan() -> Plan:
     last = (Replica(1, "cpu", "cpu", 3), Replica(2, "cpu", "cpu", 1))
     return Plan("tiny-gpt2", 6, SEQ, G, MBS, M, "1f1b", (
         StagePlan(0, (0, 4), "cpu", "cpu", (0,), 2),
-        StagePlan.of_replicas(1, (4, 6), last, 1, optimizer="sharded"))).validate(3)
+        StagePlan.of_replicas(1, (4, 6), last, 1, optimizer="sharded"))).validate(WORLD)
 
 
 def _config():
@@ -40,13 +41,13 @@ def _rows() -> torch.Tensor:
     return torch.randint(0, VOCAB, (G * 3, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def _args(out: str, **kw):
+def _args(out: str, per_device: int = PER_DEVICE, **kw):
     from transformers import TrainingArguments
-    return TrainingArguments(output_dir=out, per_device_train_batch_size=MBS,
-                             gradient_accumulation_steps=M, report_to=[], use_cpu=True,
-                             disable_tqdm=True, seed=0, max_steps=STEPS, logging_steps=1,
-                             save_strategy="steps", save_steps=SAVE_AT, learning_rate=1e-3,
-                             lr_scheduler_type="linear", max_grad_norm=1.0, **kw)
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=per_device,
+                             gradient_accumulation_steps=ACCUMULATION, report_to=[],
+                             use_cpu=True, disable_tqdm=True, seed=0, max_steps=STEPS,
+                             logging_steps=1, learning_rate=1e-3, lr_scheduler_type="linear",
+                             max_grad_norm=1.0, **kw)
 
 
 def _train(out: str, resume: str | None = None, own_optimizer: bool = False) -> dict:
@@ -62,47 +63,46 @@ def _train(out: str, resume: str | None = None, own_optimizer: bool = False) -> 
     if own_optimizer:
         opt = torch.optim.AdamW(runtime.stage.parameters(), lr=1e-3, weight_decay=0.0)
         optimizers = (opt, get_linear_schedule_with_warmup(opt, 0, STEPS))
-    trainer = HaptTrainer(runtime, runtime.plan, _args(out), train_dataset=_rows(),
-                          optimizers=optimizers)
+    trainer = HaptTrainer(args=_args(out, save_strategy="steps", save_steps=SAVE_AT),
+                          runtime=runtime, train_dataset=_rows(), optimizers=optimizers)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=resume)
     opt = trainer.optimizer
     result = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+              "lrs": {h["step"]: h["learning_rate"] for h in trainer.state.log_history
+                      if "loss" in h},
               "weights": {k: v.detach().numpy().copy()
                           for k, v in runtime.stage.named_parameters()},
               "optimizer": type(opt).__name__,
               "state": len(getattr(opt, "optim", opt).state),
-              "scheduler_warnings": [str(w.message) for w in seen if "lr_scheduler" in str(w.message)]}
+              "scheduler_warnings": [str(w.message) for w in seen
+                                     if "lr_scheduler" in str(w.message)]}
     runtime.shutdown()
     return result
 
 
-def _one_process() -> tuple[dict, list[float]]:
-    """The same training on one process: Trainer's AdamW, linear schedule, clipping, order."""
-    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+def _one_process(rank: int, world_size: int, out: str) -> dict:
+    """``transformers.Trainer`` on ONE process, its per-device batch the whole data-parallel
+    batch (the same accumulation and seed): its AdamW, linear schedule, clipping and batches.
+    Without a model, HaptTrainer divides a step's loss by its predicted tokens (the token
+    mean); ``loss_type`` makes Trainer count them so for GPT-2 too."""
+    from transformers import AutoModelForCausalLM, Trainer
 
     from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-    from hapt_hf.integration.data import epoch_order
-    rows = _rows()
     torch.manual_seed(0)  # RuntimeConfig's default seed builds these weights
     model = AutoModelForCausalLM.from_config(_config(),
                                              attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    sched = get_linear_schedule_with_warmup(opt, 0, STEPS)
-    per_epoch, losses = len(rows) // G, []
-    for step in range(STEPS):
-        epoch, i = divmod(step, per_epoch)
-        batch = rows[epoch_order(len(rows), 0, epoch)[i * G:(i + 1) * G]]
-        loss = model(batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return ({n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
-            losses)
+    model.loss_type = "ForCausalLM"
+    rows = [{"input_ids": r, "labels": r} for r in _rows()]
+    trainer = Trainer(model=model, args=_args(out, per_device=PER_DEVICE * WORLD),
+                      train_dataset=rows)
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": {h["step"]: h["loss"] for h in history},
+            "lrs": {h["step"]: h["learning_rate"] for h in history},
+            "weights": {n: p.detach().numpy().copy()
+                        for n, p in model.named_parameters(remove_duplicate=False)}}
 
 
 def _worker(rank: int, world_size: int, root: str) -> dict:
@@ -113,42 +113,45 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     torch.distributed.barrier()
     resumed = _train(f"{root}/resumed", resume=f"{root}/resumed/checkpoint-{SAVE_AT}")
     own = _train(f"{root}/own", own_optimizer=True)
-    ref, ref_losses = _one_process()
+    return {"full": full, "resumed": resumed, "own": own}
+
+
+def _close(got: dict, ref: dict, what: str) -> list[str]:
     errors = []
-    for n, w in full["weights"].items():
+    for n, w in got.items():
         try:
-            torch.testing.assert_close(torch.from_numpy(w), ref[n], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(torch.as_tensor(w), torch.from_numpy(ref[n]),
+                                       rtol=RTOL, atol=ATOL)
         except AssertionError as e:
-            errors.append(f"{n}: {str(e).splitlines()[:3]}")
-    if rank == 0:  # the exported model of the last checkpoint is the one process's model
-        from transformers import AutoModelForCausalLM
-        exported = AutoModelForCausalLM.from_pretrained(f"{root}/full/checkpoint-{STEPS}")
-        for n, p in exported.named_parameters():
-            try:
-                torch.testing.assert_close(p.detach(), ref[n], rtol=RTOL, atol=ATOL)
-            except AssertionError as e:
-                errors.append(f"exported {n}: {str(e).splitlines()[:3]}")
-    for n, w in own["weights"].items():  # the script's AdamW and scheduler, sharded
-        try:
-            torch.testing.assert_close(torch.from_numpy(w), ref[n], rtol=RTOL, atol=ATOL)
-        except AssertionError as e:
-            errors.append(f"own optimizer {n}: {str(e).splitlines()[:3]}")
-    return {"full": full, "resumed": resumed, "own": own, "errors": errors,
-            "ref_losses": ref_losses}
+            errors.append(f"{what} {n}: {str(e).splitlines()[:3]}")
+    return errors
 
 
 def test_sharded_uneven_trainer_matches_one_process_and_resumes_exactly(tmp_path):
-    outs = [o.value for o in run_ranks(_worker, 3, str(tmp_path), timeout_s=240)]
+    from transformers import AutoModelForCausalLM
+    ref = run_ranks(_one_process, 1, str(tmp_path / "ref"), init_process_group=False)[0].value
+    assert sorted(ref["losses"]) == list(range(1, STEPS + 1))
+    outs = [o.value for o in run_ranks(_worker, WORLD, str(tmp_path), timeout_s=240)]
     for rank, out in enumerate(outs):
-        assert not out["errors"], f"rank {rank}: " + "\n".join(out["errors"])
         full, resumed = out["full"], out["resumed"]
+        errors = _close(full["weights"], ref["weights"], "weight")
+        # the script's own AdamW and scheduler, sharded, train the same
+        errors += _close(out["own"]["weights"], ref["weights"], "own optimizer")
+        assert not errors, f"rank {rank}: " + "\n".join(errors)
         for step in range(1, STEPS + 1):
-            assert full["losses"][step] == pytest.approx(out["ref_losses"][step - 1],
+            assert full["losses"][step] == pytest.approx(ref["losses"][step],
                                                          rel=RTOL, abs=ATOL), step
+            assert full["lrs"][step] == pytest.approx(ref["lrs"][step], rel=1e-12), step
         for step in range(SAVE_AT + 1, STEPS + 1):
             assert resumed["losses"][step] == full["losses"][step], (rank, step)
+            assert resumed["lrs"][step] == full["lrs"][step], (rank, step)
         for k, v in full["weights"].items():
             assert (resumed["weights"][k] == v).all(), (rank, k)
+    # the exported model of the last checkpoint is the one process's model
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full" / f"checkpoint-{STEPS}"))
+    errors = _close({n: p.detach() for n, p in exported.named_parameters()}, ref["weights"],
+                    "exported")
+    assert not errors, "\n".join(errors)
     # the script's own optimizer was sharded too, and its scheduler saw it step
     assert [outs[r]["own"]["optimizer"] for r in (1, 2)] == ["ShardedOptimizer"] * 2
     assert not any(o[k]["scheduler_warnings"] for o in outs for k in ("full", "own", "resumed"))
