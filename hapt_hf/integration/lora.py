@@ -16,7 +16,8 @@ from torch import nn
 
 from hapt_hf.errors import ConfigError
 
-__all__ = ["LoraSetupError", "apply_lora", "merge_lora", "LORA_TARGETS"]
+__all__ = ["LoraSetupError", "apply_lora", "apply_lora_config", "peft_parts", "adapter_state",
+           "merge_lora", "LORA_TARGETS"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -35,16 +36,62 @@ def apply_lora(stage: nn.Module, r: int, alpha: int | None = None,
     if r < 1:
         raise LoraSetupError(f"--lora_r is {r}; give a rank >= 1, or leave it out")
     present = {name.rsplit(".", 1)[-1] for name, _ in stage.named_modules()}
-    if not present.intersection(targets):
-        if getattr(stage, "is_last", False):
-            _freeze_all_but_lora(stage)
-            return 0
-        raise LoraSetupError(f"stage {getattr(stage, 'layer_range', '?')} has no {targets} "
-                             "module to adapt; give every non-last stage at least one block")
+    if not _has_targets(stage, targets):
+        return 0
     config = LoraConfig(r=r, lora_alpha=alpha or 2 * r, lora_dropout=0.0,
                         target_modules=[t for t in targets if t in present])
     inject_adapter_in_model(config, stage)
     return _freeze_all_but_lora(stage)
+
+
+def _has_targets(stage: nn.Module, targets) -> bool:
+    """Whether the stage holds a module to adapt; a last stage without one is frozen whole."""
+    present = {name.rsplit(".", 1)[-1] for name, _ in stage.named_modules()}
+    if present.intersection(targets):
+        return True
+    if getattr(stage, "is_last", False):
+        _freeze_all_but_lora(stage)
+        return False
+    raise LoraSetupError(f"stage {getattr(stage, 'layer_range', '?')} has no {tuple(targets)} "
+                         "module to adapt, so no gradient would leave it; give every non-last "
+                         "stage at least one adapted block (re-plan with fewer stages)")
+
+
+def peft_parts(model: nn.Module) -> tuple[object | None, nn.Module]:
+    """(the active LoRA config, the transformers model inside) of a PEFT model; (None, model)
+    for any other model. Only LoRA without ``modules_to_save`` is taken: another PEFT method
+    is refused by name."""
+    if not (hasattr(model, "peft_config") and hasattr(model, "get_base_model")):
+        return None, model
+    name = getattr(model, "active_adapter", "default")
+    config = model.peft_config[name]
+    kind = type(config).__name__
+    if kind != "LoraConfig" or getattr(config, "modules_to_save", None):
+        raise LoraSetupError(f"a PEFT model with {kind}"
+                             f"{' and modules_to_save' if kind == 'LoraConfig' else ''} cannot "
+                             "be run on a plan; LoRA (LoraConfig without modules_to_save) can")
+    if name != "default":
+        raise LoraSetupError(f"the PEFT model's active adapter is {name!r}; a plan runs the "
+                             "adapter named 'default'")
+    return config, model.get_base_model()
+
+
+def apply_lora_config(stage: nn.Module, config) -> None:
+    """Add the adapters a user's ``LoraConfig`` describes to the stage's own modules (the
+    trainable flags are set from the user's model afterwards)."""
+    from peft import inject_adapter_in_model
+
+    targets = config.target_modules
+    names = {targets} if isinstance(targets, str) else set(targets or ())
+    if _has_targets(stage, names):
+        inject_adapter_in_model(config, stage)
+
+
+def adapter_state(full: dict) -> dict:
+    """The adapter's tensors of a gathered state dict, named as ``PeftModel.save_pretrained``
+    names them in ``adapter_model.safetensors``."""
+    return {"base_model.model." + k.replace(".default.", "."): v for k, v in full.items()
+            if "lora_" in k}
 
 
 def _freeze_all_but_lora(stage: nn.Module) -> int:

@@ -45,6 +45,7 @@ from hapt_hf.compat.trainer_api import TrainerHooks
 from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.launch import read_launch_env, write_plan
+from hapt_hf.integration.lora import adapter_state, peft_parts
 from hapt_hf.integration.precision_args import training_args_precision_mismatch
 from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,
                                                 check_best_metric, check_training_args_honoured,
@@ -153,7 +154,8 @@ class HaptTrainer(TrainerHooks, Trainer):
                          optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         # Trainer divides a step's summed token losses by a count of its own: the same here
-        self._count_rule = "shifted" if model is None else trainer_api.loss_count_rule(self, model)
+        self._lora, inner = peft_parts(model) if model is not None else (None, None)
+        self._count_rule = "shifted" if inner is None else trainer_api.loss_count_rule(self, inner)
 
     # -- batches ------------------------------------------------------------------------------
     def _loader(self, dataset: Any, batch_size: int, training: bool):
@@ -463,10 +465,26 @@ class HaptTrainer(TrainerHooks, Trainer):
         out = Path(output_dir or self.args.output_dir)
         rank = self.runtime.rank
         tmp = ckpt_io.begin_model_save(out) if rank == 0 else out / f"{ckpt_io.TMP_PREFIX}save"
-        self._write_model(tmp)
+        if self._lora is not None:
+            self._write_adapter(tmp)
+        else:
+            self._write_model(tmp)
         if rank == 0:
             ckpt_io.finish_model_save(tmp, out)
         ckpt_io.barrier()
+
+    def _write_adapter(self, out_dir: Path) -> None:
+        """A PEFT model is saved as Trainer saves it, the adapter only: adapter_config.json and
+        adapter_model.safetensors (``PeftModel.from_pretrained(base, out)`` loads them)."""
+        from safetensors.torch import save_file
+        full = self.runtime.gather_state_dict(dst=0)
+        if self.runtime.rank != 0:
+            return
+        save_file({k: v.contiguous() for k, v in adapter_state(full).items()},
+                  str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+        self._lora.save_pretrained(str(out_dir))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(str(out_dir))
 
     def save_checkpoint(self, trial=None) -> None:
         """Commit ``checkpoint-<step>`` atomically (collective): the gathered model, every

@@ -20,6 +20,7 @@ from torch import nn
 
 from hapt_hf.errors import ConfigError, TrainingArgsError
 from hapt_hf.integration.config import HAPT_CONFIG_ENV, HaptConfig
+from hapt_hf.integration.lora import apply_lora_config, peft_parts
 from hapt_hf.integration.launch import (LaunchEnv, check_model_family, format_plan,
                                         init_process_group, read_launch_env, resolve_plan)
 from hapt_hf.pipeline import checkpoint_io
@@ -131,6 +132,7 @@ def pipeline_for_model(model: nn.Module, args: Any, config: HaptConfig, seq_len:
 
 
 def _runtime(model: nn.Module, plan: Plan, config: HaptConfig, seed: int) -> PipelineRuntime:
+    lora, model = peft_parts(model)
     on_meta = any(p.is_meta for p in model.parameters())
     source = str(getattr(model.config, "name_or_path", "") or "")
     if on_meta and not list(Path(source or "/nonexistent").glob("*.safetensors")):
@@ -140,12 +142,16 @@ def _runtime(model: nn.Module, plan: Plan, config: HaptConfig, seed: int) -> Pip
     with torch.random.fork_rng(devices=[]):  # the user's RNG stays as one process has it
         runtime = PipelineRuntime(plan, model.config, RuntimeConfig(
             timeout_s=config.timeout_s, seed=seed, checkpoint_dir=source if on_meta else None))
+    if lora is not None:  # a PEFT model: the same adapters on this stage's modules
+        apply_lora_config(runtime.stage, lora)
+        trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+        for name, p in runtime.stage.named_parameters():
+            p.requires_grad = trainable.get(name, False)
     if not on_meta:  # the user's own weights, however they were made
         full = model.state_dict()
         for key, target in runtime.stage.state_dict(keep_vars=True).items():
             if key not in full:
                 raise ConfigError(f"the model has no tensor {key!r} that its stage holds; give "
-                                  "the transformers model itself (a PEFT model: merge or pass "
-                                  "its base model and apply LoRA on the stage)")
+                                  "a transformers causal LM (or a LoRA PEFT model of one)")
             checkpoint_io.copy_into(target, full[key], key)
     return runtime

@@ -59,7 +59,8 @@ def _metrics_fns():
 
 
 def _script(rank: int, world: int, cls_name: str, kind: str, out: str, per_device: int,
-            steps: int, hapt: dict | None, resume: str | None = None, save_steps: int = 0):
+            steps: int, hapt: dict | None, resume: str | None = None, save_steps: int = 0,
+            lora: bool = False):
     """run_clm.py's calls, with ``cls_name`` the trainer class."""
     from transformers import (AutoModelForCausalLM, Trainer, TrainingArguments,
                               default_data_collator, set_seed)
@@ -74,6 +75,10 @@ def _script(rank: int, world: int, cls_name: str, kind: str, out: str, per_devic
                              save_steps=save_steps or 500, report_to=[], disable_tqdm=True)
     set_seed(args.seed)
     model = AutoModelForCausalLM.from_config(_config(kind))
+    if lora:  # as a PEFT user does
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"]))
     train_dataset, eval_dataset = _datasets()
     preprocess, compute = _metrics_fns()
     extra = {} if cls_name == "Trainer" or not hapt else {"hapt_config": HaptConfig(**hapt)}
@@ -98,14 +103,14 @@ def _script(rank: int, world: int, cls_name: str, kind: str, out: str, per_devic
             "world": (args.world_size, args.process_index, trainer.is_world_process_zero())}
 
 
-def _one_process(kind, out, per_device, steps, resume=None, save_steps=0):
+def _one_process(kind, out, per_device, steps, resume=None, save_steps=0, lora=False):
     return run_ranks(_script, 1, "Trainer", kind, out, per_device, steps, None, resume, save_steps,
-                     init_process_group=False)[0].value
+                     lora, init_process_group=False)[0].value
 
 
-def _hapt(world, kind, out, per_device, steps, hapt, resume=None, save_steps=0):
+def _hapt(world, kind, out, per_device, steps, hapt, resume=None, save_steps=0, lora=False):
     return [o.value for o in run_ranks(_script, world, "HaptTrainer", kind, out, per_device, steps,
-                                       hapt, resume, save_steps, timeout_s=300)]
+                                       hapt, resume, save_steps, lora, timeout_s=300)]
 
 
 def _assert_same_training(ref: dict, got: dict, exact: bool = False) -> None:
@@ -185,3 +190,24 @@ def test_resume_reproduces_the_uninterrupted_run_with_a_sharded_optimizer_stage(
     assert resumed[0]["eval_loss"] == whole[0]["eval_loss"]
     a, b = _load(str(tmp_path / "whole")), _load(str(tmp_path / "resumed"))
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_a_peft_lora_model_trains_as_trainer_and_saves_its_adapter(tmp_path):
+    """get_peft_model(model, LoraConfig(...)) given to HaptTrainer: the same adapters on each
+    stage, only they train, and save_model writes the adapter as Trainer does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    plan = {"plan": _sharded_plan(tmp_path / "plan.json", "llama"), "schedule": "1f1b"}
+    ref = _one_process("llama", str(tmp_path / "ref"), 4, 4, lora=True)
+    got = _hapt(4, "llama", str(tmp_path / "hapt"), 1, 4, plan, lora=True)
+    _assert_same_training(ref, got[0])
+    assert got[0]["eval_loss"] == pytest.approx(ref["eval_loss"], rel=RTOL, abs=ATOL)
+    assert (tmp_path / "hapt" / "adapter_config.json").is_file()
+    loaded = {}
+    for name in ("ref", "hapt"):
+        base = AutoModelForCausalLM.from_config(_config("llama"))
+        loaded[name] = {k: v for k, v in PeftModel.from_pretrained(
+            base, str(tmp_path / name)).state_dict().items() if "lora_" in k}
+    assert loaded["ref"].keys() == loaded["hapt"].keys() and loaded["ref"]
+    for k, v in loaded["ref"].items():
+        torch.testing.assert_close(loaded["hapt"][k], v, rtol=1e-4, atol=1e-5, msg=k)
