@@ -65,8 +65,7 @@ def _script(rank: int, world: int, cls_name: str, kind: str, out: str, per_devic
     from transformers import (AutoModelForCausalLM, Trainer, TrainingArguments,
                               default_data_collator, set_seed)
 
-    from hapt_hf.integration.config import HaptConfig
-    from hapt_hf.integration.trainer import HaptTrainer
+    from hapt_hf import HaptConfig, HaptTrainer  # the one line a Trainer script changes
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=per_device,
                              per_device_eval_batch_size=per_device, gradient_accumulation_steps=2,
                              max_steps=steps, learning_rate=3e-3, warmup_steps=2,
