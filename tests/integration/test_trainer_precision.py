@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,11 +28,17 @@ def _plan(dtype: str, world_size: int = 2) -> Plan:
                    loss_scaling="dynamic" if dtype == "fp16" else None).validate()
 
 
-def _args(out: str, **kw):
+def _args(out: str, world_size: int = 1, **kw):
+    """One step is the plan's global batch: per device x accumulation (M) x processes."""
     from transformers import TrainingArguments
-    return TrainingArguments(output_dir=out, per_device_train_batch_size=MBS,
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=G // (M * world_size),
                              gradient_accumulation_steps=M, report_to=[], use_cpu=True,
                              disable_tqdm=True, seed=0, **kw)
+
+
+def _unbuilt(plan: Plan) -> SimpleNamespace:
+    """Stands for a runtime not built yet: the plan is all a refusal may read of it."""
+    return SimpleNamespace(plan=plan)
 
 
 # -- agreement --------------------------------------------------------------------------------
@@ -39,7 +46,7 @@ def _args(out: str, **kw):
 def test_accelerates_mixed_precision_must_agree_with_the_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(TrainingArgsError, match=r"mixed_precision=fp16 .* computes in bf16"):
-        HaptTrainer(None, _plan("bf16"), _args(str(tmp_path / "out")))
+        HaptTrainer(args=_args(str(tmp_path / "out")), runtime=_unbuilt(_plan("bf16")))
     from hapt_hf.integration.precision_args import training_args_precision_mismatch
     assert training_args_precision_mismatch(_args(str(tmp_path / "out")), _plan("fp16")) is None
 
@@ -56,7 +63,7 @@ def test_training_args_that_disagree_with_the_plan_are_refused_naming_both(
     out = tmp_path / "out"
     with pytest.raises(TrainingArgsError) as e:
         # refused before the runtime is touched and before anything is written
-        HaptTrainer(None, _plan(plan_dtype), _args(str(out), **flags))
+        HaptTrainer(args=_args(str(out), **flags), runtime=_unbuilt(_plan(plan_dtype)))
     for text in named:
         assert text in str(e.value), (text, str(e.value))
     assert not out.exists()
@@ -77,9 +84,10 @@ def _rows() -> torch.Tensor:
 def _train(dtype: str, out: str, flags: dict, resume: str | None = None, **runtime_kw) -> dict:
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
     runtime = PipelineRuntime(_plan(dtype), _config(), RuntimeConfig(timeout_s=60, **runtime_kw))
-    trainer = HaptTrainer(runtime, runtime.plan, _args(
-        out, max_steps=STEPS, logging_steps=1, save_strategy="steps", save_steps=SAVE_AT,
-        learning_rate=1e-3, lr_scheduler_type="linear", **flags), train_dataset=_rows())
+    trainer = HaptTrainer(args=_args(
+        out, 2, max_steps=STEPS, logging_steps=1, save_strategy="steps", save_steps=SAVE_AT,
+        learning_rate=1e-3, lr_scheduler_type="linear", **flags), runtime=runtime,
+        train_dataset=_rows())
     trainer.train(resume_from_checkpoint=resume)
     scaler = runtime.loss_scaler
     result = {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
