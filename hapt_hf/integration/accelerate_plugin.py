@@ -1,42 +1,52 @@
 """``HaptAccelerator``: a user's own Accelerate loop on a hapt plan, two lines changed.
 
 ```python
-accelerator = HaptAccelerator(mixed_precision="bf16", gradient_accumulation_steps=4,
-                              hapt_plugin="hapt.yaml")        # was: Accelerator(...)
-model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-for batch in train_dl:                       # one global batch per step
-    loss = model(**batch).loss               # the whole pipeline step: forwards and backwards
-    accelerator.backward(loss)               # checks it is that loss
-    accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the global norm, every stage
-    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+accelerator = HaptAccelerator(gradient_accumulation_steps=4)  # was: Accelerator(...)
+model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
+    model, optimizer, train_dl, eval_dl, scheduler)
+for batch in train_dl:                       # this process's batches, Accelerate's count
+    with accelerator.accumulate(model):
+        loss = model(**batch).loss           # first micro-step of a window: the pipeline's step
+        accelerator.backward(loss)           # checks it is that loss
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the global norm
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()  # act on sync steps only
 ```
 
-``prepare`` plans (rank 0 plans or loads the plan and broadcasts it, as the recipes do),
-builds only this rank's stage and copies its tensors from the model the loop built (or, for a
-model built on the meta device, reads only them from its checkpoint directory), points the
-optimizer at the stage's parameters and wraps the DataLoaders to yield global batches (the
-DataLoader's batch_size x gradient_accumulation_steps rows). Every Accelerator argument is
-either honoured or refused by name (:data:`HONOURED_ACCELERATOR_ARGS`).
+The loop means what it means under Accelerate on ``num_processes`` processes: the same batches
+per process and count, sync points, scheduler steps (Accelerate's own ``AcceleratedScheduler``:
+``num_processes`` steps per optimizer step unless ``split_batches``), ``gather_for_metrics``,
+``save_state``/``load_state``, ``skip_first_batches``. One optimizer step consumes
+``batch_size x num_processes x gradient_accumulation_steps`` rows (``split_batches``: ``batch_size
+x gradient_accumulation_steps``), the global batch the plan is made for; the pipeline runs them
+at the first micro-step of each window. ``prepare`` plans (rank 0 plans or loads the plan and
+broadcasts it, as the recipes do), builds only this rank's stage and copies its tensors from
+the model the loop built (or, for a model built on the meta device, reads only them from its
+checkpoint directory) and points the optimizer at the stage's parameters. Every Accelerator
+argument is either honoured or refused by name (:data:`HONOURED_ACCELERATOR_ARGS`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch import nn
 
 from hapt_hf.errors import CheckpointError, DataError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
-from hapt_hf.integration.accelerate_objects import (AccelerateSettingError, GlobalBatchLoader,
+from hapt_hf.integration.accelerate_objects import (AccelerateSettingError, PipelineDataLoader,
                                                     PipelineEngine, PipelineModelView,
-                                                    PipelineOptimizer, PipelineScheduler,
-                                                    unchanged)
+                                                    PipelineOptimizer, WindowStart)
 from hapt_hf.integration.accelerate_settings import (HONOURED_ACCELERATOR_ARGS,
                                                      MIXED_PRECISION_TO_PLAN,
                                                      check_accelerator_arguments)
@@ -51,6 +61,7 @@ __all__ = ["HaptAccelerator", "AccelerateSettingError", "HONOURED_ACCELERATOR_AR
            "MIXED_PRECISION_TO_PLAN"]
 
 STATE_FILE = "hapt_accelerate_rank{rank}.pt"
+_AUTO_NAME = re.compile(r"checkpoint_(\d+)$")
 
 
 class HaptAccelerator(Accelerator):
@@ -59,6 +70,7 @@ class HaptAccelerator(Accelerator):
     Args:
         hapt_plugin: The hapt config: a :class:`HaptConfig`, a path to ``hapt.yaml``, or None
             to read the ``HAPT_CONFIG`` variable (``HAPT_CONFIG=hapt.yaml accelerate launch``).
+            Its ``global_batch_size`` may be left out: the training DataLoader defines it.
         *args, **kwargs: ``Accelerator``'s own; those a pipeline cannot honour are refused.
     """
 
@@ -77,8 +89,9 @@ class HaptAccelerator(Accelerator):
         self.engine: PipelineEngine | None = None
         self.plan: Plan | None = None
         self.hapt_optimizers: list[PipelineOptimizer] = []
-        self.hapt_schedulers: list[PipelineScheduler] = []
-        self.hapt_loaders: list[GlobalBatchLoader] = []
+        self.hapt_schedulers: list[AcceleratedScheduler] = []
+        self.hapt_loaders: list[PipelineDataLoader] = []
+        self._views: weakref.WeakSet[PipelineDataLoader] = weakref.WeakSet()
 
     def _check_state(self) -> None:
         if self.num_processes != self.launch.world_size:
@@ -114,7 +127,7 @@ class HaptAccelerator(Accelerator):
             self._build(models[0], loaders)
         if self.engine is None:
             raise AccelerateSettingError("prepare the model first, together with the training "
-                                         "DataLoader (its batch_size sets the global batch)")
+                                         "DataLoader (its batches set the global batch)")
         out = [self._prepare_one(a, models[0] if models else None) for a in args]
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -124,30 +137,40 @@ class HaptAccelerator(Accelerator):
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizer(obj, model)
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            sched = PipelineScheduler(obj, self.hapt_optimizers)
+            # Accelerate's own wrapper: num_processes steps per optimizer step unless
+            # split_batches, none on a non-sync micro-step or a skipped step
+            mine = [o for o in self.hapt_optimizers if o.source is getattr(obj, "optimizer", None)]
+            sched = AcceleratedScheduler(obj, mine[:1] or self.hapt_optimizers,
+                                         step_with_optimizer=self.step_scheduler_with_optimizer,
+                                         split_batches=self.split_batches)
             self.hapt_schedulers.append(sched)
             return sched
         if isinstance(obj, torch.utils.data.DataLoader):
-            loader = GlobalBatchLoader(obj, self.plan.global_batch_size)
+            loader = self._loader(obj)
             self.hapt_loaders.append(loader)
             return loader
+        if isinstance(obj, PipelineDataLoader):
+            return obj
         raise AccelerateSettingError(f"prepare got a {type(obj).__name__}; with a hapt plan it "
                                      "takes the model, optimizers, LR schedulers and DataLoaders")
+
+    def _loader(self, loader: torch.utils.data.DataLoader) -> PipelineDataLoader:
+        return PipelineDataLoader(loader, self.num_processes, self.process_index,
+                                  self.split_batches, self.device)
 
     def _build(self, model: nn.Module, loaders: list) -> None:
         if not loaders:
             raise AccelerateSettingError("prepare the model together with the training "
-                                         "DataLoader: its batch_size x gradient_accumulation_steps"
-                                         " is the global batch the plan is made for")
-        train = loaders[0]
-        rows = (train.batch_size or 0) * self.gradient_accumulation_steps
-        cfg = self.hapt_config
-        if rows != cfg.global_batch_size:
-            raise AccelerateSettingError(
-                f"the training DataLoader's batch_size={train.batch_size} x "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} = {rows} rows "
-                f"per step, but the hapt config ({cfg.source}) says global_batch_size: "
-                f"{cfg.global_batch_size}; make the two agree")
+                                         "DataLoader: the rows of its accumulation window are "
+                                         "the global batch the plan is made for")
+        train = self._loader(loaders[0])
+        steps = self.gradient_accumulation_steps
+        rows = train.total_batch_size * steps
+        how = (f"the training DataLoader's batch_size={loaders[0].batch_size} "
+               + ("(split_batches) " if self.split_batches else
+                  f"x num_processes={self.num_processes} ")
+               + f"x gradient_accumulation_steps={steps}")
+        cfg = self.hapt_config.with_global_batch(rows, how)
         seq_len = cfg.seq_len or _row_length(train.dataset)
         precision = MIXED_PRECISION_TO_PLAN[self.mixed_precision]
         asked = cfg.requested_precision
@@ -157,13 +180,17 @@ class HaptAccelerator(Accelerator):
                 f"hapt config ({cfg.source}) says precision: {asked}; make the two agree")
         planned = replace(cfg, precision=precision, dtype=None) if cfg.plan is None else cfg
         self.plan = resolve_plan(planned, model.config, seq_len, self.launch)
+        if self.plan.global_batch_size != rows:
+            raise AccelerateSettingError(
+                f"the plan {cfg.plan} runs global batches of {self.plan.global_batch_size} but "
+                f"{how} = {rows} rows per optimizer step; make the two agree or re-plan")
         if self.plan.dtype != precision:
             raise AccelerateSettingError(
                 f"Accelerator mixed_precision={self.mixed_precision!r} but the plan "
                 f"{cfg.plan} computes in {self.plan.dtype}; set mixed_precision to match or "
                 "re-plan")
         self.print(format_plan(self.plan))
-        self.engine = PipelineEngine(self._runtime(model, cfg))
+        self.engine = PipelineEngine(self._runtime(model, cfg), self)
         self.engine.train(model.training)
 
     def _runtime(self, model: nn.Module, cfg: HaptConfig) -> PipelineRuntime:
@@ -203,9 +230,21 @@ class HaptAccelerator(Accelerator):
                     if n in stage]
             group["params"] = list({id(p): p for p in mine}.values())
         runtime = self.engine.runtime
-        wrapped = PipelineOptimizer(runtime.prepare_optimizer(optimizer), runtime)
+        wrapped = PipelineOptimizer(runtime.prepare_optimizer(optimizer), runtime, optimizer)
         self.hapt_optimizers.append(wrapped)
         return wrapped
+
+    # -- what the engine reads ----------------------------------------------------------------
+    def batch_sources(self) -> list[PipelineDataLoader]:
+        """Every prepared loader and ``skip_first_batches`` view still in use."""
+        return [*self.hapt_loaders, *self._views]
+
+    def window_start(self) -> WindowStart:
+        """The loop's state before the accumulation window whose first micro-step runs now
+        (``accumulate`` has counted it already)."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return WindowStart(self.step - 1, (torch.get_rng_state(), cuda),
+                           [s.scheduler.state_dict() for s in self.hapt_schedulers])
 
     # -- the step -----------------------------------------------------------------------------
     def backward(self, loss: Any, **kwargs: Any) -> None:
@@ -235,10 +274,6 @@ class HaptAccelerator(Accelerator):
             raise AccelerateSettingError(f"{what} got a subset of the parameters; with a hapt "
                                          "plan it clips model.parameters() as a whole")
 
-    def accumulate(self, *models: Any):
-        """Each step of a prepared DataLoader is already the whole accumulated batch."""
-        return unchanged()
-
     def autocast(self, autocast_handler: Any = None):
         """Accelerate's own: the plan's forward already runs under autocast to its precision,
         so the region computes as it would anyway; another handler cannot be honoured."""
@@ -248,41 +283,24 @@ class HaptAccelerator(Accelerator):
                                          "precision (mixed_precision); leave the handler out")
         return super().autocast()
 
-    def no_sync(self, model: Any):
-        """Gradients are summed inside each step; calls to model() add up until zero_grad."""
-        return unchanged()
-
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(o.step_was_skipped for o in self.hapt_optimizers)
 
-    # -- values: the pipeline's ranks are ONE copy of the loop -------------------------------
-    def gather(self, tensor: Any) -> Any:
-        """Identity: every rank holds the loop's one global batch, so its values are already
-        what one process gathering them would hold."""
-        return tensor
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        return input_data
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        if reduction not in ("sum", "mean", "none", None):
-            raise AccelerateSettingError(f"reduce(reduction={reduction!r}): use sum or mean")
-        return tensor if scale == 1.0 else tensor * scale
-
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0,
-                             pad_first: bool = False) -> Any:
-        return tensor
-
-    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> GlobalBatchLoader:
-        if not isinstance(dataloader, GlobalBatchLoader):
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> PipelineDataLoader:
+        """As Accelerate's: the loader's epoch from this process's batch ``num_batches`` on."""
+        if not isinstance(dataloader, PipelineDataLoader):
             raise AccelerateSettingError("skip_first_batches takes a DataLoader returned by "
                                          "prepare")
-        return dataloader.skipping(num_batches)
+        view = dataloader.skipping(num_batches)
+        self._views.add(view)
+        return view
 
     # -- the model out ------------------------------------------------------------------------
     def unwrap_model(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-        return PipelineModelView(model) if isinstance(model, PipelineEngine) else model
+        if isinstance(model, PipelineEngine):
+            return PipelineModelView(model, self.save)
+        return model
 
     def get_state_dict(self, model: Any, unwrap: bool = True) -> dict:
         """The full model's state dict on the main process, {} on the others (collective)."""
@@ -296,14 +314,18 @@ class HaptAccelerator(Accelerator):
     # -- checkpoints --------------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
-        """Commit ``output_dir`` atomically (collective): the gathered model, each rank's
+        """Commit the state directory atomically (collective): the gathered model, each rank's
         optimizer, scheduler, RNG and loss-scaler state, the loaders' positions, the registered
-        objects and the plan."""
-        if output_dir is None or kwargs or not safe_serialization:
-            raise AccelerateSettingError("save_state needs an output_dir (automatic checkpoint "
-                                         "naming and save_model_func kwargs are not supported "
-                                         "with a hapt plan)")
-        runtime, out = self._engine().runtime, Path(output_dir)
+        objects, ``accelerator.step`` and the plan. With automatic checkpoint naming, as
+        Accelerate: ``project_dir/checkpoints/checkpoint_<iteration>``, the oldest removed past
+        ``total_limit``. Inside an accumulation window (the pipeline has run it, its optimizer
+        step is still to come) the state saved is the one before the window: resuming runs the
+        whole window again."""
+        if kwargs or not safe_serialization:
+            raise AccelerateSettingError("save_state's save_model_func kwargs and "
+                                         "safe_serialization=False cannot be honoured with a "
+                                         "hapt plan: the model is one model.safetensors")
+        runtime, out = self._engine().runtime, self._state_dir(output_dir)
         rank = runtime.rank
         if rank == 0:
             shutil.rmtree(out.parent / f"{ckpt_io.TMP_PREFIX}{out.name}", ignore_errors=True)
@@ -311,17 +333,65 @@ class HaptAccelerator(Accelerator):
         if ckpt_io.write_gathered_model(runtime, tmp):
             self.plan.save(tmp / "plan.json")
         opt, sched = self._single_optimizer()
-        ckpt_io.save_rank_state(tmp, rank, opt, sched, runtime.loss_scaler)
-        extra = {"loaders": [d.state_dict() for d in self.hapt_loaders],
-                 "custom": [o.state_dict() for o in self._custom_objects]}
+        window = self._engine().open_window()
+        loaders = [d.state_dict() for d in self.hapt_loaders]
+        step = self.step
+        if window is not None:
+            start = window.start
+            step = start.step
+            sched = _Saved(start.schedulers[0]) if sched is not None else None
+            for d, state in zip(self.hapt_loaders, loaders):
+                if d.cursor is window.cursor:
+                    state["position"] = window.first
+        with _torch_rng(None if window is None else window.start.rng):
+            ckpt_io.save_rank_state(tmp, rank, opt, sched, runtime.loss_scaler)
+        extra = {"loaders": loaders, "custom": [o.state_dict() for o in self._custom_objects],
+                 "step": step}
         torch.save(extra, tmp / STATE_FILE.format(rank=rank))
         ckpt_io.commit_checkpoint(tmp, out, rank)
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
         return str(out)
 
+    def _state_dir(self, output_dir: str | None) -> Path:
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise AccelerateSettingError("save_state needs an output_dir (or "
+                                             "ProjectConfiguration(automatic_checkpoint_naming="
+                                             "True))")
+            return Path(output_dir)
+        root = Path(self.project_dir) / "checkpoints"
+        out = root / f"checkpoint_{self.save_iteration}"
+        if out.exists():
+            raise AccelerateSettingError(f"checkpoint directory {out} ({self.save_iteration}) "
+                                         "already exists; set ProjectConfiguration(iteration=...) "
+                                         "to the iteration to start from")
+        if self.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            saved = _numbered(root)
+            limit = config.total_limit
+            if limit is not None and len(saved) + 1 > limit:
+                for old in saved[:len(saved) + 1 - limit]:
+                    shutil.rmtree(old)
+        self.wait_for_everyone()
+        return out
+
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
-        """Every rank reads its own part; the ranks agree on the outcome before going on."""
-        if input_dir is None or kwargs:
-            raise AccelerateSettingError("load_state needs an input_dir written by save_state")
+        """Every rank reads its own part; the ranks agree on the outcome before going on. With
+        automatic checkpoint naming and no ``input_dir``: the latest ``checkpoint_<n>``."""
+        if kwargs:
+            raise AccelerateSettingError(f"load_state({sorted(kwargs)[0]}=...) cannot be "
+                                         "honoured with a hapt plan; give the directory only")
+        if input_dir is None:
+            if not self.project_configuration.automatic_checkpoint_naming:
+                raise AccelerateSettingError("load_state needs an input_dir written by "
+                                             "save_state (or automatic checkpoint naming)")
+            saved = _numbered(Path(self.project_dir) / "checkpoints")
+            if not saved:
+                raise CheckpointError(f"load_state: no checkpoint_<n> under "
+                                      f"{Path(self.project_dir) / 'checkpoints'}")
+            input_dir = str(saved[-1])
         runtime, ckpt = self._engine().runtime, Path(input_dir)
 
         def load() -> None:
@@ -338,6 +408,7 @@ class HaptAccelerator(Accelerator):
                 loader.load_state_dict(state)
             for obj, state in zip(self._custom_objects, extra["custom"]):
                 obj.load_state_dict(state)
+            self.step = extra["step"]
         runtime.channel.agree("loading the state", runtime.stage_plan.index, load,
                               refusals=(CheckpointError, ckpt_io.CheckpointError))
 
@@ -355,6 +426,44 @@ class HaptAccelerator(Accelerator):
         if self.engine is None:
             raise AccelerateSettingError("call accelerator.prepare(model, ...) first")
         return self.engine
+
+
+class _Saved:
+    """A scheduler state taken earlier, saved as the scheduler's own."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+@contextlib.contextmanager
+def _torch_rng(states: tuple[torch.Tensor, Any] | None) -> Iterator[None]:
+    """Within: the torch RNG states given (CPU, CUDA; None: as they are), the current ones back
+    afterwards."""
+    if states is None:
+        yield
+        return
+    now = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    _set_torch_rng(states)
+    try:
+        yield
+    finally:
+        _set_torch_rng(now)
+
+
+def _set_torch_rng(states: tuple[torch.Tensor, Any]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state_all(states[1])
+
+
+def _numbered(root: Path) -> list[Path]:
+    """``checkpoint_<n>`` directories under ``root``, oldest first (Accelerate's naming)."""
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+             if (m := _AUTO_NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def _check_state_dir(ckpt: Path, plan: Plan) -> None:
