@@ -95,6 +95,7 @@ def _script(rank: int, world: int, cls_name: str, kind: str, out: str, per_devic
     eval_metrics = trainer.evaluate()
     trainer.log_metrics("eval", eval_metrics)
     trainer.save_metrics("eval", eval_metrics)
+    trainer.create_model_card(finetuned_from=kind, tasks="text-generation")
     logs = [(h["step"], h["loss"], h["learning_rate"]) for h in trainer.state.log_history
             if "loss" in h]
     return {"logs": logs, "eval_loss": eval_metrics["eval_loss"],
@@ -147,6 +148,7 @@ def test_run_clm_calls_train_as_trainer_on_one_process(tmp_path, kind):
     results = json.loads((tmp_path / "hapt" / "all_results.json").read_text())
     assert results["eval_loss"] == pytest.approx(got[0]["eval_loss"])
     assert (tmp_path / "hapt" / "plan.json").is_file()
+    assert (tmp_path / "hapt" / "README.md").is_file()  # the model card, from rank 0
 
 
 def test_the_class_name_alone_changed_plans_the_launched_processes_as_alike(tmp_path, monkeypatch):
