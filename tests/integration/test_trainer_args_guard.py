@@ -14,8 +14,8 @@ def _args(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("setting", [
-    {"label_smoothing_factor": 0.1}, {"per_device_eval_batch_size": 4},
-    {"dataloader_num_workers": 2}, {"torch_compile": True}, {"data_seed": 3},
+    {"label_smoothing_factor": 0.1}, {"prediction_loss_only": True},
+    {"dataloader_num_workers": 2}, {"torch_compile": True}, {"ddp_find_unused_parameters": True},
     {"eval_on_start": True}, {"save_only_model": True}, {"activation_checkpointing_kwargs":
                                                          {"use_reentrant": False}},
 ])
@@ -30,10 +30,23 @@ def test_unhonoured_option_is_refused_by_name(tmp_path, setting):
     {"learning_rate": 1e-4}, {"warmup_steps": 3}, {"max_grad_norm": 0.5}, {"seed": 7},
     {"logging_steps": 2}, {"save_total_limit": 1}, {"disable_tqdm": True},
     {"lr_scheduler_type": "cosine"}, {"gradient_checkpointing": True},
+    # what Trainer's one-process data loading and evaluation read
+    {"per_device_eval_batch_size": 4}, {"data_seed": 3}, {"dataloader_drop_last": True},
+    {"remove_unused_columns": False}, {"label_names": ["labels"]},
+    {"metric_for_best_model": "accuracy"},
 ])
 def test_honoured_option_passes(tmp_path, setting):
     assert set(setting) <= set(HONOURED_TRAINING_ARGS)
     check_training_args_honoured(_args(tmp_path, **setting))
+
+
+def test_a_best_model_metric_other_than_the_loss_needs_compute_metrics(tmp_path):
+    from hapt_hf.integration.trainer_checks import check_best_metric
+    args = _args(tmp_path, metric_for_best_model="accuracy")
+    with pytest.raises(TrainingArgsError, match=r"metric_for_best_model='accuracy'.*eval_loss"):
+        check_best_metric(args)
+    check_best_metric(args, compute_metrics=lambda p: {"accuracy": 1.0})
+    check_best_metric(_args(tmp_path, metric_for_best_model="eval_loss"))
 
 
 def test_gradient_checkpointing_maps_to_recompute(tmp_path):
@@ -54,7 +67,7 @@ def recompute_worker(rank: int, world: int, out: str, kw: dict):
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=1,
                              gradient_accumulation_steps=2, report_to=[], **kw)
     try:
-        HaptTrainer(runtime, plan, args)
+        HaptTrainer(args=args, runtime=runtime)
     except TrainingArgsError as e:
         return str(e)
     return runtime.stage.recompute
