@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.hf_argparser import string_to_bool
 
 from hapt_hf.errors import CheckpointError, ConfigError, HaptError
 from hapt_hf.integration.config import HaptConfig
@@ -124,6 +125,11 @@ def build_parser(defaults: RecipeDefaults) -> RecipeParser:
         "recipe's defaults."))
     parser.set_defaults(**RECIPE_TRAINING_DEFAULTS, use_cpu=not torch.cuda.is_available(),
                         **dict.fromkeys(_RESOLVED_AFTER_PARSING))
+    # HfArgumentParser makes a plain bool field a switch (--logging_first_step) but wants a
+    # value for a `bool | None` one (--disable_tqdm True); the recipes take both as switches
+    for action in parser._actions:
+        if action.type is string_to_bool and action.nargs is None:
+            action.nargs, action.const = "?", True
     return parser
 
 
@@ -301,7 +307,7 @@ def _verify(trainer, rows: torch.Tensor, output_dir: Path, rank: int) -> None:
 
 def _run(args: RecipeArguments, training_args: TrainingArguments,
          defaults: RecipeDefaults) -> None:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, default_data_collator
 
     from hapt_hf.integration.trainer import HaptTrainer
 
@@ -326,8 +332,10 @@ def _run(args: RecipeArguments, training_args: TrainingArguments,
         raise DataError(f"--eval_strategy {training_args.eval_strategy.value} needs eval data, "
                         f"but the held-out tenth of {len(train_rows)} samples is empty; give "
                         "--validation_file or more training data")
+    # rows of equal length: stacked as they are (as run_clm.py; the tokenizer has no pad token)
     trainer = HaptTrainer(model=_model(model_dir, model_config, training_args.seed),
-                          args=training_args, train_dataset=rows_dataset(train_rows),
+                          args=training_args, data_collator=default_data_collator,
+                          train_dataset=rows_dataset(train_rows),
                           eval_dataset=rows_dataset(eval_rows) if len(eval_rows) else None,
                           processing_class=tokenizer, hapt_config=hapt)
     try:

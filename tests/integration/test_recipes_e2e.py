@@ -1,4 +1,6 @@
-"""The recipes end to end under `accelerate launch`, with 2 and 4 CPU processes (Gloo).
+"""The recipes end to end under `accelerate launch`, with 2 and 4 CPU processes (Gloo): the
+README demo, the LLaMA recipe against ``transformers.Trainer`` on one process (and resumed, and
+with LoRA from a saved model), a model type without a hand family with TrainingArguments flags.
 
 Kept tiny (6-block models, seq 32-64, 10 steps): each launch pays the import of torch and
 transformers in every rank, which dominates on 2 cores.
@@ -16,8 +18,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.integration.data import TextDataConfig, epoch_order, load_text_dataset
+from hapt_hf.integration.data import TextDataConfig, load_text_dataset, rows_dataset
 from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.testing import run_ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -85,32 +88,30 @@ def _llama_plan(tmp_path: Path) -> Path:
     return hapt
 
 
-def _reference_losses(steps: int) -> list[float]:
-    """One process, the full model, the same batches and optimizer: the losses to expect."""
-    from transformers import Trainer, TrainingArguments, get_scheduler
+def one_process_trainer(rank: int, world: int, out: str, steps: int) -> list[float]:
+    """``transformers.Trainer`` on one process, the full model, the recipe's data and defaults,
+    with the per-device batch of the 2-rank run's whole step (2 x 2): the losses to expect.
+    Run in a fresh process (run_ranks) so that this one's accelerate state stays as it was."""
+    from transformers import Trainer, TrainingArguments, default_data_collator, set_seed
 
     config = AutoConfig.from_pretrained(LLAMA)
-    torch.manual_seed(0)  # the stages' weights equal this model's (RuntimeConfig.seed = 0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
+    set_seed(0)  # as the recipe builds a model without weights (--seed 0)
+    model = AutoModelForCausalLM.from_config(config)
     tok = AutoTokenizer.from_pretrained(RECIPES / "data" / "tokenizer")
     rows, _ = load_text_dataset(TextDataConfig(RECIPES / "data" / "tiny_corpus.jsonl",
                                                seq_len=SEQ), tok)
-    args = TrainingArguments(output_dir="unused", learning_rate=LR, use_cpu=True, report_to=[])
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    opt = cls(model.parameters(), **kwargs)
-    sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=steps)
-    per_epoch, losses = len(rows) // 4, []
-    for step in range(steps):
-        epoch, k = divmod(step, per_epoch)
-        batch = rows[epoch_order(len(rows), 0, epoch)[k * 4:(k + 1) * 4]]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=steps,
+                             learning_rate=LR, logging_steps=1, seed=0, save_strategy="no",
+                             use_cpu=True, report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=rows_dataset(rows),
+                      data_collator=default_data_collator)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _reference_losses(tmp_path: Path, steps: int) -> list[float]:
+    return run_ranks(one_process_trainer, 1, str(tmp_path / "reference"), steps,
+                     init_process_group=False, timeout_s=300)[0].value
 
 
 def test_llama_two_processes_equals_one_process_and_resumes_exactly(tmp_path):
@@ -122,7 +123,7 @@ def test_llama_two_processes_equals_one_process_and_resumes_exactly(tmp_path):
     losses = _losses(full)
     assert len(losses) == STEPS and _falls(losses), losses
     # The logged loss is the global batch's: what one process training the whole model logs.
-    torch.testing.assert_close(losses, _reference_losses(STEPS), rtol=1e-5, atol=4e-5)
+    torch.testing.assert_close(losses, _reference_losses(tmp_path, STEPS), rtol=1e-5, atol=4e-5)
     _check_checkpoint(full)
     assert (full / "checkpoint-5" / "hapt_rank1.pt").is_file()
     assert any((full / "runs").rglob("events.out.tfevents.*")), "no TensorBoard events written"
@@ -130,6 +131,24 @@ def test_llama_two_processes_equals_one_process_and_resumes_exactly(tmp_path):
     _launch(2, "finetune_llama.py", hapt, resumed, *common,
             "--resume_from_checkpoint", str(full / "checkpoint-5"))
     assert _losses(resumed) == losses  # steps 1-5 from the checkpoint, 6-10 recomputed
+
+
+def test_llama_lora_from_a_saved_checkpoint(tmp_path):
+    """Fine-tune the weights of a saved model directory (built on the meta device: each rank
+    reads its own stage's tensors) with LoRA: only the adapted projections change."""
+    hapt = _llama_plan(tmp_path)
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    common = ["--learning_rate", str(LR), "--seq_len", str(SEQ)]
+    _launch(2, "finetune_llama.py", hapt, base, "--max_steps", "2", *common)
+    _launch(2, "finetune_llama.py", hapt, lora, "--max_steps", "3", *common,
+            "--model_name_or_path", str(base), "--lora_r", "4", "--verify_checkpoint")
+    assert len(_losses(lora)) == 3
+    before = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    after = _check_checkpoint(lora).state_dict()
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "o_proj")
+                           for k in changed), sorted(changed)
 
 
 def test_llama_recipe_trains_a_type_without_a_hand_family(tmp_path):
@@ -144,7 +163,10 @@ def test_llama_recipe_trains_a_type_without_a_hand_family(tmp_path):
     out = tmp_path / "out"
     log = _launch(4, "finetune_llama.py", RECIPES / "configs" / "hapt_cpu_demo_llama.yaml", out,
                   "--model_name_or_path", str(tmp_path / "qwen3-tiny"), "--max_steps", "6",
-                  "--seq_len", str(SEQ), "--learning_rate", str(LR), "--verify_checkpoint")
+                  "--seq_len", str(SEQ), "--learning_rate", str(LR), "--verify_checkpoint",
+                  # TrainingArguments flags the recipe passes on as they are
+                  "--lr_scheduler_type", "cosine", "--warmup_steps", "2", "--optim", "adamw_torch",
+                  "--gradient_checkpointing", "--save_steps", "3", "--save_total_limit", "1")
     plan = Plan.load(out / "plan.json")
     assert plan.world_size == 4 and f"{plan.num_stages} stages on 4 ranks" in log
     assert plan.num_stages >= 2  # cut by the generic stage builder, not one copy per rank
@@ -152,3 +174,7 @@ def test_llama_recipe_trains_a_type_without_a_hand_family(tmp_path):
     assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses))), losses
     model = _check_checkpoint(out)
     assert model.config.model_type == "qwen3" and model.config.num_hidden_layers == 4
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    lrs = [h["learning_rate"] for h in history if "loss" in h]
+    assert lrs[0] < lrs[1] and lrs[-1] < lrs[1], lrs  # warm-up, then the cosine decay
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-6"]
