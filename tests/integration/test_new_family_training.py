@@ -2,7 +2,8 @@
 
 The plan comes from the planner (figures read off the model by hapt_hf.profiling.model_reader)
 on a two-rank cluster, cut as two pipeline stages; HaptTrainer on two ranks must log the same
-losses as one process training the whole model on its own.
+losses as ``transformers.Trainer`` on one process training the whole model from the same weights
+(its per-device batch the whole data-parallel batch, the same accumulation and seed).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from hapt_hf.testing import run_ranks
 pytestmark = pytest.mark.multiproc
 
 SEQ, MBS, M = 8, 2, 2
-G = MBS * M
+G = MBS * M  # 1 per device x 2 accumulation x 2 processes
+ACCUMULATION = 2
 
 
 def _config():
@@ -42,20 +44,39 @@ def _rows(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 4, (n, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _train(rank: int, world_size: int, out: str) -> list[float]:
+def _args(out: str, per_device: int):
     from transformers import TrainingArguments
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=per_device,
+                             gradient_accumulation_steps=ACCUMULATION, report_to=[],
+                             use_cpu=True, disable_tqdm=True, seed=0, max_steps=4,
+                             learning_rate=1e-2, logging_steps=1)
 
-    from hapt_hf.integration.trainer import HaptTrainer
+
+def _runtime(world_size: int):
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+    return PipelineRuntime(_plan(world_size), _config(), RuntimeConfig(timeout_s=60))
+
+
+def _train(rank: int, world_size: int, out: str) -> list[float]:
+    from hapt_hf.integration.trainer import HaptTrainer
 
     torch.manual_seed(1234)
-    plan = _plan(world_size)
-    runtime = PipelineRuntime(plan, _config(), RuntimeConfig(timeout_s=60))
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=MBS,
-                             gradient_accumulation_steps=M, report_to=[], use_cpu=True,
-                             disable_tqdm=True, seed=0, max_steps=4, learning_rate=1e-2,
-                             logging_steps=1)
-    trainer = HaptTrainer(runtime, plan, args, train_dataset=_rows(16, 1))
+    trainer = HaptTrainer(args=_args(out, G // (ACCUMULATION * world_size)),
+                          runtime=_runtime(world_size), train_dataset=_rows(16, 1))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _one_process(rank: int, world_size: int, out: str) -> list[float]:
+    """Trainer on one process, the whole model holding the weights the stages start from (a
+    one-stage runtime's), the rows as HaptTrainer takes a tensor: {'input_ids', 'labels'}."""
+    from transformers import AutoModelForCausalLM, Trainer
+
+    model = AutoModelForCausalLM.from_config(_config())
+    model.load_state_dict(_runtime(1).stage.state_dict())
+    assert model.loss_type == "ForCausalLM"  # Trainer's loss: the token mean, as HaptTrainer's
+    rows = [{"input_ids": r, "labels": r} for r in _rows(16, 1)]
+    trainer = Trainer(model=model, args=_args(out, G // ACCUMULATION), train_dataset=rows)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -66,7 +87,7 @@ def test_planner_figures_for_qwen3_are_read_off_the_model():
 
 
 def test_two_ranks_train_qwen3_as_one_process(tmp_path):
-    one = run_ranks(_train, 1, str(tmp_path / "one"))[0].value
+    one = run_ranks(_one_process, 1, str(tmp_path / "one"))[0].value
     two = run_ranks(_train, 2, str(tmp_path / "two"))
     assert len(one) == 4 and one[-1] < one[0]
     for outcome in two:
