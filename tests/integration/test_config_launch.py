@@ -314,16 +314,28 @@ def test_crash_mid_save_leaves_no_checkpoint_that_looks_complete(tmp_path):
 
 
 def test_batch_sizes_must_map_onto_the_plans_micro_batches():
+    """One step is per_device_train_batch_size x gradient_accumulation_steps x processes
+    samples (Trainer's data parallelism), the plan's global batch however it is split."""
     from transformers import TrainingArguments
 
     from hapt_hf.integration.trainer import BatchMappingError, check_batch_mapping
 
-    plan = _two_stage_plan()  # 4 micro-batches of 1 sample
-    ok = TrainingArguments(output_dir="unused", per_device_train_batch_size=1,
-                           gradient_accumulation_steps=4, use_cpu=True, report_to=[])
-    check_batch_mapping(ok, plan)
-    bad = TrainingArguments(output_dir="unused", per_device_train_batch_size=4,
-                            gradient_accumulation_steps=1, use_cpu=True, report_to=[])
-    with pytest.raises(BatchMappingError, match=r"per_device_train_batch_size=1 .*"
-                                                r"gradient_accumulation_steps=4"):
-        check_batch_mapping(bad, plan)
+    def args(per_device: int, accumulation: int) -> TrainingArguments:
+        return TrainingArguments(output_dir="unused", per_device_train_batch_size=per_device,
+                                 gradient_accumulation_steps=accumulation, use_cpu=True,
+                                 report_to=[])
+
+    plan = _two_stage_plan()  # 4 micro-batches of 1 sample: 4 samples a step
+    for per_device, accumulation, world in [(1, 2, 2), (2, 1, 2), (1, 4, 1), (4, 1, 1),
+                                            (1, 1, 4)]:
+        check_batch_mapping(args(per_device, accumulation), plan, world)
+    with pytest.raises(BatchMappingError) as e:
+        check_batch_mapping(args(1, 4), plan, 2)
+    assert str(e.value) == (
+        "per_device_train_batch_size=1 x gradient_accumulation_steps=4 x 2 processes = 8 "
+        "samples per step, but the plan runs global batches of 4; set "
+        "per_device_train_batch_size=2 with gradient_accumulation_steps=1 or "
+        "per_device_train_batch_size=1 with gradient_accumulation_steps=2")
+    with pytest.raises(BatchMappingError, match=r"= 3 samples per step, but the plan runs global "
+                                                r"batches of 4; re-plan for another global batch"):
+        check_batch_mapping(args(1, 1), plan, 3)  # 4 samples cannot split over 3 processes
