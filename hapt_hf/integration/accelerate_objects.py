@@ -88,7 +88,7 @@ class _Replay:
         self.batches, self.batch_size, self.drop_last = batches, batch_size, drop_last
 
     def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches)
+        return (list(b) for b in self.batches)  # fresh lists: the shard pads its last in place
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -167,7 +167,7 @@ class PipelineDataLoader(DataLoaderStateMixin):
     def __len__(self) -> int:
         shard = BatchSamplerShard(self.loader.batch_sampler, self.num_processes, self.process_index,
                                   self.split_batches, even_batches=True)
-        return len(shard) - (self._start or 0)
+        return max(0, len(shard) - (self._start or 0))
 
     def set_epoch(self, epoch: int) -> None:
         sampler = getattr(self.loader, "sampler", None)
