@@ -15,7 +15,7 @@ from transformers import Trainer
 __all__ = ["TrainerHooks", "set_train_batch_size", "prepare_state", "learning_rate",
            "determine_best_metric", "run_output_dir", "load_callback_state",
            "see_launched_world", "remove_unused_columns", "collator_with_removed_columns",
-           "loss_count_rule"]
+           "loss_count_rule", "train_sampler"]
 
 
 class TrainerHooks:
@@ -149,3 +149,11 @@ def loss_count_rule(trainer: Trainer, model: Any) -> str:
         return "unshifted"
     causal = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
     return "shifted" if causal else "unshifted"
+
+
+def train_sampler(trainer: Trainer, dataset: Any) -> Any:
+    """The sampler Trainer draws its training rows with (``train_sampling_strategy``).
+
+    Tested on transformers 5.23 and 5.24 (``Trainer._get_train_sampler``).
+    """
+    return trainer._get_train_sampler(dataset)

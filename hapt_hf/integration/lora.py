@@ -17,7 +17,7 @@ from torch import nn
 from hapt_hf.errors import ConfigError
 
 __all__ = ["LoraSetupError", "apply_lora", "apply_lora_config", "peft_parts", "adapter_state",
-           "merge_lora", "LORA_TARGETS"]
+           "write_adapter", "merge_lora", "LORA_TARGETS"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -100,6 +100,22 @@ def _freeze_all_but_lora(stage: nn.Module) -> int:
         p.requires_grad = "lora_" in name
         trainable += p.numel() if p.requires_grad else 0
     return trainable
+
+
+def write_adapter(runtime, config, out_dir, processing_class=None) -> None:
+    """Save a PEFT model as ``Trainer`` saves one, the adapter only: adapter_config.json and
+    adapter_model.safetensors, gathered from every stage (collective; rank 0 writes), so that
+    ``PeftModel.from_pretrained(base, out_dir)`` loads them."""
+    from safetensors.torch import save_file
+
+    full = runtime.gather_state_dict(dst=0)
+    if runtime.rank != 0:
+        return
+    save_file({k: v.contiguous() for k, v in adapter_state(full).items()},
+              str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out_dir))
+    if processing_class is not None:
+        processing_class.save_pretrained(str(out_dir))
 
 
 def merge_lora(stage: nn.Module) -> None:

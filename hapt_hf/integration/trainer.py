@@ -1,43 +1,29 @@
-"""HaptTrainer: ``transformers.Trainer`` driving a pipeline-parallel model.
+"""HaptTrainer: ``transformers.Trainer`` on a hapt plan, its model split into pipeline stages.
 
-Why ``train()`` is overridden: Trainer's inner loop (``_inner_training_loop`` / ``_run_epoch``)
-assumes one whole model per rank: it wraps the model for DDP through Accelerate, shards the data
-with a DistributedSampler, runs forward/backward per micro-batch itself and all-reduces the
-logged loss over ranks. In a pipeline every rank holds one stage, every rank must take part in
-each step's schedule with the SAME global batch, and one call of the runtime runs all
-micro-batches of an optimizer step. So the loop is replaced, and what users rely on is kept:
-``TrainingArguments``, ``TrainerState``/``TrainerControl``, every callback event (progress bar,
-TensorBoard and other ``report_to`` integrations, early stopping), ``self.log``, logging / eval
-/ save strategies, ``create_optimizer``/``create_scheduler``, ``save_total_limit`` and the
-best-model bookkeeping (``metric_for_best_model``, ``load_best_model_at_end``). ``evaluate``,
-``predict`` and ``prediction_step`` run the pipeline forward only, in eval mode.
-
-Batch mapping, as Trainer's data parallelism defines it: one optimizer step consumes
-``per_device_train_batch_size x gradient_accumulation_steps x processes`` samples, the plan's
-global batch (the planner splits it into its own micro-batches), drawn in the order Trainer on
-one process would draw them (:mod:`hapt_hf.integration.trainer_data`). Every rank draws the same
-global batch; the runtime gives each stage the samples it needs.
+Trainer's inner loop assumes a whole model per rank (DDP, a DistributedSampler, forward and
+backward per micro-batch). In a pipeline every rank takes part in each step with the SAME
+global batch, and one runtime call runs the step's every micro-batch. So ``train``, ``evaluate``,
+``predict`` and the saving are replaced, and what users rely on is kept: ``TrainingArguments``,
+``TrainerState``/``TrainerControl``, every callback event, ``self.log``, the logging / eval /
+save strategies, ``create_optimizer``/``create_scheduler``, checkpoint rotation and the
+best-model bookkeeping. A step is ``per_device_train_batch_size x gradient_accumulation_steps x
+processes`` samples, drawn as Trainer draws them on one process (``trainer_data``).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerState
-from transformers.trainer_pt_utils import nested_concat, nested_numpify
-from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, EvalPrediction,
-                                        PredictionOutput, SaveStrategy, denumpify_detensorize,
-                                        TrainOutput, get_last_checkpoint, rotate_checkpoints,
+from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, PredictionOutput, SaveStrategy,
+                                        TrainOutput, rotate_checkpoints,
                                         sort_checkpoints, speed_metrics)
 
 from hapt_hf.compat import trainer_api
@@ -45,29 +31,20 @@ from hapt_hf.compat.trainer_api import TrainerHooks
 from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.launch import read_launch_env, write_plan
-from hapt_hf.integration.lora import adapter_state, peft_parts
+from hapt_hf.integration.lora import peft_parts, write_adapter
 from hapt_hf.integration.precision_args import training_args_precision_mismatch
 from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,
                                                 check_best_metric, check_training_args_honoured,
                                                 wants_recompute)
-from hapt_hf.integration.trainer_data import (RowsDataset, fill_rows, one_process_loader,
-                                              slice_rows, steps, to_batch)
+from hapt_hf.integration.trainer_data import (as_dataset, epoch_steps, step_counts, to_batch,
+                                              trainer_loader)
+from hapt_hf.integration.trainer_eval import EvalPass, count_tokens, eval_pass, runtime_world
 from hapt_hf.integration.trainer_setup import hapt_config_of, pipeline_for_model, seq_len_of
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 
 __all__ = ["HaptTrainer", "TrainingArgsError", "BatchMappingError", "check_batch_mapping"]
 
 TRAINER_STATE = ckpt_io.TRAINER_STATE
-
-
-class _EvalPass(NamedTuple):
-    """What one forward pass over a dataset gives (logits after preprocessing, rank 0)."""
-
-    predictions: Any
-    label_ids: Any
-    metrics: dict[str, Any]
-    num_samples: int
-    num_batches: int
 
 
 class _StageModel(nn.Module):
@@ -145,7 +122,7 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.runtime = runtime
         self.plan = plan
         # packed rows given as a tensor become a dataset of {'input_ids', 'labels'} items
-        train_dataset, eval_dataset = _as_dataset(train_dataset), _as_dataset(eval_dataset)
+        train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset)
         # Trainer checks the datasets against the strategies (eval_strategy needs eval data).
         super().__init__(model=_StageModel(runtime), args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -158,38 +135,6 @@ class HaptTrainer(TrainerHooks, Trainer):
         self._count_rule = "shifted" if inner is None else trainer_api.loss_count_rule(self, inner)
 
     # -- batches ------------------------------------------------------------------------------
-    def _loader(self, dataset: Any, batch_size: int, training: bool):
-        """The loader Trainer prepares on ONE process for ``dataset`` (its sampler, collator
-        and column removal), ``batch_size`` rows a batch; every rank draws the same."""
-        collator = self.data_collator
-        if _is_hf_dataset(dataset):
-            dataset = trainer_api.remove_unused_columns(self, dataset, "Training" if training
-                                                        else "Evaluation")
-        else:
-            collator = trainer_api.collator_with_removed_columns(self, collator, "Training")
-        sampler = None
-        if not isinstance(dataset, torch.utils.data.IterableDataset):
-            sampler = (self._get_train_sampler(dataset) if training
-                       else torch.utils.data.SequentialSampler(dataset))
-        seedable = self.args.accelerator_config.use_seedable_sampler and training
-        return one_process_loader(dataset, batch_size, collator, sampler,
-                                  self.args.dataloader_drop_last, seedable, self.args.data_seed)
-
-    def _train_loader(self):
-        world = runtime_world()
-        return self._loader(self.train_dataset, self.args.per_device_train_batch_size * world,
-                            training=True)
-
-    def _steps_per_epoch(self, loader) -> int | None:
-        """Optimizer steps in one pass (Trainer's count: a short last step counts); None for
-        a loader without a length (an iterable dataset)."""
-        try:
-            batches = len(loader)
-        except TypeError:
-            return None
-        acc = self.args.gradient_accumulation_steps
-        return batches // acc + int(batches % acc > 0)
-
     # -- training -----------------------------------------------------------------------------
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         """Trainer's optimizer (``TrainingArguments.optim``, or the one given in
@@ -210,19 +155,9 @@ class HaptTrainer(TrainerHooks, Trainer):
         args = self.args
         self.is_in_train = True
         self.model.train()  # as Trainer's training_step; evaluation leaves the mode as it was
-        loader = self._train_loader()
-        steps_per_epoch = self._steps_per_epoch(loader)
-        if steps_per_epoch is None and args.max_steps <= 0:
-            raise TrainingArgsError("the train_dataset has no length (an iterable dataset): set "
-                                    "max_steps, as Trainer requires")
-        if steps_per_epoch == 0:
-            raise DataError(f"the train_dataset gives no batch of "
-                            f"{args.per_device_train_batch_size * runtime_world()} rows "
-                            "(dataloader_drop_last with fewer rows?); give more data")
-        # As Trainer: max_steps wins; otherwise a (possibly fractional) number of epochs.
-        max_steps = args.max_steps if args.max_steps > 0 \
-            else max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
-        num_epochs = math.ceil(max_steps / steps_per_epoch) if steps_per_epoch else sys.maxsize
+        loader = trainer_loader(self, self.train_dataset,
+                                args.per_device_train_batch_size * runtime_world(), training=True)
+        steps_per_epoch, max_steps, num_epochs = step_counts(loader, args)
         trainer_api.set_train_batch_size(self, args.per_device_train_batch_size)
         self.create_optimizer_and_scheduler(num_training_steps=max_steps)
         self.state = TrainerState(stateful_callbacks=[
@@ -230,7 +165,7 @@ class HaptTrainer(TrainerHooks, Trainer):
             if isinstance(cb, ExportableState)])
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
-        resume = self._resolve_resume(resume_from_checkpoint)
+        resume = ckpt_io.resolve_resume(resume_from_checkpoint, args.output_dir)
         if resume is not None:
             self._load_checkpoint(resume)
         trainer_api.prepare_state(self, max_steps, num_epochs if steps_per_epoch else 1, trial)
@@ -239,15 +174,6 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.callback_handler.lr_scheduler = self.lr_scheduler
         return self._train_loop(loader, steps_per_epoch, num_epochs, max_steps, trial,
                                 ignore_keys_for_eval)
-
-    def _epoch_steps(self, loader, epoch: int):
-        """The optimizer steps of one pass, as Trainer's loop draws them (set_epoch first)."""
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
-        if hasattr(inner, "set_epoch"):
-            inner.set_epoch(epoch)
-        return steps(iter(loader), self.args.gradient_accumulation_steps)
 
     def _train_loop(self, loader, steps_per_epoch: int | None, num_epochs: int, max_steps: int,
                     trial, ignore_keys_for_eval) -> TrainOutput:
@@ -265,7 +191,8 @@ class HaptTrainer(TrainerHooks, Trainer):
         epoch = epochs_done
         while epoch < num_epochs and not self._done(max_steps):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            for step, parts in enumerate(self._epoch_steps(loader, epoch)):
+            for step, parts in enumerate(epoch_steps(
+                    loader, epoch, args.gradient_accumulation_steps)):
                 if epoch == epochs_done and step < skip:
                     continue  # trained before the checkpoint: drawn, not run
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
@@ -305,13 +232,8 @@ class HaptTrainer(TrainerHooks, Trainer):
         that equals the token mean where its micro-batches hold equal token counts.)"""
         batch = to_batch(parts, rows, self.plan.seq_len, where)
         if self._count_rule == "unshifted":
-            batch = dataclasses.replace(batch, num_items=max(1, self._count(batch, 0)))
+            batch = dataclasses.replace(batch, num_items=max(1, count_tokens(batch, 0, 'unshifted')))
         return batch
-
-    def _count(self, batch: Batch, predicted: int) -> int:
-        """The tokens Trainer divides ``batch``'s summed loss by (``predicted``: the tokens
-        after the causal shift that are not -100)."""
-        return int((batch.labels != -100).sum()) if self._count_rule == "unshifted" else predicted
 
     def _done(self, max_steps: int) -> bool:
         return self.control.should_training_stop or self.state.global_step >= max_steps
@@ -356,7 +278,7 @@ class HaptTrainer(TrainerHooks, Trainer):
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         start = time.time()
-        out = self._eval_pass(_as_dataset(data), metric_key_prefix,
+        out = self._eval_pass(as_dataset(data), metric_key_prefix,
                               with_logits=self.compute_metrics is not None)
         metrics = out.metrics
         metrics.update(speed_metrics(metric_key_prefix, start, num_samples=out.num_samples,
@@ -366,61 +288,11 @@ class HaptTrainer(TrainerHooks, Trainer):
                                                          metrics)
         return metrics
 
-    def _eval_pass(self, dataset, prefix: str, with_logits: bool) -> _EvalPass:
-        """One forward pass over every row of ``dataset`` in the one-process eval batches of
-        ``per_device_eval_batch_size x processes`` rows (each run as global batches of the
-        plan, the last one filled with ignored rows)."""
-        world, g = runtime_world(), self.plan.global_batch_size
-        loader = self._loader(dataset, self.args.per_device_eval_batch_size * world,
-                              training=False)
-        weighted, rows_seen, batches = 0.0, 0, 0
-        preds, labels = None, None
-        for part in loader:
-            batch = to_batch([part], None, self.plan.seq_len, "eval_dataset")
-            loss_sum, tokens, logits = 0.0, 0, []
-            for lo in range(0, len(batch.input_ids), g):
-                chunk = fill_rows(slice_rows(batch, lo, lo + g), g)
-                real = min(g, len(batch.input_ids) - lo)
-                n = int((chunk.labels[:, 1:] != -100).sum())
-                if with_logits:
-                    pred = self.runtime.predict(chunk)
-                    loss = pred.loss
-                    if pred.logits is not None:
-                        logits.append(pred.logits[:real])
-                else:
-                    loss = self.runtime.evaluate(chunk)
-                loss_sum, tokens = loss_sum + loss * n, tokens + self._count(chunk, n)
-            rows = len(batch.input_ids)
-            if tokens:
-                weighted += loss_sum / tokens * rows
-                rows_seen += rows
-            batches += 1
-            if logits:
-                lab = batch.labels
-                out = torch.cat(logits)
-                if self.preprocess_logits_for_metrics is not None:
-                    out = self.preprocess_logits_for_metrics(out, lab)
-                preds = out if preds is None else nested_concat(preds, out, padding_index=-100)
-                labels = lab if labels is None else nested_concat(labels, lab, padding_index=-100)
-        metrics = {f"{prefix}_loss": weighted / max(rows_seen, 1)}
-        metrics.update(self._metrics(preds, labels, prefix))
-        return _EvalPass(None if preds is None else nested_numpify(preds),
-                         None if labels is None else nested_numpify(labels), metrics, rows_seen,
-                         batches)
-
-    def _metrics(self, preds, labels, prefix: str) -> dict[str, Any]:
-        """``compute_metrics`` on rank 0 (which holds the logits), the result on every rank."""
-        if self.compute_metrics is None:
-            return {}
-        found: dict[str, Any] = {}
-        if self.runtime.rank == 0:
-            found = denumpify_detensorize(self.compute_metrics(EvalPrediction(
-                predictions=nested_numpify(preds), label_ids=nested_numpify(labels))))
-        if runtime_world() > 1:
-            box = [found]
-            dist.broadcast_object_list(box, src=0)
-            found = box[0]
-        return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in found.items()}
+    def _eval_pass(self, dataset, prefix: str, with_logits: bool) -> EvalPass:
+        loader = trainer_loader(self, dataset,
+                                self.args.per_device_eval_batch_size * runtime_world(), False)
+        return eval_pass(self.runtime, loader, self._count_rule, prefix, with_logits,
+                         self.preprocess_logits_for_metrics, self.compute_metrics)
 
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys=None) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -440,7 +312,7 @@ class HaptTrainer(TrainerHooks, Trainer):
         """Logits of every row (after ``preprocess_logits_for_metrics``; rank 0, None
         elsewhere), the labels, the loss and ``compute_metrics``, in eval mode. Collective."""
         start = time.time()
-        out = self._eval_pass(_as_dataset(test_dataset), metric_key_prefix, with_logits=True)
+        out = self._eval_pass(as_dataset(test_dataset), metric_key_prefix, with_logits=True)
         metrics = out.metrics
         metrics.update(speed_metrics(metric_key_prefix, start, num_samples=out.num_samples,
                                      num_steps=out.num_batches))
@@ -465,26 +337,13 @@ class HaptTrainer(TrainerHooks, Trainer):
         out = Path(output_dir or self.args.output_dir)
         rank = self.runtime.rank
         tmp = ckpt_io.begin_model_save(out) if rank == 0 else out / f"{ckpt_io.TMP_PREFIX}save"
-        if self._lora is not None:
-            self._write_adapter(tmp)
+        if self._lora is not None:  # saved as Trainer saves a PEFT model: the adapter
+            write_adapter(self.runtime, self._lora, tmp, self.processing_class)
         else:
             self._write_model(tmp)
         if rank == 0:
             ckpt_io.finish_model_save(tmp, out)
         ckpt_io.barrier()
-
-    def _write_adapter(self, out_dir: Path) -> None:
-        """A PEFT model is saved as Trainer saves it, the adapter only: adapter_config.json and
-        adapter_model.safetensors (``PeftModel.from_pretrained(base, out)`` loads them)."""
-        from safetensors.torch import save_file
-        full = self.runtime.gather_state_dict(dst=0)
-        if self.runtime.rank != 0:
-            return
-        save_file({k: v.contiguous() for k, v in adapter_state(full).items()},
-                  str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-        self._lora.save_pretrained(str(out_dir))
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(str(out_dir))
 
     def save_checkpoint(self, trial=None) -> None:
         """Commit ``checkpoint-<step>`` atomically (collective): the gathered model, every
@@ -532,45 +391,8 @@ class HaptTrainer(TrainerHooks, Trainer):
         ckpt_io.barrier()
 
     # -- resuming -----------------------------------------------------------------------------
-    def _resolve_resume(self, resume: str | bool | None) -> Path | None:
-        if resume is None or resume is False:
-            return None
-        if resume is True:
-            last = get_last_checkpoint(self.args.output_dir) \
-                if os.path.isdir(self.args.output_dir) else None
-            if last is None:
-                raise ckpt_io.CheckpointError(f"resume_from_checkpoint=True but "
-                                              f"{self.args.output_dir!r} holds no checkpoint-N "
-                                              "directory")
-            return Path(last)
-        return Path(resume)
-
     def _load_checkpoint(self, ckpt: Path) -> None:
         """Stage weights, this rank's optimizer/scheduler/RNG, and the trainer state."""
         self.state = ckpt_io.load_checkpoint(ckpt, self.runtime, self.optimizer,
                                              self.lr_scheduler)
         trainer_api.load_callback_state(self)
-
-
-def runtime_world() -> int:
-    """Processes in the job (1 without a process group)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _is_hf_dataset(data: Any) -> bool:
-    try:
-        import datasets
-    except ImportError:  # datasets is a dependency; kept optional here for clarity
-        return False
-    return isinstance(data, (datasets.Dataset, datasets.IterableDataset))
-
-
-def _as_dataset(data: Any) -> Any:
-    """Packed token rows given as a tensor (or a list of rows) become a dataset of
-    ``{'input_ids', 'labels'}`` items; anything else is taken as Trainer takes it."""
-    if isinstance(data, torch.Tensor):
-        if data.ndim != 2 or data.is_floating_point():
-            raise DataError(f"a dataset given as a tensor must hold integer token rows "
-                            f"[samples, seq_len]; got {data.dtype} {tuple(data.shape)}")
-        return RowsDataset(data.long())
-    return data

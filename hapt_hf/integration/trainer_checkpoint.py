@@ -42,7 +42,7 @@ from hapt_hf.planner.plan import Plan, PlanError
 __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
            "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
-           "load_trainer_state", "load_checkpoint", "check_resumable", "check_optimizer_states",
+           "load_trainer_state", "resolve_resume", "load_checkpoint", "check_resumable", "check_optimizer_states",
            "barrier", "fsync_path", "fsync_tree"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
@@ -184,6 +184,22 @@ def load_trainer_state(ckpt: Path):
         return TrainerState.load_from_json(str(path))
     except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
         raise damaged_file(path, e) from None
+
+
+def resolve_resume(resume: str | bool | None, output_dir: str) -> Path | None:
+    """The checkpoint ``resume_from_checkpoint`` names: None, a path, or (True) the last
+    ``checkpoint-N`` of ``output_dir``."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise CheckpointError(f"resume_from_checkpoint=True but {output_dir!r} holds no "
+                                  "checkpoint-N directory")
+        return Path(last)
+    return Path(resume)
 
 
 def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):

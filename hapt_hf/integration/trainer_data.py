@@ -12,16 +12,20 @@ whose labels are all ignored: the loss and gradients are those of the real rows.
 """
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from hapt_hf.errors import DataError
+from hapt_hf.compat import trainer_api
+from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.pipeline.runtime import Batch
 
-__all__ = ["RowsDataset", "one_process_loader", "steps", "to_batch", "fill_rows", "slice_rows"]
+__all__ = ["RowsDataset", "as_dataset", "one_process_loader", "trainer_loader", "steps",
+           "steps_per_epoch_of", "step_counts", "epoch_steps", "to_batch", "fill_rows", "slice_rows"]
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask")
 
@@ -38,6 +42,38 @@ class RowsDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def as_dataset(data: Any) -> Any:
+    """Packed token rows given as a tensor become a :class:`RowsDataset`; anything else is
+    taken as Trainer takes it."""
+    if isinstance(data, torch.Tensor):
+        if data.ndim != 2 or data.is_floating_point():
+            raise DataError(f"a dataset given as a tensor must hold integer token rows "
+                            f"[samples, seq_len]; got {data.dtype} {tuple(data.shape)}")
+        return RowsDataset(data.long())
+    return data
+
+
+def trainer_loader(trainer: Any, dataset: Any, batch_size: int, training: bool) -> DataLoader:
+    """The loader ``trainer`` (a Trainer) prepares on ONE process for ``dataset``: its train
+    sampler (or sequential order for evaluation), its collator, the columns its model does not
+    take removed, ``batch_size`` rows a batch. Every rank draws the same batches."""
+    import datasets
+
+    args, collator = trainer.args, trainer.data_collator
+    what = "Training" if training else "Evaluation"
+    if isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
+        dataset = trainer_api.remove_unused_columns(trainer, dataset, what)
+    else:
+        collator = trainer_api.collator_with_removed_columns(trainer, collator, what)
+    sampler = None
+    if not isinstance(dataset, IterableDataset):
+        sampler = (trainer_api.train_sampler(trainer, dataset) if training
+                   else torch.utils.data.SequentialSampler(dataset))
+    seedable = args.accelerator_config.use_seedable_sampler and training
+    return one_process_loader(dataset, batch_size, collator, sampler, args.dataloader_drop_last,
+                              seedable, args.data_seed)
 
 
 def one_process_loader(dataset: Any, batch_size: int, collator: Any, sampler: Any,
@@ -67,6 +103,43 @@ def steps(batches: Iterator[Any], accumulation: int) -> Iterator[list[Mapping[st
             step = []
     if step:
         yield step
+
+
+def steps_per_epoch_of(loader: Any, accumulation: int) -> int | None:
+    """Optimizer steps in one pass (Trainer's count: a short last step counts); None for a
+    loader without a length (an iterable dataset)."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        return None
+    return batches // accumulation + int(batches % accumulation > 0)
+
+
+def step_counts(loader: Any, args: Any) -> tuple[int | None, int, int]:
+    """(optimizer steps per epoch, steps to run, epochs to start) as Trainer counts them:
+    ``max_steps`` wins, else a (possibly fractional) number of epochs; an iterable dataset
+    (no length: None steps per epoch) needs ``max_steps``."""
+    per_epoch = steps_per_epoch_of(loader, args.gradient_accumulation_steps)
+    if per_epoch is None and args.max_steps <= 0:
+        raise TrainingArgsError("the train_dataset has no length (an iterable dataset): set "
+                                "max_steps, as Trainer requires")
+    if per_epoch == 0:
+        raise DataError("the train_dataset gives no batch of per_device_train_batch_size x "
+                        "processes rows (dataloader_drop_last with fewer rows?); give more data")
+    max_steps = args.max_steps if args.max_steps > 0 \
+        else max(1, math.ceil(args.num_train_epochs * per_epoch))
+    return per_epoch, max_steps, math.ceil(max_steps / per_epoch) if per_epoch else sys.maxsize
+
+
+def epoch_steps(loader: Any, epoch: int, accumulation: int) -> Iterator[list[Mapping[str, Any]]]:
+    """The optimizer steps of pass ``epoch``, as Trainer's loop draws them: the epoch set on
+    the loader and on a batch sampler it wraps first (the seedable sampler's order)."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(epoch)
+    inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+    if hasattr(inner, "set_epoch"):
+        inner.set_epoch(epoch)
+    return steps(iter(loader), accumulation)
 
 
 def to_batch(parts: list[Mapping[str, Any]], rows: int | None, seq_len: int, where: str) -> Batch:
