@@ -22,7 +22,7 @@ class TrainerHooks:
     """Mixin put before ``Trainer``: its private checkpoint hooks call the subclass's
     ``save_checkpoint(trial)`` and ``load_best_model()``.
 
-    Tested on transformers 5.23 (``Trainer._save_checkpoint(model, trial)``,
+    Tested on transformers 5.23 and 5.24 (``Trainer._save_checkpoint(model, trial)``,
     ``Trainer._load_best_model()``).
     """
 
@@ -37,7 +37,7 @@ class TrainerHooks:
 def set_train_batch_size(trainer: Trainer, size: int) -> None:
     """The batch size Trainer records for a step (``_train_batch_size``, saved with the state).
 
-    Tested on transformers 5.23.
+    Tested on transformers 5.23 and 5.24.
     """
     trainer._train_batch_size = size
 
@@ -45,7 +45,7 @@ def set_train_batch_size(trainer: Trainer, size: int) -> None:
 def prepare_state(trainer: Trainer, max_steps: int, num_epochs: int, trial: Any) -> None:
     """What Trainer's loop records in ``state`` before the first step (steps, epochs, trial).
 
-    Tested on transformers 5.23 (``TrainerState.init_training_references``).
+    Tested on transformers 5.23 and 5.24 (``TrainerState.init_training_references``).
     """
     trainer.state.init_training_references(trainer, max_steps, num_epochs, trial)
 
@@ -53,7 +53,7 @@ def prepare_state(trainer: Trainer, max_steps: int, num_epochs: int, trial: Any)
 def learning_rate(trainer: Trainer) -> float:
     """The scheduler's current learning rate, as Trainer logs it.
 
-    Tested on transformers 5.23 (``Trainer._get_learning_rate``).
+    Tested on transformers 5.23 and 5.24 (``Trainer._get_learning_rate``).
     """
     return trainer._get_learning_rate()
 
@@ -62,7 +62,7 @@ def determine_best_metric(trainer: Trainer, metrics: dict[str, float], trial: An
     """Trainer's best-metric bookkeeping (``state.best_metric``, ``best_global_step``);
     True when ``metrics`` is a new best.
 
-    Tested on transformers 5.23 (``Trainer._determine_best_metric``).
+    Tested on transformers 5.23 and 5.24 (``Trainer._determine_best_metric``).
     """
     return trainer._determine_best_metric(metrics=metrics, trial=trial)
 
@@ -70,7 +70,7 @@ def determine_best_metric(trainer: Trainer, metrics: dict[str, float], trial: An
 def run_output_dir(trainer: Trainer, trial: Any) -> str:
     """The directory this run's ``checkpoint-N`` folders go in (per trial in a search).
 
-    Tested on transformers 5.23 (``Trainer._get_output_dir``).
+    Tested on transformers 5.23 and 5.24 (``Trainer._get_output_dir``).
     """
     return trainer._get_output_dir(trial=trial)
 
@@ -78,7 +78,7 @@ def run_output_dir(trainer: Trainer, trial: Any) -> str:
 def load_callback_state(trainer: Trainer) -> None:
     """Restore the stateful callbacks (early stopping...) from the loaded ``state``.
 
-    Tested on transformers 5.23 (``Trainer._load_callback_state``).
+    Tested on transformers 5.23 and 5.24 (``Trainer._load_callback_state``).
     """
     trainer._load_callback_state()
 
