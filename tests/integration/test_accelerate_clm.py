@@ -22,18 +22,13 @@ STEPS_PER_EPOCH = 7  # per-process batches: windows of 2, 2, 2 and a short one o
 RTOL, ATOL = 1e-5, 4e-5
 
 
-class _Rows(torch.utils.data.Dataset):
-    """Packed token rows as run_clm's group_texts makes them (labels = input_ids)."""
+def _rows(n: int, seed: int):
+    """A datasets.Dataset of packed token rows as run_clm's group_texts makes them."""
+    from datasets import Dataset
 
-    def __init__(self, n: int, seed: int) -> None:
-        self.ids = torch.randint(0, 1024, (n, SEQ), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
-                "labels": self.ids[i]}
+    ids = torch.randint(0, 1024, (n, SEQ), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * SEQ for _ in ids],
+                              "labels": [list(r) for r in ids]})
 
 
 def _hapt_config(tmp: Path, kind: str, world: int):
@@ -79,10 +74,10 @@ def clm(rank: int, world: int, tmp: str, kind: str, procs: int, resume: str | No
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     per_device, per_eval = (PER_DEVICE, PER_EVAL) if hapt else (PER_DEVICE * procs, PER_EVAL * procs)
     train_dataloader = torch.utils.data.DataLoader(
-        _Rows(STEPS_PER_EPOCH * procs * PER_DEVICE, 3), shuffle=True,
+        _rows(STEPS_PER_EPOCH * procs * PER_DEVICE, 3), shuffle=True,
         collate_fn=default_data_collator, batch_size=per_device)
     eval_dataloader = torch.utils.data.DataLoader(
-        _Rows(procs * PER_EVAL + 3, 5), collate_fn=default_data_collator, batch_size=per_eval)
+        _rows(procs * PER_EVAL + 3, 5), collate_fn=default_data_collator, batch_size=per_eval)
     no_decay = ["bias", "layer_norm.weight"]
     optimizer = torch.optim.AdamW([
         {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
