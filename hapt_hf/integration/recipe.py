@@ -165,7 +165,7 @@ def parse_args(defaults: RecipeDefaults, argv: list[str] | None = None
     try:
         training = TrainingArguments(**{k: v for k, v in values.items() if k not in names})
     except ValueError as e:  # TrainingArguments' own checks of its fields, one by one
-        raise RecipeArgumentError("the TrainingArguments flags cannot be used together: "
+        raise RecipeArgumentError("TrainingArguments refuses the flags given: "
                                   + " ".join(str(e).split())) from None
     if own.seq_len is not None and own.seq_len < 2:
         raise RecipeArgumentError(f"--seq_len is {own.seq_len}; give at least 2 tokens")

@@ -109,7 +109,7 @@ def test_output_dir_is_required(capsys):
 def test_training_arguments_that_do_not_go_together(capsys, tmp_path):
     msg = _run(capsys, "finetune_gpt2", tmp_path / "out", "--hapt_config", str(DEMO),
                "--load_best_model_at_end", "--save_strategy", "epoch")
-    assert "TrainingArguments flags cannot be used together" in msg
+    assert "TrainingArguments refuses the flags given" in msg
     assert "--load_best_model_at_end requires the save and eval strategy to match" in msg
 
 
