@@ -10,10 +10,14 @@ pipeline over the window's rows of EVERY process (read from the loader, which ev
 alike), so the window's gradients are in place before ``optimizer.step()``; the window's later
 micro-steps only hand back its loss. ``accelerator.clip_grad_norm_`` then clips by the global
 norm exactly where a one-process loop clips.
+
+Length: over 400 lines because the objects ``prepare`` returns work as one protocol: the engine
+finds its batch among the loaders' current ones, reads every process's rows of a window from
+the loader that yielded it and the window's bounds from its position, and the optimizer acts on
+the sync steps that window ends on; apart, each would expose its internals to the others.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import weakref
@@ -615,9 +619,3 @@ def save_gathered_model(runtime: PipelineRuntime, out: Path, full: dict[str, Ten
     tmp = ckpt_io.begin_model_save(out)
     ckpt_io.save_hf_model(runtime, full, tmp)
     ckpt_io.finish_model_save(tmp, out)
-
-
-@contextlib.contextmanager
-def unchanged() -> Iterator[None]:
-    """A context that changes nothing."""
-    yield

@@ -24,6 +24,10 @@ broadcasts it, as the recipes do), builds only this rank's stage and copies its 
 the model the loop built (or, for a model built on the meta device, reads only them from its
 checkpoint directory) and points the optimizer at the stage's parameters. Every Accelerator
 argument is either honoured or refused by name (:data:`HONOURED_ACCELERATOR_ARGS`).
+
+Length: over 400 lines because it is one class standing in for ``Accelerator``: each method
+it overrides (prepare, the step calls, the model out, save_state / load_state with Accelerate's
+automatic naming) sits next to the others it shares its state with.
 """
 from __future__ import annotations
 

@@ -269,6 +269,15 @@ def settings(rank: int, world: int, tmp: str) -> dict:
     out["foreign"] = attempt(lambda: model(input_ids=batch["input_ids"] + 1))
     out["skip"] = len(acc.skip_first_batches(dl, 1)), len(list(acc.skip_first_batches(dl, 1)))
     out["autocast_handler"] = attempt(lambda: acc.autocast(AutocastKwargs(enabled=False)))
+    # evaluation over more rows than the plan's global batch: two pipeline passes, one loss
+    big, small = (acc.prepare(torch.utils.data.DataLoader(_Rows(2 * G + 2), batch_size=b))
+                  for b in (8, 4))
+    model.eval()
+    with torch.no_grad():
+        whole = model(**next(iter(big)))
+        halves = [float(model(**b).loss) for b, _ in zip(small, range(2))]
+    out["chunks"] = float(whole.loss), sum(halves) / 2, tuple(whole.logits.shape)
+    model.train()
     # automatic checkpoint naming: checkpoint_0, _1, _2 saved, total_limit=2 keeps the last two
     opt.zero_grad()
     saved = [acc.save_state() for _ in range(3)]
@@ -308,6 +317,8 @@ def test_settings_honoured_or_refused(tmp_path):
     assert "twice" in g["twice"] and "not the current batch" in g["foreign"]
     assert g["skip"] == (4, 4)
     assert "autocast_handler" in g["autocast_handler"]
+    assert g["chunks"][0] == pytest.approx(g["chunks"][1], rel=RTOL)
+    assert g["chunks"][2] == (8, SEQ, VOCAB)  # this process's rows
     assert g["naming"] == (["checkpoint_0", "checkpoint_1", "checkpoint_2"],
                            ["checkpoint_1", "checkpoint_2"], 3)
     assert [x["save"] for x in got] == [{"rank": 0}] * 2  # written by the main process only
