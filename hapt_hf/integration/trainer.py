@@ -36,7 +36,7 @@ from hapt_hf.integration.precision_args import training_args_precision_mismatch
 from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,
                                                 check_best_metric, check_training_args_honoured,
                                                 wants_recompute)
-from hapt_hf.integration.trainer_data import (as_dataset, epoch_steps, step_counts, to_batch,
+from hapt_hf.integration.trainer_data import (as_dataset, check_first_rows, epoch_steps, step_counts, to_batch,
                                               trainer_loader)
 from hapt_hf.integration.trainer_eval import EvalPass, count_tokens, eval_pass, runtime_world
 from hapt_hf.integration.trainer_setup import hapt_config_of, pipeline_for_model, seq_len_of
@@ -123,6 +123,7 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.plan = plan
         # packed rows given as a tensor become a dataset of {'input_ids', 'labels'} items
         train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset)
+        check_first_rows(plan.seq_len, train_dataset=train_dataset, eval_dataset=eval_dataset)
         # Trainer checks the datasets against the strategies (eval_strategy needs eval data).
         super().__init__(model=_StageModel(runtime), args=args, data_collator=data_collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset,

@@ -24,7 +24,8 @@ from hapt_hf.compat import trainer_api
 from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.pipeline.runtime import Batch
 
-__all__ = ["RowsDataset", "as_dataset", "one_process_loader", "trainer_loader", "steps",
+__all__ = ["RowsDataset", "as_dataset", "check_first_row", "check_first_rows", "one_process_loader",
+           "trainer_loader", "steps",
            "steps_per_epoch_of", "step_counts", "epoch_steps", "to_batch", "fill_rows", "slice_rows"]
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask")
@@ -53,6 +54,28 @@ def as_dataset(data: Any) -> Any:
                             f"[samples, seq_len]; got {data.dtype} {tuple(data.shape)}")
         return RowsDataset(data.long())
     return data
+
+
+def check_first_row(dataset: Any, seq_len: int, field: str) -> None:
+    """Refuse, before anything runs or is written, a map-style dataset whose first row is
+    longer than the plan's ``seq_len`` (rows are read without drawing random numbers)."""
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        return
+    try:
+        first = len(dataset[0]["input_ids"]) if len(dataset) else 0
+    except (TypeError, KeyError, IndexError):
+        return  # the collator makes input_ids: checked at the first step
+    if first > seq_len:
+        raise DataError(f"{field} rows hold {first} tokens but the plan was made for seq_len "
+                        f"{seq_len}; group the texts into rows of {seq_len} tokens (run_clm's "
+                        f"--block_size {seq_len}) or set seq_len: {first} in the hapt config")
+
+
+def check_first_rows(seq_len: int, **datasets: Any) -> None:
+    """:func:`check_first_row` on each dataset given by name (a dict of eval datasets too)."""
+    for field, data in datasets.items():
+        for name, part in (data.items() if isinstance(data, dict) else [(field, data)]):
+            check_first_row(part, seq_len, name)
 
 
 def trainer_loader(trainer: Any, dataset: Any, batch_size: int, training: bool) -> DataLoader:

@@ -47,7 +47,16 @@ def count_tokens(batch: Batch, predicted: int, rule: str) -> int:
 
 def eval_pass(runtime: PipelineRuntime, loader, rule: str, prefix: str, with_logits: bool,
               preprocess: Callable | None, compute_metrics: Callable | None) -> EvalPass:
-    """Forward every row of ``loader``'s batches through the pipeline (collective)."""
+    """Forward every row of ``loader``'s batches through the pipeline (collective). The
+    random streams training draws from are left as they were: a DataLoader draws its seed from
+    the global generator each time it is iterated, so the pass runs in a fork of them."""
+    devices = [runtime.device] if runtime.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return _eval_pass(runtime, loader, rule, prefix, with_logits, preprocess, compute_metrics)
+
+
+def _eval_pass(runtime: PipelineRuntime, loader, rule: str, prefix: str, with_logits: bool,
+               preprocess: Callable | None, compute_metrics: Callable | None) -> EvalPass:
     g, seq_len = runtime.plan.global_batch_size, runtime.plan.seq_len
     weighted, rows_seen, batches = 0.0, 0, 0
     preds, labels = None, None

@@ -243,19 +243,14 @@ def _refusals(rank: int, world_size: int, out: str) -> dict:
                         trainer_kw={"compute_metrics": _accuracy}, eval_strategy="steps",
                         eval_steps=1, load_best_model_at_end=True,
                         metric_for_best_model="accuracy")
-    # rows longer than the plan's seq_len: refused as the first step draws them, before it runs
+    # rows longer than the plan's seq_len: refused at construction, before anything is written
     long_out = out + "-long"
-    trainer = _trainer(world_size, long_out, train=_rows(8, 1).repeat(1, 2), max_steps=1)
-    before = _weights(trainer)
     try:
-        trainer.train()
+        _trainer(world_size, long_out, train=_rows(8, 1).repeat(1, 2), max_steps=1)
     except DataError as e:
         msgs["long_rows"] = f"{type(e).__name__}: {e}"
-    after = _weights(trainer)
     return {"msgs": msgs, "out_exists": out_exists, "accepted": type(accepted).__name__,
-            "long_steps": trainer.state.global_step,
-            "long_unchanged": all((before[k] == after[k]).all() for k in before),
-            "long_written": sorted(p.name for p in Path(long_out).iterdir())}
+            "long_written": Path(long_out).exists()}
 
 
 def test_settings_and_rows_that_do_not_fit_are_refused_before_any_step(tmp_path):
@@ -273,12 +268,11 @@ def test_settings_and_rows_that_do_not_fit_are_refused_before_any_step(tmp_path)
                                         "cannot be honoured")
     assert not got["out_exists"], "a refused trainer must not create the output directory"
     assert got["accepted"] == "HaptTrainer"
-    assert msgs["long_rows"].startswith("DataError: train_dataset: a step's batches hold token "
-                                        "rows (4, 16)"), msgs["long_rows"]
-    assert "rows of 8 tokens" in msgs["long_rows"] and "seq_len 16" in msgs["long_rows"]
-    assert got["long_steps"] == 0 and got["long_unchanged"], "no step may run"
-    assert not [n for n in got["long_written"] if n.startswith("checkpoint")
-                or n.endswith(".safetensors")], got["long_written"]
+    assert msgs["long_rows"] == (
+        "DataError: train_dataset rows hold 16 tokens but the plan was made for seq_len 8; group "
+        "the texts into rows of 8 tokens (run_clm's --block_size 8) or set seq_len: 16 in the "
+        "hapt config"), msgs["long_rows"]
+    assert not got["long_written"], "a refused trainer must not create the output directory"
 
 
 # -- load_best_model_at_end restores the best checkpoint ----------------------------------------
