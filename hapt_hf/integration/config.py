@@ -186,6 +186,10 @@ class HaptConfig:
                                   "(see recipes/configs/hapt_cpu_demo.yaml)")
         try:
             data = yaml.safe_load(path.read_text())
+        except UnicodeDecodeError:
+            raise HaptConfigError(f"hapt config {str(path)!r} is not a text file (not UTF-8); "
+                                  "give the YAML hapt config (see "
+                                  "recipes/configs/hapt_cpu_demo.yaml)") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}" if mark is not None else ""

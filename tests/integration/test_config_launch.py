@@ -60,6 +60,13 @@ def test_bad_hapt_config_names_the_field(tmp_path, text, field):
     assert field in str(err.value)
 
 
+def test_a_binary_hapt_config_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "hapt.yaml"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    with pytest.raises(HaptConfigError, match="is not a text file"):
+        HaptPlugin.from_yaml(path)
+
+
 @pytest.mark.parametrize("planner, words", [
     ("{max_stage: 4}", ["unknown option 'max_stage'", "'max_stages'", "'memory_headroom'"]),
     ("{memory_headroom: lots}", ["'planner.memory_headroom' is 'lots'", "float"]),
