@@ -28,19 +28,19 @@ def _plan(plugin: HaptPlugin, monkeypatch):
 ])
 def test_bad_settings_name_the_field(fields, words):
     with pytest.raises(HaptConfigError, match=words):
-        HaptPlugin(cluster=CLUSTER, **fields)
+        HaptPlugin(cluster=CLUSTER, global_batch_size=8, **fields)
 
 
 def test_rank0_plans_with_the_configured_precision_and_attention(monkeypatch):
-    plan = _plan(HaptPlugin(cluster=CLUSTER, attn_implementation="eager"), monkeypatch)
+    plan = _plan(HaptPlugin(cluster=CLUSTER, global_batch_size=8, attn_implementation="eager"), monkeypatch)
     assert (plan.dtype, plan.attn_implementation) == ("fp32", "eager")  # auto on CPUs: fp32
-    plan = _plan(HaptPlugin(cluster=CLUSTER, dtype="bf16"), monkeypatch)  # the older name
+    plan = _plan(HaptPlugin(cluster=CLUSTER, global_batch_size=8, dtype="bf16"), monkeypatch)  # the older name
     assert plan.precision.to_dict() == {"compute": "bf16", "loss_scaling": None}
     assert plan.attn_implementation == "sdpa"
 
 
 def test_ready_plan_with_other_settings_is_refused(tmp_path, monkeypatch):
-    made = _plan(HaptPlugin(cluster=CLUSTER), monkeypatch)
+    made = _plan(HaptPlugin(cluster=CLUSTER, global_batch_size=8), monkeypatch)
     path = made.save(tmp_path / "plan.json")
     for fields, words in (({"attn_implementation": "eager"}, "budgets memory for 'sdpa'"),
                           ({"precision": "bf16"}, "was made for fp32")):

@@ -159,8 +159,10 @@ def test_launch_accepts_a_plan_that_leaves_groups_idle_beside_its_cluster(two_si
 
     from hapt_hf.integration.launch import _check_plan_against_cluster
     _, res = two_site
-    cfg = SimpleNamespace(cluster=str(scenario_path(TWO_SITE)), plan="plan.json",
-                          source="hapt.yaml")
+    from hapt_hf.planner.cluster import Cluster
+    path = scenario_path(TWO_SITE)
+    cfg = SimpleNamespace(cluster=str(path), plan="plan.json", source="hapt.yaml",
+                          load_cluster=lambda: Cluster.load(path))
     _check_plan_against_cluster(res.plan, cfg)  # 8 ranks: the cluster without its V100s
     every = replace(res.plan, idle_groups=())
     with pytest.raises(PlanError, match=r"uses 8 ranks but the cluster .* has 12"):
