@@ -86,7 +86,7 @@ def trainer_loader(trainer: Any, dataset: Any, batch_size: int, training: bool) 
 
     args, collator = trainer.args, trainer.data_collator
     what = "Training" if training else "Evaluation"
-    if isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
+    if isinstance(dataset, datasets.Dataset):  # as Trainer: an iterable one keeps its columns
         dataset = trainer_api.remove_unused_columns(trainer, dataset, what)
     else:
         collator = trainer_api.collator_with_removed_columns(trainer, collator, what)

@@ -89,10 +89,15 @@ def seq_len_of(config: HaptConfig, *datasets: Any) -> int:
             first = data[0] if not isinstance(data, torch.Tensor) else {"input_ids": data[0]}
             return len(first["input_ids"])
         except (TypeError, KeyError, IndexError, NotImplementedError):
-            continue
-    raise ConfigError(f"{config.source}: cannot read the sequence length from the datasets (an "
-                      "iterable dataset, or rows without 'input_ids'); set seq_len in the hapt "
-                      "config")
+            pass
+        if type(data).__name__ == "IterableDataset" and hasattr(data, "take"):
+            try:  # a datasets.IterableDataset: its first example, read without a shuffle
+                return len(next(iter(data.take(1)))["input_ids"])
+            except (StopIteration, KeyError, TypeError):
+                continue
+    raise ConfigError(f"{config.source}: cannot read the sequence length from the datasets (rows "
+                      "without 'input_ids', or an iterable dataset that is not a "
+                      "datasets.IterableDataset); set seq_len in the hapt config")
 
 
 def _requested_precision(config: HaptConfig, args: Any) -> HaptConfig:

@@ -211,3 +211,37 @@ def test_a_peft_lora_model_trains_as_trainer_and_saves_its_adapter(tmp_path):
     assert loaded["ref"].keys() == loaded["hapt"].keys() and loaded["ref"]
     for k, v in loaded["ref"].items():
         torch.testing.assert_close(loaded["hapt"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _rows_stream():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(64):
+        ids = torch.randint(0, 1024, (SEQ,), generator=g).tolist()
+        yield {"input_ids": ids, "attention_mask": [1] * SEQ, "labels": ids}
+
+
+def _iterable(rank: int, world: int, cls_name: str, per_device: int) -> list[float]:
+    """A datasets.IterableDataset (no length: max_steps), as Trainer takes it."""
+    import datasets
+    from transformers import (AutoModelForCausalLM, Trainer, TrainingArguments,
+                              default_data_collator, set_seed)
+
+    from hapt_hf import HaptTrainer
+    args = TrainingArguments(output_dir=f"unused-{cls_name}", per_device_train_batch_size=per_device,
+                             max_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, save_strategy="no")
+    set_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"))
+    stream = datasets.IterableDataset.from_generator(_rows_stream)
+    cls = Trainer if cls_name == "Trainer" else HaptTrainer
+    trainer = cls(model=model, args=args, train_dataset=stream, data_collator=default_data_collator)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_an_iterable_dataset_trains_as_trainer_on_one_process(tmp_path, monkeypatch):
+    monkeypatch.delenv("HAPT_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ref = run_ranks(_iterable, 1, "Trainer", 4, init_process_group=False)[0].value
+    got = run_ranks(_iterable, 2, "HaptTrainer", 2)[0].value
+    assert got == pytest.approx(ref, rel=RTOL, abs=ATOL) and len(got) == 3
