@@ -25,20 +25,17 @@ the model the loop built (or, for a model built on the meta device, reads only t
 checkpoint directory) and points the optimizer at the stage's parameters. Every Accelerator
 argument is either honoured or refused by name (:data:`HONOURED_ACCELERATOR_ARGS`).
 
-Length: over 400 lines because it is one class standing in for ``Accelerator``: each method
-it overrides (prepare, the step calls, the model out, save_state / load_state with Accelerate's
-automatic naming) sits next to the others it shares its state with.
+The class holds what stands in for ``Accelerator``'s methods: prepare, the step calls, the model
+out, and ``save_state`` / ``load_state``, which choose the directory and the state to keep
+(the state directory itself, written and read, is ``accelerate_checkpoint``'s).
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import shutil
 import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -48,8 +45,12 @@ from torch import nn
 
 from hapt_hf.errors import CheckpointError, DataError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
-from hapt_hf.integration.accelerate_objects import (AccelerateSettingError, PipelineDataLoader,
-                                                    PipelineEngine, PipelineModelView,
+from hapt_hf.integration.accelerate_checkpoint import (SavedState, check_state_dir,
+                                                       latest_numbered_dir, next_numbered_dir,
+                                                       read_rank_state, write_rank_state,
+                                                       writing_state)
+from hapt_hf.integration.accelerate_data import AccelerateSettingError, PipelineDataLoader
+from hapt_hf.integration.accelerate_objects import (PipelineEngine, PipelineModelView,
                                                     PipelineOptimizer, WindowStart)
 from hapt_hf.integration.accelerate_settings import (HONOURED_ACCELERATOR_ARGS,
                                                      MIXED_PRECISION_TO_PLAN,
@@ -63,9 +64,6 @@ from hapt_hf.planner.plan import Plan
 
 __all__ = ["HaptAccelerator", "AccelerateSettingError", "HONOURED_ACCELERATOR_ARGS",
            "MIXED_PRECISION_TO_PLAN"]
-
-STATE_FILE = "hapt_accelerate_rank{rank}.pt"
-_AUTO_NAME = re.compile(r"checkpoint_(\d+)$")
 
 
 class HaptAccelerator(Accelerator):
@@ -215,26 +213,9 @@ class HaptAccelerator(Accelerator):
 
     def _optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None
                    ) -> PipelineOptimizer:
-        """Point the user's optimizer, in place, at this rank's stage parameters (by the full
-        model's names), so that an LR scheduler built on it drives the stage's groups; where
-        the stage's plan shards the optimizer state, the step and the state are those of a
-        sharded optimizer made from it over the same group dicts (see
-        ``PipelineRuntime.prepare_optimizer``)."""
         if model is None:
             raise AccelerateSettingError("prepare the optimizer together with its model")
-        if optimizer.state:
-            raise AccelerateSettingError("the optimizer has taken steps before prepare; prepare "
-                                         "it before training (or load its state with load_state)")
-        names: dict[int, list[str]] = {}  # a tied weight has several names
-        for n, p in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(n)
-        stage = dict(self.engine.stage.named_parameters(remove_duplicate=False))
-        for group in optimizer.param_groups:
-            mine = [stage[n] for p in group["params"] for n in names.get(id(p), [])
-                    if n in stage]
-            group["params"] = list({id(p): p for p in mine}.values())
-        runtime = self.engine.runtime
-        wrapped = PipelineOptimizer(runtime.prepare_optimizer(optimizer), runtime, optimizer)
+        wrapped = PipelineOptimizer.over_stage(optimizer, model, self.engine.runtime)
         self.hapt_optimizers.append(wrapped)
         return wrapped
 
@@ -330,29 +311,21 @@ class HaptAccelerator(Accelerator):
                                          "safe_serialization=False cannot be honoured with a "
                                          "hapt plan: the model is one model.safetensors")
         runtime, out = self._engine().runtime, self._state_dir(output_dir)
-        rank = runtime.rank
-        if rank == 0:
-            shutil.rmtree(out.parent / f"{ckpt_io.TMP_PREFIX}{out.name}", ignore_errors=True)
-        tmp = ckpt_io.begin_checkpoint(out.parent, out.name, rank)
-        if ckpt_io.write_gathered_model(runtime, tmp):
-            self.plan.save(tmp / "plan.json")
-        opt, sched = self._single_optimizer()
-        window = self._engine().open_window()
-        loaders = [d.state_dict() for d in self.hapt_loaders]
-        step = self.step
-        if window is not None:
-            start = window.start
-            step = start.step
-            sched = _Saved(start.schedulers[0]) if sched is not None else None
-            for d, state in zip(self.hapt_loaders, loaders):
-                if d.cursor is window.cursor:
-                    state["position"] = window.first
-        with _torch_rng(None if window is None else window.start.rng):
-            ckpt_io.save_rank_state(tmp, rank, opt, sched, runtime.loss_scaler)
-        extra = {"loaders": loaders, "custom": [o.state_dict() for o in self._custom_objects],
-                 "step": step}
-        torch.save(extra, tmp / STATE_FILE.format(rank=rank))
-        ckpt_io.commit_checkpoint(tmp, out, rank)
+        with writing_state(out, runtime, self.plan) as tmp:
+            opt, sched = self._single_optimizer()
+            window = self._engine().open_window()
+            loaders = [d.state_dict() for d in self.hapt_loaders]
+            step, rng = self.step, None
+            if window is not None:
+                start = window.start
+                step, rng = start.step, start.rng
+                sched = SavedState(start.schedulers[0]) if sched is not None else None
+                for d, state in zip(self.hapt_loaders, loaders):
+                    if d.cursor is window.cursor:
+                        state["position"] = window.first
+            loop = {"loaders": loaders, "custom": [o.state_dict() for o in self._custom_objects],
+                    "step": step}
+            write_rank_state(tmp, runtime, opt, sched, rng, loop)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
         return str(out)
@@ -365,19 +338,8 @@ class HaptAccelerator(Accelerator):
                                              "ProjectConfiguration(automatic_checkpoint_naming="
                                              "True))")
             return Path(output_dir)
-        root = Path(self.project_dir) / "checkpoints"
-        out = root / f"checkpoint_{self.save_iteration}"
-        if out.exists():
-            raise AccelerateSettingError(f"checkpoint directory {out} ({self.save_iteration}) "
-                                         "already exists; set ProjectConfiguration(iteration=...) "
-                                         "to the iteration to start from")
-        if self.is_main_process:
-            root.mkdir(parents=True, exist_ok=True)
-            saved = _numbered(root)
-            limit = config.total_limit
-            if limit is not None and len(saved) + 1 > limit:
-                for old in saved[:len(saved) + 1 - limit]:
-                    shutil.rmtree(old)
+        out = next_numbered_dir(Path(self.project_dir) / "checkpoints", self.save_iteration,
+                                config.total_limit, self.is_main_process)
         self.wait_for_everyone()
         return out
 
@@ -391,23 +353,14 @@ class HaptAccelerator(Accelerator):
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise AccelerateSettingError("load_state needs an input_dir written by "
                                              "save_state (or automatic checkpoint naming)")
-            saved = _numbered(Path(self.project_dir) / "checkpoints")
-            if not saved:
-                raise CheckpointError(f"load_state: no checkpoint_<n> under "
-                                      f"{Path(self.project_dir) / 'checkpoints'}")
-            input_dir = str(saved[-1])
+            input_dir = str(latest_numbered_dir(Path(self.project_dir) / "checkpoints"))
         runtime, ckpt = self._engine().runtime, Path(input_dir)
 
         def load() -> None:
-            _check_state_dir(ckpt, self.plan)
+            check_state_dir(ckpt, self.plan)
             ckpt_io.load_stage_weights(runtime.stage, ckpt)
             opt, sched = self._single_optimizer()
-            ckpt_io.load_rank_state(ckpt, runtime.rank, opt, sched, runtime.loss_scaler)
-            path = ckpt / STATE_FILE.format(rank=runtime.rank)
-            try:
-                extra = torch.load(path, map_location="cpu", weights_only=False)
-            except Exception as e:  # noqa: BLE001 - one message naming the file
-                raise checkpoint_io.damaged_file(path, e) from None
+            extra = read_rank_state(ckpt, runtime, opt, sched)
             for loader, state in zip(self.hapt_loaders, extra["loaders"]):
                 loader.load_state_dict(state)
             for obj, state in zip(self._custom_objects, extra["custom"]):
@@ -430,60 +383,6 @@ class HaptAccelerator(Accelerator):
         if self.engine is None:
             raise AccelerateSettingError("call accelerator.prepare(model, ...) first")
         return self.engine
-
-
-class _Saved:
-    """A scheduler state taken earlier, saved as the scheduler's own."""
-
-    def __init__(self, state: dict) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
-@contextlib.contextmanager
-def _torch_rng(states: tuple[torch.Tensor, Any] | None) -> Iterator[None]:
-    """Within: the torch RNG states given (CPU, CUDA; None: as they are), the current ones back
-    afterwards."""
-    if states is None:
-        yield
-        return
-    now = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    _set_torch_rng(states)
-    try:
-        yield
-    finally:
-        _set_torch_rng(now)
-
-
-def _set_torch_rng(states: tuple[torch.Tensor, Any]) -> None:
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state_all(states[1])
-
-
-def _numbered(root: Path) -> list[Path]:
-    """``checkpoint_<n>`` directories under ``root``, oldest first (Accelerate's naming)."""
-    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
-             if (m := _AUTO_NAME.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def _check_state_dir(ckpt: Path, plan: Plan) -> None:
-    """Refuse a state directory that is incomplete or was saved under another plan."""
-    needed = ["plan.json", "model.safetensors"] + [
-        n.format(rank=r) for r in range(plan.world_size)
-        for n in (ckpt_io.RANK_STATE, STATE_FILE)]
-    missing = [n for n in needed if not (ckpt / n).is_file()]
-    if missing:
-        raise CheckpointError(f"load_state: {str(ckpt)!r} lacks {missing}; give a directory "
-                              f"written by save_state of a {plan.world_size}-rank hapt run")
-    saved = Plan.load(ckpt / "plan.json")
-    if [(s.layers, s.ranks) for s in saved.stages] != [(s.layers, s.ranks) for s in plan.stages]:
-        raise CheckpointError(f"load_state: {str(ckpt)!r} was saved under another plan; load it "
-                              "with the same plan (its plan.json as 'plan' in the hapt config)")
-    ckpt_io.check_optimizer_states(saved, plan, f"load_state: {str(ckpt)!r}")
 
 
 def _row_length(dataset: Any) -> int:

@@ -37,7 +37,7 @@ class _Rows(torch.utils.data.Dataset):
 
 
 def _prepared(dl, procs: int, p: int, split: bool):
-    from hapt_hf.integration.accelerate_objects import PipelineDataLoader
+    from hapt_hf.integration.accelerate_data import PipelineDataLoader
     return PipelineDataLoader(dl, procs, p, split)
 
 
