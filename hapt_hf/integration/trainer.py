@@ -95,12 +95,14 @@ class HaptTrainer(TrainerHooks, Trainer):
                                     "mean of the global batch); leave it out")
         check_training_args_honoured(args)
         check_best_metric(args, compute_metrics)
+        if model is not None and model_init is not None:
+            raise TrainingArgsError("HaptTrainer got model= and model_init=: the stages are built"
+                                    " once, from one model; give one of the two")
         if runtime is None:
-            if model is None and model_init is not None:
+            if model_init is not None:
                 model = model_init()
             if model is None:
-                raise TrainingArgsError("HaptTrainer needs model= (or model_init=), as Trainer "
-                                        "does")
+                raise TrainingArgsError("HaptTrainer needs model= (or model_init=), as Trainer")
             config = hapt_config_of(hapt_config)
             seq_len = seq_len_of(config, train_dataset, eval_dataset)
             _, runtime, _ = pipeline_for_model(model, args, config, seq_len)
@@ -135,7 +137,6 @@ class HaptTrainer(TrainerHooks, Trainer):
         self._lora, inner = peft_parts(model) if model is not None else (None, None)
         self._count_rule = "shifted" if inner is None else trainer_api.loss_count_rule(self, inner)
 
-    # -- batches ------------------------------------------------------------------------------
     # -- training -----------------------------------------------------------------------------
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         """Trainer's optimizer (``TrainingArguments.optim``, or the one given in

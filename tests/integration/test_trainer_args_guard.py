@@ -80,3 +80,23 @@ def test_trainer_honours_checkpointing_and_refuses_label_smoothing(tmp_path):
     assert on[0].value is True
     off = run_ranks(recompute_worker, 1, str(tmp_path), {"label_smoothing_factor": 0.1})
     assert "label_smoothing_factor=0.1" in off[0].value
+
+
+def test_model_and_model_init_together_are_refused(tmp_path):
+    """Trainer would re-make the model with model_init at train(); the stages are built once."""
+    from torch import nn
+
+    from hapt_hf import HaptTrainer
+    with pytest.raises(TrainingArgsError, match="model= and model_init=.*give one of the two"):
+        HaptTrainer(model=nn.Linear(2, 2), model_init=lambda: nn.Linear(2, 2),
+                    args=_args(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_compute_loss_func_is_refused(tmp_path):
+    from torch import nn
+
+    from hapt_hf import HaptTrainer
+    with pytest.raises(TrainingArgsError, match="compute_loss_func=.*cannot be honoured"):
+        HaptTrainer(model=nn.Linear(2, 2), args=_args(tmp_path / "out"),
+                    compute_loss_func=lambda *a, **k: 0)
