@@ -28,7 +28,7 @@ HONOURED_TRAINING_ARGS: dict[str, str] = {
     "data_seed": "the train sampler's seed (accelerate's seedable sampler)",
     "dataloader_drop_last": "the one-process loader's drop_last",
     "remove_unused_columns": "columns the pipeline model does not take are removed",
-    "label_names": "the labels column",
+    "label_names": "['labels'] only (checked): the column the pipeline's loss reads",
     "num_train_epochs": "epochs over the train rows", "max_steps": "optimizer steps",
     "learning_rate": "create_optimizer", "weight_decay": "create_optimizer",
     "adam_beta1": "create_optimizer", "adam_beta2": "create_optimizer",
@@ -120,6 +120,10 @@ def check_training_args_honoured(args: TrainingArguments) -> None:
                                                "does not implement it")
             raise TrainingArgsError(f"TrainingArguments({f.name}={given!r}) cannot be honoured: "
                                     f"{why}; leave it at its default {default!r}")
+    if args.label_names not in (None, ["labels"]):
+        raise TrainingArgsError(f"TrainingArguments(label_names={args.label_names!r}) cannot be "
+                                "honoured: the pipeline's last stage reads the 'labels' column "
+                                "(or the input ids); rename the column to 'labels'")
 
 
 def wants_recompute(args: TrainingArguments) -> bool:

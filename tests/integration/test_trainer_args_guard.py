@@ -100,3 +100,10 @@ def test_compute_loss_func_is_refused(tmp_path):
     with pytest.raises(TrainingArgsError, match="compute_loss_func=.*cannot be honoured"):
         HaptTrainer(model=nn.Linear(2, 2), args=_args(tmp_path / "out"),
                     compute_loss_func=lambda *a, **k: 0)
+
+
+def test_label_names_other_than_labels_are_refused(tmp_path):
+    from hapt_hf.integration.trainer_checks import check_training_args_honoured
+    check_training_args_honoured(_args(tmp_path, label_names=["labels"]))
+    with pytest.raises(TrainingArgsError, match=r"label_names=\['target'\]\) cannot be honoured"):
+        check_training_args_honoured(_args(tmp_path, label_names=["target"]))
