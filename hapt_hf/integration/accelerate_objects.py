@@ -32,6 +32,8 @@ from hapt_hf.errors import DataError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.accelerate_data import (BATCH_KEYS, AccelerateSettingError, Cursor, Fed,
                                                  PipelineDataLoader)
+from hapt_hf.integration.trainer_data import fill_rows
+from hapt_hf.pipeline.process_group import world_size
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 from hapt_hf.pipeline.zero import check_optimizer
 
@@ -222,8 +224,7 @@ class PipelineEngine(nn.Module):
     def _scatter_rows(self, logits: list[Tensor], rows: int) -> Tensor:
         """Each process's own rows of the logits rank 0 holds (process p: rows p*rows ..)."""
         rt = self.runtime
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1:
+        if world_size() == 1:
             return torch.cat(logits)
         parts = list(torch.cat(logits).to(rt.device).split(rows)) if rt.rank == 0 else None
         out = torch.empty((rows, rt.plan.seq_len, self.config.vocab_size), dtype=torch.float32,
@@ -252,16 +253,9 @@ def _equal(a: Tensor, b: Tensor) -> bool:
 
 
 def _padded(batch: Mapping[str, Tensor], rows: int) -> Batch:
-    """A batch of exactly ``rows`` rows: a short one is filled with copies of its first row
-    whose labels are ignored, so the loss is the mean over its own tokens."""
-    ids, labels, mask = (batch.get(k) for k in BATCH_KEYS)
-    short = rows - ids.shape[0]
-    if short == 0:
-        return Batch(ids, labels, mask)
-    fill = ids[:1].expand(short, -1)
-    return Batch(torch.cat([ids, fill]),
-                 None if labels is None else torch.cat([labels, torch.full_like(fill, -100)]),
-                 None if mask is None else torch.cat([mask, mask[:1].expand(short, -1)]))
+    """A batch of exactly ``rows`` rows (:func:`~hapt_hf.integration.trainer_data.fill_rows`:
+    a short one is filled with ignored rows, so the loss is the mean over its own tokens)."""
+    return fill_rows(Batch(*(batch.get(k) for k in BATCH_KEYS)), rows)
 
 
 # -- the prepared optimizer --------------------------------------------------------------------

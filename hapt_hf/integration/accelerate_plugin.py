@@ -58,8 +58,7 @@ from hapt_hf.integration.accelerate_settings import (HONOURED_ACCELERATOR_ARGS,
 from hapt_hf.integration.config import HaptConfig
 from hapt_hf.integration.launch import (format_plan, init_process_group, read_launch_env,
                                         resolve_plan)
-from hapt_hf.pipeline import checkpoint_io
-from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+from hapt_hf.integration.trainer_setup import stage_runtime
 from hapt_hf.planner.plan import Plan
 
 __all__ = ["HaptAccelerator", "AccelerateSettingError", "HONOURED_ACCELERATOR_ARGS",
@@ -192,24 +191,9 @@ class HaptAccelerator(Accelerator):
                 f"{cfg.plan} computes in {self.plan.dtype}; set mixed_precision to match or "
                 "re-plan")
         self.print(format_plan(self.plan))
-        self.engine = PipelineEngine(self._runtime(model, cfg), self)
+        self.engine = PipelineEngine(stage_runtime(model, self.plan, cfg.timeout_s,
+                                                   error=AccelerateSettingError), self)
         self.engine.train(model.training)
-
-    def _runtime(self, model: nn.Module, cfg: HaptConfig) -> PipelineRuntime:
-        on_meta = any(p.is_meta for p in model.parameters())
-        source = str(getattr(model.config, "name_or_path", "") or "")
-        if on_meta and not list(Path(source or "/nonexistent").glob("*.safetensors")):
-            raise AccelerateSettingError(
-                f"the model is on the meta device and its config's name_or_path {source!r} is no "
-                "directory with safetensors weights; build it from a local checkpoint's config")
-        with torch.random.fork_rng(devices=[]):  # the loop's RNG stays as one process has it
-            runtime = PipelineRuntime(self.plan, model.config, RuntimeConfig(
-                timeout_s=cfg.timeout_s, checkpoint_dir=source if on_meta else None))
-        if not on_meta:  # the loop's own weights, however it made them
-            full = model.state_dict()
-            for key, target in runtime.stage.state_dict(keep_vars=True).items():
-                checkpoint_io.copy_into(target, full[key], key)
-        return runtime
 
     def _optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module | None
                    ) -> PipelineOptimizer:

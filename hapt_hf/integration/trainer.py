@@ -23,8 +23,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, PredictionOutput, SaveStrategy,
-                                        TrainOutput, rotate_checkpoints,
-                                        sort_checkpoints, speed_metrics)
+                                        TrainOutput, rotate_checkpoints, sort_checkpoints, speed_metrics)
 
 from hapt_hf.compat import trainer_api
 from hapt_hf.compat.trainer_api import TrainerHooks
@@ -36,10 +35,11 @@ from hapt_hf.integration.precision_args import training_args_precision_mismatch
 from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,
                                                 check_best_metric, check_training_args_honoured,
                                                 wants_recompute)
-from hapt_hf.integration.trainer_data import (as_dataset, check_first_rows, epoch_steps, step_counts, to_batch,
-                                              trainer_loader)
-from hapt_hf.integration.trainer_eval import EvalPass, count_tokens, eval_pass, runtime_world
+from hapt_hf.integration.trainer_data import (as_dataset, check_first_rows, epoch_steps,
+                                              step_counts, to_batch, trainer_loader)
+from hapt_hf.integration.trainer_eval import EvalPass, count_tokens, eval_pass
 from hapt_hf.integration.trainer_setup import hapt_config_of, pipeline_for_model, seq_len_of
+from hapt_hf.pipeline.process_group import world_size
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 
 __all__ = ["HaptTrainer", "TrainingArgsError", "BatchMappingError", "check_batch_mapping"]
@@ -110,7 +110,7 @@ class HaptTrainer(TrainerHooks, Trainer):
             raise TrainingArgsError("HaptTrainer takes runtime= instead of model= and "
                                     "hapt_config=, not with them")
         plan = runtime.plan
-        check_batch_mapping(args, plan, runtime_world())
+        check_batch_mapping(args, plan, world_size())
         trainer_api.see_launched_world(args)
         if (mismatch := training_args_precision_mismatch(args, plan)) is not None:
             raise TrainingArgsError(mismatch)
@@ -158,7 +158,7 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.is_in_train = True
         self.model.train()  # as Trainer's training_step; evaluation leaves the mode as it was
         loader = trainer_loader(self, self.train_dataset,
-                                args.per_device_train_batch_size * runtime_world(), training=True)
+                                args.per_device_train_batch_size * world_size(), training=True)
         steps_per_epoch, max_steps, num_epochs = step_counts(loader, args)
         trainer_api.set_train_batch_size(self, args.per_device_train_batch_size)
         self.create_optimizer_and_scheduler(num_training_steps=max_steps)
@@ -292,7 +292,7 @@ class HaptTrainer(TrainerHooks, Trainer):
 
     def _eval_pass(self, dataset, prefix: str, with_logits: bool) -> EvalPass:
         loader = trainer_loader(self, dataset,
-                                self.args.per_device_eval_batch_size * runtime_world(), False)
+                                self.args.per_device_eval_batch_size * world_size(), False)
         return eval_pass(self.runtime, loader, self._count_rule, prefix, with_logits,
                          self.preprocess_logits_for_metrics, self.compute_metrics)
 

@@ -28,9 +28,6 @@ __all__ = ["RowsDataset", "as_dataset", "check_first_row", "check_first_rows", "
            "trainer_loader", "steps",
            "steps_per_epoch_of", "step_counts", "epoch_steps", "to_batch", "fill_rows", "slice_rows"]
 
-BATCH_KEYS = ("input_ids", "labels", "attention_mask")
-
-
 class RowsDataset(Dataset):
     """Packed token rows ``[samples, seq]`` given as a tensor, as a map-style dataset whose
     items are ``{'input_ids': row, 'labels': row}`` (a causal LM's own targets)."""

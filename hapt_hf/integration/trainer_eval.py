@@ -18,9 +18,10 @@ from transformers.trainer_pt_utils import nested_concat, nested_numpify
 from transformers.trainer_utils import EvalPrediction, denumpify_detensorize
 
 from hapt_hf.integration.trainer_data import fill_rows, slice_rows, to_batch
+from hapt_hf.pipeline.process_group import world_size
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 
-__all__ = ["EvalPass", "eval_pass", "count_tokens", "runtime_world"]
+__all__ = ["EvalPass", "eval_pass", "count_tokens"]
 
 
 class EvalPass(NamedTuple):
@@ -31,11 +32,6 @@ class EvalPass(NamedTuple):
     metrics: dict[str, Any]
     num_samples: int
     num_batches: int
-
-
-def runtime_world() -> int:
-    """Processes in the job (1 without a process group)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def count_tokens(batch: Batch, predicted: int, rule: str) -> int:
@@ -102,7 +98,7 @@ def _metrics(runtime: PipelineRuntime, compute_metrics: Callable | None, preds, 
     if runtime.rank == 0:
         found = denumpify_detensorize(compute_metrics(EvalPrediction(
             predictions=nested_numpify(preds), label_ids=nested_numpify(labels))))
-    if runtime_world() > 1:
+    if world_size() > 1:
         box = [found]
         dist.broadcast_object_list(box, src=0)
         found = box[0]

@@ -27,7 +27,8 @@ from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["hapt_config_of", "local_config", "global_batch_of", "seq_len_of", "pipeline_for_model"]
+__all__ = ["hapt_config_of", "local_config", "global_batch_of", "seq_len_of", "pipeline_for_model",
+           "stage_runtime"]
 
 
 def hapt_config_of(given: HaptConfig | str | os.PathLike | None) -> HaptConfig:
@@ -132,21 +133,26 @@ def pipeline_for_model(model: nn.Module, args: Any, config: HaptConfig, seq_len:
                                 "the batch arguments to match or re-plan")
     if launch.is_main:
         print(format_plan(plan), flush=True)
-    runtime = _runtime(model, plan, config, args.seed)
+    runtime = stage_runtime(model, plan, config.timeout_s, args.seed)
     return plan, runtime, launch
 
 
-def _runtime(model: nn.Module, plan: Plan, config: HaptConfig, seed: int) -> PipelineRuntime:
+def stage_runtime(model: nn.Module, plan: Plan, timeout_s: float, seed: int = 0,
+                  error: type[ConfigError] = ConfigError) -> PipelineRuntime:
+    """This rank's runtime for ``plan``, its stage holding ``model``'s weights: copied from a
+    model in memory (a LoRA PEFT model: its adapters too, and its trainable flags), or read for
+    this stage only from the checkpoint directory of a model on the meta device. The caller's
+    RNG is left as it was. ``error``: the class a refusal is raised as (the caller's own)."""
     lora, model = peft_parts(model)
     on_meta = any(p.is_meta for p in model.parameters())
     source = str(getattr(model.config, "name_or_path", "") or "")
     if on_meta and not list(Path(source or "/nonexistent").glob("*.safetensors")):
-        raise ConfigError(f"the model is on the meta device and its config's name_or_path "
-                          f"{source!r} is no directory with safetensors weights; build it from "
-                          "a local checkpoint's config, or give the model in memory")
+        raise error(f"the model is on the meta device and its config's name_or_path {source!r} "
+                    "is no directory with safetensors weights; build it from a local "
+                    "checkpoint's config, or give the model in memory")
     with torch.random.fork_rng(devices=[]):  # the user's RNG stays as one process has it
         runtime = PipelineRuntime(plan, model.config, RuntimeConfig(
-            timeout_s=config.timeout_s, seed=seed, checkpoint_dir=source if on_meta else None))
+            timeout_s=timeout_s, seed=seed, checkpoint_dir=source if on_meta else None))
     if lora is not None:  # a PEFT model: the same adapters on this stage's modules
         apply_lora_config(runtime.stage, lora)
         trainable = {n: p.requires_grad for n, p in model.named_parameters()}
@@ -156,7 +162,7 @@ def _runtime(model: nn.Module, plan: Plan, config: HaptConfig, seed: int) -> Pip
         full = model.state_dict()
         for key, target in runtime.stage.state_dict(keep_vars=True).items():
             if key not in full:
-                raise ConfigError(f"the model has no tensor {key!r} that its stage holds; give "
-                                  "a transformers causal LM (or a LoRA PEFT model of one)")
+                raise error(f"the model has no tensor {key!r} that its stage holds; give a "
+                            "transformers causal LM (or a LoRA PEFT model of one)")
             checkpoint_io.copy_into(target, full[key], key)
     return runtime

@@ -25,7 +25,7 @@ from hapt_hf.pipeline.placement import RankWork
 from hapt_hf.pipeline.runtime_types import RuntimeSetupError
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["init_distributed", "stage_groups", "transfer_groups", "local_device"]
+__all__ = ["init_distributed", "world_size", "stage_groups", "transfer_groups", "local_device"]
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What ``torchrun`` / ``accelerate launch`` set and the ``env://`` rendezvous reads."""
@@ -36,6 +36,11 @@ def local_device() -> str:
     if torch.cuda.is_available():
         return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     return "cpu"
+
+
+def world_size() -> int:
+    """Processes in the job: the process group's size, 1 where none was started."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, *, backend: str | None = None,
