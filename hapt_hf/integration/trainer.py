@@ -105,7 +105,7 @@ class HaptTrainer(TrainerHooks, Trainer):
                 raise TrainingArgsError("HaptTrainer needs model= (or model_init=), as Trainer")
             config = hapt_config_of(hapt_config)
             seq_len = seq_len_of(config, train_dataset, eval_dataset)
-            _, runtime, _ = pipeline_for_model(model, args, config, seq_len)
+            runtime = pipeline_for_model(model, args, config, seq_len)
         elif model is not None or hapt_config is not None:
             raise TrainingArgsError("HaptTrainer takes runtime= instead of model= and "
                                     "hapt_config=, not with them")

@@ -113,8 +113,9 @@ def _requested_precision(config: HaptConfig, args: Any) -> HaptConfig:
 
 
 def pipeline_for_model(model: nn.Module, args: Any, config: HaptConfig, seq_len: int
-                       ) -> tuple[Plan, PipelineRuntime, LaunchEnv]:
-    """Join the job, agree on the plan and build this rank's stage with ``model``'s weights."""
+                       ) -> PipelineRuntime:
+    """Join the job, agree on the plan and build this rank's stage with ``model``'s weights
+    (the plan is ``runtime.plan``)."""
     launch = read_launch_env()
     init_process_group(launch, config.timeout_s)
     model_config = getattr(model, "config", None)
@@ -134,7 +135,7 @@ def pipeline_for_model(model: nn.Module, args: Any, config: HaptConfig, seq_len:
     if launch.is_main:
         print(format_plan(plan), flush=True)
     runtime = stage_runtime(model, plan, config.timeout_s, args.seed)
-    return plan, runtime, launch
+    return runtime
 
 
 def stage_runtime(model: nn.Module, plan: Plan, timeout_s: float, seed: int = 0,
