@@ -1,0 +1,84 @@
+"""The planner's plan for every benchmark scenario is the recorded one.
+
+``tests/data/golden_plans.json`` holds, for each scenario of ``benchmarks/scenarios``, the plan
+``plan_job`` returned (as plan.json), its simulated iteration time and every baseline's, as
+recorded before the stage record, the schedules and the search's inputs were restructured.
+A restructuring that changes no behaviour plans the same stages, layers, replicas, warm-ups,
+recompute flags and optimizer states and predicts the same times. The recorded plans are read
+through ``Plan.from_dict``, so plan.json files in the older forms keep loading too.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.inputs import scenario_path
+from hapt_hf.planner import Plan
+from hapt_hf.planner.job import load_job
+from hapt_hf.planner.search import plan_job
+
+GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden_plans.json"
+RECORDED = json.loads(GOLDEN.read_text())
+RENAMED_BASELINES = {"hapt": "hapt_recipe"}
+"""Baselines whose name changed since the recording (same split, clearer name)."""
+
+
+def _stages(plan: Plan) -> list[tuple]:
+    mbs = plan.micro_batch_size
+    return [(s.index, tuple(s.layers),
+             tuple((r.group, r.device_type, r.samples, tuple(r.ranks)) for r in _replicas(s, mbs)),
+             s.warmup, s.recompute, s.optimizer) for s in plan.stages]
+
+
+def _replicas(stage, mbs: int):
+    reps = getattr(stage, "replica_list", None)
+    if reps is not None:  # the record of the recording: an even stage lists no replicas
+        return [_Rep(r.group, r.device_type, r.samples, (r.rank,)) for r in reps(mbs)]
+    return stage.replicas
+
+
+class _Rep(tuple):
+    def __new__(cls, group, device_type, samples, ranks):
+        obj = super().__new__(cls, (group, device_type, samples, ranks))
+        obj.group, obj.device_type, obj.samples, obj.ranks = group, device_type, samples, ranks
+        return obj
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_plan_is_the_recorded_plan(name):
+    rec = RECORDED[name]
+    before = Plan.from_dict(rec["plan"])
+    job = load_job(scenario_path(name))
+    res = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile)
+    after = res.plan
+    assert _stages(after) == _stages(before)
+    for field in ("micro_batch_size", "num_microbatches", "schedule", "layer_unit", "idle_groups",
+                  "num_layers", "dtype", "attn_implementation"):
+        assert getattr(after, field) == getattr(before, field), field
+    assert _close(res.sim.iteration_s, rec["iteration_s"])
+    assert _close(res.physical_limit_s, rec["physical_limit_s"])
+    for sa, sb in zip(after.stages, before.stages):
+        for f in ("forward_s", "backward_s", "peak_memory_bytes"):
+            assert _close(getattr(sa.predicted, f), getattr(sb.predicted, f)), (sa.index, f)
+    got = {}
+    for n, b in res.baselines.items():
+        ok = b.plan is not None and b.sim is not None and b.sim.feasible
+        got[RENAMED_BASELINES.get(n, n)] = b.sim.iteration_s if ok else None
+    want = {RENAMED_BASELINES.get(n, n): v for n, v in rec["baselines"].items()}
+    assert sorted(got) == sorted(want)
+    for n in want:
+        assert _close(got[n], want[n]), n
+
+
+def test_recorded_plans_cover_every_scenario():
+    names = sorted(p.stem for p in scenario_path("harp_v100x2_a100x1").parent.glob("*.yaml"))
+    assert sorted(RECORDED) == names
