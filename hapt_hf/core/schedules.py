@@ -1,16 +1,22 @@
-"""Schedule kinds, the warm-up rule of each, and the one generator of per-stage action lists.
+"""Schedule kinds and the one registry of their generators: each kind's per-rank action lists.
+
+A schedule is a list of actions per *pipeline rank* (a position along the pipeline; every
+global rank holding a replica of that position's stage runs its list), each action naming the
+(virtual) stage it runs, its kind and its micro-batch, plus a *placement*: the pipeline rank
+each stage sits on. The kinds here place stage ``s`` on pipeline rank ``s``; a kind that puts
+several virtual stages on one rank (interleaved schedules) only needs its own generator.
 
 A stage's *warm-up depth* is the number of forward micro-batches it runs before its first
-backward; after it the stage alternates one backward, one forward. That single shape covers
-the three kinds:
+backward; after it the stage alternates one backward, one forward. The depths are a parameter
+of the generator, not its definition:
 
-* ``gpipe``: depth = number of micro-batches (every forward, then every backward);
-* ``1f1b``: stage ``i`` of ``n`` runs ``min(n - i, M)``;
+* ``gpipe``: every forward, then every backward (its own depth is the number of micro-batches);
+* ``1f1b``: stage ``i`` of ``n`` runs ``min(n - i, M)`` forwards first;
 * ``h1f1b``: HAPT's H-1F1B, the same order with a depth per stage chosen by the plan (deeper
   before a slow link); its default is 1F1B's.
 
-:func:`stage_actions` turns a depth into the stage's action list; the planner's schedules
-(:mod:`hapt_hf.planner.schedule`), the simulator's replay and the runtime all read that list.
+:data:`GENERATORS` maps each kind to its :class:`ScheduleGenerator`; the planner's schedules
+(:mod:`hapt_hf.planner.schedule`), the simulator's replay and the runtime all read its lists.
 """
 from __future__ import annotations
 
@@ -20,9 +26,9 @@ from typing import Callable, Sequence
 
 from hapt_hf.errors import ScheduleError
 
-__all__ = ["ScheduleKind", "SCHEDULES", "WarmupRule", "WARMUP_RULES", "warmup_rule",
-           "default_warmups", "schedule_warmups", "warmups_from_steps", "clamp_warmup",
-           "ActionKind", "COMPUTE", "compute_order", "stage_actions"]
+__all__ = ["ScheduleKind", "SCHEDULES", "ScheduleGenerator", "GENERATORS", "schedule_generator",
+           "plan_sets_warmups", "default_warmups", "schedule_warmups", "warmups_from_steps",
+           "clamp_warmup", "ActionKind", "COMPUTE", "RankLists"]
 
 
 class ScheduleKind(str, enum.Enum):
@@ -42,43 +48,58 @@ SCHEDULES = tuple(k.value for k in ScheduleKind)
 """The schedule names a plan, a hapt config or the CLI may give."""
 
 
+RankLists = tuple[tuple[tuple[tuple[object, int, int], ...], ...], tuple[int, ...]]
+"""What a generator returns: each pipeline rank's list of ``(kind, stage, micro-batch)`` and
+the placement (``placement[stage]`` is the pipeline rank holding it)."""
+
+
 @dataclass(frozen=True)
-class WarmupRule:
-    """How a schedule kind sets the warm-up depth of each stage."""
+class ScheduleGenerator:
+    """One schedule kind: its own warm-up depths and the generator of its per-rank lists."""
 
-    kind: ScheduleKind
-    per_stage: bool
-    """True: the plan chooses every stage's depth; False: the kind fixes them."""
-    depth: Callable[[int, int, int], int]
-    """(stage, stages, micro-batches) -> the kind's own depth (the default of a per-stage kind)."""
+    kind: "ScheduleKind"
+    plan_sets_warmups: bool
+    """True: the plan chooses every stage's depth (the kind's own depths are its default);
+    False: the kind's own depths are the only ones it runs."""
+    own_depth: Callable[[int, int, int], int]
+    """(stage, stages, micro-batches) -> the kind's own warm-up depth of that stage."""
+    generate: Callable[..., "RankLists"]
+    """(stages, micro-batches, warm-ups, receives=, tokens=, early_receives=) -> RankLists."""
+
+    @property
+    def per_stage(self) -> bool:
+        """Deprecated name of :attr:`plan_sets_warmups`."""
+        return self.plan_sets_warmups
 
 
-WARMUP_RULES: dict[ScheduleKind, WarmupRule] = {
-    ScheduleKind.GPIPE: WarmupRule(ScheduleKind.GPIPE, False, lambda i, n, m: m),
-    ScheduleKind.ONE_F_ONE_B: WarmupRule(ScheduleKind.ONE_F_ONE_B, False,
-                                         lambda i, n, m: min(n - i, m)),
-    ScheduleKind.H1F1B: WarmupRule(ScheduleKind.H1F1B, True, lambda i, n, m: min(n - i, m)),
-}
+def warmup_rule(kind: str) -> "ScheduleGenerator":
+    """Deprecated name of :func:`schedule_generator`."""
+    return schedule_generator(kind)
 
 
-def warmup_rule(kind: str) -> WarmupRule:
-    """The rule of ``kind``; ScheduleError naming the known kinds if there is none."""
+def schedule_generator(kind: str) -> "ScheduleGenerator":
+    """The generator of ``kind``; ScheduleError naming the known kinds if there is none."""
     try:
-        return WARMUP_RULES[ScheduleKind(kind)]
+        return GENERATORS[ScheduleKind(kind)]
     except ValueError:
         raise ScheduleError(f"schedule {kind!r} is unknown; use gpipe, 1f1b or h1f1b") from None
 
 
+def plan_sets_warmups(kind: str) -> bool:
+    """Whether a plan of ``kind`` chooses its stages' warm-up depths (H-1F1B)."""
+    return schedule_generator(kind).plan_sets_warmups
+
+
 def default_warmups(kind: str, num_stages: int, num_microbatches: int) -> list[int]:
     """The kind's own depth for every stage."""
-    depth = warmup_rule(kind).depth
+    depth = schedule_generator(kind).own_depth
     return [depth(i, num_stages, num_microbatches) for i in range(num_stages)]
 
 
 def schedule_warmups(kind: str, warmups: Sequence[int], num_microbatches: int) -> tuple[int, ...]:
     """The depths a schedule of ``kind`` runs over ``num_microbatches``: the given ones where
     the kind lets the plan choose, the kind's own otherwise."""
-    if warmup_rule(kind).per_stage:
+    if plan_sets_warmups(kind):
         return tuple(warmups)
     return tuple(default_warmups(kind, len(warmups), num_microbatches))
 
@@ -126,16 +147,10 @@ def _forward_order(warmup: int, num_microbatches: int) -> list[tuple[bool, int]]
     return out
 
 
-def compute_order(warmup: int, num_microbatches: int) -> list[tuple[ActionKind, int]]:
-    """A stage's compute steps: ``warmup`` forwards, then one backward, one forward..."""
-    return [(ActionKind.F if fwd else ActionKind.B, mb)
-            for fwd, mb in _forward_order(warmup, num_microbatches)]
-
-
 _AS_IS = {k: k for k in ActionKind}
 
 
-def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: int,
+def _stage_list(stage: int, num_stages: int, warmup: int, num_microbatches: int,
                   receives: bool = True, tokens: dict | None = None,
                   neighbour_warmups: tuple[int, int] | None = None) -> list[tuple[object, int]]:
     """Stage ``stage``'s whole list: each compute followed by the send of what it produced,
@@ -201,3 +216,32 @@ def stage_actions(stage: int, num_stages: int, warmup: int, num_microbatches: in
         out.append(item)
     out.extend((p[2], p[3]) for p in posts[j:])
     return out
+
+
+def _one_stage_per_rank(num_stages: int, num_microbatches: int, warmups: Sequence[int],
+                        receives: bool = True, tokens: dict | None = None,
+                        early_receives: bool = False) -> RankLists:
+    """GPipe, 1F1B and H-1F1B: stage ``s`` on pipeline rank ``s``, each list of the 1F1B shape
+    with the stage's warm-up depth (clamped to ``[1, M]``). ``early_receives``: each receive
+    posted as soon as its sender may send (see :func:`_stage_list`; the runtime's lists)."""
+    n, m = num_stages, num_microbatches
+    warm = [clamp_warmup(w, m) for w in warmups]
+    lists = []
+    for s in range(n):
+        nb = (warm[s - 1] if s > 0 else 1, warm[s + 1] if s < n - 1 else 1) \
+            if early_receives else None
+        lists.append(tuple((k, s, mb) for k, mb in _stage_list(
+            s, n, warm[s], m, receives=receives, tokens=tokens, neighbour_warmups=nb)))
+    return tuple(lists), tuple(range(n))
+
+
+GENERATORS: dict[ScheduleKind, ScheduleGenerator] = {
+    ScheduleKind.GPIPE: ScheduleGenerator(ScheduleKind.GPIPE, False, lambda i, n, m: m,
+                                          _one_stage_per_rank),
+    ScheduleKind.ONE_F_ONE_B: ScheduleGenerator(ScheduleKind.ONE_F_ONE_B, False,
+                                                lambda i, n, m: min(n - i, m),
+                                                _one_stage_per_rank),
+    ScheduleKind.H1F1B: ScheduleGenerator(ScheduleKind.H1F1B, True,
+                                          lambda i, n, m: min(n - i, m), _one_stage_per_rank),
+}
+"""Every schedule kind's generator: the one registry the planner, simulator and runtime read."""

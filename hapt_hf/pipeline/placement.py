@@ -1,8 +1,10 @@
 """Placement: which samples of each micro-batch a rank holds and with which ranks it trades them.
 
-The action lists themselves are built and validated by :mod:`hapt_hf.planner.schedule`; every
-replica of a stage runs its stage's list. What this module adds is the mapping onto ranks when
-stages have several replicas and neighbouring stages differ in width (8 GPUs then 4, 2 then 3):
+The action lists themselves are built and validated by :mod:`hapt_hf.planner.schedule`, one per
+pipeline rank (the schedule's placement says which pipeline rank holds each stage); every
+replica of a stage runs the list of the pipeline rank holding it. What this module adds is the
+mapping onto global ranks when stages have several replicas and neighbouring stages differ in
+width (8 GPUs then 4, 2 then 3):
 
 * micro-batch ``k`` is samples ``[k*mbs, (k+1)*mbs)`` of the global batch;
 * replica ``r`` of a stage owns the contiguous slice ``r`` of it: the replicas' shares
@@ -99,7 +101,7 @@ def rank_work(plan: Plan, rank: int, schedule: Schedule | None = None) -> RankWo
     down = pieces_between(mbs, mine, plan.stages[s + 1]) if s < plan.num_stages - 1 else ()
     tied = tuple(sorted(set(plan.stages[0].ranks) | set(plan.stages[-1].ranks)))
     return RankWork(rank, stage, plan.num_stages, replica, mine, up, down,
-                    schedule.actions[s], tied)
+                    schedule.actions[schedule.rank_of(s)], tied)
 
 
 def max_in_flight(actions: tuple[Action, ...] | list[Action]) -> int:

@@ -1,8 +1,9 @@
 """Event-driven replay of a pipeline schedule: iteration time, bubbles, memory, deadlock.
 
-Rules of the replay (the same ones the runtime follows):
+Rules of the replay (the same ones the runtime follows), one clock per pipeline rank:
 
-* each stage runs its compute actions (``F``, ``B``) one after another in list order;
+* each pipeline rank runs its compute actions (``F``, ``B``) one after another in list order,
+  each priced by the stage it names;
 * a forward waits for its activation to arrive from the previous stage, a backward for its
   gradient from the next stage;
 * a ``SEND`` starts when the stage reaches it in its list and the link direction is free: sends
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hapt_hf.core.schedules import ActionKind, stage_actions
+from hapt_hf.core.schedules import ActionKind, schedule_generator
 
 from .cluster import Cluster
 from .cost_model import CostModel, StageCosts
@@ -33,7 +34,7 @@ from .profile import Profile, load_sailor_profiles
 from .schedule import Schedule, build_schedule
 
 __all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan", "replay",
-           "encode_warmup_schedule"]
+           "encode_schedule"]
 
 
 @dataclass(frozen=True)
@@ -70,18 +71,19 @@ _CODE = {ActionKind.F: _F, ActionKind.B: _B, ActionKind.SEND_F: _SF, ActionKind.
 _NAME = {_F: "F", _B: "B", _SF: "SEND_F", _SB: "SEND_B", _RECV: "RECV"}
 
 
-def _encode(schedule: Schedule) -> list[list[tuple[int, int]]]:
-    return [[(_CODE[a.kind], a.microbatch) for a in lst] for lst in schedule.actions]
+def _encode(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
+    return [[(_CODE[a.kind], a.stage, a.microbatch) for a in lst] for lst in schedule.actions]
 
 
-def encode_warmup_schedule(num_stages: int, num_microbatches: int,
-                           warmups: tuple[int, ...] | list[int]) -> list[list[tuple[int, int]]]:
+def encode_schedule(kind: str, num_stages: int, num_microbatches: int,
+                    warmups: tuple[int, ...] | list[int]) -> list[tuple[tuple[int, int, int], ...]]:
     """The replay's view of ``build_schedule(kind, n, m, warmups)`` without building Action
-    objects (the search replays thousands of candidates): the same lists from
-    :func:`~hapt_hf.core.schedules.stage_actions`, receives left out because posting one
-    costs nothing here."""
-    return [stage_actions(s, num_stages, warmups[s], num_microbatches, receives=False,
-                          tokens=_CODE) for s in range(num_stages)]
+    objects (the search replays thousands of candidates): each pipeline rank's list of
+    ``(code, stage, micro-batch)`` from the kind's generator, receives left out because posting
+    one costs nothing here."""
+    lists, _ = schedule_generator(kind).generate(num_stages, num_microbatches, warmups,
+                                                 receives=False, tokens=_CODE)
+    return list(lists)
 
 
 def simulate_schedule(schedule: Schedule, costs: StageCosts,
@@ -93,16 +95,22 @@ def simulate_schedule(schedule: Schedule, costs: StageCosts,
     return replay(_encode(schedule), costs, record_events)
 
 
-def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
-           record_events: bool = True) -> SimResult:
-    """The event loop over encoded action lists (see :func:`encode_warmup_schedule`)."""
-    n = len(lists)
+def replay(lists, costs: StageCosts, record_events: bool = True) -> SimResult:
+    """The event loop over encoded per-rank lists of ``(code, stage, micro-batch)`` (see
+    :func:`encode_schedule`): one clock per pipeline rank; arrivals, links, memory and the
+    all-reduce per stage."""
+    ranks = len(lists)
     st = costs.stages
-    pos = [0] * n
-    clock = [0.0] * n
+    n = len(st)
+    pos = [0] * ranks
+    clock = [0.0] * ranks
     busy = [0.0] * n
     in_flight = [0] * n
     peak = [0] * n
+    home = [0] * n  # the pipeline rank holding each stage
+    for r, lst in enumerate(lists):
+        for _, s, _ in lst:
+            home[s] = r
     act_arr: list[dict[int, float]] = [{} for _ in range(n)]   # activation arrived at stage s
     grad_arr: list[dict[int, float]] = [{} for _ in range(n)]  # gradient arrived at stage s
     last_b = [0.0] * n     # end of the stage's last backward so far
@@ -110,19 +118,21 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
     bwd_free = [0.0] * n   # link direction s -> s-1 free from
     events: list[SimEvent] = []
     remaining = sum(len(l) for l in lists)
+    last = n - 1
     while remaining:
         progressed = False
-        for s in range(n):
-            lst, p, c = lists[s], pos[s], st[s]
-            t = clock[s]
+        for r in range(ranks):
+            lst, p = lists[r], pos[r]
+            t = clock[r]
             while p < len(lst):
-                code, mb = lst[p]
+                code, s, mb = lst[p]
+                c = st[s]
                 if code == _F or code == _B:
                     if code == _F:
                         ready = act_arr[s].get(mb) if s > 0 else 0.0
                         dur = c.forward_s
                     else:
-                        ready = grad_arr[s].get(mb) if s < n - 1 else 0.0
+                        ready = grad_arr[s].get(mb) if s < last else 0.0
                         dur = c.backward_s
                     if ready is None:
                         break
@@ -153,15 +163,15 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
                     if record_events:
                         events.append(SimEvent(s, "SEND_B", mb, start, end))
                 p += 1
-            if p != pos[s]:
-                remaining -= p - pos[s]
-                pos[s] = p
-                clock[s] = t
+            if p != pos[r]:
+                remaining -= p - pos[r]
+                pos[r] = p
+                clock[r] = t
                 progressed = True
         if not progressed:
-            stuck = "; ".join(f"stage {s} waits at {s}{_NAME[lists[s][pos[s]][0]]}"
-                              f"{lists[s][pos[s]][1]}"
-                              for s in range(n) if pos[s] < len(lists[s]))
+            stuck = "; ".join(f"stage {lists[r][pos[r]][1]} waits at {lists[r][pos[r]][1]}"
+                              f"{_NAME[lists[r][pos[r]][0]]}{lists[r][pos[r]][2]}"
+                              for r in range(ranks) if pos[r] < len(lists[r]))
             return SimResult(float("inf"), 1.0, tuple(busy), _peaks(st, peak), tuple(events),
                              False, f"deadlock: {stuck}; give every stage a warm-up depth "
                              "no smaller than the next stage's", tuple(peak))
@@ -169,7 +179,7 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
     for s in range(n):
         c = st[s]
         # the buckets overlap the last backward; the step waits for the last one
-        t1 = max(clock[s], last_b[s] + c.allreduce_after_s)
+        t1 = max(clock[home[s]], last_b[s] + c.allreduce_after_s)
         t2 = t1 + c.update_s
         if record_events:
             events.append(SimEvent(s, "ALLREDUCE", -1, last_b[s] - c.allreduce_lead_s, t1))
@@ -180,7 +190,7 @@ def replay(lists: list[list[tuple[int, int]]], costs: StageCosts,
             t2 += c.allgather_s
         ends.append(max(t2, fwd_free[s], bwd_free[s]))
     iteration = max(ends)
-    bubble = 1.0 - (sum(busy) / n) / iteration if iteration > 0 else 0.0
+    bubble = 1.0 - (sum(busy) / ranks) / iteration if iteration > 0 else 0.0
     peaks = _peaks(st, peak)
     reason = _memory_reason(st, peaks, peak)
     return SimResult(iteration, bubble, tuple(busy), peaks, tuple(events), not reason, reason,

@@ -1,4 +1,5 @@
-"""Whether a schedule's lists finish on a transport that runs transfers in posting order (NCCL).
+"""Whether a schedule's per-rank lists finish on a transport that runs transfers in posting
+order (NCCL).
 
 :func:`~hapt_hf.planner.schedule.validate_schedule` replays the lists as Gloo runs them: every
 transfer is matched by its tag and moves on its own, so a receive posted early holds nothing up.
@@ -78,22 +79,22 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
     sends: dict[tuple, list[tuple[tuple, int]]] = defaultdict(list)  # (chan, src, dst)
     recvs: dict[tuple, list[tuple[tuple, int]]] = defaultdict(list)
     first_post: dict[tuple, tuple] = {}  # (chan, stage) -> host node of its first transfer
-    for s, lst in enumerate(sched.actions):
+    for r, lst in enumerate(sched.actions):
         last_compute = prev_host = host_sync = None
         tail: dict[object, tuple] = {}  # stream -> its last node
-        received: dict[tuple[bool, int], tuple] = {}
+        received: dict[tuple[int, bool, int], tuple] = {}
         for j, a in enumerate(lst):
-            host, node = ("H", s, j), ("G", s, j)
+            host, node = ("H", r, j), ("G", r, j)
             for before in (prev_host, host_sync):
                 if before is not None:
                     edges.append((before, host))
             edges.append((host, node))
             prev_host, host_sync = host, None
-            k = a.microbatch
+            s, k = a.stage, a.microbatch
             if a.is_compute:
                 stream, fwd = "compute", a.kind is ActionKind.F
                 if (fwd and s > 0) or (not fwd and s < n - 1):
-                    edges.append((received[(fwd, k)], node))
+                    edges.append((received[(s, fwd, k)], node))
                 last_compute = node
                 if fwd and s == n - 1:
                     host_sync = node  # the loss read back to the host
@@ -101,18 +102,19 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
                 fwd = a.kind in _FORWARD
                 peer = s + 1 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else s - 1
                 edge = min(s, peer)  # the boundary's index
+                peer_rank = sched.rank_of(peer)
                 chan = {"one": ("all",), "direction": ("all", fwd),
                         "boundary": (edge, fwd)}[groups]
-                stream = (chan, edge) if streams == "pair" else chan
+                stream = (chan, frozenset((r, peer_rank))) if streams == "pair" else chan
                 if streams == "pair" and not made_at_setup:
-                    first_post.setdefault((stream, s), host)
+                    first_post.setdefault((stream, r), host)
                 if last_compute is not None:
                     edges.append((last_compute, node))
                 if a.kind in _SENDS:
-                    sends[(chan, s, peer)].append((node, k))
+                    sends[(chan, r, peer_rank)].append((node, k))
                 else:
-                    recvs[(chan, peer, s)].append((node, k))
-                    received[(fwd, k)] = node
+                    recvs[(chan, peer_rank, r)].append((node, k))
+                    received[(s, fwd, k)] = node
             if stream in tail:
                 edges.append((tail[stream], node))
             tail[stream] = node
@@ -120,11 +122,11 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
         into = recvs.get(key, [])
         _, src, dst = key
         if len(out) != len(into):
-            return (f"stage {src} posts {len(out)} sends to stage {dst} but stage {dst} posts "
+            return (f"rank {src} posts {len(out)} sends to rank {dst} but rank {dst} posts "
                     f"{len(into)} receives from it")
         for (snd, k), (rcv, k2) in zip(out, into):
             if k != k2:
-                return (f"stage {src}'s send of micro-batch {k} would land in stage {dst}'s "
+                return (f"rank {src}'s send of micro-batch {k} would land in rank {dst}'s "
                         f"receive of micro-batch {k2}: NCCL matches a pair's transfers in "
                         "posting order, not by tag")
             parent[find(snd)] = find(rcv)
@@ -138,11 +140,11 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
 
 
 def _cycle(sched: Schedule, edges: set[tuple[tuple, tuple]], find) -> str | None:
-    """Kahn's order over the merged nodes; where it stops, each stage's first action left."""
+    """Kahn's order over the merged nodes; where it stops, each rank's first action left."""
     succ: dict[tuple, list[tuple]] = defaultdict(list)
     indeg: dict[tuple, int] = defaultdict(int)
-    nodes = {find(("G", s, j)) for s, lst in enumerate(sched.actions) for j in range(len(lst))}
-    nodes |= {find(("H", s, j)) for s, lst in enumerate(sched.actions) for j in range(len(lst))}
+    nodes = {find(("G", r, j)) for r, lst in enumerate(sched.actions) for j in range(len(lst))}
+    nodes |= {find(("H", r, j)) for r, lst in enumerate(sched.actions) for j in range(len(lst))}
     for u, v in edges:  # a node that waits on itself (u == v) never becomes ready
         succ[u].append(v)
         indeg[v] += 1
@@ -158,8 +160,8 @@ def _cycle(sched: Schedule, edges: set[tuple[tuple, tuple]], find) -> str | None
     if len(done) == len(nodes):
         return None
     stuck = []
-    for s, lst in enumerate(sched.actions):
-        j = next((j for j in range(len(lst)) if find(("G", s, j)) not in done), None)
+    for r, lst in enumerate(sched.actions):
+        j = next((j for j in range(len(lst)) if find(("G", r, j)) not in done), None)
         if j is not None:
-            stuck.append(f"stage {s} at {lst[j]}")
+            stuck.append(f"rank {r} at {lst[j]}")
     return "the lists hang: " + ", ".join(stuck)

@@ -165,7 +165,7 @@ def test_deadlocking_warmups_fail_with_marked_grid():
     with pytest.raises(ScheduleError) as e:
         build_schedule("h1f1b", 3, 4, [1, 2, 1])
     msg = str(e.value)
-    assert "deadlock" in msg and "[0B0]" in msg and "stage |" in msg
+    assert "deadlock" in msg and "[0B0]" in msg and " rank |" in msg
 
 
 def test_static_checks_catch_missing_and_unmatched_actions():

@@ -168,7 +168,7 @@ def test_simulate_plan_replays_a_hand_written_plan():
 @pytest.mark.parametrize("kind,n,m,warm", [("1f1b", 4, 7, None), ("gpipe", 3, 5, None),
                                            ("h1f1b", 4, 9, [8, 5, 2, 1]), ("h1f1b", 2, 3, [9, 1])])
 def test_fast_encoding_matches_build_schedule(kind, n, m, warm):
-    from hapt_hf.planner.simulate import _encode, encode_warmup_schedule
+    from hapt_hf.planner.simulate import _encode, encode_schedule
     sched = build_schedule(kind, n, m, warm)
-    slow = [[a for a in lst if a[0] != 4] for lst in _encode(sched)]  # 4: receives
-    assert encode_warmup_schedule(n, m, sched.warmups) == slow
+    slow = [tuple(a for a in lst if a[0] != 4) for lst in _encode(sched)]  # 4: receives
+    assert encode_schedule(kind, n, m, sched.warmups) == slow

@@ -36,7 +36,7 @@ def test_one_group_for_every_transfer_hangs_1f1b():
     for early in (False, True):
         sched = build_schedule("1f1b", 2, 4, early_receives=early)
         assert in_order_hazard(sched, groups="one") == \
-            "the lists hang: stage 0 at 0RECV_B0, stage 1 at 1RECV_F1"
+            "the lists hang: rank 0 at 0RECV_B0, rank 1 at 1RECV_F1"
         assert in_order_hazard(sched, groups="one", streams="group") is not None
 
 
@@ -68,7 +68,7 @@ def test_a_receive_order_unlike_the_send_order_is_named():
     lst[i], lst[j] = lst[j], lst[i]
     swapped = Schedule(sched.name, 2, 2, sched.warmups, (sched.actions[0], tuple(lst)))
     found = in_order_hazard(swapped)
-    assert found is not None and "send of micro-batch 0 would land in stage 1's receive of " \
+    assert found is not None and "send of micro-batch 0 would land in rank 1's receive of " \
         "micro-batch 1" in found
 
 

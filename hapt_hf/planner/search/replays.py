@@ -7,16 +7,17 @@ from dataclasses import replace
 from hapt_hf.core.schedules import ScheduleKind, schedule_warmups
 
 from ..cost_model import CostModel
-from ..simulate import SimResult, encode_warmup_schedule, replay
+from ..simulate import SimResult, encode_schedule, replay
 from .options import Layout
 
 __all__ = ["STEADY_MIN_MICROBATCHES", "simulate_layout", "better"]
 
 
 @functools.lru_cache(maxsize=64)
-def _encoded(n: int, m: int, warmups: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+def _encoded(kind: str, n: int, m: int,
+             warmups: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     # the refinements replay the same action lists with other costs many times over
-    return tuple(map(tuple, encode_warmup_schedule(n, m, warmups)))
+    return tuple(encode_schedule(kind, n, m, warmups))
 
 
 def _steady_cap(layout: Layout) -> int:
@@ -39,7 +40,7 @@ def simulate_layout(cm: CostModel, layout: Layout, num_microbatches: int, exact:
 
     def run(m: int) -> SimResult:
         warm = schedule_warmups(layout.schedule, layout.warmups, m)
-        return replay(_encoded(layout.num_stages, m, warm), costs, record_events)
+        return replay(_encoded(layout.schedule, layout.num_stages, m, warm), costs, record_events)
 
     m = num_microbatches
     cap = _steady_cap(layout)
