@@ -173,7 +173,7 @@ def test_every_pipeline_and_integration_error_is_a_user_error_under_the_root():
     import hapt_hf.integration
     import hapt_hf.pipeline
     from hapt_hf import errors
-    from hapt_hf.pipeline.comm import PipelineFailure
+    from hapt_hf.pipeline.failure import PipelineFailure
     from hapt_hf.pipeline.init_replay import ReplayUnsupported
 
     # not user errors: a rank that failed, and a signal the stage builder catches itself

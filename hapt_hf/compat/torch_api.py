@@ -5,7 +5,7 @@ tensor factory and every in-place op: torch offers no public way to list the fac
 take a ``device=`` argument, to subclass a dispatch mode, to read which argument an op
 writes, or to identify a storage; the model reader runs a layer on fake tensors (shapes and
 dtypes, no memory) through torch's ``FakeTensorMode``. The pipeline's failure records
-(:mod:`hapt_hf.pipeline.comm`) live in the rendezvous store the launcher set up, which torch
+(:mod:`hapt_hf.pipeline.failure`) live in the rendezvous store the launcher set up, which torch
 hands out only through a private accessor. A sharded optimizer that steps in place of the
 user's tells the user's LR scheduler so, as the scheduler's own step hook would.
 """

@@ -27,7 +27,7 @@ from hapt_hf.integration.data import DataError, TextDataConfig, load_text_datase
 from hapt_hf.integration.launch import LaunchError, check_model_family
 from hapt_hf.integration.recipe_args import (RecipeArgumentError, RecipeArguments,
                                              is_main_process, parse_args)
-from hapt_hf.pipeline.comm import PipelineFailure
+from hapt_hf.pipeline.failure import PipelineFailure
 
 __all__ = ["RecipeDefaults", "VERIFY_TOLERANCE", "main"]
 

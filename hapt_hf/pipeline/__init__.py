@@ -1,5 +1,5 @@
 """Pipeline execution: stages, the runtime that runs a plan's schedule, and its transfers."""
-from hapt_hf.pipeline.comm import PipelineFailure
+from hapt_hf.pipeline.failure import PipelineFailure
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.process_group import init_distributed
 from hapt_hf.pipeline.runtime import PipelineRuntime

@@ -17,7 +17,8 @@ together whether a step overflowed (:mod:`~hapt_hf.pipeline.loss_scale`).
 Around the action loop: settings, batch and results in :mod:`~hapt_hf.pipeline.runtime_types`,
 process groups in :mod:`~hapt_hf.pipeline.process_group`, the gradient all-reduces (bucketed,
 overlapping the last backward) and statistics in :mod:`~hapt_hf.pipeline.grad_sync`, gathers in
-:mod:`~hapt_hf.pipeline.gather`, transfers and failure records in :mod:`~hapt_hf.pipeline.comm`.
+:mod:`~hapt_hf.pipeline.gather`, transfers in :mod:`~hapt_hf.pipeline.transfers`, failure records in
+:mod:`~hapt_hf.pipeline.failure`.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from hapt_hf.pipeline.comm import FailureChannel, PipelineFailure, Transfer, failed_during
 from hapt_hf.pipeline.exit_guard import close_at_exit
+from hapt_hf.pipeline.failure import FailureChannel, PipelineFailure, failed_during
 from hapt_hf.pipeline.gather import gather_logits, gather_state_dict
 from hapt_hf.pipeline.grad_sync import GradSync
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
@@ -42,6 +43,7 @@ from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, infer
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups, transfer_groups
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
+from hapt_hf.pipeline.transfers import Transfer
 from hapt_hf.pipeline.zero import StageOptimizer, check_optimizer
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind

@@ -12,7 +12,7 @@ import atexit, gc, sys, weakref
 sys.path.insert(0, sys.argv[1])
 import torch.distributed as dist
 from hapt_hf.pipeline import exit_guard, init_distributed
-from hapt_hf.pipeline.comm import FailureChannel
+from hapt_hf.pipeline.failure import FailureChannel
 
 init_distributed(single_process=True)
 world = weakref.ref(dist.group.WORLD)

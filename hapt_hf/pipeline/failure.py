@@ -1,9 +1,9 @@
-"""Point-to-point transfers and failure signalling for the pipeline runtime.
+"""Failure signalling for the pipeline runtime: failure records in the rendezvous store.
 
-Transfers are torch.distributed's own ``isend``/``irecv``, on the groups of each stage boundary
-(:func:`~hapt_hf.pipeline.process_group.transfer_groups`); what is written here is what
-torch.distributed does not give: a failure anywhere must end every rank within a bounded time,
-with a message that names the rank that failed and what it was doing.
+A failure anywhere must end every rank within a bounded time, with a message that names the rank
+that failed and what it was doing; torch.distributed does not give that. The transfers themselves
+(:class:`~hapt_hf.pipeline.transfers.Transfer`) are posted and waited for through
+:class:`FailureChannel`, so that a failed one becomes a :class:`PipelineFailure`.
 
 What every rank publishes in the rendezvous store, under the runtime's namespace:
 
@@ -53,8 +53,9 @@ import torch.distributed as dist
 
 from hapt_hf.compat.torch_api import default_store
 from hapt_hf.pipeline.exit_guard import close_at_exit
+from hapt_hf.pipeline.transfers import Transfer
 
-__all__ = ["PipelineFailure", "Transfer", "FailureChannel"]
+__all__ = ["PipelineFailure", "FailureChannel", "failed_during"]
 
 _FAILURE_KEY = "failure"
 _FAILURE_COUNT = "failure_count"
@@ -64,18 +65,6 @@ _T = TypeVar("_T")
 
 class PipelineFailure(RuntimeError):
     """A rank of the pipeline failed or stopped answering; the message says which and where."""
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One posted send or receive with the peer it involves and what it carries."""
-
-    work: dist.Work
-    peer: int
-    what: str
-    """E.g. "RECV_F of micro-batch 3 from rank 2 (stage 1)": used in failure messages."""
-    buffer: torch.Tensor
-    """Kept alive until the transfer completes (a send's source, a receive's destination)."""
 
 
 @dataclass(frozen=True)
