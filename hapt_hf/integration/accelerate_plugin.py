@@ -56,8 +56,8 @@ from hapt_hf.integration.accelerate_settings import (HONOURED_ACCELERATOR_ARGS,
                                                      MIXED_PRECISION_TO_PLAN,
                                                      check_accelerator_arguments)
 from hapt_hf.integration.config import HaptConfig
-from hapt_hf.integration.launch import (format_plan, init_process_group, read_launch_env,
-                                        resolve_plan)
+from hapt_hf.integration.launch import init_process_group, read_launch_env
+from hapt_hf.integration.plan_resolution import format_plan, resolve_plan
 from hapt_hf.integration.trainer_setup import stage_runtime
 from hapt_hf.planner.plan import Plan
 

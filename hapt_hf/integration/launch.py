@@ -7,35 +7,21 @@ script that trusted ``torch.distributed`` defaults would train alone and think i
 ``recipes/configs/accelerate_cpu.yaml`` uses ``distributed_type: MULTI_GPU`` with
 ``use_cpu: true``, which makes accelerate start N processes through torchrun, on CPUs.
 
-Planning: with a cluster file rank 0 plans and broadcasts the plan (or its error, so a bad
-input ends every rank with the same message instead of a hang); every rank then checks the plan
-against the world it found. Only user errors (:class:`~hapt_hf.errors.HaptError`) become that
-message; anything else is a bug: rank 0 raises it with its traceback and the other ranks stop
-saying rank 0 failed.
+The plan every rank then runs is resolved in :mod:`~hapt_hf.integration.plan_resolution`.
 """
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch.distributed as dist
 
-from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_TIMEOUT_S
-from hapt_hf.core.families import (SUPPORTED_MODEL_TYPES, accepted_model_types, unverified_reason,
-                                   verified_generic_types)
-from hapt_hf.core.layers import layer_name, num_layers
-from hapt_hf.core.precision import SHARDED
-from hapt_hf.errors import HaptError, LaunchError
-from hapt_hf.integration.config import HaptConfig
+from hapt_hf.core.defaults import DEFAULT_TIMEOUT_S
+from hapt_hf.errors import LaunchError
 from hapt_hf.pipeline.process_group import init_distributed
-from hapt_hf.planner.plan import Plan, PlanError
 
-__all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group",
-           "resolve_plan", "check_model_matches_plan", "format_plan", "SUPPORTED_MODEL_TYPES",
-           "check_model_family", "print_main", "write_plan"]
+__all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group"]
 
 
 @dataclass(frozen=True)
@@ -98,183 +84,3 @@ def init_process_group(launch: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S) 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
     init_distributed(timeout_s, single_process=launch.world_size == 1)
-
-
-def check_model_family(model_config: Any) -> None:
-    """Refuse model families the stage builder cannot cut, naming the ones it can."""
-    model_type = getattr(model_config, "model_type", None)
-    if model_type not in accepted_model_types():
-        raise LaunchError(f"model type {model_type!r} is not supported by the pipeline stage "
-                          f"builder ({unverified_reason(str(model_type))}); supported: "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)} and the "
-                          f"{len(verified_generic_types())} verified types of docs/models.md")
-
-
-def check_model_matches_plan(plan: Plan, model_config: Any, seq_len: int) -> None:
-    """A plan made for another model or sequence length would cut the wrong layers."""
-    blocks = int(getattr(model_config, "num_hidden_layers", getattr(model_config, "n_layer", 0)))
-    expected = num_layers(blocks, plan.layer_unit)
-    if plan.num_layers != expected:
-        raise PlanError(f"the plan cuts {plan.num_layers} layers but the model has {blocks} "
-                        f"blocks (+ embedding and head = {expected} layers with layer_unit "
-                        f"{plan.layer_unit!r}); re-plan for this model")
-    if plan.seq_len != seq_len:
-        raise PlanError(f"the plan was made for seq_len {plan.seq_len} but the run uses "
-                        f"{seq_len}; pass --seq_len {plan.seq_len} or re-plan")
-
-
-def _check_plan_against_cluster(plan: Plan, plugin: HaptConfig) -> None:
-    cluster = plugin.load_cluster()
-    groups = {g.name for g in cluster.groups}
-    # a plan may leave groups idle: its ranks cover the other groups only
-    used = sum(g.size for g in cluster.groups if g.name not in plan.idle_groups)
-    if used != plan.world_size:
-        idle = f" (without its idle groups {list(plan.idle_groups)})" if plan.idle_groups else ""
-        raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} uses {plan.world_size} "
-                        f"ranks but the cluster {str(plugin.cluster)!r} has {used}{idle}; give "
-                        "only one of 'plan' and 'cluster', or re-plan on this cluster")
-    # a stage's replicas may sit in different groups: every one of them must exist
-    foreign = sorted({g for g in [g for s in plan.stages for g in s.groups]
-                      + list(plan.idle_groups) if g and g not in groups})
-    if foreign or (plan.cluster_name and plan.cluster_name != cluster.name):
-        raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} was made for cluster "
-                        f"{plan.cluster_name!r} (groups {foreign or 'as named'}) but the "
-                        f"cluster file is {cluster.name!r} with groups {sorted(groups)}; give "
-                        "only one of 'plan' and 'cluster', or re-plan on this cluster")
-
-
-def _check_plan_against_settings(plan: Plan, plugin: HaptConfig) -> None:
-    """A ready plan runs with its own precision and attention: one the config sets otherwise
-    cannot be honoured."""
-    asked = plugin.requested_precision
-    if asked not in (None, "auto") and asked != plan.dtype:
-        raise PlanError(f"{plugin.source}: precision {asked!r} but the plan {str(plugin.plan)!r} "
-                        f"was made for {plan.dtype}; remove 'precision' or re-plan")
-    if plugin.attn_implementation not in (None, plan.attn_implementation):
-        raise PlanError(f"{plugin.source}: attn_implementation {plugin.attn_implementation!r} "
-                        f"but the plan {str(plugin.plan)!r} budgets memory for "
-                        f"{plan.attn_implementation!r}; remove it or re-plan")
-
-
-def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
-                       world_size: int) -> Plan:
-    """Rank 0's plan for the ``world_size`` processes launched. Where the best plan leaves
-    groups idle but processes were started for them too, those processes are used (the runtime
-    has no idle ranks) and rank 0 says what launching only the kept groups would give."""
-    from dataclasses import replace
-
-    from hapt_hf.planner.model_spec import ModelSpec
-    from hapt_hf.planner.search import plan_job
-    from hapt_hf.profiling.model_reader import install_model_reader
-
-    install_model_reader()  # every type's figures read off the model
-    name = Path(str(getattr(model_config, "name_or_path", "") or model_config.model_type)).name
-    if plugin.global_batch_size is None:
-        raise LaunchError(f"{plugin.source}: set global_batch_size (samples per optimizer step)"
-                          "; the cluster file is planned for one")
-    cluster = plugin.load_cluster()
-    precision = cluster.precision(plugin.requested_precision)
-    spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=precision.compute, name=name,
-                                 attn_implementation=plugin.attn_implementation
-                                 or DEFAULT_ATTN_IMPLEMENTATION)
-    # plugin.planner was checked when the config was read, with plugin.schedule in it
-    best = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
-                    options=plugin.planner).plan
-    if not best.idle_groups or best.world_size == world_size:
-        return best
-    every = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
-                     options=replace(plugin.planner, all_groups=True)).plan
-    kept = sorted({g for s in best.stages for g in s.groups if g})
-    print(f"hapt_hf: leaving group(s) {', '.join(best.idle_groups)} idle would be faster "
-          f"({best.predicted.iteration_s:.3f} s per iteration against "
-          f"{every.predicted.iteration_s:.3f} s on every group); this run uses the "
-          f"{world_size} processes launched; launch only the {best.world_size} of group(s) "
-          f"{', '.join(kept)} to run the faster plan", file=sys.stdout, flush=True)
-    return every
-
-
-def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int, world_size: int
-                   ) -> tuple[dict[str, Any], BaseException | None]:
-    """The payload every rank receives, and the exception rank 0 re-raises, if any.
-
-    The payload is the plan as a dict, ``{'error': message}`` for a user error (every rank
-    raises it alike), or ``{'crash': description}`` for anything else: a bug, which rank 0
-    re-raises with its traceback while the others stop instead of waiting for a plan.
-    """
-    try:
-        if plugin.plan is not None:
-            plan = Plan.load(plugin.plan)
-            _check_plan_against_settings(plan, plugin)
-            if plugin.cluster is not None:
-                _check_plan_against_cluster(plan, plugin)
-        else:
-            plan = _plan_from_cluster(plugin, model_config, seq_len, world_size)
-        return plan.to_dict(), None
-    except HaptError as e:
-        return {"error": str(e)}, None
-    except Exception as e:  # a bug: re-raised on rank 0 after the broadcast
-        return {"crash": f"{type(e).__name__}: {e}"}, e
-
-
-def resolve_plan(plugin: HaptConfig, model_config: Any, seq_len: int,
-                 launch: LaunchEnv) -> Plan:
-    """The same validated plan on every rank: rank 0 loads or plans, then broadcasts."""
-    payload, crash = _plan_on_rank0(plugin, model_config, seq_len, launch.world_size) \
-        if launch.is_main \
-        else (None, None)
-    box = [payload]
-    if launch.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    data = box[0]
-    if crash is not None:
-        raise crash
-    if "crash" in data:
-        raise RuntimeError(f"rank 0 failed while planning ({data['crash']}); its traceback "
-                           "says where")
-    if "error" in data:
-        raise PlanError(data["error"])
-    plan = Plan.from_dict(data)
-    if plugin.plan is not None and plan.schedule != plugin.schedule:
-        # The plan's warm-ups were chosen for its own schedule; a different one is re-derived.
-        plan = plan.with_schedule(plugin.schedule)
-    check_model_matches_plan(plan, model_config, seq_len)
-    plan.validate(world_size=launch.world_size)
-    return plan
-
-
-def format_plan(plan: Plan) -> str:
-    """A short table of the plan for the console (rank 0 prints it)."""
-    lines = [f"hapt_hf plan: {plan.model_name or 'model'} | {plan.num_stages} stages on "
-             f"{plan.world_size} ranks | schedule {plan.schedule} | global batch "
-             f"{plan.global_batch_size} = {plan.num_microbatches} micro-batches x "
-             f"{plan.micro_batch_size} | seq_len {plan.seq_len}"]
-    for s in plan.stages:
-        names = [layer_name(i, plan.num_layers, plan.layer_unit) for i in range(*s.layers)]
-        if len(names) > 5:  # keep one line per stage for deep models
-            names = [names[0], "..", names[-1]]
-        where = (f"ranks {list(s.ranks)} samples {list(s.shares(plan.micro_batch_size))} "
-                 f"groups {'+'.join(s.groups)}" if s.uneven
-                 else f"ranks {list(s.ranks)} group {s.group or '-'}")
-        state = " optimizer sharded" if s.optimizer == SHARDED else ""
-        lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) "
-                     f"{' '.join(names):<28} {where} warmup {s.warmup}{state}")
-    if plan.predicted.iteration_s:
-        lines.append(f"  predicted: {plan.predicted.iteration_s:.3f} s/iteration, bubble "
-                     f"{plan.predicted.bubble_fraction:.0%}")
-    return "\n".join(lines)
-
-
-def print_main(launch: LaunchEnv, text: str) -> None:
-    if launch.is_main:
-        print(text, file=sys.stdout, flush=True)
-
-
-def write_plan(plan: Plan, output_dir: str | os.PathLike, launch: LaunchEnv) -> Path | None:
-    """Rank 0 writes output_dir/plan.json (atomically, through Plan.save)."""
-    if not launch.is_main:
-        return None
-    path = plan.save(Path(output_dir) / "plan.json")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # Plan.save writes through a 0600 temp file
-    return path

@@ -24,7 +24,8 @@ from transformers import TrainingArguments
 from hapt_hf.errors import CheckpointError, HaptError
 from hapt_hf.integration.config import HaptConfig
 from hapt_hf.integration.data import DataError, TextDataConfig, load_text_dataset, rows_dataset
-from hapt_hf.integration.launch import LaunchError, check_model_family
+from hapt_hf.integration.launch import LaunchError
+from hapt_hf.integration.plan_resolution import check_model_family
 from hapt_hf.integration.recipe_args import (RecipeArgumentError, RecipeArguments,
                                              is_main_process, parse_args)
 from hapt_hf.pipeline.failure import PipelineFailure

@@ -29,7 +29,8 @@ from hapt_hf.compat import trainer_api
 from hapt_hf.compat.trainer_api import TrainerHooks
 from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
-from hapt_hf.integration.launch import read_launch_env, write_plan
+from hapt_hf.integration.launch import read_launch_env
+from hapt_hf.integration.plan_resolution import write_plan
 from hapt_hf.integration.lora import peft_parts, write_adapter
 from hapt_hf.integration.precision_args import training_args_precision_mismatch
 from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,

@@ -21,8 +21,8 @@ from torch import nn
 from hapt_hf.errors import ConfigError, TrainingArgsError
 from hapt_hf.integration.config import HAPT_CONFIG_ENV, HaptConfig
 from hapt_hf.integration.lora import apply_lora_config, peft_parts
-from hapt_hf.integration.launch import (LaunchEnv, check_model_family, format_plan,
-                                        init_process_group, read_launch_env, resolve_plan)
+from hapt_hf.integration.launch import LaunchEnv, init_process_group, read_launch_env
+from hapt_hf.integration.plan_resolution import check_model_family, format_plan, resolve_plan
 from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
 from hapt_hf.planner.plan import Plan

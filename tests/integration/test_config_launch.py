@@ -12,8 +12,8 @@ from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.config import HaptConfigError, HaptPlugin, resolve_hapt_config_path
 from hapt_hf.integration.data import (DataError, TextDataConfig, epoch_order, load_text_dataset,
                                       pack_tokens)
-from hapt_hf.integration.launch import (LaunchEnv, LaunchError, check_model_family,
-                                        format_plan, read_launch_env, resolve_plan)
+from hapt_hf.integration.launch import LaunchEnv, LaunchError, read_launch_env
+from hapt_hf.integration.plan_resolution import check_model_family, format_plan, resolve_plan
 from hapt_hf.planner.plan import Plan, PlanError, StagePlan
 
 ROOT = Path(__file__).resolve().parents[2]

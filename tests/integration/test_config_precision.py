@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from hapt_hf.integration.config import HaptConfigError, HaptPlugin
-from hapt_hf.integration.launch import LaunchEnv, resolve_plan
+from hapt_hf.integration.launch import LaunchEnv
+from hapt_hf.integration.plan_resolution import resolve_plan
 from hapt_hf.planner.model_spec import model_config
 from hapt_hf.planner.plan import PlanError
 

@@ -97,7 +97,8 @@ def test_two_ranks_train_qwen3_as_one_process(tmp_path):
 def test_launch_accepts_verified_types_and_refuses_the_rest():
     from transformers import BertConfig
 
-    from hapt_hf.integration.launch import LaunchError, check_model_family
+    from hapt_hf.integration.launch import LaunchError
+    from hapt_hf.integration.plan_resolution import check_model_family
     check_model_family(_config())  # qwen3: verified by the chain check, no hand formula
     with pytest.raises(LaunchError, match="'bert'.*verified types of docs/models.md"):
         check_model_family(BertConfig())

@@ -130,7 +130,7 @@ def test_half_refused_where_not_exact() -> None:
 
 
 def test_launch_accepts_half_plans_of_the_right_length() -> None:
-    from hapt_hf.integration.launch import check_model_matches_plan, format_plan
+    from hapt_hf.integration.plan_resolution import check_model_matches_plan, format_plan
     from hapt_hf.planner.plan import Plan, PlanError, StagePlan
 
     def plan(num_layers: int, layer_unit: str) -> Plan:

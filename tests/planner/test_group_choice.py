@@ -157,7 +157,7 @@ def test_hapt_hf_plan_prints_the_idle_groups_and_both_times(capsys):
 def test_launch_accepts_a_plan_that_leaves_groups_idle_beside_its_cluster(two_site, tmp_path):
     from types import SimpleNamespace
 
-    from hapt_hf.integration.launch import _check_plan_against_cluster
+    from hapt_hf.integration.plan_resolution import _check_plan_against_cluster
     _, res = two_site
     from hapt_hf.planner.cluster import Cluster
     path = scenario_path(TWO_SITE)
