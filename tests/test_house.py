@@ -3,8 +3,6 @@
 * imports run one way (``lint-imports``, the contracts in pyproject.toml; it sees imports made
   inside functions too), and ``ruff check`` finds nothing;
 * no module of hapt_hf imports a private name (leading underscore) of another hapt_hf module;
-* no module of hapt_hf is longer than MAX_LINES unless its opening docstring says why
-  (a paragraph starting with ``Length:``);
 * the benchmarks never import the command line, and nothing reads files from outside the
   repository (the ``shared`` folder beside a checkout): tests and benchmarks read ``benchmarks/inputs.py``;
 * private torch / transformers / Trainer APIs are reached only through ``hapt_hf/compat/``.
@@ -22,8 +20,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hapt_hf"
-MAX_LINES = 400
-LENGTH_NOTE = "Length:"
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -105,20 +101,6 @@ def test_private_name_check_finds_them():
     assert private_imports(probe, text) == ["hapt_hf.pipeline.stage._attach",
                                             "hapt_hf.planner.search.shapes._split"]
     assert private_imports(probe, "from .shapes import shapes_for\n") == []
-
-
-# -- module length -----------------------------------------------------------------------------
-
-def test_modules_are_short_or_say_why():
-    long = []
-    for path in _python_files(PACKAGE):
-        rel = str(path.relative_to(ROOT))
-        lines = len(path.read_text().splitlines())
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        if lines > MAX_LINES and LENGTH_NOTE not in doc:
-            long.append(f"{rel} ({lines} lines)")
-    assert not long, (f"modules over {MAX_LINES} lines whose docstring does not say why "
-                      f"(a paragraph starting '{LENGTH_NOTE}'): {long}")
 
 
 # -- what the benchmarks and tests read --------------------------------------------------------

@@ -34,9 +34,6 @@ to record theirs first, as their evidence is first-hand.
   has had no heartbeat for ``timeout_s``; it prints the message first.
 * The process group's own timeout (set from the same ``timeout_s``) bounds a wait on a peer that
   is alive but never sends; the chain then names what that peer itself waits for.
-
-Length: the records, the watchdog and the culprit search are one protocol over one store layout
-(the keys above); split apart, each half would restate the other's keys and timing rules.
 """
 from __future__ import annotations
 
