@@ -44,7 +44,7 @@ from hapt_hf.pipeline.process_group import init_distributed, local_device, stage
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
 from hapt_hf.pipeline.transfers import Transfer
-from hapt_hf.pipeline.zero import StageOptimizer, check_optimizer
+from hapt_hf.pipeline.zero import StageOptimizers
 from hapt_hf.planner.plan import Plan, StagePlan
 from hapt_hf.planner.schedule import Action, ActionKind
 
@@ -65,9 +65,10 @@ class _MicroBatch:
     grad_recv: list[Transfer] | None = None
 
 
-class PipelineRuntime(StageOptimizer):
+class PipelineRuntime:
     """Executes the plan's schedule for this rank. See the module docstring; the optimizer
-    the plan asks for comes from :class:`~hapt_hf.pipeline.zero.StageOptimizer`'s methods."""
+    the plan asks for is made, prepared and stepped by :attr:`optimizers`
+    (:class:`~hapt_hf.pipeline.zero.StageOptimizers`)."""
 
     def __init__(self, plan: Plan, model_config: PretrainedConfig,
                  config: RuntimeConfig = RuntimeConfig()) -> None:
@@ -123,8 +124,8 @@ class PipelineRuntime(StageOptimizer):
                 self.plan, self.rank, self.work.tied_ranks,
                 bool(getattr(model_config, "tie_word_embeddings", False)))
             self._transfer_groups = transfer_groups(self.plan, self.work, self.device)
-        self._replica_group = dp_group
-        """The stage's replicas: gradients are summed in it, a sharded optimizer splits in it."""
+        self.optimizers = StageOptimizers(self.stage_plan, self.stage, dp_group, self.channel)
+        """This stage's optimizer as the plan says (a sharded one splits in the replica group)."""
         self._grads = GradSync(self.stage, dp_group, tied_group, self.config.grad_bucket_bytes,
                                self.config.overlap_grad_sync)
 
@@ -137,6 +138,25 @@ class PipelineRuntime(StageOptimizer):
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage.parameters())
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
+                       **kwargs: Any) -> torch.optim.Optimizer:
+        """This stage's optimizer as the plan says (:meth:`StageOptimizers.make
+        <hapt_hf.pipeline.zero.StageOptimizers.make>`): replicated, or sharded among the
+        stage's replicas. ``params``: default, the stage's parameters that train."""
+        return self.optimizers.make(optimizer_class, params, **kwargs)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """An optimizer built elsewhere holding its state as the plan says
+        (:meth:`StageOptimizers.prepare <hapt_hf.pipeline.zero.StageOptimizers.prepare>`);
+        call it before the first step."""
+        return self.optimizers.prepare(optimizer)
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+                       result: Any = None) -> Any:
+        """Step the optimizer, then the LR scheduler; gives back ``result``
+        (:meth:`StageOptimizers.step <hapt_hf.pipeline.zero.StageOptimizers.step>`)."""
+        return self.optimizers.step(optimizer, lr_scheduler, result)
 
     # -- public steps ----------------------------------------------------------------------
     def forward_backward(self, batch: Batch) -> float:
@@ -194,7 +214,7 @@ class PipelineRuntime(StageOptimizer):
         GradScaler skipped) and halves the scale; the loss is reported all the same.
         ``optimizer``: from ``make_optimizer`` / ``prepare_optimizer`` where the plan shards it.
         """
-        check_optimizer(self.stage_plan, optimizer)
+        self.optimizers.check(optimizer)
         optimizer.zero_grad(set_to_none=True)
         scale = None if self.loss_scaler is None else self.loss_scaler.scale
         loss = self.forward_backward(batch)
@@ -256,7 +276,8 @@ class PipelineRuntime(StageOptimizer):
              keep_logits: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         """Execute ``actions``; (this rank's loss sum, zero off the last stage; the last
         stage's logits by micro-batch when ``keep_logits``, else {})."""
-        mbs: dict[int, _MicroBatch] = {}
+        # keyed by (the action's stage, micro-batch): a rank holds one stage today
+        mbs: dict[tuple[int, int], _MicroBatch] = {}
         sends: list[Transfer] = []
         loss_sum = torch.zeros((), dtype=torch.float64)
         logits: dict[int, Tensor] = {}
@@ -265,11 +286,12 @@ class PipelineRuntime(StageOptimizer):
         last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
         for i, a in enumerate(actions):
             k = a.microbatch
+            key = (a.stage, k)
             try:
                 if a.kind is ActionKind.RECV_F:
-                    mbs[k] = _MicroBatch(self._post_recv(self.work.upstream, k, seq, "RECV_F"))
+                    mbs[key] = _MicroBatch(self._post_recv(self.work.upstream, k, seq, "RECV_F"))
                 elif a.kind is ActionKind.F:
-                    m = mbs.setdefault(k, _MicroBatch([]))
+                    m = mbs.setdefault(key, _MicroBatch([]))
                     # keeping logits: the stage returns them, and the loss is taken from them
                     out = self._forward(m, k, ids, None if keep_logits else labels, mask,
                                         tokens, backward)
@@ -279,19 +301,19 @@ class PipelineRuntime(StageOptimizer):
                     if self.work.is_last:
                         loss_sum += out.detach().double().cpu()
                 elif a.kind is ActionKind.SEND_F:
-                    sends += self._post_send(self.work.downstream, k, mbs[k].output, "SEND_F")
+                    sends += self._post_send(self.work.downstream, k, mbs[key].output, "SEND_F")
                     if not backward:
-                        mbs[k].output = None
+                        mbs[key].output = None
                 elif a.kind is ActionKind.RECV_B:  # before F(k) on a stage one micro-batch deep
-                    mbs.setdefault(k, _MicroBatch([])).grad_recv = self._post_recv(
+                    mbs.setdefault(key, _MicroBatch([])).grad_recv = self._post_recv(
                         self.work.downstream, k, seq, "RECV_B")
                 elif a.kind is ActionKind.B:
                     # the iteration's last backward makes every gradient final: the bucket
                     # hooks launch the replicas' all-reduce during it
                     with self._grads.last_backward() if i == last_b else contextlib.nullcontext():
-                        self._backward(mbs[k])
+                        self._backward(mbs[key])
                 elif a.kind is ActionKind.SEND_B:
-                    m = mbs.pop(k)
+                    m = mbs.pop(key)
                     sends += self._post_send(self.work.upstream, k, m.inputs.grad, "SEND_B")
             except PipelineFailure:
                 raise
@@ -299,7 +321,7 @@ class PipelineRuntime(StageOptimizer):
                 msg = failed_during(self.rank, f"{a.kind.value} (stage {s}, micro-batch {k})", e)
                 raise PipelineFailure(self.channel.record(msg)) from e
             if a.kind is ActionKind.B and self.work.is_first:
-                mbs.pop(k, None)
+                mbs.pop(key, None)
         self.channel.wait(sends, s)
         return loss_sum, logits
 

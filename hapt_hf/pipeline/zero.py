@@ -29,9 +29,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from hapt_hf.compat.torch_api import mark_stepped_for_schedulers
 from hapt_hf.core.precision import SHARDED
 from hapt_hf.errors import ConfigError
+from hapt_hf.pipeline.failure import FailureChannel
 from hapt_hf.planner.plan import StagePlan
 
-__all__ = ["ShardedOptimizer", "OptimizerPlanError", "StageOptimizer", "build_optimizer",
+__all__ = ["ShardedOptimizer", "OptimizerPlanError", "StageOptimizers", "build_optimizer",
            "prepare_optimizer", "check_optimizer"]
 
 SHARD_KEY = "hapt_shard"
@@ -207,37 +208,48 @@ def check_optimizer(stage: StagePlan, optimizer: torch.optim.Optimizer) -> None:
                               "whole state", PREPARE_IT)
 
 
+class StageOptimizers:
+    """Makes, prepares and steps one stage replica's optimizer as the plan says.
 
-class StageOptimizer:
-    """What :class:`~hapt_hf.pipeline.runtime.PipelineRuntime` offers for its stage's optimizer
-    (a base of the runtime: it uses the runtime's ``stage``, ``stage_plan``, ``channel`` and
-    replica group)."""
+    Args:
+        stage_plan: The stage's record in the plan (its ``optimizer`` setting, index, ranks).
+        module: The stage's ``nn.Module``: its trainable parameters are the default ones.
+        replica_pg: The stage's replica process group (None without replicas): a sharded
+            optimizer splits its state in it.
+        channel: The runtime's failure channel: a replica lost in a sharded step is named.
+    """
 
-    stage: torch.nn.Module
-    stage_plan: StagePlan
-    channel: Any
-    _replica_group: Any
+    def __init__(self, stage_plan: StagePlan, module: torch.nn.Module, replica_pg: Any,
+                 channel: FailureChannel) -> None:
+        self.stage_plan = stage_plan
+        self.module = module
+        self.replica_pg = replica_pg
+        self.channel = channel
 
-    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
-                       **kwargs: Any) -> torch.optim.Optimizer:
+    def make(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None,
+             **kwargs: Any) -> torch.optim.Optimizer:
         """This stage's optimizer as the plan says: ``optimizer_class(params, **kwargs)`` where
         the stage's optimizer state is replicated, a :class:`ShardedOptimizer` (ZeRO-1 over
         the stage's replicas, this rank holding its share of the state) where it is sharded.
         ``params``: parameters or parameter groups; default, the stage's that train."""
         if params is None:
-            params = [p for p in self.stage.parameters() if p.requires_grad]
-        return build_optimizer(self.stage_plan, self._replica_group, optimizer_class, params,
+            params = [p for p in self.module.parameters() if p.requires_grad]
+        return build_optimizer(self.stage_plan, self.replica_pg, optimizer_class, params,
                                **kwargs)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """An optimizer built over this stage's parameters elsewhere (``Trainer``, a user's
         loop) holding its state as the plan says (:func:`prepare_optimizer`): itself, or a
         sharded one that an LR scheduler built on ``optimizer`` drives. Call it before the
         first step; an optimizer that cannot be sharded is refused, naming the fix."""
-        return prepare_optimizer(self.stage_plan, self._replica_group, optimizer)
+        return prepare_optimizer(self.stage_plan, self.replica_pg, optimizer)
 
-    def step_optimizer(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
-                       result: Any = None) -> Any:
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse stepping a sharded stage with an optimizer that keeps the whole state."""
+        check_optimizer(self.stage_plan, optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+             result: Any = None) -> Any:
         """Step the optimizer, then the LR scheduler; gives back ``result``. A sharded
         optimizer's step broadcasts every replica's updated parameters to the others: a
         collective over the stage's replicas, so that a replica lost in it is named."""
