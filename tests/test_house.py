@@ -3,6 +3,10 @@
 * imports run one way (``lint-imports``, the contracts in pyproject.toml; it sees imports made
   inside functions too), and ``ruff check`` finds nothing;
 * no module of hapt_hf imports a private name (leading underscore) of another hapt_hf module;
+* no class of hapt_hf borrows its subclass's attributes: no ``*Mixin`` class, and no hapt_hf class
+  that another one derives from reads a ``self.`` attribute it neither defines nor inherits
+  (a base that only declares ``stage: nn.Module`` and uses it is a mixin; give the class what
+  it needs instead);
 * the benchmarks never import the command line, and nothing reads files from outside the
   repository (the ``shared`` folder beside a checkout): tests and benchmarks read ``benchmarks/inputs.py``;
 * private torch / transformers / Trainer APIs are reached only through ``hapt_hf/compat/``.
@@ -101,6 +105,113 @@ def test_private_name_check_finds_them():
     assert private_imports(probe, text) == ["hapt_hf.pipeline.stage._attach",
                                             "hapt_hf.planner.search.shapes._split"]
     assert private_imports(probe, "from .shapes import shapes_for\n") == []
+
+
+# -- classes that borrow their subclass's attributes -------------------------------------------
+
+BORROWING_BASES = {
+    "TrainerHooks": "compat/trainer_api.py: Trainer's private checkpoint hooks, handed on to the "
+                    "HaptTrainer methods that replace them",
+}
+"""Bases allowed to call what their subclass defines, and why."""
+_OPEN_BASES = {"object", "ABC", "Generic", "Protocol"}
+"""Bases that define no attributes of their own (any other base outside hapt_hf may)."""
+
+
+def _defined(cls: ast.ClassDef) -> set[str]:
+    """Attributes a class gives itself: its methods and class attributes (dataclass fields:
+    annotated names of a ``@dataclass``; a bare annotation elsewhere only declares), and every
+    ``self.x`` one of its methods assigns."""
+    dataclass = any("dataclass" in ast.unparse(d) for d in cls.decorator_list)
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                (node.value is not None or dataclass):
+            names.add(node.target.id)
+    for node in ast.walk(cls):
+        target = node.target if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else None
+        targets = node.targets if isinstance(node, ast.Assign) else [target] if target else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and \
+                        n.value.id == "self" and isinstance(n.ctx, ast.Store):
+                    names.add(n.attr)
+    return names
+
+
+def _read(cls: ast.ClassDef) -> set[str]:
+    return {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"
+            and isinstance(n.ctx, ast.Load) and not n.attr.startswith("__")}
+
+
+def borrowing_classes(sources: dict[str, str]) -> list[str]:
+    """``module:Class ...`` for every ``*Mixin`` class, and every class other classes derive
+    from whose methods read ``self.`` attributes that neither it nor its bases define
+    (``sources``: module name -> its text). A base outside hapt_hf may define anything: a
+    class deriving from one is not checked."""
+    classes: dict[str, list[tuple[str, ast.ClassDef]]] = {}
+    for module, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append((module, node))
+
+    def base_names(cls: ast.ClassDef) -> list[str]:
+        return [ast.unparse(b).rpartition(".")[2] for b in cls.bases]
+
+    def inherited(cls: ast.ClassDef, seen: frozenset = frozenset()) -> set[str] | None:
+        """What ``cls`` and its bases define; None where a base outside hapt_hf may add more."""
+        names = _defined(cls)
+        for base in base_names(cls):
+            if base in _OPEN_BASES:
+                continue
+            if base not in classes or base in seen:
+                return None
+            for _, b in classes[base]:
+                more = inherited(b, seen | {base})
+                if more is None:
+                    return None
+                names |= more
+        return names
+
+    used_as_base = {b for defs in classes.values() for _, c in defs for b in base_names(c)}
+    found = []
+    for name, defs in classes.items():
+        for module, cls in defs:
+            if name.endswith("Mixin"):
+                found.append(f"{module}:{name} is a mixin")
+            if name not in used_as_base or name in BORROWING_BASES:
+                continue
+            own = inherited(cls)
+            if own is not None and (borrowed := sorted(_read(cls) - own)):
+                found.append(f"{module}:{name} reads {borrowed} it does not define")
+    return sorted(found)
+
+
+def test_no_class_borrows_its_subclass_attributes():
+    sources = {_module_name(p): p.read_text() for p in _python_files(PACKAGE)}
+    bad = borrowing_classes(sources)
+    assert not bad, ("hapt_hf base classes that use attributes their subclasses define: "
+                     f"{bad}; give the class what it needs (a constructor argument) and hold it")
+
+
+def test_borrowing_check_finds_them():
+    mixin = ("class StepMixin:\n    stage: object\n"
+             "    def step(self):\n        return self.stage, self.group\n"
+             "class Runtime(StepMixin):\n    def __init__(self):\n"
+             "        self.stage, self.group = 1, 2\n")
+    assert borrowing_classes({"probe": mixin}) == [
+        "probe:StepMixin is a mixin", "probe:StepMixin reads ['group', 'stage'] it does not define"]
+    held = ("class Steps:\n    def __init__(self, stage):\n        self.stage = stage\n"
+            "    def step(self):\n        return self.stage\n"
+            "class Fast(Steps):\n    pass\n"
+            "class Mode(TorchMode):\n    def go(self):\n        return self.torch_field\n"
+            "class Fancy(Mode):\n    pass\n")
+    assert borrowing_classes({"probe": held}) == []
 
 
 # -- what the benchmarks and tests read --------------------------------------------------------
