@@ -30,7 +30,7 @@ from hapt_hf.integration.launch import LaunchEnv
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["resolve_plan", "check_model_family", "check_model_matches_plan", "format_plan",
-           "write_plan", "print_main", "SUPPORTED_MODEL_TYPES"]
+           "write_plan", "SUPPORTED_MODEL_TYPES"]
 
 
 def check_model_family(model_config: Any) -> None:
@@ -195,11 +195,6 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  predicted: {plan.predicted.iteration_s:.3f} s/iteration, bubble "
                      f"{plan.predicted.bubble_fraction:.0%}")
     return "\n".join(lines)
-
-
-def print_main(launch: LaunchEnv, text: str) -> None:
-    if launch.is_main:
-        print(text, file=sys.stdout, flush=True)
 
 
 def write_plan(plan: Plan, output_dir: str | os.PathLike, launch: LaunchEnv) -> Path | None:

@@ -21,10 +21,7 @@ from transformers.activations import ACT2FN
 from hapt_hf.compat.transformers_api import SLIDING_ATTENTION, attention_mask as build_mask
 from hapt_hf.core.families import family
 
-__all__ = [
-    "BlockInputs", "FamilyAdapter", "adapter_for", "num_blocks", "supported_families",
-    "supported_model_types",
-]
+__all__ = ["BlockInputs", "FamilyAdapter", "adapter_for", "num_blocks", "supported_families"]
 
 
 @dataclass(frozen=True)
@@ -254,11 +251,6 @@ _ADAPTERS: tuple[FamilyAdapter, ...] = (
 def supported_families() -> list[str]:
     """The family shapes a stage can be built for."""
     return [a.name for a in _ADAPTERS]
-
-
-def supported_model_types() -> list[str]:
-    """Every `config.model_type` that one of the family shapes covers."""
-    return [t for a in _ADAPTERS for t in a.model_types]
 
 
 def adapter_for(model_type: str) -> FamilyAdapter | None:
