@@ -76,8 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # outputs only now that planning succeeded; each is written atomically
     if args.timeline:
         from hapt_hf.planner.timeline import draw_timeline
-        draw_timeline(sim, args.timeline, title=report.title,
-                      stage_labels=stage_labels(plan))
+        draw_timeline(sim, args.timeline, title=report.title, plan=plan)
     if args.output:
         plan.save(args.output)
     _emit(report, plan, args.json)
@@ -194,7 +193,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           physical_limit_s=_physical_limit(plan, job))
     if args.timeline:
         from hapt_hf.planner.timeline import draw_timeline
-        draw_timeline(sim, args.timeline, title=report.title, stage_labels=stage_labels(plan))
+        draw_timeline(sim, args.timeline, title=report.title, plan=plan)
     _emit(report, plan, args.json)
     return 0 if sim.feasible else 1
 
