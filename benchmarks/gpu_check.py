@@ -272,7 +272,7 @@ def train_curves(rank: int, world_size: int, size_name: str, args_dict: dict) ->
 
 
 def curves_table(size_name: str, args) -> list[str]:
-    from hapt_hf.testing import run_ranks
+    from benchmarks.ranks import run_ranks
     keys = ("device", "micro_batch", "microbatches", "seq", "steps", "lr")
     curves = run_ranks(train_curves, args.ranks, size_name, {k: getattr(args, k) for k in keys},
                        init_process_group=False, timeout_s=3600)[0].value

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hapt_hf.core.layers import num_layers  # noqa: E402
 from hapt_hf.core.schedules import ScheduleKind, default_warmups  # noqa: E402
-from hapt_hf.testing import run_ranks  # noqa: E402
+from benchmarks.ranks import run_ranks  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Check which of transformers' causal LMs the stage builder cuts exactly; write the verified list.
 
 For every model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a tiny config from the type's own
-config class (hapt_hf.pipeline.coverage.tiny_config), then a chain of 2 stages compared with the
+config class (benchmarks/chain_check.py tiny_config), then a chain of 2 stages compared with the
 full model (logits, summed loss, every gradient; atol 4e-5), then the planner's model reader on
 the same config (hapt_hf.profiling.model_reader.read_model: what `hapt-hf plan` and the launch
 path read). A type is
@@ -32,13 +32,14 @@ import warnings
 from pathlib import Path
 
 warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ from the checkout
 
 import transformers  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
 from hapt_hf.core.families import MATRIX_FILE, VERIFIED_STATUSES  # noqa: E402
 from hapt_hf.errors import HaptError  # noqa: E402
-from hapt_hf.pipeline.coverage import chain_ranges, check_chain, tiny_config  # noqa: E402
+from benchmarks.chain_check import chain_ranges, check_chain, tiny_config  # noqa: E402
 from hapt_hf.pipeline.config_checks import recurrent_refusal  # noqa: E402
 
 ATOL = 4e-5
@@ -110,7 +111,7 @@ def classify(model_type: str) -> tuple[str, str]:
 
 def reader_failure(config) -> str | None:
     """Why the planner's model reader fails on ``config`` (the error in words), or None."""
-    from hapt_hf.pipeline.coverage import attention_for
+    from benchmarks.chain_check import attention_for
     from hapt_hf.profiling.model_reader import read_model
     try:
         read_model(config, READ_SEQ, "fp32", attention_for(config))

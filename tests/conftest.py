@@ -1,6 +1,6 @@
 """Test tiers: every test is exactly one of ``unit``, ``multiproc`` or ``e2e``.
 
-* ``multiproc``: starts Gloo ranks (``hapt_hf.testing.run_ranks``) or testbed ranks;
+* ``multiproc``: starts Gloo ranks (``benchmarks.ranks.run_ranks``) or testbed ranks;
 * ``e2e``: runs a recipe or the ``hapt-hf`` command as a user would (``accelerate launch``,
   a fresh ``python -m hapt_hf.cli``, a recipe's ``main``);
 * ``unit``: everything else, in this process (the house rules also run ruff and lint-imports,

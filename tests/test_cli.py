@@ -513,7 +513,7 @@ def test_missing_profile_store_is_one_line(tmp_path, capsys):
 
 def test_plan_a_model_type_without_a_hand_formula(tmp_path, capsys):
     # qwen3 is planned from figures read off the model (hapt_hf.profiling.model_reader)
-    from hapt_hf.pipeline.coverage import tiny_config
+    from benchmarks.chain_check import tiny_config
     model = tmp_path / "qwen3"
     model.mkdir()
     tiny_config("qwen3", blocks=4).to_json_file(model / "config.json")

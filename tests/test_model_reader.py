@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hapt_hf.errors import UnsupportedModel
-from hapt_hf.pipeline.coverage import attention_for, tiny_config
+from benchmarks.chain_check import attention_for, tiny_config
 from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
 from hapt_hf.profiling.model_reader import (install_model_reader, read_layer_counts,
                                            read_layer_specs, read_model)

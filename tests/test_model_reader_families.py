@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hapt_hf.pipeline.coverage import tiny_config
+from benchmarks.chain_check import tiny_config
 from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError, model_config
 from hapt_hf.profiling.model_reader import install_model_reader, read_model
 

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from hapt_hf.cli import main
-from hapt_hf.pipeline.coverage import attention_for, tiny_config
+from benchmarks.chain_check import attention_for, tiny_config
 from hapt_hf.pipeline.stage import build_stage
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.plan import Plan

@@ -16,7 +16,7 @@ import pytest
 import hapt_hf.pipeline  # noqa: F401  (torch's import-time warnings, before the check)
 import hapt_hf.profiling.model_reader  # noqa: F401
 from hapt_hf.cli import main
-from hapt_hf.pipeline.coverage import chain_ranges, check_chain, tiny_config
+from benchmarks.chain_check import chain_ranges, check_chain, tiny_config
 
 
 @contextmanager

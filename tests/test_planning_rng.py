@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hapt_hf.pipeline.coverage import tiny_config
+from benchmarks.chain_check import tiny_config
 from hapt_hf.planner.cluster import Cluster, builtin_cluster_path
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.search import PlannerOptions, plan_job

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, GA, PER_DEVICE, PER_EVAL, STEPS, CKPT = 16, 2, 1, 2, 6, 2

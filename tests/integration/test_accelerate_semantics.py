@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 SEQ, VOCAB, GA = 8, 97, 2
 RTOL, ATOL = 1e-5, 4e-5

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hapt_hf.pipeline.coverage import tiny_config
-from hapt_hf.testing import run_ranks
+from benchmarks.chain_check import tiny_config
+from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
 

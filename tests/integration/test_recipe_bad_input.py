@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"

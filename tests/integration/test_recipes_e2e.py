@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.integration.data import TextDataConfig, load_text_dataset, rows_dataset
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -154,7 +154,7 @@ def test_llama_lora_from_a_saved_checkpoint(tmp_path):
 def test_llama_recipe_trains_a_type_without_a_hand_family(tmp_path):
     """A tiny Qwen3 written to a model directory: planned from the model reader's figures on the
     4-rank demo cluster, trained by the generic stage builder, saved whole and reloaded."""
-    from hapt_hf.pipeline.coverage import tiny_config
+    from benchmarks.chain_check import tiny_config
 
     config = tiny_config("qwen3", blocks=4)
     config.vocab_size = 1024  # the shipped tokenizer's

@@ -75,7 +75,7 @@ def recompute_worker(rank: int, world: int, out: str, kw: dict):
 
 @pytest.mark.multiproc
 def test_trainer_honours_checkpointing_and_refuses_label_smoothing(tmp_path):
-    from hapt_hf.testing import run_ranks
+    from benchmarks.ranks import run_ranks
     on = run_ranks(recompute_worker, 1, str(tmp_path), {"gradient_checkpointing": True})
     assert on[0].value is True
     off = run_ranks(recompute_worker, 1, str(tmp_path), {"label_smoothing_factor": 0.1})

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

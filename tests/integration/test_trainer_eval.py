@@ -16,7 +16,7 @@ import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
 

@@ -13,7 +13,7 @@ import torch
 
 from hapt_hf.integration.trainer import HaptTrainer, TrainingArgsError
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 SEQ, VOCAB, MBS, M = 8, 97, 2, 2
 G = MBS * M

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
@@ -35,7 +35,7 @@ def run_type(rank: int, model_type: str) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     from hapt_hf.pipeline import Batch, PipelineRuntime, RuntimeConfig
-    from hapt_hf.pipeline.coverage import tiny_config
+    from benchmarks.chain_check import tiny_config
     config = tiny_config(model_type, BLOCKS)
     rt = PipelineRuntime(_plan(), config, RuntimeConfig(timeout_s=60, seed=7))
     torch.manual_seed(7)

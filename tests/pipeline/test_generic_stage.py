@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hapt_hf.core.families import accepted_model_types
-from hapt_hf.pipeline.coverage import chain_ranges, check_chain, tiny_config
+from benchmarks.chain_check import chain_ranges, check_chain, tiny_config
 from hapt_hf.pipeline.stage import StageBuildError, build_stage
 
 ATOL = 4e-5

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hapt_hf.pipeline.grad_sync import GradBuckets, flat_buffer, pack, unpack
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 
 def _params(sizes, value=0.0):

@@ -11,7 +11,7 @@ from hapt_hf.pipeline import checkpoint_io, init_replay
 from hapt_hf.pipeline.stage import BlockPart, StageBuildError, block_parts, build_stage
 from transformers import OPTConfig
 
-from hapt_hf.pipeline.coverage import tiny_config
+from benchmarks.chain_check import tiny_config
 from tests.pipeline.test_stage import (TOL, assert_grads_match, batch, gpt2, llama, opt, qwen2,
                                        reference, run_chain, token_count)
 

@@ -10,7 +10,7 @@ import pytest
 
 from hapt_hf.core.families import (VERIFIED_STATUSES, accepted_model_types, generic_matrix,
                                    verified_generic_types)
-from hapt_hf.pipeline.coverage import tiny_config
+from benchmarks.chain_check import tiny_config
 from hapt_hf.pipeline.stage import StageBuildError, build_stage
 
 ROOT = Path(__file__).resolve().parents[2]

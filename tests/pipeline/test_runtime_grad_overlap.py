@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 from tests.pipeline.test_runtime_equivalence import (Layout, _compare, make_batches, make_plan,
                                                      tiny_config)
 

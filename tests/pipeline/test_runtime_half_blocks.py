@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.pipeline.coverage import tiny_config as generic_config
+from benchmarks.chain_check import tiny_config as generic_config
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 from tests.pipeline.test_runtime_equivalence import (MBS, SEQ, M, _compare,
                                                      make_batches, tiny_config)
 

@@ -17,7 +17,7 @@ import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, Replica, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 from tests.pipeline.test_runtime_equivalence import (SEQ, STEPS, _check_forward_only, _compare,
                                                      make_batches, tiny_config)
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from hapt_hf.planner.plan import Plan, StagePlan
-from hapt_hf.testing import run_ranks
+from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
 

@@ -3,7 +3,8 @@
 ``tiny_config(model_type)`` builds a small config (a few blocks, hidden 64, dropout off) from the
 model type's own config class; ``check_chain(config, cuts)`` builds the full model and a chain
 of stages with the same seed and compares logits, summed loss and every parameter's gradient.
-tests/pipeline/test_generic_stage.py and scripts/model_matrix.py both use them.
+tests/pipeline/test_generic_stage.py and scripts/model_matrix.py both use them: a yardstick read from
+the checkout (``benchmarks.chain_check``), not part of the installed package.
 """
 from __future__ import annotations
 

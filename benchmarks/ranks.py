@@ -13,7 +13,8 @@ and the end of its stderr instead of a hang.
     values = [o.value for o in outcomes]
 
 ``fn`` is found again in the child by its source file and qualified name, so test modules
-imported by pytest's ``importlib`` mode can define their workers at module level.
+imported by pytest's ``importlib`` mode can define their workers at module level. Tests and
+benchmarks read it from the checkout (``benchmarks.ranks``); it is not part of the installed package.
 """
 from __future__ import annotations
 
