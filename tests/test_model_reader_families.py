@@ -117,7 +117,7 @@ def test_from_config_takes_the_readers_figures_once_installed(model_type):
 def test_the_plan_command_reads_gpt2_in_halves():
     """`hapt-hf plan` builds its ModelSpec through the CLI's reader: the README's GPT-2 gets
     the reader's figures and can still be cut in halves."""
-    from hapt_hf.cli.job import model_spec
+    from hapt_hf.cli.inputs import model_spec
     spec = model_spec("gpt2", SEQ, "fp16", "the test")
     read = read_model(model_config("gpt2"), SEQ, "fp16", "sdpa")
     assert _figures(spec.layers) == _figures(read.layers)

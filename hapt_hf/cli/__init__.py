@@ -21,7 +21,7 @@ from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
 from hapt_hf.errors import HaptError
 
 from .commands import cmd_plan, cmd_profile, cmd_simulate
-from .job import DEMO_CLUSTER, DEMO_MODEL, JobInputs, UsageError, load_cluster, resolve_job
+from .inputs import DEMO_CLUSTER, DEMO_MODEL, JobInputs, UsageError, load_cluster, resolve_job
 
 __all__ = ["main", "build_parser", "JobInputs", "resolve_job", "load_cluster", "UsageError"]
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from hapt_hf.core.layers import num_blocks
 from hapt_hf.errors import ModelSpecError, PlanError
 
-from .job import JobInputs, UsageError, load_cluster, model_spec, resolve_job
+from .inputs import JobInputs, UsageError, load_cluster, model_spec, resolve_job
 
 if TYPE_CHECKING:  # imported lazily below, so that `hapt-hf --help` answers at once
     from hapt_hf.planner.cluster import Cluster
