@@ -200,27 +200,27 @@ class FailureChannel:
 
     # -- transfers and collectives ---------------------------------------------------------
     def start(self, post: Callable[[], dist.Work], peer: int, what: str, buffer: torch.Tensor,
-              stage: int) -> Transfer:
+              stage_index: int) -> Transfer:
         """Post a transfer (``post`` calls ``dist.isend``/``dist.irecv``); a peer that is gone
         already makes the post itself fail, which is the peer's failure, not this rank's."""
         try:
             return Transfer(post(), peer, what, buffer)
         except Exception as e:  # noqa: BLE001 - turned into one clear message
-            raise self._lost(f"rank {self.rank} (stage {stage}) was posting {what}", [peer],
+            raise self._lost(f"rank {self.rank} (stage {stage_index}) was posting {what}", [peer],
                              e) from None
 
-    def wait(self, transfers: Sequence[Transfer], stage: int) -> None:
+    def wait(self, transfers: Sequence[Transfer], stage_index: int) -> None:
         """Wait for every transfer; a failure becomes a PipelineFailure naming who stopped."""
         for t in transfers:
             with self._waiting(t.what, (t.peer,), collective=False):
                 try:
                     t.work.wait()
                 except Exception as e:  # noqa: BLE001 - turned into one clear message
-                    raise self._lost(f"rank {self.rank} (stage {stage}) was waiting for {t.what}",
+                    raise self._lost(f"rank {self.rank} (stage {stage_index}) was waiting for {t.what}",
                                      [t.peer], e) from None
 
     @contextmanager
-    def collective(self, what: str, stage: int, ranks: Sequence[int]) -> Iterator[None]:
+    def collective(self, what: str, stage_index: int, ranks: Sequence[int]) -> Iterator[None]:
         """Run a collective over ``ranks`` so that a failure becomes a PipelineFailure."""
         with self._waiting(what, tuple(ranks), collective=True):
             try:
@@ -228,10 +228,10 @@ class FailureChannel:
             except PipelineFailure:
                 raise
             except Exception as e:  # noqa: BLE001 - turned into one clear message
-                raise self._lost(f"rank {self.rank} (stage {stage}) was in {what}",
+                raise self._lost(f"rank {self.rank} (stage {stage_index}) was in {what}",
                                  [r for r in ranks if r != self.rank], e) from None
 
-    def agree(self, what: str, stage: int, fn: Callable[[], _T],
+    def agree(self, what: str, stage_index: int, fn: Callable[[], _T],
               refusals: tuple[type[Exception], ...] = (ValueError,)) -> _T:
         """Run ``fn`` on every rank and end them all the same way if it refuses on any.
 
@@ -243,14 +243,14 @@ class FailureChannel:
         """
         refused: Exception | None = None
         result = None
-        with self.failing(f"{what} (stage {stage})"):
+        with self.failing(f"{what} (stage {stage_index})"):
             try:
                 result = fn()
             except refusals as e:
                 refused = e
         outcomes: list = [None] * self.world_size
         mine = None if refused is None else (type(refused), str(refused))
-        with self.collective(f"the check after {what}", stage, range(self.world_size)):
+        with self.collective(f"the check after {what}", stage_index, range(self.world_size)):
             dist.all_gather_object(outcomes, mine)
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not failed:

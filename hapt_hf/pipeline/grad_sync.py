@@ -33,17 +33,18 @@ class GradSync:
     """The gradients of one stage replica and the groups they are summed in.
 
     Args:
-        stage: this rank's stage (its ``tied_parameters()`` are summed over ``tied_group``).
-        dp_group: the stage's replicas (None: a stage of width 1).
-        tied_group: the first and the last stage's ranks (None: no tied embedding to sum).
+        stage: this rank's stage module (its ``tied_parameters()`` are summed over ``tied_pg``).
+        dp_pg: the process group of the stage's replicas (None: a stage of width 1).
+        tied_pg: the process group of the first and the last stage's ranks (None: no tied
+            embedding to sum).
         bucket_bytes: gradient bytes per replica all-reduce bucket.
         overlap: launch buckets during the iteration's last backward.
     """
 
-    def __init__(self, stage: torch.nn.Module, dp_group: Any, tied_group: Any,
+    def __init__(self, stage: torch.nn.Module, dp_pg: Any, tied_pg: Any,
                  bucket_bytes: int, overlap: bool) -> None:
         self.stage = stage
-        self.dp_group, self.tied_group = dp_group, tied_group
+        self.dp_pg, self.tied_pg = dp_pg, tied_pg
         self.tied = list(stage.tied_parameters())
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
         self.buckets: GradBuckets | None = None
@@ -51,14 +52,14 @@ class GradSync:
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.stage.parameters())
 
-    def release_groups(self) -> None:
-        """Forget the groups (the runtime is shut down; the groups themselves stay)."""
-        self.dp_group = self.tied_group = None
+    def release_pgs(self) -> None:
+        """Forget the process groups (the runtime is shut down; the groups themselves stay)."""
+        self.dp_pg = self.tied_pg = None
 
     def update_buckets(self) -> None:
         """Bucket the parameters that train now: adapters added or parameters frozen after the
         runtime was built (LoRA through the recipe) change them."""
-        if self.dp_group is None:
+        if self.dp_pg is None:
             return
         # frozen parameters (e.g. a LoRA base) take no part; every replica freezes the same
         # ones. Tied ones are summed over the tied group, which holds the replicas too.
@@ -69,7 +70,7 @@ class GradSync:
             return
         if self.buckets is not None:
             self.buckets.close()
-        self.buckets = GradBuckets(params, self.dp_group, self.bucket_bytes, self.overlap)
+        self.buckets = GradBuckets(params, self.dp_pg, self.bucket_bytes, self.overlap)
 
     @contextlib.contextmanager
     def last_backward(self) -> Iterator[None]:
@@ -109,8 +110,8 @@ class GradSync:
         if self.buckets is not None:
             self.buckets.launch_rest()
         tied = [p.grad for p in self.tied if p.requires_grad]
-        if self.tied_group is not None and tied:
-            all_reduce_flat(tied, self.tied_group)
+        if self.tied_pg is not None and tied:
+            all_reduce_flat(tied, self.tied_pg)
         if self.buckets is not None:
             self.buckets.wait()
 
@@ -150,7 +151,7 @@ class GradBuckets:
     """One stage's replica all-reduce in buckets, launched in bucket order as the iteration's
     last backward makes their gradients final (DDP's reducer, without its gradient views)."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group: Any, bucket_bytes: int,
+    def __init__(self, params: list[torch.nn.Parameter], pg: Any, bucket_bytes: int,
                  overlap: bool) -> None:
         self.ids = [id(p) for p in params]
         # reverse parameter order is roughly the order the backward finishes them
@@ -166,7 +167,7 @@ class GradBuckets:
             self.buckets.append(cur)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._flats = [flat_buffer(b) for b in self.buckets]
-        self.group = group
+        self.pg = pg
         self.armed = False
         self._reset()
         self._times: tuple[list[float], float] = ([], 0.0)
@@ -214,7 +215,7 @@ class GradBuckets:
 
     def _launch(self, i: int) -> None:
         flat = pack([p.grad for p in self.buckets[i]], self._flats[i])
-        self._works.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        self._works.append((i, flat, dist.all_reduce(flat, group=self.pg, async_op=True)))
         self._launched.append(time.perf_counter())
         self._next = i + 1
 
@@ -266,12 +267,12 @@ def unpack(flat: Tensor, grads: list[Tensor]) -> None:
         offset += n
 
 
-def all_reduce_flat(grads: list[Tensor], group, flat: Tensor | None = None) -> None:
+def all_reduce_flat(grads: list[Tensor], pg: Any, flat: Tensor | None = None) -> None:
     """One all-reduce (SUM) over the concatenation of ``grads`` instead of one per tensor,
     packed into ``flat`` when given (a :func:`flat_buffer`): a bucket of :class:`GradBuckets`,
     synchronously, as the profiler times it."""
     if not grads:
         return
     buf = pack(grads, flat)
-    dist.all_reduce(buf, group=group)
+    dist.all_reduce(buf, group=pg)
     unpack(buf, grads)

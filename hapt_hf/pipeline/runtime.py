@@ -100,7 +100,7 @@ class PipelineRuntime:
         close_at_exit(self, "shutdown")  # at exit, if still running (see exit_guard)
         # who takes part in this rank's gradient all-reduces (its replicas, the tied group)
         self._grad_peers = tuple(sorted(set(self.stage_plan.ranks) | (
-            set(self.work.tied_ranks) if self._grads.tied_group is not None else set())))
+            set(self.work.tied_ranks) if self._grads.tied_pg is not None else set())))
         self.in_flight_limit = max_in_flight(self.work.actions)
         """Forwards the schedule lets this stage hold before their backward (its warm-up)."""
         self.max_live_activations = 0
@@ -120,13 +120,13 @@ class PipelineRuntime:
         # what a stage's input and output are under autocast: the fp32 residual stream
         self._stream_dtype = next(self.stage.parameters()).dtype
         with self.channel.collective("the process-group set-up", s, self._all_ranks):
-            dp_group, tied_group = stage_groups(
+            dp_pg, tied_pg = stage_groups(
                 self.plan, self.rank, self.work.tied_ranks,
                 bool(getattr(model_config, "tie_word_embeddings", False)))
-            self._transfer_groups = transfer_groups(self.plan, self.work, self.device)
-        self.optimizers = StageOptimizers(self.stage_plan, self.stage, dp_group, self.channel)
+            self._transfer_pgs = transfer_groups(self.plan, self.work, self.device)
+        self.optimizers = StageOptimizers(self.stage_plan, self.stage, dp_pg, self.channel)
         """This stage's optimizer as the plan says (a sharded one splits in the replica group)."""
-        self._grads = GradSync(self.stage, dp_group, tied_group, self.config.grad_bucket_bytes,
+        self._grads = GradSync(self.stage, dp_pg, tied_pg, self.config.grad_bucket_bytes,
                                self.config.overlap_grad_sync)
 
     @property
@@ -263,8 +263,8 @@ class PipelineRuntime:
     def shutdown(self) -> None:
         """Stop the watchdog, drop the groups (not destroyed: see ``exit_guard``)."""
         self.channel.close()
-        self._grads.release_groups()
-        self._transfer_groups = {}
+        self._grads.release_pgs()
+        self._transfer_pgs = {}
 
     # -- the action loop and its helpers ---------------------------------------------------
     def _forward_actions(self) -> tuple[Action, ...]:
@@ -366,28 +366,28 @@ class PipelineRuntime:
         m.output, m.grad_recv = None, None
         self._live -= 1
 
-    def _group(self, kind: str) -> Any:  # the boundary's group for the transfer's direction
+    def _transfer_pg(self, kind: str) -> Any:  # the boundary's process group for the direction
         s = self.stage_plan.index
-        return self._transfer_groups[(s - (kind in ("RECV_F", "SEND_B")), kind[-1] == "F")]
+        return self._transfer_pgs[(s - (kind in ("RECV_F", "SEND_B")), kind[-1] == "F")]
 
     def _post_recv(self, pieces: tuple[Piece, ...], k: int, seq: int, kind: str) -> list[Transfer]:
-        out, group = [], self._group(kind)
+        out, pg = [], self._transfer_pg(kind)
         for p in pieces:
             buf = torch.empty((p.size, seq, self.hidden_size), dtype=self.wire_dtype,
                               device=self.device)
             what = (f"{kind} of micro-batch {k} from rank {p.peer} "
                     f"(stage {self.plan.stage_of_rank(p.peer).index})")
-            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.irecv(b, q, group, tag=k), p.peer,
+            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.irecv(b, q, pg, tag=k), p.peer,
                                           what, buf, self.stage_plan.index))
         return out
 
     def _post_send(self, pieces: tuple[Piece, ...], k: int, t: Tensor, kind: str) -> list[Transfer]:
         t = t.detach().to(self.wire_dtype)
-        out, group = [], self._group(kind)
+        out, pg = [], self._transfer_pg(kind)
         for p in pieces:
             buf = t[p.start:p.stop].contiguous()
             what = f"{kind} of micro-batch {k} to rank {p.peer}"
-            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.isend(b, q, group, tag=k), p.peer,
+            out.append(self.channel.start(lambda b=buf, q=p.peer: dist.isend(b, q, pg, tag=k), p.peer,
                                           what, buf, self.stage_plan.index))
         return out
 

@@ -57,12 +57,12 @@ def torch_supports(plan: Plan) -> str | None:
 class _LogitsStage(nn.Module):
     """Torch's schedule computes the loss itself: the last stage must hand it the logits."""
 
-    def __init__(self, stage: nn.Module) -> None:
+    def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.stage = stage
+        self.module = module
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.stage(x)
+        return self.module(x)
 
 
 @dataclass
@@ -85,12 +85,14 @@ class TorchPipeline:
         if why is not None:
             raise TorchPipelineUnsupported(f"torch.distributed.pipelining cannot run this plan: "
                                            f"{why}")
-        sp = plan.stage_of_rank(rank)
-        self.is_first, self.is_last = sp.index == 0, sp.index == plan.num_stages - 1
+        stage_plan = plan.stage_of_rank(rank)
+        self.is_first = stage_plan.index == 0
+        self.is_last = stage_plan.index == plan.num_stages - 1
         module = _LogitsStage(stage_module) if self.is_last else stage_module
-        self.stage = TorchStage(module, sp.index, plan.num_stages, torch.device(device))
+        self.torch_stage = TorchStage(module, stage_plan.index, plan.num_stages, torch.device(device))
+        """torch.distributed.pipelining's stage object around this rank's stage module."""
         self.loss_fn = _TokenMeanLoss(vocab_size)
-        self.schedule = _SCHEDULES[plan.schedule](self.stage, plan.num_microbatches,
+        self.schedule = _SCHEDULES[plan.schedule](self.torch_stage, plan.num_microbatches,
                                                   loss_fn=self.loss_fn, scale_grads=False)
 
     def forward_backward(self, input_ids: Tensor, labels: Tensor) -> float | None:

@@ -51,21 +51,21 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         params: The stage's parameters, or parameter groups (dicts: their hyperparameters are
             kept, and the dicts themselves become this optimizer's ``param_groups``).
         optimizer_class: The optimizer each replica runs over the parameters it owns.
-        group: The stage's replica process group.
-        stage: The stage's index (named in refusals).
+        replica_pg: The stage's replica process group.
+        stage_index: The stage's index (named in refusals).
         source: The optimizer this one was made from, if any (see :func:`prepare_optimizer`).
         **kwargs: ``optimizer_class``'s own arguments (``lr``, ``weight_decay``, ...).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
-                 group: Any, stage: int, source: torch.optim.Optimizer | None = None,
+                 replica_pg: Any, stage_index: int, source: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
         # one broadcast of each replica's whole shard after the step (its parameters laid out
         # as views of one flat bucket), as the planner prices the all-gather; parameter by
         # parameter it would pay the link latency once per tensor
-        super().__init__(params, optimizer_class=optimizer_class, process_group=group,
+        super().__init__(params, optimizer_class=optimizer_class, process_group=replica_pg,
                          parameters_as_bucket_view=True, **kwargs)
-        self.stage_index = stage
+        self.stage_index = stage_index
         self._source = source
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
@@ -126,32 +126,32 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         # scheduler built on the optimizer this one was made from (prepare_optimizer) holds
         # the old ones and would set every later learning rate where no step reads it. The
         # loaded settings go into the group dicts this optimizer was built with instead.
-        groups = self.param_groups
+        own = self.param_groups
         super().load_state_dict(state)
-        for group, loaded in zip(groups, self.param_groups):
-            group.update(loaded)
-        self.param_groups = groups
+        for param_group, loaded in zip(own, self.param_groups):
+            param_group.update(loaded)
+        self.param_groups = own
 
 
-def _replica_group_needed(stage: StagePlan, group: Any) -> None:
-    if group is None:  # validate() refuses a sharded stage of one replica: a programming error
-        raise RuntimeError(f"stage {stage.index} is sharded but has no replica group")
+def _replica_pg_needed(stage_plan: StagePlan, replica_pg: Any) -> None:
+    if replica_pg is None:  # validate() refuses a sharded stage of one replica: a programming error
+        raise RuntimeError(f"stage {stage_plan.index} is sharded but has no replica process group")
 
 
-def build_optimizer(stage: StagePlan, group: Any, optimizer_class: type[torch.optim.Optimizer],
+def build_optimizer(stage_plan: StagePlan, replica_pg: Any, optimizer_class: type[torch.optim.Optimizer],
                     params: Iterable[Any], **kwargs: Any) -> torch.optim.Optimizer:
     """``optimizer_class(params, **kwargs)`` on a replicated stage; on a sharded one the same
-    optimizer as a :class:`ShardedOptimizer` over the stage's replica ``group``."""
-    if stage.optimizer != SHARDED:
+    optimizer as a :class:`ShardedOptimizer` over the stage's replica process group."""
+    if stage_plan.optimizer != SHARDED:
         return optimizer_class(params, **kwargs)
-    _replica_group_needed(stage, group)
-    return ShardedOptimizer(params, optimizer_class, group, stage.index, **kwargs)
+    _replica_pg_needed(stage_plan, replica_pg)
+    return ShardedOptimizer(params, optimizer_class, replica_pg, stage_plan.index, **kwargs)
 
 
-def _refusal(stage: StagePlan, what: str, fix: str) -> OptimizerPlanError:
+def _refusal(stage_plan: StagePlan, what: str, fix: str) -> OptimizerPlanError:
     return OptimizerPlanError(
-        f"stage {stage.index}'s plan says optimizer: sharded (its optimizer state split among "
-        f"ranks {list(stage.ranks)}), but {what}; {fix}, or set the stage's \"optimizer\" to "
+        f"stage {stage_plan.index}'s plan says optimizer: sharded (its optimizer state split among "
+        f"ranks {list(stage_plan.ranks)}), but {what}; {fix}, or set the stage's \"optimizer\" to "
         "\"replicated\" in the plan")
 
 
@@ -169,7 +169,7 @@ def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in defaults.items() if k in sig}
 
 
-def prepare_optimizer(stage: StagePlan, group: Any,
+def prepare_optimizer(stage_plan: StagePlan, replica_pg: Any,
                       optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """An optimizer built elsewhere, holding its state as the stage's plan says.
 
@@ -179,32 +179,32 @@ def prepare_optimizer(stage: StagePlan, group: Any,
     has stepped already (its state is whole), or one whose class does not take back the
     settings it records (it cannot be rebuilt per shard).
     """
-    if stage.optimizer != SHARDED or isinstance(optimizer, ShardedOptimizer):
+    if stage_plan.optimizer != SHARDED or isinstance(optimizer, ShardedOptimizer):
         return optimizer
-    _replica_group_needed(stage, group)
+    _replica_pg_needed(stage_plan, replica_pg)
     cls = type(optimizer)
     if optimizer.state:
-        raise _refusal(stage, f"the optimizer given ({cls.__name__}) has taken steps already "
+        raise _refusal(stage_plan, f"the optimizer given ({cls.__name__}) has taken steps already "
                               "(it holds the whole state)", PREPARE_IT)
     kwargs = _constructor_kwargs(cls, optimizer.defaults)
     try:
-        sharded = ShardedOptimizer(optimizer.param_groups, cls, group, stage.index,
+        sharded = ShardedOptimizer(optimizer.param_groups, cls, replica_pg, stage_plan.index,
                                    source=optimizer, **kwargs)
     except (TypeError, ValueError) as e:
-        raise _refusal(stage, f"the optimizer given ({cls.__name__}) cannot be rebuilt for one "
+        raise _refusal(stage_plan, f"the optimizer given ({cls.__name__}) cannot be rebuilt for one "
                               f"shard from the settings it records ({type(e).__name__}: {e})",
                        BUILD_IT) from None
     if sharded.optim.defaults != optimizer.defaults:
-        raise _refusal(stage, f"the optimizer given ({cls.__name__}) rebuilt from the settings "
+        raise _refusal(stage_plan, f"the optimizer given ({cls.__name__}) rebuilt from the settings "
                               "it records does not come out the same (its constructor derives "
                               "them)", BUILD_IT)
     return sharded
 
 
-def check_optimizer(stage: StagePlan, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer(stage_plan: StagePlan, optimizer: torch.optim.Optimizer) -> None:
     """Refuse stepping a sharded stage with an optimizer that keeps the whole state."""
-    if stage.optimizer == SHARDED and not isinstance(optimizer, ShardedOptimizer):
-        raise _refusal(stage, f"the optimizer given ({type(optimizer).__name__}) holds the "
+    if stage_plan.optimizer == SHARDED and not isinstance(optimizer, ShardedOptimizer):
+        raise _refusal(stage_plan, f"the optimizer given ({type(optimizer).__name__}) holds the "
                               "whole state", PREPARE_IT)
 
 

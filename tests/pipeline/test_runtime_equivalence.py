@@ -169,7 +169,7 @@ def _run_case(rank: int, family: str, layout: Layout, schedule: str, log: Transf
            "in_flight": rt.in_flight_limit, "warmup": rt.stage_plan.warmup,
            "early_receives": rt.work.actions == early.actions[rt.stage_plan.index],
            "stage": rt.stage_plan.index, "norms": norms,
-           "transfers": log.labelled(rt._transfer_groups)[:trained], "set_up": set_up,
+           "transfers": log.labelled(rt._transfer_pgs)[:trained], "set_up": set_up,
            "stages": [st.ranks for st in rt.plan.stages]}
     rt.shutdown()
     return out
