@@ -8,9 +8,9 @@ from hapt_hf.core.layers import (BLOCK, HALF, BlockPart, block_boundary_in_halve
                                  layer_name, layer_names, num_blocks, num_layers)
 from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, canonical_dtype
 from hapt_hf.core.ranks import first_ranks
-from hapt_hf.core.schedules import (SCHEDULES, ActionKind, ScheduleKind, default_warmups,
-                                    schedule_warmups, stage_actions, warmup_rule,
-                                    warmups_from_steps)
+from hapt_hf.core.schedules import (GENERATORS, SCHEDULES, ActionKind, ScheduleKind,
+                                    default_warmups, plan_sets_warmups, schedule_generator,
+                                    schedule_warmups, warmups_from_steps)
 from hapt_hf.errors import HaptError, ScheduleError
 
 
@@ -64,24 +64,33 @@ def test_warmup_rules():
     assert schedule_warmups("gpipe", (7, 2, 1), 9) == (9, 9, 9)
     assert schedule_warmups("1f1b", (7, 2, 1), 9) == (3, 2, 1)
     assert warmups_from_steps([3, 1, 0], 5) == (5, 3, 2, 1)  # a step under 1 counts as 1
-    assert warmup_rule("h1f1b").per_stage and not warmup_rule("1f1b").per_stage
+    assert plan_sets_warmups("h1f1b") and not plan_sets_warmups("1f1b")
+    assert set(GENERATORS) == set(ScheduleKind)  # one generator per kind, in one registry
     with pytest.raises(ScheduleError, match="'2f2b' is unknown"):
-        warmup_rule("2f2b")
+        schedule_generator("2f2b")
 
 
-def test_stage_actions_post_receives_ahead_and_send_after_each_compute():
-    got = [f"{k.value}{mb}" for k, mb in stage_actions(1, 3, 2, 3)]
+def _rank_list(kind, stages, m, warmups, rank, **kw):
+    lists, placement = schedule_generator(kind).generate(stages, m, warmups, **kw)
+    assert placement == tuple(range(stages))  # these kinds: stage s on pipeline rank s
+    assert all(s == rank for _, s, _ in lists[rank])  # every action names its stage
+    return [(k, mb) for k, _, mb in lists[rank]]
+
+
+def test_rank_lists_post_receives_ahead_and_send_after_each_compute():
+    got = [f"{k.value}{mb}" for k, mb in _rank_list("h1f1b", 3, 3, [3, 2, 1], 1)]
     assert got == ["RECV_F0", "RECV_F1", "F0", "SEND_F0", "RECV_B0", "F1", "SEND_F1", "RECV_F2",
                    "B0", "SEND_B0", "RECV_B1", "F2", "SEND_F2", "RECV_B2", "B1", "SEND_B1",
                    "B2", "SEND_B2"]
     # early: a stage after an all-forwards-first stage posts every activation's receive at the
     # start; the gradient of j from a one-deep stage after it right after sending F(j)
-    early = [f"{k.value}{mb}" for k, mb in stage_actions(2, 4, 2, 4, neighbour_warmups=(4, 1))]
+    early = [f"{k.value}{mb}" for k, mb in _rank_list("h1f1b", 4, 4, [4, 4, 2, 1], 2,
+                                                      early_receives=True)]
     assert early == ["RECV_F0", "RECV_F1", "RECV_F2", "RECV_F3", "F0", "SEND_F0", "RECV_B0",
                      "F1", "SEND_F1", "RECV_B1", "B0", "SEND_B0", "F2", "SEND_F2", "RECV_B2",
                      "B1", "SEND_B1", "F3", "SEND_F3", "RECV_B3", "B2", "SEND_B2", "B3",
                      "SEND_B3"]
-    last = stage_actions(2, 3, 1, 2, receives=False)
+    last = _rank_list("h1f1b", 3, 2, [2, 1, 1], 2, receives=False)
     assert all(k not in (ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.SEND_F)
                for k, _ in last)
 
