@@ -151,7 +151,7 @@ def _nominal_cluster(cfg: RaceConfig):
 
 def uniform_plan(cfg: RaceConfig):
     """One stage per rank, blocks split evenly, embedding first, head last (the default)."""
-    from hapt_hf.planner.plan import Plan, StagePlan
+    from hapt_hf.planner.plan import Plan, Stage
     n = cfg.fast_ranks + cfg.slow_ranks
     per = [cfg.blocks // n + (i < cfg.blocks % n) for i in range(n)]
     m = cfg.global_batch // cfg.micro_batch
@@ -160,7 +160,8 @@ def uniform_plan(cfg: RaceConfig):
     for i, b in enumerate(per):
         end = start + b + (i == 0) + (i == n - 1)
         group = "fast" if i < cfg.fast_ranks else "slow"
-        stages.append(StagePlan(i, (start, end), group, f"cpu-{group}", (i,), warmup=warm[i]))
+        stages.append(Stage.even(i, (start, end), group, f"cpu-{group}", (i,), warmup=warm[i],
+                                 micro_batch_size=cfg.micro_batch))
         start = end
     return Plan("gpt2-race", start, cfg.seq, cfg.global_batch, cfg.micro_batch, m,
                 ScheduleKind.ONE_F_ONE_B, tuple(stages)).validate()
@@ -313,6 +314,11 @@ def _stats(xs: list[float]) -> tuple[float, float]:
     return med, (q[2] - q[0]) / med
 
 
+def _uneven(stage: dict) -> bool:
+    """Whether a plan.json stage's replicas differ in group, device type or share."""
+    return len({(r["group"], r["device_type"], r["samples"]) for r in stage["replicas"]}) > 1
+
+
 def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
     tokens = cfg.global_batch * cfg.seq
     rows = {}
@@ -337,10 +343,11 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
         "prediction_error": round(abs(predicted - measured) / measured, 3),
         "predicted_iteration_s": round(predicted, 4), "measured_iteration_s": measured,
         "contenders": rows,
-        "plan": {"stages": [{"layers": s["layers"], "group": s["group"], "ranks": s["ranks"],
+        "plan": {"stages": [{"layers": s["layers"], "group": s["replicas"][0]["group"],
+                             "ranks": [r for rep in s["replicas"] for r in rep["ranks"]],
                              "warmup": s["warmup"], "optimizer": s.get("optimizer", "replicated"),
                              **({"samples": [r["samples"] for r in s["replicas"]]}
-                                if "replicas" in s else {})} for s in plan["stages"]],
+                                if _uneven(s) else {})} for s in plan["stages"]],
                  "micro_batch_size": plan["micro_batch_size"],
                  "num_microbatches": plan["num_microbatches"]},
         "group_choice": race["group_choice"],

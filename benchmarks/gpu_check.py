@@ -41,7 +41,7 @@ from hapt_hf.planner.catalogue import find_gpu  # noqa: E402
 from hapt_hf.planner.cluster import Cluster  # noqa: E402
 from hapt_hf.planner.cost_model import CostModel  # noqa: E402
 from hapt_hf.planner.model_spec import ModelSpec  # noqa: E402
-from hapt_hf.planner.plan import Plan, StagePlan  # noqa: E402
+from hapt_hf.planner.plan import Plan, Stage  # noqa: E402
 
 __all__ = ["SIZES", "Size", "main"]
 
@@ -85,7 +85,8 @@ def _plan(size: Size, stages: int, dtype: str, mbs: int, m: int, seq: int) -> Pl
     out, start = [], 0
     for i in range(stages):
         end = start + per + (i < extra) + (i == 0) + (i == stages - 1)
-        out.append(StagePlan(i, (start, end), "gpu", "gpu", (i,), warmup=min(m, stages - i)))
+        out.append(Stage.even(i, (start, end), "gpu", "gpu", (i,), warmup=min(m, stages - i),
+                              micro_batch_size=mbs))
         start = end
     plan = Plan(f"llama-{size.hidden}x{size.blocks}", start, seq, mbs * m, mbs, m, "1f1b",
                 tuple(out))
@@ -120,7 +121,7 @@ def _gpu_name(device: str, given: str | None) -> str:
 
 # -- 1. memory ---------------------------------------------------------------------------------
 
-def _stage_inputs(stage_plan: StagePlan, plan: Plan, size: Size, device: str, gen):
+def _stage_inputs(stage_plan: Stage, plan: Plan, size: Size, device: str, gen):
     """(input, kwargs, gradient of the output or None for the loss) of one micro-batch."""
     import torch
     mbs, seq = plan.micro_batch_size, plan.seq_len
@@ -133,7 +134,7 @@ def _stage_inputs(stage_plan: StagePlan, plan: Plan, size: Size, device: str, ge
     return x, kwargs, out_grad
 
 
-def measure_stage_memory(size: Size, plan: Plan, stage_plan: StagePlan, device: str) -> float:
+def measure_stage_memory(size: Size, plan: Plan, stage_plan: Stage, device: str) -> float:
     """Bytes the stage held at its peak over warm-up forwards, backwards and the step (see the
     module docstring for CPU)."""
     import torch

@@ -28,8 +28,8 @@ from hapt_hf.planner.search import physical_limit_s, plan_job  # noqa: E402
 __all__ = ["main"]
 
 
-def _shape_text(shapes) -> str:
-    return ", ".join(f"{s.group.name}x{s.width}" for s in shapes)
+def _shape_text(stages) -> str:
+    return ", ".join(f"{'+'.join(s.groups)}x{s.width}" for s in stages)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,18 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         for bl in below:
             got = best_warmup_replay(cm, bl, gbs, args.max_replays)
             if got is None:
-                print(f"| {bl.lower_bound_s:.4f} | no warm-up fits | | {_shape_text(bl.shapes)} "
-                      f"| {bl.micro_batch_size} | {list(bl.bounds)} | |")
+                print(f"| {bl.lower_bound_s:.4f} | no warm-up fits | | {_shape_text(bl.stages)} "
+                      f"| {bl.micro_batch_size} | {[s.layers for s in bl.stages]} | |")
                 continue
             lay, r = got
             print(f"| {bl.lower_bound_s:.4f} | {r.iteration_s:.4f} | "
-                  f"{r.iteration_s / limit - 1:+.2%} | {_shape_text(bl.shapes)} | "
-                  f"{bl.micro_batch_size} | {list(bl.bounds)} | {list(lay.warmups)} |")
+                  f"{r.iteration_s / limit - 1:+.2%} | {_shape_text(bl.stages)} | "
+                  f"{bl.micro_batch_size} | {[s.layers for s in bl.stages]} | {list(lay.warmups)} |")
             if r.iteration_s < target * (1 - 1e-9):
                 faster.append((r.iteration_s, model.layer_unit, lay))
     if faster:
         t, unit, lay = min(faster, key=lambda f: f[0])
-        print(f"\nfaster than the target: {t:.4f} s ({unit} units, {_shape_text(lay.shapes)}, "
+        print(f"\nfaster than the target: {t:.4f} s ({unit} units, {_shape_text(lay.stages)}, "
               f"layers {list(lay.bounds)}, warm-ups {list(lay.warmups)})")
         return 1
     print(f"\nno layout replays below {target:.4f} s: the plan is the fastest there is "

@@ -49,13 +49,14 @@ class BenchConfig:
 
 
 def uniform_plan(cfg: BenchConfig):
-    from hapt_hf.planner.plan import Plan, StagePlan
+    from hapt_hf.planner.plan import Plan, Stage
     per = [cfg.layers // cfg.ranks + (i < cfg.layers % cfg.ranks) for i in range(cfg.ranks)]
     warm = default_warmups(ScheduleKind.ONE_F_ONE_B, cfg.ranks, cfg.microbatches)
     stages, start = [], 0
     for i, b in enumerate(per):
         end = start + b + (i == 0) + (i == cfg.ranks - 1)
-        stages.append(StagePlan(i, (start, end), "cpu", "cpu", (i,), warmup=warm[i]))
+        stages.append(Stage.even(i, (start, end), "cpu", "cpu", (i,), warmup=warm[i],
+                                 micro_batch_size=cfg.micro_batch))
         start = end
     g = cfg.micro_batch * cfg.microbatches
     return Plan("gpt2-bench", start, cfg.seq, g, cfg.micro_batch, cfg.microbatches,
@@ -64,10 +65,12 @@ def uniform_plan(cfg: BenchConfig):
 
 def two_wide_plan(cfg: BenchConfig):
     """Two stages of two replicas each (4 ranks), blocks split evenly."""
-    from hapt_hf.planner.plan import Plan, StagePlan
+    from hapt_hf.planner.plan import Plan, Stage
     half = cfg.layers // 2
-    stages = (StagePlan(0, (0, half + 1), "cpu", "cpu", (0, 1), warmup=2),
-              StagePlan(1, (half + 1, num_layers(cfg.layers)), "cpu", "cpu", (2, 3), warmup=1))
+    mbs = cfg.micro_batch
+    stages = (Stage.even(0, (0, half + 1), "cpu", "cpu", (0, 1), warmup=2, micro_batch_size=mbs),
+              Stage.even(1, (half + 1, num_layers(cfg.layers)), "cpu", "cpu", (2, 3), warmup=1,
+                         micro_batch_size=mbs))
     g = cfg.micro_batch * cfg.microbatches
     return Plan("gpt2-bench", num_layers(cfg.layers), cfg.seq, g, cfg.micro_batch,
                 cfg.microbatches, ScheduleKind.ONE_F_ONE_B, stages).validate()

@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.inputs import SCENARIOS_DIR, scenario_path
 from hapt_hf.cli import main
-from hapt_hf.planner.plan import Plan, PlanPrediction, StagePlan, StagePrediction
+from hapt_hf.planner.plan import Plan, PlanPrediction, Stage, StagePrediction
 from hapt_hf.planner.report import build_report, format_ranks, format_report, layer_names
 from hapt_hf.planner.simulate import SimEvent, SimResult, simulate_plan
 
@@ -193,8 +193,8 @@ def test_simulate_reports_a_plan_that_does_not_fit(tmp_path, capsys):
     cluster = _write(tmp_path, tiny_gpu)
     # named as `hapt-hf plan` names the cluster file's job.model mapping
     plan = Plan("gpt2-h256", 6, 128, 4, 4, 1, "1f1b", (
-        StagePlan(0, (0, 3), "v100", "V100-32", (0, 1), 2),
-        StagePlan(1, (3, 6), "a100", "A100-40", (2,), 1)))
+        Stage.even(0, (0, 3), "v100", "V100-32", (0, 1), 2, micro_batch_size=4),
+        Stage.even(1, (3, 6), "a100", "A100-40", (2,), 1, micro_batch_size=4)))
     path = plan.save(tmp_path / "p.json")
     code, out, err = _run(["simulate", path, "--cluster", cluster], capsys)
     assert code == 1, err
@@ -277,7 +277,7 @@ def test_plan_says_which_stages_shard_and_the_flag_forbids_it(tmp_path, capsys):
     assert code == 0, err
     sharded = [s for s in Plan.load(tmp_path / "p.json").stages if s.optimizer == "sharded"]
     assert sharded and "optimizer" in out
-    assert f"sharded state    stage {sharded[0].index} over {sharded[0].dp} replicas: " in out
+    assert f"sharded state    stage {sharded[0].index} over {sharded[0].width} replicas: " in out
     code, out, err = _run(["plan", "--cluster", cluster, "--no-sharded-optimizer", "--json"],
                           capsys)
     assert code == 0, err
@@ -325,11 +325,13 @@ def _stop_short(d):
 
 
 def _wrong_device(d):
-    d["stages"][0]["device_type"] = "T4"  # the stage's group has no T4
+    for r in d["stages"][0]["replicas"]:
+        r["device_type"] = "T4"  # the stage's group has no T4
 
 
 def _unknown_group(d):
-    d["stages"][0]["group"] = "h100"
+    for r in d["stages"][0]["replicas"]:
+        r["group"] = "h100"
 
 
 @pytest.mark.parametrize("edit,field", [(_stop_short, "layers"), (_wrong_device, "device_type"),
@@ -416,8 +418,9 @@ class _Baseline(types.SimpleNamespace):
 
 def test_report_uses_the_simulated_figures_and_baselines():
     plan = Plan("gpt2", 14, 1024, 8, 2, 4, "h1f1b", (
-        StagePlan(0, (0, 5), "v100", "V100-32", (0, 1), 3, predicted=StagePrediction(9, 9, 9)),
-        StagePlan(1, (5, 14), "a100", "A100-40", (2, 3), 1)),
+        Stage.even(0, (0, 5), "v100", "V100-32", (0, 1), 3, micro_batch_size=2,
+                   predicted=StagePrediction(9, 9, 9)),
+        Stage.even(1, (5, 14), "a100", "A100-40", (2, 3), 1, micro_batch_size=2)),
         predicted=PlanPrediction(9.0, 9.0, 0.9))
     ev = (SimEvent(0, "F", 0, 0.0, 0.010), SimEvent(0, "F", 1, 0.010, 0.030),
           SimEvent(0, "B", 0, 0.05, 0.09), SimEvent(1, "F", 0, 0.03, 0.04),
@@ -483,7 +486,7 @@ def _store(path: Path, fast_s: float, slow_s: float) -> Path:
 def _layers_per_group(plan: Plan) -> dict[str, int]:
     out: dict[str, int] = {}
     for s in plan.stages:
-        out[s.group] = out.get(s.group, 0) + s.num_layers * s.dp
+        out[s.group] = out.get(s.group, 0) + s.num_layers * s.width
     return out
 
 

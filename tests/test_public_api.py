@@ -41,7 +41,8 @@ def test_planner_exports_the_user_api():
     from hapt_hf.planner import plan, schedule, search, simulate
 
     # the re-exports are the defining modules' objects, not copies
-    assert planner.Plan is plan.Plan and planner.StagePlan is plan.StagePlan
+    assert planner.Plan is plan.Plan and planner.Stage is plan.Stage
+    assert planner.Replica is plan.Replica
     assert planner.build_schedule is schedule.build_schedule
     assert planner.plan_job is search.plan_job and planner.simulate_plan is simulate.simulate_plan
     from hapt_hf.errors import HaptError
@@ -113,7 +114,10 @@ def test_top_level_names_are_the_integration_objects():
     from hapt_hf.integration.trainer import HaptTrainer as trainer
 
     assert (HaptAccelerator, HaptTrainer, HaptConfig) == (accelerator, trainer, config)
-    assert hapt_hf.__all__ == ["HaptAccelerator", "HaptTrainer", "HaptConfig", "__version__"]
+    assert hapt_hf.__all__ == ["HaptAccelerator", "HaptTrainer", "HaptConfig", "model_spec",
+                               "__version__"]
+    from hapt_hf.profiling.model_figures import model_spec
+    assert hapt_hf.model_spec is model_spec
     assert all(getattr(hapt_hf, name) is not None for name in hapt_hf.__all__)
     assert set(hapt_hf.__all__) <= set(dir(hapt_hf))
     with pytest.raises(AttributeError, match="has no attribute 'HaptPlugin'"):
@@ -150,19 +154,19 @@ def test_cluster_doc_catalogue_table_matches_the_catalogue():
 
 
 def test_architecture_doc_plan_example_has_the_fields_plan_writes():
-    from hapt_hf.planner import Plan, StagePlan
+    from hapt_hf.planner import Plan, Stage
 
     text = _doc("architecture.md").split("## plan.json", 1)[1]
     example = json.loads(text.split("```json", 1)[1].split("```", 1)[0])
     plan = Plan(model_name="m", num_layers=3, seq_len=8, global_batch_size=2,
                 micro_batch_size=1, num_microbatches=2, schedule="1f1b",
-                stages=(StagePlan(0, (0, 3), "g", "cpu", (0,), warmup=1),))
+                stages=(Stage.even(0, (0, 3), "g", "cpu", (0,), warmup=1, micro_batch_size=1),))
     written = plan.to_dict()
     assert list(example) == list(written)
     assert list(example["stages"][0]) == list(written["stages"][0])
     assert list(example["predicted"]) == list(written["predicted"])
     # the example's stages read back as the stages they describe
-    stages = [StagePlan.from_dict(s) for s in example["stages"]]
+    stages = [Stage.from_dict(s, example["micro_batch_size"]) for s in example["stages"]]
     assert [s.layers for s in stages] == [tuple(s["layers"]) for s in example["stages"]]
 
 

@@ -28,7 +28,7 @@ def capacities_gb(cluster: Cluster) -> dict[str, float]:
 
 
 def stage_labels(plan: Plan) -> list[str]:
-    return [f"{s.index} {'+'.join(s.groups)} x{s.dp}" for s in plan.stages]
+    return [f"{s.index} {'+'.join(s.groups)} x{s.width}" for s in plan.stages]
 
 
 # -- subcommands ------------------------------------------------------------------------------
@@ -101,13 +101,14 @@ def _check_devices(plan: Plan, cluster: Cluster, where: str) -> None:
     from hapt_hf.planner.catalogue import device_names
     groups = {g.name: g for g in cluster.groups}
     for s in plan.stages:
-        for r in s.replica_list(plan.micro_batch_size):
+        for r in s.replicas:
             g = groups.get(r.group)
             if g is None or not r.device_type:
                 continue  # an unknown group is reported by the cost model, naming the groups
             ok = {n.upper() for n in device_names(g.gpu.name)}
             if r.device_type.upper() not in ok:
-                raise PlanError(f"{where}: stage {s.index} (rank {r.rank}) has device_type "
+                raise PlanError(f"{where}: stage {s.index} (rank "
+                                f"{', '.join(map(str, r.ranks))}) has device_type "
                                 f"{r.device_type!r} but group {r.group!r} has {g.gpu.name} GPUs; "
                                 f"set device_type to {g.gpu.name!r} or move the stage to a "
                                 f"group of {r.device_type}")

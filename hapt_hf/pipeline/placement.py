@@ -8,7 +8,7 @@ width (8 GPUs then 4, 2 then 3):
 
 * micro-batch ``k`` is samples ``[k*mbs, (k+1)*mbs)`` of the global batch;
 * replica ``r`` of a stage owns the contiguous slice ``r`` of it: the replicas' shares
-  (:meth:`StagePlan.shares`, even unless the plan gives each replica its ``samples``) laid end
+  (:meth:`Stage.shares`, even unless the plan gives each replica its ``samples``) laid end
   to end, ``[s_0 + .. + s_{r-1}, s_0 + .. + s_r)``;
 * a rank exchanges with each rank of a neighbouring stage exactly the samples their two slices
   share: activations downstream, gradients back upstream over the same pieces.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hapt_hf.core.shares import slices
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from hapt_hf.core.schedules import ActionKind
 from hapt_hf.planner.schedule import Action, Schedule, build_schedule
 
@@ -46,7 +46,7 @@ class RankWork:
     """Everything one rank needs to run its part of an iteration."""
 
     rank: int
-    stage: StagePlan
+    stage: Stage
     num_stages: int
     replica: int
     """Position of this rank among its stage's replicas."""
@@ -69,13 +69,13 @@ class RankWork:
         return self.stage.index == self.num_stages - 1
 
 
-def replica_slice(micro_batch_size: int, stage: StagePlan, replica: int) -> tuple[int, int]:
+def replica_slice(micro_batch_size: int, stage: Stage, replica: int) -> tuple[int, int]:
     """Samples ``[lo, hi)`` of a micro-batch owned by ``replica`` of ``stage``."""
     return slices(stage.shares(micro_batch_size))[replica]
 
 
 def pieces_between(micro_batch_size: int, mine: tuple[int, int],
-                   neighbour: StagePlan) -> tuple[Piece, ...]:
+                   neighbour: Stage) -> tuple[Piece, ...]:
     """The overlaps of my slice ``mine`` with each replica of ``neighbour``, in sample order
     (what :func:`hapt_hf.core.shares.overlaps` counts for the planner's price of the cut)."""
     out = []

@@ -82,7 +82,7 @@ def stage_groups(plan: Plan, rank: int, tied_ranks: Sequence[int],
     """
     mine = None
     for st in plan.stages:
-        if st.dp > 1:
+        if st.width > 1:
             g = dist.new_group(list(st.ranks))
             if rank in st.ranks:
                 mine = g

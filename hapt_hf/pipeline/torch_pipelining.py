@@ -46,7 +46,7 @@ def torch_supports(plan: Plan) -> str | None:
     if plan.schedule == ScheduleKind.ONE_F_ONE_B and \
             plan.warmups() != default_warmups(plan.schedule, n, plan.num_microbatches):
         return "per-stage warm-up depths other than stages - index are not expressible"
-    if any(s.dp != 1 for s in plan.stages):
+    if any(s.width != 1 for s in plan.stages):
         return ("stages of several ranks: torch's stages exchange whole micro-batches with one "
                 "peer each, so neighbouring stages of different widths (8 -> 4) cannot be wired")
     if plan.schedule == ScheduleKind.ONE_F_ONE_B and plan.num_microbatches < n:

@@ -8,7 +8,7 @@ the field and the fix.
 from hapt_hf.planner.cluster import Cluster, ClusterError
 from hapt_hf.planner.cost_model import CostModelError
 from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
-from hapt_hf.planner.plan import Plan, PlanError, StagePlan
+from hapt_hf.planner.plan import Plan, PlanError, Replica, Stage
 from hapt_hf.planner.profile import Profile, ProfileError, load_sailor_profiles
 from hapt_hf.planner.schedule import Schedule, ScheduleError, build_schedule
 from hapt_hf.planner.search import PlannerOptions, PlanningError, PlanResult, plan_job
@@ -18,7 +18,7 @@ __all__ = [
     # inputs
     "ModelSpec", "Cluster", "Profile", "load_sailor_profiles",
     # planning and its result
-    "PlannerOptions", "plan_job", "PlanResult", "Plan", "StagePlan",
+    "PlannerOptions", "plan_job", "PlanResult", "Plan", "Stage", "Replica",
     # schedule and simulation
     "Schedule", "build_schedule", "simulate_plan", "SimResult",
     # errors (all hapt_hf.errors.HaptError, a ValueError)

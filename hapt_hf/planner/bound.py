@@ -1,7 +1,8 @@
 """Schedule-free lower bounds: how fast any plan over a given layout could possibly be.
 
-A *layout* here is the stage shapes (group, width, place along the pipeline), their layer ranges
-and the micro-batch size; what it leaves open is every warm-up depth and every recompute flag.
+A *layout* here is the stages (each a slice of one group's GPUs, in pipeline order, and its layer
+range) and the micro-batch size; what it leaves open is every warm-up depth and every recompute
+flag.
 :func:`lower_bound_s` gives a time no replay of the layout can beat, whatever those are, from
 facts the simulator cannot avoid (stage ``i``, ``M`` micro-batches):
 
@@ -33,29 +34,32 @@ from dataclasses import dataclass
 from hapt_hf.core.schedules import ScheduleKind, warmups_from_steps
 
 from .cluster import Cluster
-from .cost_model import CostModel, StageShape
+from .cluster import GpuGroup
+from .cost_model import CostModel
+from .plan import Replica, Stage
 from .search import Layout, divisors, group_cuts, recompute_flags, simulate_layout
 from .search.state import state_options
 from .simulate import SimResult
 
-__all__ = ["BoundedLayout", "stage_sequences", "lower_bound_s", "layouts_below",
-           "best_warmup_replay"]
+__all__ = ["BoundedLayout", "stage_sequences", "sequence_replicas", "lower_bound_s",
+           "layouts_below", "best_warmup_replay"]
 
 
 @dataclass(frozen=True)
 class BoundedLayout:
-    """A layout whose lower bound is below the target it was enumerated for."""
+    """A layout whose lower bound is below the target it was enumerated for: its stages
+    (replicas and layer ranges; warm-ups, recompute and optimizer state left open)."""
 
-    shapes: tuple[StageShape, ...]
-    bounds: tuple[tuple[int, int], ...]
+    stages: tuple[Stage, ...]
     micro_batch_size: int
     lower_bound_s: float
 
 
 def stage_sequences(cluster: Cluster, interleave: bool = False):
-    """Every sequence of stage shapes over all GPUs whose neighbours are linked: each group cut
-    into stages of any widths; the groups one after another or, with ``interleave``, a group's
-    stages also split by another group's."""
+    """Every sequence of stages over all GPUs whose neighbours are linked, each stage as
+    ``(group, width, offset)``: ``width`` GPUs of ``group`` from its ``offset``-th. Each group
+    is cut into stages of any widths; the groups one after another or, with ``interleave``, a
+    group's stages also split by another group's."""
     groups = cluster.groups
     linked = {frozenset((l.a, l.b)) for l in cluster.links}
     for split in itertools.product(*(list(group_cuts(g.size)) for g in groups)):
@@ -67,13 +71,19 @@ def stage_sequences(cluster: Cluster, interleave: bool = False):
             if any(a != b and frozenset((groups[a].name, groups[b].name)) not in linked
                    for a, b in zip(order, order[1:])):
                 continue
-            nxt, off, shapes = [0] * len(groups), [0] * len(groups), []
+            nxt, off, seq = [0] * len(groups), [0] * len(groups), []
             for gi in order:
                 w = split[gi][nxt[gi]]
-                shapes.append(StageShape(groups[gi], w, off[gi]))
+                seq.append((groups[gi], w, off[gi]))
                 nxt[gi] += 1
                 off[gi] += w
-            yield tuple(shapes)
+            yield tuple(seq)
+
+
+def sequence_replicas(cm: CostModel, sequence: tuple[tuple[GpuGroup, int, int], ...],
+                      mbs: int) -> tuple[tuple[Replica, ...], ...]:
+    """Each stage's replicas of a :func:`stage_sequences` sequence at micro-batch size ``mbs``."""
+    return tuple(cm.slice_replicas(g, w, off, mbs) for g, w, off in sequence)
 
 
 @dataclass(frozen=True)
@@ -86,22 +96,23 @@ class _Stage:
     slots: int
 
 
-def _stage_options(cm: CostModel, sh: StageShape, a: int, b: int, mbs: int, m: int,
-                   allow_rc: bool) -> list[_Stage]:
+def _stage_options(cm: CostModel, replicas: tuple[Replica, ...], a: int, b: int, mbs: int,
+                   m: int, allow_rc: bool) -> list[_Stage]:
+    sh = cm.placement(replicas)
     s = mbs // sh.width
     cap = cm.capacity_bytes(sh.group)
     out = []
     # sharded optimizer state frees memory (more slots) for a different step: both are options
     for rc, opt in itertools.product((False, True) if allow_rc else (False,),
-                                     state_options(sh, True)):
+                                     state_options(sh.width, True)):
         f, bw = cm.compute_s(sh.group, s, a, b, rc)
         act = cm.activation_bytes(s, a, b, rc)
         free = cap - cm.static_bytes(a, b, opt, sh.width) - cm.working_bytes(s, a, b)
         slots = m if act <= 0 and free >= 0 else int(free // act) if act > 0 else 0
         if slots < 1:
             continue
-        tail = (cm.allreduce_window(sh, s, a, b, rc).exposed_s
-                + cm.optimizer_step_s(sh, s, a, b, opt))
+        tail = (cm.allreduce_window(replicas, a, b, rc).exposed_s
+                + cm.optimizer_step_s(replicas, s, a, b, opt))
         out.append(_Stage(f, bw, tail, min(slots, m)))
     return out
 
@@ -113,11 +124,14 @@ def _stage_bound(st: _Stage, m: int, start: float, rtt_rest: float, drain: float
     return last_b + max(st.tail, drain)
 
 
-def lower_bound_s(cm: CostModel, shapes, bounds, mbs: int, num_microbatches: int,
+def lower_bound_s(cm: CostModel, stages, mbs: int, num_microbatches: int,
                   allow_recompute: bool = True) -> float:
-    """No replay of this layout, whatever its warm-ups and recompute flags, is faster; inf if
-    no setting fits a stage's memory (see the module's docstring)."""
-    m, n = num_microbatches, len(shapes)
+    """No replay of these stages (their replicas and layer ranges), whatever their warm-ups and
+    recompute flags, is faster; inf if no setting fits a stage's memory (see the module's
+    docstring)."""
+    m, n = num_microbatches, len(stages)
+    shapes = [s.replicas for s in stages]
+    bounds = [s.layers for s in stages]
     opts = [_stage_options(cm, sh, a, b, mbs, m, allow_recompute)
             for sh, (a, b) in zip(shapes, bounds)]
     if not all(opts):
@@ -145,21 +159,25 @@ def layouts_below(cm: CostModel, global_batch: int, target_s: float, interleave:
     a stage's own start, compute, memory and tail only grows as later stages are added."""
     L = cm.model.num_layers
     out, sequences = [], 0
-    for shapes in stage_sequences(cm.cluster, interleave):
+    for sequence in stage_sequences(cm.cluster, interleave):
         sequences += 1
-        n = len(shapes)
+        n = len(sequence)
         if n > L or (max_stages and n > max_stages):
             continue
-        lcm = math.lcm(*(sh.width for sh in shapes))
+        lcm = math.lcm(*(w for _, w, _ in sequence))
         for mbs in divisors(global_batch):
             if mbs % lcm:
                 continue
             m = global_batch // mbs
+            shapes = sequence_replicas(cm, sequence, mbs)
             for bounds in _partitions(cm, shapes, mbs, m, target_s, allow_recompute):
-                lb = lower_bound_s(cm, shapes, bounds, mbs, m, allow_recompute)
+                stages = tuple(Stage(i, bnd, reps)
+                               for i, (reps, bnd) in enumerate(zip(shapes, bounds)))
+                lb = lower_bound_s(cm, stages, mbs, m, allow_recompute)
                 if lb < target_s:
-                    out.append(BoundedLayout(shapes, bounds, mbs, lb))
-    out.sort(key=lambda x: (x.lower_bound_s, len(x.shapes), x.micro_batch_size, x.bounds))
+                    out.append(BoundedLayout(stages, mbs, lb))
+    out.sort(key=lambda x: (x.lower_bound_s, len(x.stages), x.micro_batch_size,
+                            tuple(s.layers for s in x.stages)))
     return out, sequences
 
 
@@ -169,7 +187,8 @@ def _partitions(cm: CostModel, shapes, mbs: int, m: int, target: float, allow_rc
 
     def rec(i: int, a: int, start: float, acc: list):
         sh = shapes[i]
-        t = cm.table(sh.group, mbs // sh.width)
+        p = cm.placement(sh)
+        t = cm.table(p.group, mbs // p.width)
         for b in ([L] if i == n - 1 else range(a + 1, L - (n - 1 - i) + 1)):
             if start + m * (t.fb[b] - t.fb[a]) >= target:
                 break  # every later end only adds compute
@@ -192,7 +211,9 @@ def best_warmup_replay(cm: CostModel, bl: BoundedLayout, global_batch: int,
     """The fastest full H-1F1B replay of ``bl`` over every warm-up depth whose steps along the
     pipeline are 1..k (k as large as ``max_replays`` replays allow, at most 8), each stage
     recomputing only where it does not fit without; None if no depth fits memory."""
-    n, m = len(bl.shapes), global_batch // bl.micro_batch_size
+    n, m = len(bl.stages), global_batch // bl.micro_batch_size
+    shapes = [s.replicas for s in bl.stages]
+    bounds = [s.layers for s in bl.stages]
     k = 8 if n == 1 else max(1, min(8, int(round(max_replays ** (1 / (n - 1)), 6))))
     best = None
     seen = set()
@@ -201,12 +222,11 @@ def best_warmup_replay(cm: CostModel, bl: BoundedLayout, global_batch: int,
         if warm in seen:
             continue
         seen.add(warm)
-        rc = recompute_flags(cm, bl.shapes, bl.bounds, bl.micro_batch_size, warm,
-                             allow_recompute)
+        rc = recompute_flags(cm, shapes, bounds, bl.micro_batch_size, warm, allow_recompute)
         if rc is None:
             continue
-        lay = Layout(bl.shapes, bl.bounds, rc, bl.micro_batch_size, warm,
-                     ScheduleKind.H1F1B.value)
+        lay = Layout.build(shapes, bounds, rc, bl.micro_batch_size, warm,
+                           ScheduleKind.H1F1B.value)
         r = simulate_layout(cm, lay, m, exact=True)
         if r.feasible and (best is None or r.iteration_s < best[1].iteration_s):
             best = (lay, r)

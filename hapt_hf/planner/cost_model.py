@@ -7,18 +7,20 @@ in mixed precision, so 0.4 is the usual middle figure).
 
 Conventions:
 
-* A stage of ``width`` replicas splits every micro-batch of ``mbs`` samples evenly, so each
-  replica computes ``mbs // width`` samples and its times are for that many samples.
-* A stage whose replicas differ (:attr:`StageShape.replicas`: GPUs of several groups, or uneven
-  shares) is priced replica by replica: each computes its own share on its own GPU, the stage's
+* A stage is priced from its :class:`~hapt_hf.planner.plan.Replica` s (the plan's own record):
+  each replica's group is found by name and its place there from its rank (ranks are numbered
+  group by group, in file order; see :meth:`CostModel.placement`). Replicas that are alike (one
+  group, equal shares of ``mbs // width`` samples) are the common case; where they differ (GPUs
+  of several groups, or uneven shares) each computes its own share on its own GPU, the stage's
   forward and backward are the slowest replica's, and every replica's memory (its share's
-  activations) is held against its own GPU. Its gradient all-reduce runs at the slowest link the
-  ring crosses (the group links between its groups, each group's intra- or inter-node link).
+  activations) is held against its own GPU. The gradient all-reduce runs at the slowest link
+  the ring crosses (the group links between its groups, each group's intra- or inter-node link).
 * A cut between stages of different groups crosses the group link of the cluster file, which is
   one shared pipe: the whole micro-batch's activations cross it (``mbs * act_out``). A cut inside
   a group uses the GPU-to-GPU links (intra-node, or inter-node if the stages sit on different
   nodes); every rank sends only the samples the next stage's rank needs, in parallel, so the
-  time is set by the busiest rank: ``max(mbs/w_left, mbs/w_right)`` samples.
+  time is set by the busiest rank: ``max(mbs/w_left, mbs/w_right)`` samples. Where a stage's
+  replicas differ, each pair of replicas trades the samples their slices share.
 * Data-parallel gradients are all-reduced with a ring: ``2(d-1)/d * bytes / bw + 2(d-1) * lat``,
   over the inter-node link when the stage spans nodes, in buckets of :data:`GRAD_BUCKET_BYTES`
   that overlap the stage's last backward as the runtime does: the gradients become final in
@@ -41,18 +43,16 @@ Conventions:
 * Activations and their gradients cross stage boundaries at the compute dtype
   (``act_out_bytes``); the data-parallel all-reduce moves the fp32 weight gradients
   (:data:`~hapt_hf.core.precision.MASTER_BYTES` per parameter).
-
-Length: over 400 lines because every figure of a stage (time, transfer, all-reduce, memory) is
-priced from the same cached per-group layer tables of one :class:`CostModel`; the conventions
-above hold for all of them, so they stay in one place.
 """
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
+from typing import Sequence
 
-from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
+from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM, GRAD_BUCKET_BYTES
 from hapt_hf.core.precision import (MASTER_BYTES, REPLICATED, SHARDED, STATE_BYTES_PER_PARAM,
                                      state_bytes_per_param)
 from hapt_hf.core.shares import overlaps
@@ -60,12 +60,12 @@ from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
 from .model_spec import LayerSpec, ModelSpec
-from .plan import Plan
+from .plan import Plan, Replica, Stage, even_replicas
 from .profile import LayerTiming, Profile
 
 __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "CostModelError",
-           "ReplicaSlot", "StageShape", "StageCost", "ReplicaMemory", "StageCosts",
-           "AllReduceWindow", "CostModel", "overlapped_allreduce"]
+           "Placement", "StageCost", "ReplicaMemory", "StageCosts", "AllReduceWindow",
+           "CostModel", "overlapped_allreduce"]
 
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
@@ -87,70 +87,41 @@ optimizer step is memory-bound, so its time is estimated from memory traffic at 
 no profile measured it."""
 
 
-@dataclass(frozen=True)
-class ReplicaSlot:
-    """One GPU of a stage whose replicas differ: its group, its place there, its share."""
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where a stage's replicas sit on the cluster a :class:`CostModel` prices, derived once
+    from the replica tuple (:meth:`CostModel.placement` caches it: the search prices the same
+    replicas many times). A replica is placed by its first rank."""
 
-    group: GpuGroup
-    index: int
-    """Index of the GPU inside its group (nodes are filled in order)."""
-    samples: int
-    """Samples of every micro-batch this GPU computes."""
-
-    @property
-    def node(self) -> int:
-        return self.index // self.group.gpus_per_node
-
-
-@dataclass(frozen=True)
-class StageShape:
-    """Where a stage sits: a slice of ``width`` consecutive GPUs of one group, sharing every
-    micro-batch evenly, or, with ``replicas``, any GPUs of the cluster with their own shares."""
-
-    group: GpuGroup
+    replicas: tuple[Replica, ...]
     width: int
-    offset: int = 0
-    """Index of the stage's first GPU inside its group (nodes are filled in order)."""
-    replicas: tuple[ReplicaSlot, ...] = ()
-    """Every GPU with its group and share where they differ (``group``, ``offset`` are then the
-    first one's, ``width`` their count); empty: the even slice of one group described above."""
+    group: GpuGroup
+    """The first replica's group."""
+    group_of: tuple[GpuGroup, ...]
+    """Each replica's group."""
+    index: tuple[int, ...]
+    """Each replica's GPU index inside its group (nodes are filled in order)."""
+    node: tuple[int, ...]
+    """Each replica's node inside its group."""
+    groups: tuple[GpuGroup, ...]
+    """The groups of the stage's GPUs, in replica order, each once."""
+    alike: bool
+    """One group, equal shares: every replica computes the same samples on the same GPU."""
+    kinds: tuple[tuple[GpuGroup, int], ...]
+    """(group, samples) of each kind of replica (GPU type and share), in replica order."""
+    on_cpu: bool
+    """Whether a GPU of the stage is a CPU (its collectives share the compute's cores)."""
+    link: LinkSpec | None
+    """The slowest link the stage's gradient ring crosses (see :meth:`CostModel.replica_link`);
+    None where its groups have no links joining them (``link_error`` says so)."""
+    link_error: str = ""
 
-    @classmethod
-    def of_slots(cls, slots: tuple[ReplicaSlot, ...] | list[ReplicaSlot]) -> "StageShape":
-        if not slots:
-            raise CostModelError("a stage needs at least one replica")
-        return cls(slots[0].group, len(slots), slots[0].index, tuple(slots))
 
-    def slots(self, mbs: int) -> tuple[ReplicaSlot, ...]:
-        """Every replica with its group, place and share of a micro-batch of ``mbs``."""
-        if self.replicas:
-            return self.replicas
-        return tuple(ReplicaSlot(self.group, self.offset + i, mbs // self.width)
-                     for i in range(self.width))
-
-    @property
-    def groups(self) -> tuple[GpuGroup, ...]:
-        """The groups of the stage's GPUs, in replica order, each once."""
-        if not self.replicas:
-            return (self.group,)
-        return tuple({r.group.name: r.group for r in self.replicas}.values())
-
-    @property
-    def on_cpu(self) -> bool:
-        """Whether a GPU of the stage is a CPU (its collectives share the compute's cores)."""
-        return any(g.gpu.is_cpu for g in self.groups)
-
-    @property
-    def first_node(self) -> int:
-        return self.offset // self.group.gpus_per_node
-
-    @property
-    def last_node(self) -> int:
-        return (self.offset + self.width - 1) // self.group.gpus_per_node
-
-    @property
-    def spans_nodes(self) -> bool:
-        return self.first_node != self.last_node
+@functools.lru_cache(maxsize=1 << 16)
+def _slice(group: str, device_type: str, width: int, first: int,
+           samples: int) -> tuple[Replica, ...]:
+    # one tuple object per slice: the cost model caches what it derives from it by identity
+    return even_replicas(group, device_type, range(first, first + width), samples)
 
 
 @dataclass(frozen=True)
@@ -324,7 +295,8 @@ class CostModel:
     """Prices stages of one model on one cluster; caches per (device, samples) tables."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profile: Profile | None = None,
-                 efficiency: float = DEFAULT_EFFICIENCY, memory_headroom: float = 0.9):
+                 efficiency: float = DEFAULT_EFFICIENCY,
+                 memory_headroom: float = DEFAULT_MEMORY_HEADROOM):
         if not 0 < efficiency <= 1:
             raise CostModelError(f"efficiency {efficiency} must be in (0, 1]")
         if not 0 < memory_headroom <= 1:
@@ -340,6 +312,9 @@ class CostModel:
         self._rates: dict[tuple[str, float, int], float] = {}
         self._mem_prefix: dict[tuple[int, int, bool], list[float]] = {}
         self._windows: dict[tuple, AllReduceWindow] = {}
+        self._first = cluster.first_ranks()
+        self._placements: dict[int, Placement] = {}
+        self._cuts: dict[tuple[Placement, Placement, int, int], tuple[float, float]] = {}
         layers = model.layers
         self._is_block = tuple(l.kind == "block" for l in layers)
         self.params = _prefix(l.params for l in layers)
@@ -377,6 +352,60 @@ class CostModel:
 
     def capacity_bytes(self, group: GpuGroup) -> float:
         return group.gpu.memory_gb * 1e9 * self.memory_headroom
+
+    # -- replicas --------------------------------------------------------------------------
+    def slice_replicas(self, group: GpuGroup, width: int, offset: int,
+                       mbs: int) -> tuple[Replica, ...]:
+        """``width`` GPUs of ``group`` from its ``offset``-th, splitting a micro-batch of
+        ``mbs`` evenly (ranks numbered over this cost model's cluster)."""
+        return _slice(group.name, group.gpu.name, width, self._first[group.name] + offset,
+                      mbs // width)
+
+    def gpu_replicas(self, gpus, shares) -> tuple[Replica, ...]:
+        """One replica per ``(group, index in group)`` of ``gpus`` with its share."""
+        return tuple(Replica(g.name, g.gpu.name, s, (self._first[g.name] + i,))
+                     for (g, i), s in zip(gpus, shares))
+
+    def placement(self, replicas: tuple[Replica, ...]) -> Placement:
+        """Where ``replicas`` sit: each one's group (by name) and GPU index there (its rank less
+        the group's first rank on this cost model's cluster). Cached per tuple."""
+        p = self._placements.get(id(replicas))
+        if p is None or p.replicas is not replicas:  # the entry holds its tuple: ids stay unique
+            p = self._placements[id(replicas)] = self._place(replicas)
+        return p
+
+    def _place(self, replicas: tuple[Replica, ...]) -> Placement:
+        if not replicas:
+            raise CostModelError("a stage needs at least one replica")
+        group_of = tuple(self.group(r.group) for r in replicas)
+        index = tuple(r.ranks[0] - self._first[g.name] for r, g in zip(replicas, group_of))
+        node = tuple(i // g.gpus_per_node for i, g in zip(index, group_of))
+        groups = tuple({g.name: g for g in group_of}.values())
+        kinds = {(g.gpu.name, g.gpu.tflops, r.samples): (g, r.samples)
+                 for r, g in zip(replicas, group_of)}
+        alike = len(groups) == 1 and len({r.samples for r in replicas}) == 1
+        on_cpu = any(g.gpu.is_cpu for g in groups)
+
+        def placed(link: LinkSpec | None, error: str = "") -> Placement:
+            return Placement(replicas, len(replicas), group_of[0], group_of, index, node, groups,
+                             alike, tuple(kinds.values()), on_cpu, link, error)
+
+        links = []
+        for g in groups:
+            nodes = {n for h, n in zip(group_of, node) if h.name == g.name}
+            links.append(g.inter_node if len(nodes) > 1 else g.intra_node)
+        if len(groups) == 1:
+            return placed(links[0])
+        names = [g.name for g in groups]
+        pairs = [(x, y) for i, x in enumerate(names) for y in names[i + 1:]]
+        linked = [(x, y) for x, y in pairs if self.group_link(x, y) is not None]
+        try:
+            _require_connected(names, linked)
+        except CostModelError as e:
+            return placed(None, str(e))
+        links += [self.group_link(x, y) for x, y in linked]
+        return placed(LinkSpec(min(l.bandwidth_gbps for l in links),
+                               max(l.latency_us for l in links)))
 
     def table(self, group: GpuGroup, samples: int) -> _LayerTable:
         """Per-layer times of one replica computing ``samples`` samples on ``group``'s GPUs."""
@@ -459,33 +488,49 @@ class CostModel:
             self._mem_prefix[key] = pre
         return pre
 
-    def allreduce_s(self, shape: StageShape, a: int, b: int) -> float:
+    def allreduce_s(self, replicas: tuple[Replica, ...], a: int, b: int) -> float:
         """One ring all-reduce of all the gradients of layers [a, b) (no buckets, no overlap)."""
-        d = shape.width
+        d = len(replicas)
         if d <= 1:
             return 0.0
-        link = shape.group.inter_node if shape.spans_nodes else shape.group.intra_node
+        link = self.replica_link(replicas)
         nbytes = (self.params[b] - self.params[a]) * self.grad_dtype_bytes
         bw = link.bandwidth_gbps * 1e9 / 8
         return 2 * (d - 1) / d * nbytes / bw + 2 * (d - 1) * link.latency_us * 1e-6
 
-    def allreduce_window(self, shape: StageShape, samples: int, a: int, b: int,
+    def allreduce_window(self, replicas: tuple[Replica, ...], a: int, b: int,
                          recompute: bool = False) -> AllReduceWindow:
         """The stage's gradient all-reduce in :data:`GRAD_BUCKET_BYTES` buckets, overlapped with
-        its last backward (``samples`` per replica, layers [a, b)); see
+        the last backward of layers [a, b) on its slowest replica; see
         :func:`overlapped_allreduce`."""
-        d = shape.width
+        p = self.placement(replicas)
+        return self._window(p, self._slowest(p, a, b, recompute)[2], a, b, recompute)
+
+    def _slowest(self, p: Placement, a: int, b: int,
+                 recompute: bool) -> tuple[float, float, tuple[GpuGroup, int]]:
+        """(forward, backward, kind) of the stage's slowest replicas on layers [a, b): the
+        longest forward and backward of its kinds, and the kind slowest in both together."""
+        if len(p.kinds) == 1:
+            f, bw = self.compute_s(*p.kinds[0], a, b, recompute)
+            return f, bw, p.kinds[0]
+        times = [self.compute_s(g, s, a, b, recompute) for g, s in p.kinds]
+        slow = max(range(len(times)), key=lambda k: sum(times[k]))
+        return max(f for f, _ in times), max(bw for _, bw in times), p.kinds[slow]
+
+    def _window(self, p: Placement, slow: tuple[GpuGroup, int], a: int, b: int,
+                recompute: bool) -> AllReduceWindow:
+        """Ring all-reduce of the stage's gradients behind the backward of its ``slow`` kind."""
+        d = p.width
         if d <= 1:
             return AllReduceWindow(0.0, 0.0, 0.0)
-        spans = shape.spans_nodes
-        key = (shape.group.name, d, spans, samples, a, b, recompute)
+        link = self._link(p)
+        g, samples = slow
+        overlap = not p.on_cpu
+        key = (link, d, g.gpu.name, g.gpu.tflops, samples, a, b, recompute, overlap)
         w = self._windows.get(key)
-        if w is not None:
-            return w
-        link = shape.group.inter_node if spans else shape.group.intra_node
-        w = self._ring_window(d, link, self.table(shape.group, samples), a, b, recompute,
-                              overlap=not shape.on_cpu)
-        self._windows[key] = w
+        if w is None:
+            w = self._windows[key] = self._ring_window(d, link, self.table(g, samples), a, b,
+                                                       recompute, overlap)
         return w
 
     def _ring_window(self, d: int, link: LinkSpec, t: _LayerTable, a: int, b: int,
@@ -506,22 +551,17 @@ class CostModel:
             layers = [(sum(x for x, _ in layers), 0.0)] + [(0.0, n) for _, n in layers]
         return overlapped_allreduce(layers, GRAD_BUCKET_BYTES, lambda n: ring * n / bw + lat)
 
-    def replica_link(self, shape: StageShape) -> LinkSpec:
+    def replica_link(self, replicas: tuple[Replica, ...]) -> LinkSpec:
         """The slowest link a stage's gradient ring crosses: each of its groups' intra-node
         link, or inter-node link where its GPUs there span nodes, and the group links between
         its groups (bandwidth of the slowest, latency of the worst)."""
-        if not shape.replicas:
-            return shape.group.inter_node if shape.spans_nodes else shape.group.intra_node
-        links = []
-        for g in shape.groups:
-            nodes = {r.node for r in shape.replicas if r.group.name == g.name}
-            links.append(g.inter_node if len(nodes) > 1 else g.intra_node)
-        names = [g.name for g in shape.groups]
-        pairs = [(x, y) for i, x in enumerate(names) for y in names[i + 1:]]
-        linked = [(x, y) for x, y in pairs if self.group_link(x, y) is not None]
-        _require_connected(names, linked)
-        links += [self.group_link(x, y) for x, y in linked]
-        return LinkSpec(min(l.bandwidth_gbps for l in links), max(l.latency_us for l in links))
+        return self._link(self.placement(replicas))
+
+    @staticmethod
+    def _link(p: Placement) -> LinkSpec:
+        if p.link is None:
+            raise CostModelError(p.link_error)
+        return p.link
 
     def update_s(self, group: GpuGroup, samples: int, a: int, b: int,
                  optimizer: str = REPLICATED, width: int = 1) -> float:
@@ -531,23 +571,28 @@ class CostModel:
         share = width if optimizer == SHARDED and width > 1 else 1
         return (t.upd[b] - t.upd[a]) / share
 
-    def allgather_s(self, shape: StageShape, a: int, b: int, optimizer: str = REPLICATED) -> float:
+    def allgather_s(self, replicas: tuple[Replica, ...], a: int, b: int,
+                    optimizer: str = REPLICATED) -> float:
         """Sharded state: the updated fp32 weights of layers [a, b) from their owners to every
         other replica, as a ring all-gather on the replica link; 0 when replicated."""
-        d = shape.width
+        return self._allgather(self.placement(replicas), a, b, optimizer)
+
+    def _allgather(self, p: Placement, a: int, b: int, optimizer: str) -> float:
+        d = p.width
         if optimizer != SHARDED or d <= 1:
             return 0.0
-        link = self.replica_link(shape)
+        link = self._link(p)
         nbytes = (self.params[b] - self.params[a]) * MASTER_BYTES
         bw = link.bandwidth_gbps * 1e9 / 8
         return (d - 1) / d * nbytes / bw + (d - 1) * link.latency_us * 1e-6
 
-    def optimizer_step_s(self, shape: StageShape, samples: int, a: int, b: int,
+    def optimizer_step_s(self, replicas: tuple[Replica, ...], samples: int, a: int, b: int,
                          optimizer: str) -> float:
-        """What the optimizer adds after the all-reduce: the update, and the all-gather of a
-        sharded state."""
-        return (self.update_s(shape.group, samples, a, b, optimizer, shape.width)
-                + self.allgather_s(shape, a, b, optimizer))
+        """What the optimizer adds after the all-reduce: the update (on the first replica's
+        GPU, ``samples`` per replica), and the all-gather of a sharded state."""
+        p = self.placement(replicas)
+        return (self.update_s(p.group, samples, a, b, optimizer, p.width)
+                + self._allgather(p, a, b, optimizer))
 
     def _neighbour_link(self, a: str, b: str) -> LinkSpec:
         link = self.group_link(a, b)
@@ -558,52 +603,58 @@ class CostModel:
                 "neighbours are linked")
         return link
 
-    def cut_s(self, left: StageShape, right: StageShape, last_layer: int, mbs: int) -> float:
+    def cut_s(self, left: tuple[Replica, ...], right: tuple[Replica, ...], last_layer: int,
+              mbs: int) -> float:
         """Seconds to move one micro-batch's activations (or their gradients) across the cut
         after layer ``last_layer`` between two neighbouring stages: its slowest route."""
-        return self._cut(left, right, last_layer, mbs)[0]
+        return self._cut(self.placement(left), self.placement(right), last_layer, mbs)[0]
 
-    def cut_latency_s(self, left: StageShape, right: StageShape, mbs: int) -> float:
+    def cut_latency_s(self, left: tuple[Replica, ...], right: tuple[Replica, ...],
+                      mbs: int) -> float:
         """The part of :meth:`cut_s` that is the link's latency rather than its transfer: a
         link carries the next message while the last one is still in flight. Where the cut
         takes several links, the least of their latencies (the link is never taken for freer
         than it is)."""
-        return self._cut(left, right, 0, mbs)[1]
+        return self._cut(self.placement(left), self.placement(right), 0, mbs)[1]
 
-    def _cut(self, left: StageShape, right: StageShape, last_layer: int,
+    def _cut(self, left: Placement, right: Placement, last_layer: int,
              mbs: int) -> tuple[float, float]:
         """(:meth:`cut_s`, :meth:`cut_latency_s`) from one walk of the cut's routes."""
-        nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
-        routes = self._cut_routes(left, right, mbs)
-        return (max(sum(link.transfer_s(nbytes(n)) for link, n in route) for route in routes),
+        key = (left, right, last_layer, mbs)
+        got = self._cuts.get(key)
+        if got is None:
+            nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
+            routes = self._cut_routes(left, right, mbs)
+            got = self._cuts[key] = (
+                max(sum(link.transfer_s(nbytes(n)) for link, n in route) for route in routes),
                 min(link.latency_us for route in routes for link, _ in route) * 1e-6)
+        return got
 
-    def _cut_routes(self, left: StageShape, right: StageShape,
+    def _cut_routes(self, left: Placement, right: Placement,
                     mbs: int) -> list[list[tuple[LinkSpec, int]]]:
         """The cut as routes, each a list of (link, samples) moved one after another; routes
-        run side by side. Between two groups of even stages: the whole micro-batch over the
-        group link. Inside a group: each rank its share, over the intra- or inter-node link
-        (the busiest rank sets the cut). Where a stage's replicas differ, the pieces each pair
-        of replicas shares (:func:`~hapt_hf.core.shares.overlaps`): all pieces between two
-        groups share their group link as one route; inside a group each GPU moves its own
-        pieces, one after another, to its peers."""
-        if not (left.replicas or right.replicas):
+        run side by side. Between two stages of alike replicas: in different groups, the whole
+        micro-batch over the group link; inside a group, each rank its share over the intra- or
+        inter-node link (the busiest rank sets the cut). Where a stage's replicas differ, the
+        pieces each pair of replicas shares (:func:`~hapt_hf.core.shares.overlaps`): all pieces
+        between two groups share their group link as one route; inside a group each GPU moves
+        its own pieces, one after another, to its peers."""
+        if left.alike and right.alike:
             if left.group.name != right.group.name:
                 return [[(self._neighbour_link(left.group.name, right.group.name), mbs)]]
             g = left.group
-            same_node = (left.first_node == left.last_node == right.first_node
-                         == right.last_node)
+            same_node = len(set(left.node) | set(right.node)) == 1
             link = g.intra_node if same_node else g.inter_node
             return [[(link, max(mbs // left.width, mbs // right.width))]]
-        ls, rs = left.slots(mbs), right.slots(mbs)
         pipes: dict[tuple[str, str], int] = {}
         per_gpu: dict[tuple[int, int], dict[LinkSpec, int]] = {}
-        for i, j, n in overlaps([r.samples for r in ls], [r.samples for r in rs]):
-            x, y = ls[i], rs[j]
-            if x.group.name != y.group.name:
-                pipes[(x.group.name, y.group.name)] = pipes.get((x.group.name, y.group.name), 0) + n
+        for i, j, n in overlaps([r.samples for r in left.replicas],
+                                [r.samples for r in right.replicas]):
+            x, y = left.group_of[i], right.group_of[j]
+            if x.name != y.name:
+                pipes[(x.name, y.name)] = pipes.get((x.name, y.name), 0) + n
                 continue
-            link = x.group.intra_node if x.node == y.node else x.group.inter_node
+            link = x.intra_node if left.node[i] == right.node[j] else x.inter_node
             for gpu in ((0, i), (1, j)):
                 mine = per_gpu.setdefault(gpu, {})
                 mine[link] = mine.get(link, 0) + n
@@ -621,116 +672,87 @@ class CostModel:
                                  "cluster")
         return [n for n in self.cluster.group_names if n not in plan.idle_groups]
 
-    def shapes_of(self, plan: Plan) -> list[StageShape]:
-        """Each stage's group slice, from its ranks (numbered group by group in file order,
-        over the groups the plan does not leave idle)."""
+    def stages_of(self, plan: Plan) -> tuple[Stage, ...]:
+        """The plan's stages with their ranks checked against their groups and numbered as
+        this cost model numbers them. A plan numbers its ranks group by group in file order
+        over the groups it uses; where it leaves groups idle, the ranks are renumbered over
+        every group of the cluster (the same stages otherwise)."""
         first_rank = self.cluster.subset(self.used_groups(plan)).first_ranks()
-        shapes = []
+        out = []
         for s in plan.stages:
-            if s.replicas:
-                shapes.append(self._shape_of_replicas(s, first_rank))
-                continue
-            g = self.group(s.group)
-            off = min(s.ranks) - first_rank[g.name]
-            if off < 0 or max(s.ranks) - first_rank[g.name] >= g.size:
-                raise CostModelError(
-                    f"stage {s.index} lists ranks {list(s.ranks)} but group {g.name!r} holds "
-                    f"ranks {first_rank[g.name]}..{first_rank[g.name] + g.size - 1}; give the "
-                    "stage ranks of its own group")
-            shapes.append(StageShape(g, s.dp, off))
-        return shapes
+            reps = tuple(self._renumbered(s.index, r, first_rank) for r in s.replicas)
+            same = all(x is y for x, y in zip(reps, s.replicas))
+            out.append(s if same else replace(s, replicas=reps))
+        return tuple(out)
 
-    def _shape_of_replicas(self, stage, first_rank: dict[str, int]) -> StageShape:
-        slots = []
-        for r in stage.replicas:
-            g = self.group(r.group)
-            idx = r.rank - first_rank.get(g.name, r.rank + 1)  # an idle group: out of range
+    def _renumbered(self, index: int, r: Replica, first_rank: dict[str, int]) -> Replica:
+        g = self.group(r.group)
+        ranks = []
+        for rank in r.ranks:
+            idx = rank - first_rank.get(g.name, rank + 1)  # an idle group: out of range
             if not 0 <= idx < g.size:
                 raise CostModelError(
-                    f"stage {stage.index}: replica rank {r.rank} is said to be in group "
-                    f"{g.name!r}, which holds ranks {first_rank.get(g.name, '?')}.. (ranks are "
-                    "numbered group by group, in file order, over the groups the plan uses); "
-                    "give each replica a rank of its own group")
-            slots.append(ReplicaSlot(g, idx, r.samples))
-        return StageShape.of_slots(slots)
+                    f"stage {index}: replica rank {rank} is said to be in group {g.name!r}, "
+                    f"which holds ranks {first_rank.get(g.name, '?')}.. (ranks are numbered "
+                    "group by group, in file order, over the groups the plan uses); give each "
+                    "replica a rank of its own group")
+            ranks.append(self._first[g.name] + idx)
+        return r if tuple(ranks) == r.ranks else replace(r, ranks=tuple(ranks))
 
-    def stage_costs(self, shapes: list[StageShape], bounds: list[tuple[int, int]], mbs: int,
-                    recompute: list[bool] | tuple[bool, ...],
-                    optimizers: list[str] | tuple[str, ...] = ()) -> StageCosts:
-        """Costs of a pipeline given its stage shapes, layer ranges and micro-batch size;
-        ``optimizers``: each stage's optimizer state (empty: every stage replicated)."""
-        opts = tuple(optimizers) or (REPLICATED,) * len(shapes)
-        n = len(shapes)
-        if self.model.num_layers and bounds and bounds[-1][1] > self.model.num_layers:
-            raise CostModelError(f"the stages reach layer {bounds[-1][1]} but the model has "
-                                 f"{self.model.num_layers} layers")
+    def stage_costs(self, stages: Sequence[Stage], mbs: int) -> StageCosts:
+        """Costs of a pipeline of ``stages`` (their replicas, layer ranges, recompute flags and
+        optimizer states; ranks numbered as :meth:`placement` reads them) at micro-batch size
+        ``mbs``."""
+        n = len(stages)
+        if self.model.num_layers and stages and stages[-1].layers[1] > self.model.num_layers:
+            raise CostModelError(f"the stages reach layer {stages[-1].layers[1]} but the model "
+                                 f"has {self.model.num_layers} layers")
+        places = [self.placement(s.replicas) for s in stages]
         # each cut's (seconds, latency); nothing leaves the first stage backward or the last
         # forward
-        cuts = [self._cut(shapes[i], shapes[i + 1], bounds[i][1] - 1, mbs)
+        cuts = [self._cut(places[i], places[i + 1], stages[i].layers[1] - 1, mbs)
                 for i in range(n - 1)]
         fwd, bwd = cuts + [(0.0, 0.0)], [(0.0, 0.0)] + cuts
-        out = []
-        for i, (sh, (a, b), rc, opt) in enumerate(zip(shapes, bounds, recompute, opts)):
-            if sh.replicas:
-                out.append(self._mixed_stage(sh, a, b, rc, fwd[i][0], bwd[i][0], opt,
-                                             fwd[i][1], bwd[i][1]))
-                continue
-            samples = mbs // sh.width
-            f, bw = self.compute_s(sh.group, samples, a, b, rc)
-            ar = self.allreduce_window(sh, samples, a, b, rc)
-            out.append(StageCost(
-                forward_s=f, backward_s=bw,
-                send_forward_s=fwd[i][0], send_backward_s=bwd[i][0],
-                send_forward_latency_s=fwd[i][1], send_backward_latency_s=bwd[i][1],
-                allreduce_s=ar.link_s,
-                update_s=self.update_s(sh.group, samples, a, b, opt, sh.width),
-                static_bytes=self.static_bytes(a, b, opt, sh.width),
-                activation_bytes=self.activation_bytes(samples, a, b, rc),
-                working_bytes=self.working_bytes(samples, a, b),
-                capacity_bytes=self.capacity_bytes(sh.group),
-                recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
-                allgather_s=self.allgather_s(sh, a, b, opt), optimizer=opt))
-        return StageCosts(tuple(out))
+        return StageCosts(tuple(self._stage_cost(p, s, fwd[i], bwd[i])
+                                for i, (p, s) in enumerate(zip(places, stages))))
 
-    def _mixed_stage(self, sh: StageShape, a: int, b: int, rc: bool, send_f: float,
-                     send_b: float, opt: str = REPLICATED, lat_f: float = 0.0,
-                     lat_b: float = 0.0) -> StageCost:
-        """A stage whose replicas differ: the slowest replica's times, every kind's memory."""
-        kinds = {(r.group.gpu.name, r.group.gpu.tflops, r.samples): r for r in sh.replicas}
-        times = {k: self.compute_s(r.group, r.samples, a, b, rc) for k, r in kinds.items()}
-        slow = kinds[max(times, key=lambda k: sum(times[k]))]
-        ar = AllReduceWindow(0.0, 0.0, 0.0) if sh.width <= 1 else self._ring_window(
-            sh.width, self.replica_link(sh), self.table(slow.group, slow.samples), a, b, rc,
-            overlap=not sh.on_cpu)
-        first = sh.replicas[0]
+    def _stage_cost(self, p: Placement, stage: Stage, send_f: tuple[float, float],
+                    send_b: tuple[float, float]) -> StageCost:
+        """One stage: its slowest replica's times, the first replica's memory and, where the
+        replicas differ, every kind's."""
+        (a, b), rc, opt, d = stage.layers, stage.recompute, stage.optimizer, p.width
+        f, bw, slow = self._slowest(p, a, b, rc)
+        ar = self._window(p, slow, a, b, rc)
+        first_samples = p.replicas[0].samples
         return StageCost(
-            forward_s=max(f for f, _ in times.values()),
-            backward_s=max(bw for _, bw in times.values()),
-            send_forward_s=send_f, send_backward_s=send_b, send_forward_latency_s=lat_f,
-            send_backward_latency_s=lat_b, allreduce_s=ar.link_s,
-            update_s=max(self.update_s(r.group, r.samples, a, b, opt, sh.width)
-                         for r in kinds.values()),
-            static_bytes=self.static_bytes(a, b, opt, sh.width),
-            activation_bytes=self.activation_bytes(first.samples, a, b, rc),
-            working_bytes=self.working_bytes(first.samples, a, b),
-            capacity_bytes=self.capacity_bytes(first.group),
+            forward_s=f, backward_s=bw,
+            send_forward_s=send_f[0], send_backward_s=send_b[0],
+            send_forward_latency_s=send_f[1], send_backward_latency_s=send_b[1],
+            allreduce_s=ar.link_s,
+            update_s=max(self.update_s(g, s, a, b, opt, d) for g, s in p.kinds),
+            static_bytes=self.static_bytes(a, b, opt, d),
+            activation_bytes=self.activation_bytes(first_samples, a, b, rc),
+            working_bytes=self.working_bytes(first_samples, a, b),
+            capacity_bytes=self.capacity_bytes(p.group),
             recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
-            allgather_s=self.allgather_s(sh, a, b, opt), optimizer=opt,
-            replica_memory=tuple(ReplicaMemory(self.activation_bytes(r.samples, a, b, rc),
-                                               self.working_bytes(r.samples, a, b),
-                                               self.capacity_bytes(r.group))
-                                 for r in kinds.values()))
+            allgather_s=self._allgather(p, a, b, opt), optimizer=opt,
+            replica_memory=() if p.alike else tuple(
+                ReplicaMemory(self.activation_bytes(s, a, b, rc), self.working_bytes(s, a, b),
+                              self.capacity_bytes(g)) for g, s in p.kinds))
 
     def plan_costs(self, plan: Plan) -> StageCosts:
-        shapes = self.shapes_of(plan)
-        for s, sh in zip(plan.stages, shapes):
-            if not sh.replicas and plan.micro_batch_size % sh.width:
-                raise CostModelError(f"stage {s.index} has {sh.width} replicas but "
-                                     f"micro_batch_size is {plan.micro_batch_size}; make it a "
-                                     "multiple of every stage's width")
-        return self.stage_costs(shapes, [s.layers for s in plan.stages], plan.micro_batch_size,
-                                [s.recompute for s in plan.stages],
-                                [s.optimizer for s in plan.stages])
+        stages = self.stages_of(plan)
+        mbs = plan.micro_batch_size
+        for s in stages:
+            if not s.uneven and mbs % s.width:
+                raise CostModelError(f"stage {s.index} has {s.width} replicas but "
+                                     f"micro_batch_size is {mbs}; make it a multiple of every "
+                                     "stage's width")
+            if sum(s.shares()) != mbs:
+                raise CostModelError(f"stage {s.index}: replica samples {list(s.shares())} sum "
+                                     f"to {sum(s.shares())}, but micro_batch_size is {mbs}; "
+                                     "they must sum to it")
+        return self.stage_costs(stages, mbs)
 
     def sample_time_s(self, group: GpuGroup, samples: int) -> float:
         """Forward + backward seconds per sample of the whole model on one GPU of ``group``,

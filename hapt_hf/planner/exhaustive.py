@@ -58,15 +58,16 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     count = 0
     for order in group_orders(cluster):
         for split in itertools.product(*(list(group_cuts(g.size)) for g in order)):
-            shapes = shapes_for(order, {g.name: widths for g, widths in zip(order, split)})
-            n = len(shapes)
+            widths = {g.name: ws for g, ws in zip(order, split)}
+            n = sum(len(ws) for ws in split)
             if n > L or (options.max_stages and n > options.max_stages):
                 continue
-            lcm = math.lcm(*(sh.width for sh in shapes))
+            lcm = math.lcm(*(w for ws in split for w in ws))
             for mbs in divisors(global_batch_size):
                 if mbs % lcm or (options.micro_batch_sizes and mbs not in
                                  options.micro_batch_sizes):
                     continue
+                shapes = shapes_for(cm, order, widths, mbs)
                 m = global_batch_size // mbs
                 for sizes in compositions(L, n):
                     edges = list(itertools.accumulate(sizes, initial=0))
@@ -76,7 +77,7 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                               options.allow_recompute)
                         if rc is None:
                             continue
-                        lay = Layout(shapes, bounds, rc, mbs, warm, options.schedule)
+                        lay = Layout.build(shapes, bounds, rc, mbs, warm, options.schedule)
                         r = simulate_layout(cm, lay, m, exact=True)
                         count += 1
                         if count > max_candidates:

@@ -1,15 +1,15 @@
 """The Plan: the one artefact everything downstream of the planner reads (plan.json).
 
 A plan says, for every pipeline stage, which half-open range of the layer sequence
-``[embedding, block_0 .. block_{N-1}, head]`` it holds, on which group and ranks, how wide it is
-(data-parallel replicas, each with its share of every micro-batch), whether its optimizer state
-is replicated or sharded among them, and how many forward micro-batches it runs before its
-first backward.
+``[embedding, block_0 .. block_{N-1}, head]`` it holds and on which replicas: each replica a
+GPU (its rank, group and device type) with its share of every micro-batch. It also says whether
+a stage's optimizer state is replicated or sharded among its replicas, and how many forward
+micro-batches the stage runs before its first backward.
 It can be written by the planner or by hand; :func:`Plan.validate` checks it either way.
 
-Length: over 400 lines because the file's three records (plan, stage, replica), their JSON form
-and their checks are one format: each check names the field as the file spells it, next to the
-field's reader.
+One record, :class:`Stage` of :class:`Replica` s, describes every stage: the planner's search
+and cost model build and price the same record the runtime reads. A stage whose replicas are
+alike (one group, equal shares) is the special case of equal ``samples``.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.files import write_atomic
@@ -26,8 +26,8 @@ from hapt_hf.core.precision import DTYPES, OPTIMIZER_STATES, REPLICATED, SHARDED
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, warmup_rule
 from hapt_hf.errors import PlanError
 
-__all__ = ["PlanError", "StagePrediction", "Replica", "StagePlan", "PlanPrediction", "Plan", "SCHEDULES",
-           "LAYER_UNITS"]
+__all__ = ["PlanError", "StagePrediction", "Replica", "Stage", "StagePlan", "PlanPrediction",
+           "Plan", "even_replicas", "SCHEDULES", "LAYER_UNITS"]
 
 PLAN_VERSION = 1
 
@@ -46,198 +46,222 @@ class StagePrediction:
 
 @dataclass(frozen=True)
 class Replica:
-    """One GPU of a stage and the samples of every micro-batch it computes."""
+    """One replica of a stage: the ranks that hold it together and its share of every
+    micro-batch."""
 
-    rank: int
-    """Global rank of the GPU."""
     group: str
-    """Group of the cluster file the GPU belongs to."""
+    """Group of the cluster file the replica's GPUs belong to."""
     device_type: str
-    """Catalogue name of the GPU."""
+    """Catalogue name of those GPUs."""
     samples: int
     """How many samples of each micro-batch this replica computes (a stage's replicas sum to
     ``micro_batch_size``; unlike GPUs take shares in proportion to their speed)."""
+    ranks: tuple[int, ...]
+    """Global ranks holding the replica together; exactly one in this version (one GPU)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ranks": [self.rank], "group": self.group, "device_type": self.device_type,
-                "samples": self.samples}
+        return {"group": self.group, "device_type": self.device_type, "samples": self.samples,
+                "ranks": list(self.ranks)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str) -> "Replica":
         try:
-            ranks = [int(r) for r in d["ranks"]]
+            ranks = tuple(int(r) for r in d["ranks"])
             samples = int(d["samples"])
         except KeyError as e:
-            raise PlanError(f"{where}: a replica is missing field {e.args[0]!r}; each replica "
-                            "needs 'ranks' ([rank]), 'samples', 'group' and 'device_type'") from None
+            raise PlanError(f"{where}: a replica is missing field {e.args[0]!r}; each "
+                            "replica needs 'ranks' ([rank]), 'samples', 'group' and "
+                            "'device_type'") from None
         except (TypeError, ValueError) as e:
             raise PlanError(f"{where}: malformed replica ({e}); 'ranks' is a list of integers, "
                             "'samples' an integer") from None
-        if len(ranks) != 1:
-            raise PlanError(f"{where}: a replica lists ranks {ranks}; each replica is one GPU "
-                            "(one rank) in this version: give every GPU a replica of its own")
-        return cls(ranks[0], str(d.get("group", "")), str(d.get("device_type", "")), samples)
+        return cls(str(d.get("group", "")), str(d.get("device_type", "")), samples, ranks)
+
+
+def even_replicas(group: str, device_type: str, ranks: Sequence[int],
+                  samples: int) -> tuple[Replica, ...]:
+    """One replica per rank, all of one group, each computing ``samples`` of every micro-batch."""
+    return tuple(Replica(group, device_type, samples, (r,)) for r in ranks)
+
+
+def _uneven_width(index: int, width: int, micro_batch_size: int) -> PlanError:
+    return PlanError(f"stage {index} has {width} replicas but micro_batch_size is "
+                     f"{micro_batch_size}; it must be a multiple of the stage's width, or give the "
+                     "stage's replicas their own 'samples'")
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One pipeline stage: a contiguous layer range on ``dp`` GPUs.
+class Stage:
+    """One pipeline stage: a contiguous layer range on ``width`` data-parallel replicas, each
+    computing its share of every micro-batch.
 
-    A stage whose GPUs are alike and split every micro-batch evenly is described by ``group``,
-    ``device_type`` and ``ranks`` alone (``replicas`` left empty). A stage whose replicas take
-    unequal shares of each micro-batch, or sit in different groups, lists them in ``replicas``
-    (build it with :meth:`of_replicas`); ``group``, ``device_type`` and ``ranks`` then are those
-    of its replicas (the first replica's group and type)."""
+    A stage whose replicas are alike (one group, equal shares) is simply one whose replicas
+    have equal ``samples``; build it with :meth:`even`. The search, the cost model and the
+    runtime read this same record."""
 
     index: int
     """Position along the pipeline, 0 = holds the embedding."""
     layers: tuple[int, int]
     """Half-open range over the layer sequence (0 = embedding, last = head)."""
-    group: str
-    """Name of a group of the cluster file (the first replica's, where they differ)."""
-    device_type: str
-    """Catalogue name of the GPUs of that group (``V100-32``, ``A100-40``, ``cpu``...)."""
-    ranks: tuple[int, ...]
-    """Global ranks that hold this stage; ``len(ranks) == dp``."""
-    warmup: int
+    replicas: tuple[Replica, ...]
+    """The stage's data-parallel replicas in rank order: replica ``r`` computes the samples
+    after those of replicas ``0..r-1`` of every micro-batch."""
+    warmup: int = 1
     """Forward micro-batches this stage runs before its first backward (1F1B: stages - index)."""
     recompute: bool = False
     """Activation checkpointing for this stage's blocks (trades compute for memory)."""
-    predicted: StagePrediction = field(default_factory=StagePrediction)
-    replicas: tuple[Replica, ...] = ()
-    """Per-replica group, type and share of each micro-batch; empty: ``ranks`` are GPUs of
-    ``group`` that split every micro-batch evenly. Stored empty whenever that is what it says."""
     optimizer: str = REPLICATED
     """``replicated`` (every replica holds the whole Adam state) or ``sharded`` (ZeRO-1)."""
-
-    def __post_init__(self) -> None:
-        reps = self.replicas
-        if reps and len({(r.group, r.device_type, r.samples) for r in reps}) == 1 \
-                and tuple(r.rank for r in reps) == tuple(self.ranks) \
-                and (reps[0].group, reps[0].device_type) == (self.group, self.device_type):
-            object.__setattr__(self, "replicas", ())  # even shares on alike GPUs: canonical form
+    predicted: StagePrediction = field(default_factory=StagePrediction)
 
     @classmethod
-    def of_replicas(cls, index: int, layers: tuple[int, int], replicas: tuple[Replica, ...],
-                    warmup: int, **kw: Any) -> "StagePlan":
-        """A stage of the given replicas (``group``, ``device_type``, ``ranks`` from them)."""
-        if not replicas:
-            raise PlanError(f"stage {index}: no replicas; give it at least one")
-        return cls(index, layers, replicas[0].group, replicas[0].device_type,
-                   tuple(r.rank for r in replicas), warmup, replicas=tuple(replicas), **kw)
+    def even(cls, index: int, layers: tuple[int, int], group: str, device_type: str,
+             ranks: Sequence[int], warmup: int = 1, *, micro_batch_size: int,
+             **kw: Any) -> "Stage":
+        """A stage on ``ranks`` of one group that split every micro-batch evenly."""
+        if ranks and micro_batch_size % len(ranks):
+            raise _uneven_width(index, len(ranks), micro_batch_size)
+        samples = micro_batch_size // len(ranks) if ranks else 0
+        return cls(index, tuple(layers), even_replicas(group, device_type, ranks, samples),
+                   warmup, **kw)
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the stage, in replica order."""
+        return tuple(r for rep in self.replicas for r in rep.ranks)
 
     @property
-    def dp(self) -> int:
+    def width(self) -> int:
         """Number of data-parallel replicas: every micro-batch is split among them."""
-        return len(self.ranks)
+        return len(self.replicas)
 
     @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
     @property
-    def uneven(self) -> bool:
-        """Whether the replicas differ in share, group or type (``replicas`` is listed)."""
-        return bool(self.replicas)
+    def group(self) -> str:
+        """The first replica's group (the stage's group where its replicas are alike)."""
+        return self.replicas[0].group if self.replicas else ""
+
+    @property
+    def device_type(self) -> str:
+        """The first replica's device type."""
+        return self.replicas[0].device_type if self.replicas else ""
 
     @property
     def groups(self) -> tuple[str, ...]:
         """The groups the stage's GPUs belong to, in replica order, each once."""
-        return tuple(dict.fromkeys(r.group for r in self.replicas)) if self.replicas \
-            else (self.group,)
+        return tuple(dict.fromkeys(r.group for r in self.replicas))
 
-    def shares(self, micro_batch_size: int) -> tuple[int, ...]:
-        """Samples of each micro-batch each replica computes, in replica order."""
-        if self.replicas:
-            return tuple(r.samples for r in self.replicas)
-        if micro_batch_size % self.dp:
-            raise PlanError(f"stage {self.index} has {self.dp} replicas sharing evenly but "
-                            f"micro_batch_size is {micro_batch_size}; it must be a multiple of "
-                            "the stage's width, or give the replicas their 'samples'")
-        return (micro_batch_size // self.dp,) * self.dp
+    @property
+    def uneven(self) -> bool:
+        """Whether the replicas differ in group, device type or share."""
+        return len({(r.group, r.device_type, r.samples) for r in self.replicas}) > 1
 
-    def replica_list(self, micro_batch_size: int) -> tuple[Replica, ...]:
-        """Every replica with its group, type and share (also for an even stage)."""
-        if self.replicas:
-            return self.replicas
-        share = self.shares(micro_batch_size)[0]
-        return tuple(Replica(r, self.group, self.device_type, share) for r in self.ranks)
+    def shares(self, micro_batch_size: int | None = None) -> tuple[int, ...]:
+        """Samples of each micro-batch each replica computes, in replica order; given the
+        plan's ``micro_batch_size``, PlanError where they do not sum to it."""
+        out = tuple(r.samples for r in self.replicas)
+        if micro_batch_size is not None and sum(out) != micro_batch_size:
+            raise PlanError(f"stage {self.index}: replica samples {list(out)} sum to "
+                            f"{sum(out)}, but micro_batch_size is {micro_batch_size}; they must "
+                            "sum to it")
+        return out
 
+    # -- plan.json -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["layers"] = list(self.layers)
-        d["ranks"] = list(self.ranks)
-        d["dp"] = self.dp
-        if self.replicas:
-            d["replicas"] = [r.to_dict() for r in self.replicas]
-        else:
-            del d["replicas"]
-        if self.optimizer == REPLICATED:  # absent means replicated: older files agree
-            del d["optimizer"]
+        d: dict[str, Any] = {"index": self.index, "layers": list(self.layers),
+                             "replicas": [r.to_dict() for r in self.replicas],
+                             "warmup": self.warmup, "recompute": self.recompute}
+        if self.optimizer != REPLICATED:  # absent means replicated: older files agree
+            d["optimizer"] = self.optimizer
+        d["predicted"] = asdict(self.predicted)
+        d["dp"] = self.width  # written for readers; checked on load
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StagePlan":
+    def from_dict(cls, d: dict[str, Any], micro_batch_size: int) -> "Stage":
+        """A stage of plan.json. Besides the form :meth:`to_dict` writes, the older forms load:
+        an even stage as ``group``, ``device_type`` and ``ranks`` (each rank an equal share of
+        ``micro_batch_size``), and ``replicas`` beside the stage's ``group``, ``device_type``
+        and ``ranks`` (which must then be those of its replicas)."""
         where = f"stage {d.get('index', '?')}"
         try:
+            index = int(d["index"])
             layers = tuple(int(x) for x in d["layers"])
             replicas = tuple(Replica.from_dict(r, where) for r in d.get("replicas") or ())
-            ranks = tuple(int(r) for r in d["ranks"]) if "ranks" in d or not replicas \
-                else tuple(r.rank for r in replicas)
-            first = replicas[0] if replicas else None
+            if replicas:
+                _check_listed(d, replicas, where)
+            else:
+                ranks = tuple(int(r) for r in d["ranks"])
+                if ranks and micro_batch_size % len(ranks):
+                    raise _uneven_width(index, len(ranks), micro_batch_size)
+                replicas = even_replicas(str(d.get("group", "")), str(d.get("device_type", "")),
+                                         ranks, micro_batch_size // len(ranks) if ranks else 0)
             stage = cls(
-                index=int(d["index"]),
+                index=index,
                 layers=(layers[0], layers[1]),
-                group=str(d.get("group", first.group if first else "")),
-                device_type=str(d.get("device_type", first.device_type if first else "")),
-                ranks=ranks,
+                replicas=replicas,
                 warmup=int(d.get("warmup", 1)),
                 recompute=bool(d.get("recompute", False)),
-                predicted=StagePrediction(**d.get("predicted", {})),
-                replicas=replicas,
                 optimizer=str(d.get("optimizer", REPLICATED)),
+                predicted=StagePrediction(**d.get("predicted", {})),
             )
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; every stage needs "
-                            "'index', 'layers' [start, end) and 'ranks'") from None
+                            "'index', 'layers' [start, end) and 'replicas' (or 'ranks')") from None
         except (TypeError, ValueError, IndexError) as e:
+            if isinstance(e, PlanError):
+                raise
             raise PlanError(f"{where}: malformed field ({e}); 'layers' is [start, end), "
                             "'ranks' a list of integers") from None
-        if "dp" in d and int(d["dp"]) != stage.dp:
-            raise PlanError(f"{where}: dp is {d['dp']} but ranks lists {stage.dp} ranks "
-                            f"{list(stage.ranks)}; make them agree")
+        if "dp" in d and int(d["dp"]) != stage.width:
+            raise PlanError(f"{where}: dp is {d['dp']} but the stage lists {stage.width} "
+                            f"replicas (ranks {list(stage.ranks)}); make them agree")
         return stage
 
     def validate(self, micro_batch_size: int) -> None:
         """Raise PlanError naming what is wrong with this stage's replicas or optimizer."""
         i = self.index
+        if not self.replicas:
+            raise PlanError(f"stage {i} lists no replicas (no ranks); give it at least one")
         if self.optimizer not in OPTIMIZER_STATES:
             raise PlanError(f"stage {i}: optimizer {self.optimizer!r} is unknown; use one of "
                             f"{OPTIMIZER_STATES}")
-        if self.optimizer == SHARDED and self.dp < 2:
+        if self.optimizer == SHARDED and self.width < 2:
             raise PlanError(f"stage {i}: optimizer 'sharded' needs at least 2 replicas to shard "
                             "the state among, it has 1; use 'replicated'")
-        if not self.replicas:
-            if micro_batch_size % self.dp:
-                raise PlanError(f"stage {i} has {self.dp} replicas but micro_batch_size is "
-                                f"{micro_batch_size}; it must be a multiple of every stage's "
-                                "width, or give the stage's replicas their own 'samples'")
-            return
-        if tuple(r.rank for r in self.replicas) != tuple(self.ranks):
-            raise PlanError(f"stage {i}: ranks {list(self.ranks)} but its replicas list ranks "
-                            f"{[r.rank for r in self.replicas]}; make them agree")
-        if (self.group, self.device_type) != (self.replicas[0].group,
-                                              self.replicas[0].device_type):
-            raise PlanError(f"stage {i}: group/device_type {self.group}/{self.device_type} are "
-                            "not those of its first replica "
-                            f"({self.replicas[0].group}/{self.replicas[0].device_type})")
-        shares = self.shares(micro_batch_size)
+        for r in self.replicas:
+            if len(r.ranks) != 1:
+                raise PlanError(f"stage {i}: a replica lists ranks {list(r.ranks)}; each "
+                                "replica is one GPU (one rank) in this version (replicas held "
+                                "by several ranks together are not supported): give every GPU "
+                                "a replica of its own")
+        shares = self.shares()
         if min(shares) < 1:
             raise PlanError(f"stage {i}: replica samples {list(shares)} include a replica with "
                             "none; leave that GPU out of the stage instead")
-        if sum(shares) != micro_batch_size:
-            raise PlanError(f"stage {i}: replica samples {list(shares)} sum to {sum(shares)}, "
-                            f"but micro_batch_size is {micro_batch_size}; they must sum to it")
+        self.shares(micro_batch_size)
+
+
+StagePlan = Stage
+"""Former name of :class:`Stage` (deprecated)."""
+
+
+def _check_listed(d: dict[str, Any], replicas: tuple[Replica, ...], where: str) -> None:
+    """The stage-level ``ranks``, ``group`` and ``device_type`` an older file lists beside
+    ``replicas`` must be those of the replicas."""
+    ranks = [r for rep in replicas for r in rep.ranks]
+    if "ranks" in d and [int(r) for r in d["ranks"]] != ranks:
+        raise PlanError(f"{where}: ranks {list(d['ranks'])} but its replicas list ranks "
+                        f"{ranks}; make them agree")
+    first = (replicas[0].group, replicas[0].device_type)
+    listed = (str(d.get("group", first[0])), str(d.get("device_type", first[1])))
+    if listed != first:
+        raise PlanError(f"{where}: group/device_type {listed[0]}/{listed[1]} are not those of "
+                        f"its first replica ({first[0]}/{first[1]}); make them agree")
 
 
 @dataclass(frozen=True)
@@ -262,7 +286,7 @@ class Plan:
     """Samples in one micro-batch as it enters the pipeline (split among a stage's replicas)."""
     num_microbatches: int
     schedule: str
-    stages: tuple[StagePlan, ...]
+    stages: tuple[Stage, ...]
     dtype: str = "fp32"
     predicted: PlanPrediction = field(default_factory=PlanPrediction)
     cluster_name: str = ""
@@ -289,13 +313,13 @@ class Plan:
     # -- derived -------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return sum(s.dp for s in self.stages)
+        return sum(s.width for s in self.stages)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def stage_of_rank(self, rank: int) -> StagePlan:
+    def stage_of_rank(self, rank: int) -> Stage:
         for s in self.stages:
             if rank in s.ranks:
                 return s
@@ -354,7 +378,7 @@ class Plan:
                 raise PlanError(f"stage {i} has an empty layer range {list(s.layers)}; "
                                 "every stage needs at least one layer")
             expect = s.layers[1]
-            if s.dp < 1:
+            if s.width < 1:
                 raise PlanError(f"stage {i} lists no ranks; give it at least one")
             dup = seen_ranks.intersection(s.ranks)
             if dup or len(set(s.ranks)) != len(s.ranks):
@@ -443,10 +467,10 @@ class Plan:
                 num_layers=int(model["num_layers"]),
                 seq_len=int(d["seq_len"]),
                 global_batch_size=int(d["global_batch_size"]),
-                micro_batch_size=int(d["micro_batch_size"]),
+                micro_batch_size=(mbs := int(d["micro_batch_size"])),
                 num_microbatches=int(d["num_microbatches"]),
                 schedule=str(d.get("schedule", ScheduleKind.ONE_F_ONE_B.value)),
-                stages=tuple(StagePlan.from_dict(s) for s in d["stages"]),
+                stages=tuple(Stage.from_dict(s, mbs) for s in d["stages"]),
                 predicted=PlanPrediction(**d.get("predicted", {})),
                 cluster_name=str(d.get("cluster", "")),
                 baselines={str(k): float(v) for k, v in d.get("baselines", {}).items()},
@@ -457,7 +481,8 @@ class Plan:
                 **_precision_fields(d),
             )
         except KeyError as e:
-            raise PlanError(f"plan is missing field {e.args[0]!r}; see docs/architecture.md") from None
+            raise PlanError(f"plan is missing field {e.args[0]!r}; see "
+                            "docs/architecture.md") from None
         except (TypeError, ValueError, AttributeError) as e:
             if isinstance(e, PlanError):
                 raise

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM
 from hapt_hf.core.schedules import ActionKind, schedule_generator
 
 from .cluster import Cluster
@@ -213,7 +214,8 @@ def _memory_reason(st, peaks: tuple[float, ...], in_flight: list[int]) -> str:
 
 
 def simulate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, profile: Profile | None = None,
-                  record_events: bool = True, memory_headroom: float = 0.9,
+                  record_events: bool = True,
+                  memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
                   cost_model: CostModel | None = None) -> SimResult:
     """Price ``plan`` with the cost model and replay its schedule."""
     if cost_model is None and profile is None and cluster.profiles is not None:

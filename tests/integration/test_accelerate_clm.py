@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +38,12 @@ def _hapt_config(tmp: Path, kind: str, world: int):
 
     g = PER_DEVICE * world * GA
     if world == 4:
-        stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2),
-                  StagePlan(1, (3, 6), "cpu", "cpu", (1, 2), 2),
-                  StagePlan(2, (6, 8), "cpu", "cpu", (3,), 1))
+        stages = (Stage.even(0, (0, 3), "cpu", "cpu", (0,), 2, micro_batch_size=2),
+                  Stage.even(1, (3, 6), "cpu", "cpu", (1, 2), 2, micro_batch_size=2),
+                  Stage.even(2, (6, 8), "cpu", "cpu", (3,), 1, micro_batch_size=2))
     else:
-        stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2),
-                  StagePlan(1, (3, 8), "cpu", "cpu", (1, 2), 1))
+        stages = (Stage.even(0, (0, 3), "cpu", "cpu", (0,), 2, micro_batch_size=2),
+                  Stage.even(1, (3, 8), "cpu", "cpu", (1, 2), 1, micro_batch_size=2))
     plan = Plan(f"{kind}-tiny", 8, SEQ, g, 2, g // 2, "h1f1b", stages).validate(world_size=world)
     # no global_batch_size: the training DataLoader defines it
     return HaptConfig(plan=plan.save(tmp / "plan.json"), schedule="h1f1b", seq_len=SEQ, timeout_s=60)

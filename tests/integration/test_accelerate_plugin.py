@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 SEQ, VOCAB, GA, G = 8, 97, 2, 8  # G: rows per optimizer step
@@ -27,11 +27,12 @@ def _plan_file(tmp: Path, world: int = 4, optimizer: str = "replicated") -> Path
     """Uneven stages under H-1F1B: emb + 2 blocks | 1 block on two replicas | 1 block + head;
     ``optimizer``: how the two replicas keep their optimizer state."""
     if world == 1:
-        stages = (StagePlan(0, (0, 6), "cpu", "cpu", (0,), 1),)
+        stages = (Stage.even(0, (0, 6), "cpu", "cpu", (0,), 1, micro_batch_size=2),)
     else:
-        stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2),
-                  StagePlan(1, (3, 5), "cpu", "cpu", (1, 2), 2, optimizer=optimizer),
-                  StagePlan(2, (5, 6), "cpu", "cpu", (3,), 1))
+        stages = (Stage.even(0, (0, 3), "cpu", "cpu", (0,), 2, micro_batch_size=2),
+                  Stage.even(1, (3, 5), "cpu", "cpu", (1, 2), 2, optimizer=optimizer,
+                             micro_batch_size=2),
+                  Stage.even(2, (5, 6), "cpu", "cpu", (3,), 1, micro_batch_size=2))
     plan = Plan("tiny-gpt2", 6, SEQ, G, 2, G // 2, "h1f1b", stages).validate(world_size=world)
     return plan.save(tmp / "plan.json")
 
@@ -410,8 +411,8 @@ class _FileTracker:
 
 def _two_stage_config(tmp: Path, dtype: str, **kw):
     from hapt_hf.integration.config import HaptConfig
-    stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2),
-              StagePlan(1, (3, 6), "cpu", "cpu", (1,), 1))
+    stages = (Stage.even(0, (0, 3), "cpu", "cpu", (0,), 2, micro_batch_size=2),
+              Stage.even(1, (3, 6), "cpu", "cpu", (1,), 1, micro_batch_size=2))
     plan = Plan("tiny-gpt2", 6, SEQ, G, 2, G // 2, "h1f1b", stages, dtype=dtype).validate(
         world_size=2)
     return HaptConfig(plan=plan.save(tmp / f"plan_{dtype}.json"), schedule="h1f1b", seq_len=SEQ,

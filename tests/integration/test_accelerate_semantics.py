@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 SEQ, VOCAB, GA = 8, 97, 2
@@ -96,7 +96,8 @@ def _config():
 def _hapt_config(tmp: Path):
     from hapt_hf.integration.config import HaptConfig
 
-    stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0,), 2), StagePlan(1, (3, 6), "cpu", "cpu", (1,), 1))
+    stages = (Stage.even(0, (0, 3), "cpu", "cpu", (0,), 2, micro_batch_size=2),
+              Stage.even(1, (3, 6), "cpu", "cpu", (1,), 1, micro_batch_size=2))
     plan = Plan("tiny-gpt2", 6, SEQ, 8, 2, 4, "h1f1b", stages).validate(world_size=2)
     return HaptConfig(plan=plan.save(tmp / "plan.json"), schedule="h1f1b", seq_len=SEQ, timeout_s=60)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -41,8 +41,9 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("trained")
     Plan(model_name="gpt2-tiny", num_layers=8, seq_len=SEQ, global_batch_size=4,
          micro_batch_size=1, num_microbatches=4, schedule="1f1b",
-         stages=(StagePlan(0, (0, 4), "a", "cpu", (0,), 2),
-                 StagePlan(1, (4, 8), "b", "cpu", (1,), 1))).save(tmp / "plan.json")
+         stages=(Stage.even(0, (0, 4), "a", "cpu", (0,), 2, micro_batch_size=1),
+                 Stage.even(1, (4, 8), "b", "cpu", (1,), 1, micro_batch_size=1))
+         ).save(tmp / "plan.json")
     hapt = tmp / "hapt.yaml"
     hapt.write_text(f"plan: plan.json\nschedule: 1f1b\nglobal_batch_size: 4\nseq_len: {SEQ}\n"
                     "timeout_s: 30\n")

@@ -14,7 +14,7 @@ from hapt_hf.integration.data import (DataError, TextDataConfig, epoch_order, lo
                                       pack_tokens)
 from hapt_hf.integration.launch import LaunchEnv, LaunchError, read_launch_env
 from hapt_hf.integration.plan_resolution import check_model_family, format_plan, resolve_plan
-from hapt_hf.planner.plan import Plan, PlanError, StagePlan
+from hapt_hf.planner.plan import Plan, PlanError, Stage
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -31,8 +31,9 @@ def _write(path: Path, text: str) -> Path:
 def _two_stage_plan(seq_len: int = 32, blocks: int = 6) -> Plan:
     return Plan(model_name="gpt2-tiny", num_layers=blocks + 2, seq_len=seq_len,
                 global_batch_size=4, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
-                stages=(StagePlan(0, (0, 5), "fast", "cpu", (0,), 2),
-                        StagePlan(1, (5, blocks + 2), "slow", "cpu", (1,), 1)))
+                stages=(Stage.even(0, (0, 5), "fast", "cpu", (0,), 2, micro_batch_size=1),
+                        Stage.even(1, (5, blocks + 2), "slow", "cpu", (1,), 1,
+                                   micro_batch_size=1)))
 
 
 # -- hapt config -------------------------------------------------------------------------------
@@ -228,12 +229,12 @@ def test_plan_and_cluster_that_disagree_are_refused(tmp_path):
 
 def test_a_replica_in_a_group_the_cluster_lacks_is_refused(tmp_path):
     from hapt_hf.planner.plan import Replica
-    replicas = (Replica(1, "slow", "cpu-slow", 2), Replica(2, "slow", "cpu-slow", 1),
-                Replica(3, "elsewhere", "cpu-slow", 1))  # not the stage's first replica's group
+    replicas = (Replica("slow", "cpu-slow", 2, (1,)), Replica("slow", "cpu-slow", 1, (2,)),
+                Replica("elsewhere", "cpu-slow", 1, (3,)))  # not the stage's first replica's group
     plan = Plan(model_name="gpt2-tiny", num_layers=8, seq_len=64, global_batch_size=8,
                 micro_batch_size=4, num_microbatches=2, schedule="1f1b",
-                stages=(StagePlan(0, (0, 5), "fast", "cpu-fast", (0,), 2),
-                        StagePlan.of_replicas(1, (5, 8), replicas, 1)))
+                stages=(Stage.even(0, (0, 5), "fast", "cpu-fast", (0,), 2, micro_batch_size=4),
+                        Stage(1, (5, 8), replicas, 1)))
     plan.save(tmp_path / "plan.json")
     plugin = HaptPlugin.from_yaml(_write(tmp_path / "hapt.yaml",
                                          f"cluster: {CLUSTER}\nplan: plan.json\n"))

@@ -27,14 +27,14 @@ def _config():
 def _plan(world_size: int):
     """The planner's figures for qwen3; two stages on two ranks, one stage on one."""
     from hapt_hf.planner.model_spec import ModelSpec
-    from hapt_hf.planner.plan import Plan, StagePlan
-    from hapt_hf.profiling.model_reader import install_model_reader
+    from hapt_hf.planner.plan import Plan, Stage
+    from hapt_hf.profiling.model_figures import MeasuringReader
 
-    install_model_reader()
-    spec = ModelSpec.from_config(_config(), SEQ, "fp32", name="tiny-qwen3")
+    spec = ModelSpec.from_config(_config(), SEQ, "fp32", name="tiny-qwen3", reader=MeasuringReader())
     cut = ((0, spec.num_layers),) if world_size == 1 else ((0, 3), (3, spec.num_layers))
     # 1F1B: a stage runs as many forwards before its first backward as stages from it to the end
-    stages = tuple(StagePlan(i, r, "cpu", "cpu", (i,), len(cut) - i) for i, r in enumerate(cut))
+    stages = tuple(Stage.even(i, r, "cpu", "cpu", (i,), len(cut) - i, micro_batch_size=MBS)
+                   for i, r in enumerate(cut))
     return Plan(spec.name, spec.num_layers, SEQ, G, MBS, M, "1f1b", stages).validate(
         world_size=world_size)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,8 +75,9 @@ def _two_rank_hapt(tmp: Path, cut: int, name: str = "hapt.yaml") -> Path:
     """A hand-written 2-rank plan of gpt2-tiny (6 blocks = 8 layers) cut after ``cut`` layers."""
     Plan(model_name="gpt2-tiny", num_layers=8, seq_len=SEQ, global_batch_size=4,
          micro_batch_size=1, num_microbatches=4, schedule="1f1b",
-         stages=(StagePlan(0, (0, cut), "a", "cpu", (0,), 2),
-                 StagePlan(1, (cut, 8), "b", "cpu", (1,), 1))).save(tmp / f"plan{cut}.json")
+         stages=(Stage.even(0, (0, cut), "a", "cpu", (0,), 2, micro_batch_size=1),
+                 Stage.even(1, (cut, 8), "b", "cpu", (1,), 1, micro_batch_size=1))
+         ).save(tmp / f"plan{cut}.json")
     hapt = tmp / name
     hapt.write_text(f"plan: plan{cut}.json\nschedule: 1f1b\nseq_len: {SEQ}\ntimeout_s: 30\n")
     return hapt
@@ -145,8 +146,9 @@ def test_binary_cluster_file(tmp_path):
 def test_plan_and_cluster_disagree(capsys, tmp_path):
     Plan(model_name="gpt2-tiny", num_layers=8, seq_len=64, global_batch_size=2,
          micro_batch_size=1, num_microbatches=2, schedule="1f1b",
-         stages=(StagePlan(0, (0, 4), "fast", "cpu", (0,), 2),
-                 StagePlan(1, (4, 8), "slow", "cpu", (1,), 1))).save(tmp_path / "plan.json")
+         stages=(Stage.even(0, (0, 4), "fast", "cpu", (0,), 2, micro_batch_size=1),
+                 Stage.even(1, (4, 8), "slow", "cpu", (1,), 1, micro_batch_size=1))
+         ).save(tmp_path / "plan.json")
     hapt = tmp_path / "hapt.yaml"
     hapt.write_text(f"cluster: {CLUSTER}\nplan: plan.json\n")
     msg = _run(capsys, "finetune_gpt2", tmp_path / "out", "--hapt_config", str(hapt))

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.integration.data import TextDataConfig, load_text_dataset, rows_dataset
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -79,8 +79,8 @@ def _llama_plan(tmp_path: Path) -> Path:
     """An uneven 2-rank plan written by hand: 4 blocks + embedding | 2 blocks + head."""
     plan = Plan(model_name="llama-tiny", num_layers=8, seq_len=SEQ, global_batch_size=4,
                 micro_batch_size=1, num_microbatches=4, schedule="1f1b",
-                stages=(StagePlan(0, (0, 5), "a", "cpu", (0,), 2),
-                        StagePlan(1, (5, 8), "b", "cpu", (1,), 1)))
+                stages=(Stage.even(0, (0, 5), "a", "cpu", (0,), 2, micro_batch_size=1),
+                        Stage.even(1, (5, 8), "b", "cpu", (1,), 1, micro_batch_size=1)))
     plan.save(tmp_path / "plan.json")
     hapt = tmp_path / "hapt.yaml"
     hapt.write_text(f"plan: plan.json\nschedule: 1f1b\nglobal_batch_size: 4\nseq_len: {SEQ}\n"

@@ -59,9 +59,9 @@ def recompute_worker(rank: int, world: int, out: str, kw: dict):
 
     from hapt_hf.integration.trainer import HaptTrainer
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
-    from hapt_hf.planner.plan import Plan, StagePlan
+    from hapt_hf.planner.plan import Plan, Stage
 
-    plan = Plan("t", 4, 8, 2, 1, 2, "1f1b", (StagePlan(0, (0, 4), "cpu", "cpu", (0,), 1),))
+    plan = Plan("t", 4, 8, 2, 1, 2, "1f1b", (Stage.even(0, (0, 4), "cpu", "cpu", (0,), 1, micro_batch_size=1),))
     runtime = PipelineRuntime(plan, GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50),
                               RuntimeConfig(timeout_s=60))
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=1,

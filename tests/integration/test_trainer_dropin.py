@@ -165,12 +165,12 @@ def _sharded_plan(path: Path, kind: str) -> Path:
     """4 ranks: the embedding and a block on 2 replicas with sharded optimizer state (ZeRO-1),
     the other blocks and the head on one rank each; 8 samples a step."""
     from hapt_hf.core.precision import SHARDED
-    from hapt_hf.planner.plan import Plan, StagePlan
+    from hapt_hf.planner.plan import Plan, Stage
     layers = 4 + 2  # embedding + 4 blocks + head
     plan = Plan(f"{kind}-tiny", layers, SEQ, 8, 2, 4, "1f1b", (
-        StagePlan(0, (0, 2), "cpu", "cpu", (0, 1), 3, optimizer=SHARDED),
-        StagePlan(1, (2, 4), "cpu", "cpu", (2,), 2),
-        StagePlan(2, (4, layers), "cpu", "cpu", (3,), 1))).validate(world_size=4)
+        Stage.even(0, (0, 2), "cpu", "cpu", (0, 1), 3, optimizer=SHARDED, micro_batch_size=2),
+        Stage.even(1, (2, 4), "cpu", "cpu", (2,), 2, micro_batch_size=2),
+        Stage.even(2, (4, layers), "cpu", "cpu", (3,), 1, micro_batch_size=2))).validate(world_size=4)
     return plan.save(path)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -44,11 +44,11 @@ def _plan(world_size: int) -> Plan:
     g = _global_batch(world_size)
     if world_size == 1:
         return Plan("tiny-gpt2", 6, SEQ, g, MBS, g // MBS, "1f1b",
-                    (StagePlan(0, (0, 6), "cpu", "cpu", (0,), 1),))
+                    (Stage.even(0, (0, 6), "cpu", "cpu", (0,), 1, micro_batch_size=MBS),))
     last = tuple(range(1, world_size))
     return Plan("tiny-gpt2", 6, SEQ, g, MBS, g // MBS, "1f1b", (
-        StagePlan(0, (0, 4), "cpu", "cpu", (0,), 2),
-        StagePlan(1, (4, 6), "cpu", "cpu", last, 1))).validate(world_size=world_size)
+        Stage.even(0, (0, 4), "cpu", "cpu", (0,), 2, micro_batch_size=MBS),
+        Stage.even(1, (4, 6), "cpu", "cpu", last, 1, micro_batch_size=MBS))).validate(world_size=world_size)
 
 
 def _rows(n: int, seed: int) -> torch.Tensor:

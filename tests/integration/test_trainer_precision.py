@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hapt_hf.integration.trainer import HaptTrainer, TrainingArgsError
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 SEQ, VOCAB, MBS, M = 8, 97, 2, 2
@@ -22,8 +22,8 @@ STEPS, SAVE_AT = 6, 3
 
 def _plan(dtype: str, world_size: int = 2) -> Plan:
     plan = Plan("tiny-gpt2", 6, SEQ, G, MBS, M, "1f1b", (
-        StagePlan(0, (0, 4), "cpu", "cpu", (0,), 2),
-        StagePlan(1, (4, 6), "cpu", "cpu", tuple(range(1, world_size)), 1)))
+        Stage.even(0, (0, 4), "cpu", "cpu", (0,), 2, micro_batch_size=MBS),
+        Stage.even(1, (4, 6), "cpu", "cpu", tuple(range(1, world_size)), 1, micro_batch_size=MBS)))
     return replace(plan, dtype=dtype,
                    loss_scaling="dynamic" if dtype == "fp16" else None).validate()
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from hapt_hf.planner.plan import Plan, Replica, StagePlan
+from hapt_hf.planner.plan import Plan, Replica, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -24,10 +24,10 @@ RTOL, ATOL = 1e-5, 4e-5
 
 
 def _plan() -> Plan:
-    last = (Replica(1, "cpu", "cpu", 3), Replica(2, "cpu", "cpu", 1))
+    last = (Replica("cpu", "cpu", 3, (1,)), Replica("cpu", "cpu", 1, (2,)))
     return Plan("tiny-gpt2", 6, SEQ, G, MBS, M, "1f1b", (
-        StagePlan(0, (0, 4), "cpu", "cpu", (0,), 2),
-        StagePlan.of_replicas(1, (4, 6), last, 1, optimizer="sharded"))).validate(WORLD)
+        Stage.even(0, (0, 4), "cpu", "cpu", (0,), 2, micro_batch_size=MBS),
+        Stage(1, (4, 6), last, 1, optimizer="sharded"))).validate(WORLD)
 
 
 def _config():

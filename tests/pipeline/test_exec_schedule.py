@@ -8,26 +8,26 @@ from hypothesis import strategies as st
 from hapt_hf.pipeline.placement import (max_in_flight, pieces_between, rank_work,
                                        replica_slice)
 from hapt_hf.pipeline.torch_pipelining import torch_supports
-from hapt_hf.planner.plan import Plan, PlanError, Replica, StagePlan
+from hapt_hf.planner.plan import Plan, PlanError, Replica, Stage
 from hapt_hf.planner.schedule import ActionKind, build_schedule
 
 
 def plan_of(widths: list[int], mbs: int, m: int = 4, schedule: str = "1f1b") -> Plan:
     stages, rank = [], 0
     for i, w in enumerate(widths):
-        stages.append(StagePlan(i, (i, i + 1), "g", "cpu", tuple(range(rank, rank + w)),
-                                warmup=len(widths) - i))
+        stages.append(Stage.even(i, (i, i + 1), "g", "cpu", tuple(range(rank, rank + w)),
+                                 warmup=len(widths) - i, micro_batch_size=mbs))
         rank += w
     return Plan("t", len(widths), 8, mbs * m, mbs, m, schedule, tuple(stages)).validate()
 
 
 def test_replica_slices_tile_the_micro_batch():
-    even = StagePlan(0, (0, 1), "g", "cpu", (0, 1, 2, 3), 1)
+    even = Stage.even(0, (0, 1), "g", "cpu", (0, 1, 2, 3), 1, micro_batch_size=8)
     assert [replica_slice(8, even, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
     with pytest.raises(PlanError, match="multiple of the stage's width"):
-        replica_slice(8, StagePlan(0, (0, 1), "g", "cpu", (0, 1, 2), 1), 0)
-    uneven = StagePlan.of_replicas(0, (0, 1), (Replica(0, "a", "A", 5), Replica(1, "b", "B", 2),
-                                               Replica(2, "b", "B", 1)), 1)
+        replica_slice(8, Stage.even(0, (0, 1), "g", "cpu", (0, 1, 2), 1, micro_batch_size=8), 0)
+    uneven = Stage(0, (0, 1), (Replica("a", "A", 5, (0,)), Replica("b", "B", 2, (1,)),
+                               Replica("b", "B", 1, (2,))), 1)
     assert [replica_slice(8, uneven, r) for r in range(3)] == [(0, 5), (5, 7), (7, 8)]
 
 
@@ -51,9 +51,9 @@ def _shares(mbs: int):
     return cuts.map(lambda c: [b - a for a, b in zip([0, *sorted(c)], [*sorted(c), mbs])])
 
 
-def _stage(index: int, first_rank: int, shares: list[int]) -> StagePlan:
-    reps = tuple(Replica(first_rank + i, "g", "cpu", n) for i, n in enumerate(shares))
-    return StagePlan.of_replicas(index, (index, index + 1), reps, 1)
+def _stage(index: int, first_rank: int, shares: list[int]) -> Stage:
+    reps = tuple(Replica("g", "cpu", n, (first_rank + i,)) for i, n in enumerate(shares))
+    return Stage(index, (index, index + 1), reps, 1)
 
 
 @given(st.data())
@@ -62,11 +62,11 @@ def test_pieces_cover_each_slice_exactly_once(data):
     for any shares on either side (even ones like 3 | 8 widths, or 5:2:1 against 3:1)."""
     mbs = data.draw(st.integers(1, 24))
     up = _stage(0, 0, data.draw(_shares(mbs)))
-    down = _stage(1, up.dp, data.draw(_shares(mbs)))
+    down = _stage(1, up.width, data.draw(_shares(mbs)))
     for st_ in (up, down):
         st_.validate(mbs)
     sent = []
-    for r in range(up.dp):
+    for r in range(up.width):
         mine = replica_slice(mbs, up, r)
         for p in pieces_between(mbs, mine, down):
             lo, hi = replica_slice(mbs, down, down.ranks.index(p.peer))
@@ -76,7 +76,7 @@ def test_pieces_cover_each_slice_exactly_once(data):
     assert sorted(sent) == list(range(mbs))
     # the receiving side computes the same pieces from its end
     got = []
-    for r in range(down.dp):
+    for r in range(down.width):
         mine = replica_slice(mbs, down, r)
         got.extend(mine[0] + i for p in pieces_between(mbs, mine, up) for i in range(p.start, p.stop))
     assert sorted(got) == list(range(mbs))
@@ -85,8 +85,8 @@ def test_pieces_cover_each_slice_exactly_once(data):
 def test_every_sample_of_every_micro_batch_is_computed_once_per_stage():
     """Over a whole plan with uneven, unlike layouts: each stage's replicas own every sample of
     every micro-batch exactly once (their rows of the global batch tile it)."""
-    mixed = StagePlan.of_replicas(1, (1, 2), (Replica(2, "a", "A", 5), Replica(3, "b", "B", 2),
-                                              Replica(4, "b", "B", 1)), 1)
+    mixed = Stage(1, (1, 2), (Replica("a", "A", 5, (2,)), Replica("b", "B", 2, (3,)),
+                              Replica("b", "B", 1, (4,))), 1)
     stages = (_stage(0, 0, [6, 2]), mixed, _stage(2, 5, [8]))
     plan = Plan("t", 3, 8, 24, 8, 3, "gpipe", stages).validate()
     for s in plan.stages:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -20,7 +20,8 @@ TYPES = ("gpt_neox", "mixtral", "gemma3_text")
 
 def _plan() -> Plan:
     bounds = [(0, 2), (2, 3), (3, 4), (4, BLOCKS + 2)]
-    stages = tuple(StagePlan(i, b, "cpu", "cpu", (i,), warmup=4 - i) for i, b in enumerate(bounds))
+    stages = tuple(Stage.even(i, b, "cpu", "cpu", (i,), warmup=4 - i, micro_batch_size=MBS)
+                   for i, b in enumerate(bounds))
     return Plan("tiny", BLOCKS + 2, SEQ, MBS * M, MBS, M, "1f1b", stages).validate()
 
 

@@ -131,11 +131,11 @@ def test_half_refused_where_not_exact() -> None:
 
 def test_launch_accepts_half_plans_of_the_right_length() -> None:
     from hapt_hf.integration.plan_resolution import check_model_matches_plan, format_plan
-    from hapt_hf.planner.plan import Plan, PlanError, StagePlan
+    from hapt_hf.planner.plan import Plan, PlanError, Stage
 
     def plan(num_layers: int, layer_unit: str) -> Plan:
-        stages = (StagePlan(0, (0, 4), "g", "cpu", (0,), 2),
-                  StagePlan(1, (4, num_layers), "g", "cpu", (1,), 1))
+        stages = (Stage.even(0, (0, 4), "g", "cpu", (0,), 2, micro_batch_size=2),
+                  Stage.even(1, (4, num_layers), "g", "cpu", (1,), 1, micro_batch_size=2))
         return Plan("m", num_layers, 16, 8, 2, 4, "1f1b", stages, layer_unit=layer_unit).validate()
 
     config = gpt2(3)

@@ -9,7 +9,7 @@ import torch
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.precision import autocast_mismatch
 from hapt_hf.pipeline.runtime import RuntimeConfig, RuntimeSetupError
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 
 
 def test_backoff_growth_and_state_round_trip():
@@ -33,7 +33,7 @@ def test_defaults_are_gradscalers():
 
 
 def _plan(dtype: str) -> Plan:
-    plan = Plan("t", 3, 8, 2, 2, 1, "1f1b", (StagePlan(0, (0, 3), "g", "cpu", (0,), 1),))
+    plan = Plan("t", 3, 8, 2, 2, 1, "1f1b", (Stage.even(0, (0, 3), "g", "cpu", (0,), 1, micro_batch_size=2),))
     return replace(plan, dtype=dtype, loss_scaling="dynamic" if dtype == "fp16" else None)
 
 

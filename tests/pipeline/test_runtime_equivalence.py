@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -46,8 +46,9 @@ def make_plan(layout: Layout, schedule: str) -> Plan:
     n, stages, rank, start = len(layout.blocks), [], 0, 0
     for i, (b, w) in enumerate(zip(layout.blocks, layout.widths)):
         end = start + b + (i == 0) + (i == n - 1)  # the embedding and head are layers too
-        stages.append(StagePlan(i, (start, end), "cpu", "cpu", tuple(range(rank, rank + w)),
-                                warmup=n - i, recompute=i in layout.recompute))
+        stages.append(Stage.even(i, (start, end), "cpu", "cpu", tuple(range(rank, rank + w)),
+                                 warmup=n - i, recompute=i in layout.recompute,
+                                 micro_batch_size=MBS))
         start, rank = end, rank + w
     plan = Plan("tiny", start, SEQ, MBS * M, MBS, M, "1f1b", tuple(stages))
     if schedule == "h1f1b-w1":  # every stage one micro-batch deep: receives posted ahead of F

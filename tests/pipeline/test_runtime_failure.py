@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -24,11 +24,11 @@ def _plan(how: str) -> Plan:
     For a failure inside the gradient all-reduce: a 2-wide first stage and a 1-wide last one.
     """
     if how == "kill_in_allreduce":
-        stages = (StagePlan(0, (0, 3), "cpu", "cpu", (0, 1), warmup=2),
-                  StagePlan(1, (3, 5), "cpu", "cpu", (2,), warmup=1))
+        stages = (Stage.even(0, (0, 3), "cpu", "cpu", (0, 1), warmup=2, micro_batch_size=2),
+                  Stage.even(1, (3, 5), "cpu", "cpu", (2,), warmup=1, micro_batch_size=2))
         return Plan("tiny", 5, 8, 8, 2, 4, "1f1b", stages).validate()
     layers = ((0, 2), (2, 3), (3, 5))
-    stages = tuple(StagePlan(i, span, "cpu", "cpu", (i,), warmup=3 - i)
+    stages = tuple(Stage.even(i, span, "cpu", "cpu", (i,), warmup=3 - i, micro_batch_size=2)
                    for i, span in enumerate(layers))
     return Plan("tiny", 5, 8, 8, 2, 4, "1f1b", stages).validate()
 
@@ -112,7 +112,7 @@ BOUND4_S = 4.0  # RuntimeConfig.timeout_s and the process group's timeout for th
 def _plan4() -> Plan:
     """Four stages, one rank each: [embedding, b0], [b1], [b2], [head]; 1F1B."""
     layers = ((0, 2), (2, 3), (3, 4), (4, 5))
-    stages = tuple(StagePlan(i, span, "cpu", "cpu", (i,), warmup=4 - i)
+    stages = tuple(Stage.even(i, span, "cpu", "cpu", (i,), warmup=4 - i, micro_batch_size=2)
                    for i, span in enumerate(layers))
     return Plan("tiny", 5, 8, 8, 2, 4, "1f1b", stages).validate()
 

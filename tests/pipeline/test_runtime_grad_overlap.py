@@ -66,7 +66,7 @@ def run_case(family: str, layout: str, overlap: bool, freeze: bool) -> dict:
     if freeze and not (frozen and all(rt.stage.get_parameter(n).grad is None for n in frozen)):
         errors.append(f"frozen parameters {frozen} should exist and hold no gradient")
     out = {"errors": errors, "launches": launches, "stage": rt.stage_plan.index,
-           "width": rt.stage_plan.dp}
+           "width": rt.stage_plan.width}
     rt.shutdown()
     return out
 

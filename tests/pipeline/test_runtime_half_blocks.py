@@ -6,7 +6,7 @@ import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from benchmarks.chain_check import tiny_config as generic_config
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 from tests.pipeline.test_runtime_equivalence import (MBS, SEQ, M, _compare,
                                                      make_batches, tiny_config)
@@ -21,8 +21,8 @@ FAMILIES = ("gpt2", "llama", "qwen3")
 
 def half_plan() -> Plan:
     layers = 2 * BLOCKS + 2
-    stages = (StagePlan(0, (0, CUT), "cpu", "cpu", (0,), warmup=2),
-              StagePlan(1, (CUT, layers), "cpu", "cpu", (1,), warmup=1))
+    stages = (Stage.even(0, (0, CUT), "cpu", "cpu", (0,), warmup=2, micro_batch_size=MBS),
+              Stage.even(1, (CUT, layers), "cpu", "cpu", (1,), warmup=1, micro_batch_size=MBS))
     return Plan("tiny", layers, SEQ, MBS * M, MBS, M, "1f1b", stages,
                 layer_unit="half").validate()
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -33,8 +33,8 @@ def _plan(blocks: tuple[int, ...], widths: tuple[int, ...], dtype: str) -> Plan:
     n, stages, rank, start = len(blocks), [], 0, 0
     for i, (b, w) in enumerate(zip(blocks, widths)):
         end = start + b + (i == 0) + (i == n - 1)
-        stages.append(StagePlan(i, (start, end), "cpu", "cpu", tuple(range(rank, rank + w)),
-                                warmup=n - i))
+        stages.append(Stage.even(i, (start, end), "cpu", "cpu", tuple(range(rank, rank + w)),
+                                 warmup=n - i, micro_batch_size=MBS))
         start, rank = end, rank + w
     plan = Plan("tiny-llama", start, SEQ, MBS * M, MBS, M, "1f1b", tuple(stages))
     loss_scaling = "dynamic" if dtype == "fp16" else None

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-from hapt_hf.planner.plan import Plan, Replica, StagePlan
+from hapt_hf.planner.plan import Plan, Replica, Stage
 from benchmarks.ranks import run_ranks
 from tests.pipeline.test_runtime_equivalence import (SEQ, STEPS, _check_forward_only, _compare,
                                                      make_batches, tiny_config)
@@ -47,11 +47,10 @@ class Case:
         mbs = sum(self.shares[0])
         for i, (b, shares) in enumerate(zip(self.blocks, self.shares)):
             end = start + b + (i == 0) + (i == n - 1)  # the embedding and head are layers too
-            reps = tuple(Replica(rank + r, f"g{rank + r}" if self.groups else "cpu", "cpu", s)
+            reps = tuple(Replica(f"g{rank + r}" if self.groups else "cpu", "cpu", s, (rank + r,))
                          for r, s in enumerate(shares))
             opt = "sharded" if i in self.sharded else "replicated"
-            stages.append(StagePlan.of_replicas(i, (start, end), reps, warmup=n - i,
-                                                optimizer=opt))
+            stages.append(Stage(i, (start, end), reps, warmup=n - i, optimizer=opt))
             start, rank = end, rank + len(shares)
         plan = Plan(f"tiny-{self.family}", start, SEQ, mbs * M, mbs, M, "1f1b", tuple(stages))
         loss_scaling = "dynamic" if dtype == "fp16" else None

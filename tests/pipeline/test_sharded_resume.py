@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from benchmarks.ranks import run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -39,8 +39,8 @@ CASES = [(False, "made"), (False, "prepared"), (True, "prepared")]  # (tied, how
 
 def _plan() -> Plan:
     return Plan("llama-tiny", 4, SEQ, G, MBS, M, "1f1b", (
-        StagePlan(0, (0, 2), "cpu", "cpu", (0, 1), 2, optimizer="sharded"),
-        StagePlan(1, (2, 4), "cpu", "cpu", (2,), 1))).validate(3)
+        Stage.even(0, (0, 2), "cpu", "cpu", (0, 1), 2, optimizer="sharded", micro_batch_size=MBS),
+        Stage.even(1, (2, 4), "cpu", "cpu", (2,), 1, micro_batch_size=MBS))).validate(3)
 
 
 def _config(tied: bool):

@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
-from hapt_hf.planner.cost_model import CostModel, StageShape
+from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.search.baselines import (BASELINES, _param_balanced, _speed_proportional,
                                               _uniform, baseline_plans)
@@ -40,16 +40,16 @@ def edges(cuts, L):
 def test_uniform_splits_blocks_evenly_with_embedding_first_and_head_last():
     m = model(blocks=8)
     cm = CostModel(m, cluster())
-    shapes = [StageShape(cm.group("slow"), 1)] * 4
+    shapes = [cm.slice_replicas(cm.group("slow"), 1, 0, 1)] * 4
     assert edges(_uniform(cm, shapes, 1), m.num_layers) == [(0, 3), (3, 5), (5, 7), (7, 10)]
-    assert _uniform(cm, [StageShape(cm.group("slow"), 1)] * 9, 1) is None
+    assert _uniform(cm, [cm.slice_replicas(cm.group("slow"), 1, 0, 1)] * 9, 1) is None
 
 
 def test_param_balanced_minimises_the_largest_stage_parameter_count():
     m = model(blocks=6, emb_params=2500)
     cm = CostModel(m, cluster())
     n, L = 3, m.num_layers
-    cuts = _param_balanced(cm, [StageShape(cm.group("slow"), 1)] * n, 1)
+    cuts = _param_balanced(cm, [cm.slice_replicas(cm.group("slow"), 1, 0, 1)] * n, 1)
     got = max(cm.params[b] - cm.params[a] for a, b in edges(cuts, L))
     best = min(max(cm.params[b] - cm.params[a] for a, b in edges(c, L))
                for c in itertools.combinations(range(1, L), n - 1))
@@ -59,7 +59,8 @@ def test_param_balanced_minimises_the_largest_stage_parameter_count():
 def test_speed_proportional_gives_the_fast_stage_more_flops():
     m = model(blocks=10)
     cm = CostModel(m, cluster())
-    shapes = [StageShape(cm.group("slow"), 1), StageShape(cm.group("fast"), 1)]
+    shapes = [cm.slice_replicas(cm.group("slow"), 1, 0, 1),
+              cm.slice_replicas(cm.group("fast"), 1, 0, 1)]
     (a0, b0), (a1, b1) = edges(_speed_proportional(cm, shapes, 1), m.num_layers)
     flops = [l.fwd_flops + l.bwd_flops for l in m.layers]
     share_fast = sum(flops[a1:b1]) / sum(flops)
@@ -77,24 +78,24 @@ def test_every_baseline_gives_a_valid_plan_scored_by_the_simulator():
         assert again.iteration_s == pytest.approx(b.sim.iteration_s), name
     for name in ("uniform", "param_balanced", "speed_proportional"):
         p = res[name].plan
-        assert p.schedule == "1f1b" and len({s.dp for s in p.stages}) == 1
+        assert p.schedule == "1f1b" and len({s.width for s in p.stages}) == 1
         assert [s.group for s in p.stages] == sorted((s.group for s in p.stages),
                                                     key=["slow", "fast"].index)
     # a split that knows the speeds beats one that does not
     assert res["speed_proportional"].sim.iteration_s < res["uniform"].sim.iteration_s
 
 
-def test_hapt_keeps_the_file_order_power_of_two_shapes_and_its_warmups():
+def test_hapt_recipe_keeps_the_file_order_power_of_two_shapes_and_its_warmups():
     m = model(blocks=12)
     cl = Cluster("c", (grp("fast", 200.0, 4, gpn=2), grp("slow", 50.0, 6, gpn=6)),
                  (GroupLink("slow", "fast", LinkSpec(1.0, 1000.0)),))
-    p = baseline_plans(m, cl, 24)["hapt"].plan
+    p = baseline_plans(m, cl, 24)["hapt_recipe"].plan
     assert p.schedule == "h1f1b"
     groups = [s.group for s in p.stages]
     assert groups == sorted(groups, key=["fast", "slow"].index)
     for s in p.stages:
         g = cl.groups[0] if s.group == "fast" else cl.groups[1]
-        assert s.dp & (s.dp - 1) == 0 and s.dp <= g.gpus_per_node
+        assert s.width & (s.width - 1) == 0 and s.width <= g.gpus_per_node
     w = p.warmups()
     assert w[-1] == 1 and all(a > b for a, b in zip(w, w[1:]))
     cross = next(i for i in range(len(groups) - 1) if groups[i] != groups[i + 1])
@@ -112,7 +113,7 @@ def test_file_order_with_unlinked_neighbours_rules_the_fixed_order_baselines_out
                  (GroupLink("a", "c", LinkSpec(10.0, 10.0)),
                   GroupLink("c", "b", LinkSpec(10.0, 10.0))))
     res = baseline_plans(model(), cl, 4)
-    for name in ("uniform", "param_balanced", "speed_proportional", "hapt"):  # fixed order
+    for name in ("uniform", "param_balanced", "speed_proportional", "hapt_recipe"):  # fixed order
         assert res[name].plan is None and "no link between them" in res[name].reason
     # the planner orders the groups itself: c sits between a and b (when it uses them all)
     from hapt_hf.planner.search import PlannerOptions, plan_job

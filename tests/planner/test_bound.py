@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from hapt_hf.core.schedules import warmups_from_steps
 from hapt_hf.planner.bound import (best_warmup_replay, layouts_below, lower_bound_s,
-                                   stage_sequences)
+                                   sequence_replicas, stage_sequences)
 from hapt_hf.planner.cluster import Cluster, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.exhaustive import exhaustive_plan
@@ -24,13 +24,14 @@ from tests.planner.test_search import jobs, make_group, synth_model
 def _replays(cm: CostModel, gbs: int):
     """Every layout of a tiny job under every warm-up with steps 1..3, replayed in full."""
     L = cm.model.num_layers
-    for shapes in stage_sequences(cm.cluster, interleave=True):
-        n = len(shapes)
+    for seq in stage_sequences(cm.cluster, interleave=True):
+        n = len(seq)
         if n > L:
             continue
         for mbs in divisors(gbs):
-            if mbs % math.lcm(*(s.width for s in shapes)):
+            if mbs % math.lcm(*(w for _, w, _ in seq)):
                 continue
+            shapes = sequence_replicas(cm, seq, mbs)
             m = gbs // mbs
             for sizes in compositions(L, n):
                 edges = list(itertools.accumulate(sizes, initial=0))
@@ -39,7 +40,7 @@ def _replays(cm: CostModel, gbs: int):
                     warm = warmups_from_steps(steps, m)
                     for rc in {recompute_flags(cm, shapes, bounds, mbs, warm, True),
                                (True,) * n, (False,) * n} - {None}:
-                        lay = Layout(shapes, bounds, rc, mbs, warm, "h1f1b")
+                        lay = Layout.build(shapes, bounds, rc, mbs, warm, "h1f1b")
                         yield lay, m, simulate_layout(cm, lay, m, exact=True)
 
 
@@ -50,7 +51,7 @@ def test_no_replay_is_faster_than_its_layouts_bound(job):
     cm = CostModel(model, cluster)
     for lay, m, r in _replays(cm, min(gbs, 4)):
         if r.feasible:
-            lb = lower_bound_s(cm, lay.shapes, lay.bounds, lay.micro_batch_size, m)
+            lb = lower_bound_s(cm, lay.stages, lay.micro_batch_size, m)
             assert lb <= r.iteration_s * (1 + 1e-9), (lay, lb, r.iteration_s)
 
 
@@ -67,7 +68,8 @@ def test_the_optimum_is_among_the_layouts_below_any_higher_target(job):
     below, _ = layouts_below(cm, gbs, best.sim.iteration_s * 1.001)
     want = layout_of_plan(cm, best.plan)
     assert (want.shapes, want.bounds, want.micro_batch_size) in \
-        {(b.shapes, b.bounds, b.micro_batch_size) for b in below}
+        {(tuple(s.replicas for s in b.stages), tuple(s.layers for s in b.stages),
+          b.micro_batch_size) for b in below}
     # and none of them replays faster than the exhaustive search's best
     for bl in below:
         got = best_warmup_replay(cm, bl, gbs)
@@ -78,10 +80,11 @@ def test_one_gpu_bound_is_the_whole_iteration():
     model = synth_model(3, 256)
     cluster = Cluster("one", (make_group("a", 50.0, 16.0, 1),), ())
     cm = CostModel(model, cluster)
-    shapes = next(stage_sequences(cluster))
+    shapes = sequence_replicas(cm, next(stage_sequences(cluster)), 2)
     bounds = ((0, model.num_layers),)
-    r = simulate_layout(cm, Layout(shapes, bounds, (False,), 2, (4,), "h1f1b"), 4, exact=True)
-    assert lower_bound_s(cm, shapes, bounds, 2, 4) == pytest.approx(r.iteration_s, rel=1e-12)
+    lay = Layout.build(shapes, bounds, (False,), 2, (4,), "h1f1b")
+    r = simulate_layout(cm, lay, 4, exact=True)
+    assert lower_bound_s(cm, lay.stages, 2, 4) == pytest.approx(r.iteration_s, rel=1e-12)
 
 
 def test_memory_slots_raise_the_bound():
@@ -90,26 +93,27 @@ def test_memory_slots_raise_the_bound():
     roomy = (make_group("a", 50.0, 16.0, 1), make_group("b", 50.0, 16.0, 1))
     link = (GroupLink("a", "b", LinkSpec(100.0, 10.0)),)
     cm = CostModel(model, Cluster("c", roomy, link))
-    shapes = next(stage_sequences(cm.cluster))
     bounds = ((0, 3), (3, model.num_layers))
-    free = lower_bound_s(cm, shapes, bounds, 1, 8, allow_recompute=False)
+
+    def stages(cm: CostModel):
+        reps = sequence_replicas(cm, next(stage_sequences(cm.cluster)), 1)
+        return Layout.build(reps, bounds, (False, False), 1, (1, 1), "h1f1b").stages
+
+    free = lower_bound_s(cm, stages(cm), 1, 8, allow_recompute=False)
     need = cm.memory_bytes(1, 0, 3, 1) / (cm.memory_headroom * 1e9)
     tight = (make_group("a", 50.0, need * 1.01, 1), roomy[1])
     cm_t = CostModel(model, Cluster("c", tight, link))
-    capped = lower_bound_s(cm_t, next(stage_sequences(cm_t.cluster)), bounds, 1, 8,
-                           allow_recompute=False)
+    capped = lower_bound_s(cm_t, stages(cm_t), 1, 8, allow_recompute=False)
     assert capped > free * 1.2
-    r = simulate_layout(cm_t, Layout(next(stage_sequences(cm_t.cluster)), bounds, (False, False),
-                                     1, (1, 1), "h1f1b"), 8, exact=True)
+    r = simulate_layout(cm_t, Layout(stages(cm_t), 1, "h1f1b"), 8, exact=True)
     assert r.feasible and capped <= r.iteration_s * (1 + 1e-9)
 
 
 def test_interleaved_sequences_visit_a_group_twice():
     cluster = Cluster("c", (make_group("a", 50.0, 16.0, 2), make_group("b", 50.0, 16.0, 1)),
                       (GroupLink("a", "b", LinkSpec(100.0, 10.0)),))
-    plain = {tuple((s.group.name, s.width, s.offset) for s in sq)
-             for sq in stage_sequences(cluster)}
-    mixed = {tuple((s.group.name, s.width, s.offset) for s in sq)
+    plain = {tuple((g.name, w, off) for g, w, off in sq) for sq in stage_sequences(cluster)}
+    mixed = {tuple((g.name, w, off) for g, w, off in sq)
              for sq in stage_sequences(cluster, interleave=True)}
     assert (("a", 1, 0), ("b", 1, 0), ("a", 1, 1)) in mixed - plain
     assert plain == {(("a", 2, 0), ("b", 1, 0)), (("b", 1, 0), ("a", 2, 0)),
@@ -125,6 +129,5 @@ def test_consumer_plan_meets_its_own_bound():
     model = job.model.split_blocks() if res.plan.layer_unit == "half" else job.model
     cm = CostModel(model, job.cluster)
     lay = layout_of_plan(cm, res.plan)
-    lb = lower_bound_s(cm, lay.shapes, lay.bounds, lay.micro_batch_size,
-                       res.plan.num_microbatches)
+    lb = lower_bound_s(cm, lay.stages, lay.micro_batch_size, res.plan.num_microbatches)
     assert lb == pytest.approx(res.sim.iteration_s, rel=1e-9)

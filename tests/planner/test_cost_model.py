@@ -6,9 +6,9 @@ import pytest
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import (DEFAULT_EFFICIENCY, GRAD_BUCKET_BYTES,
                                         STATE_BYTES_PER_PARAM, CostModel, CostModelError,
-                                        ReplicaSlot, StageShape, overlapped_allreduce)
+                                        overlapped_allreduce)
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
 
 
@@ -64,7 +64,7 @@ def test_profile_times_replace_the_analytic_ones_for_measured_devices():
 
 def test_cut_between_groups_moves_the_whole_micro_batch_over_the_group_link():
     cm = CostModel(toy_model(), two_groups())
-    left, right = StageShape(cm.group("a"), 2, 0), StageShape(cm.group("b"), 1, 0)
+    left, right = cm.slice_replicas(cm.group("a"), 2, 0, 4), cm.slice_replicas(cm.group("b"), 1, 0, 4)
     t = cm.cut_s(left, right, last_layer=2, mbs=4)
     assert t == pytest.approx(4 * 1e6 * 8 / 8e9 + 1e-3)
 
@@ -72,16 +72,18 @@ def test_cut_between_groups_moves_the_whole_micro_batch_over_the_group_link():
 def test_cut_inside_a_group_is_set_by_the_busiest_rank():
     cm = CostModel(toy_model(), two_groups())
     a = cm.group("a")  # 2 nodes x 2 GPUs
-    same_node = cm.cut_s(StageShape(a, 1, 0), StageShape(a, 1, 1), 1, mbs=4)
+    same_node = cm.cut_s(cm.slice_replicas(a, 1, 0, 4), cm.slice_replicas(a, 1, 1, 4), 1, mbs=4)
     assert same_node == pytest.approx(4 * 1e6 * 8 / 100e9 + 10e-6)
     # width 1 -> width 2 across nodes: the single sender carries all 4 samples
-    cross = cm.cut_s(StageShape(a, 1, 1), StageShape(a, 2, 2), 1, mbs=4)
+    cross = cm.cut_s(cm.slice_replicas(a, 1, 1, 4), cm.slice_replicas(a, 2, 2, 4), 1, mbs=4)
     assert cross == pytest.approx(4 * 1e6 * 8 / 10e9 + 50e-6)
     # width 2 -> width 2: each rank sends its 2 samples in parallel
-    wide = cm.cut_s(StageShape(a, 2, 0), StageShape(a, 2, 2), 1, mbs=4)
+    wide = cm.cut_s(cm.slice_replicas(a, 2, 0, 4), cm.slice_replicas(a, 2, 2, 4), 1, mbs=4)
     assert wide == pytest.approx(2 * 1e6 * 8 / 10e9 + 50e-6)
-    assert cm.cut_latency_s(StageShape(a, 1, 0), StageShape(a, 1, 1), 4) == pytest.approx(10e-6)
-    assert cm.cut_latency_s(StageShape(a, 2, 0), StageShape(a, 2, 2), 4) == pytest.approx(50e-6)
+    assert cm.cut_latency_s(cm.slice_replicas(a, 1, 0, 4), cm.slice_replicas(a, 1, 1, 4),
+                            4) == pytest.approx(10e-6)
+    assert cm.cut_latency_s(cm.slice_replicas(a, 2, 0, 4), cm.slice_replicas(a, 2, 2, 4),
+                            4) == pytest.approx(50e-6)
 
 
 def test_ring_allreduce_uses_inter_node_link_when_the_stage_spans_nodes():
@@ -89,11 +91,11 @@ def test_ring_allreduce_uses_inter_node_link_when_the_stage_spans_nodes():
     cm = CostModel(m, two_groups())
     a = cm.group("a")
     nbytes = 2 * 1000 * 4  # two blocks of 1000 gradients: fp32 in every precision
-    inside = cm.allreduce_s(StageShape(a, 2, 0), 1, 3)
+    inside = cm.allreduce_s(cm.slice_replicas(a, 2, 0, 2), 1, 3)
     assert inside == pytest.approx(2 * 1 / 2 * nbytes / (100e9 / 8) + 2 * 1 * 10e-6)
-    spans = cm.allreduce_s(StageShape(a, 4, 0), 1, 3)
+    spans = cm.allreduce_s(cm.slice_replicas(a, 4, 0, 4), 1, 3)
     assert spans == pytest.approx(2 * 3 / 4 * nbytes / (10e9 / 8) + 2 * 3 * 50e-6)
-    assert cm.allreduce_s(StageShape(a, 1, 0), 1, 3) == 0.0
+    assert cm.allreduce_s(cm.slice_replicas(a, 1, 0, 1), 1, 3) == 0.0
 
 
 def test_memory_counts_state_in_flight_activations_and_one_working_set():
@@ -111,8 +113,8 @@ def test_plan_costs_reads_shapes_from_ranks_and_checks_widths():
     m = toy_model()
     cl = two_groups()
     cm = CostModel(m, cl)
-    stages = (StagePlan(0, (0, 3), "a", "T-a", (0, 1, 2, 3), 2),
-              StagePlan(1, (3, 6), "b", "T-b", (4, 5), 1))
+    stages = (Stage.even(0, (0, 3), "a", "T-a", (0, 1, 2, 3), 2, micro_batch_size=4),
+              Stage.even(1, (3, 6), "b", "T-b", (4, 5), 1, micro_batch_size=4))
     plan = Plan("toy", m.num_layers, m.seq_len, 8, 4, 2, "1f1b", stages)
     costs = cm.plan_costs(plan)
     assert costs.num_stages == 2
@@ -135,7 +137,8 @@ def test_stages_on_unlinked_groups_or_unknown_groups_are_refused():
                  (GroupLink("a", "b", LinkSpec(8, 10)), GroupLink("b", "c", LinkSpec(8, 10))))
     cm = CostModel(toy_model(), cl)
     with pytest.raises(CostModelError, match="no link between them"):
-        cm.cut_s(StageShape(cm.group("a"), 1), StageShape(cm.group("c"), 1), 1, 1)
+        cm.cut_s(cm.slice_replicas(cm.group("a"), 1, 0, 1),
+                 cm.slice_replicas(cm.group("c"), 1, 0, 1), 1, 1)
     with pytest.raises(CostModelError, match="is not in cluster"):
         cm.group("zzz")
     with pytest.raises(CostModelError, match="memory_headroom"):
@@ -192,9 +195,9 @@ def test_cost_model_prices_the_stage_all_reduce_against_its_last_backward(intra_
     cl = Cluster("one", (group("a", 100.0, gpn=4, intra=(intra_gbps, 10.0)),), ())
     cm = CostModel(big_model(), cl)
     a = cm.group("a")
-    shape, samples = StageShape(a, 2, 0), 1
-    costs = cm.stage_costs([shape], [(0, 10)], 2, [False]).stages[0]
-    w = cm.allreduce_window(shape, samples, 0, 10)
+    shape = cm.slice_replicas(a, 2, 0, 2)  # one sample each
+    costs = cm.stage_costs([Stage(0, (0, 10), shape)], 2).stages[0]
+    w = cm.allreduce_window(shape, 0, 10)
     assert (costs.allreduce_s, costs.allreduce_lead_s, costs.allreduce_exposed_s) == \
         (w.link_s, w.lead_s, w.exposed_s)
     # the same bytes as one all-reduce, paying the latency once per bucket
@@ -215,18 +218,19 @@ def test_cost_model_prices_the_stage_all_reduce_against_its_last_backward(intra_
 
 def test_width_one_stage_has_no_allreduce():
     cm = CostModel(big_model(), Cluster("one", (group("a", gpn=4),), ()))
-    w = cm.allreduce_window(StageShape(cm.group("a"), 1, 0), 2, 0, 10)
+    one = cm.slice_replicas(cm.group("a"), 1, 0, 2)
+    w = cm.allreduce_window(one, 0, 10)
     assert (w.link_s, w.lead_s, w.exposed_s) == (0.0, 0.0, 0.0)
-    c = cm.stage_costs([StageShape(cm.group("a"), 1, 0)], [(0, 10)], 2, [False]).stages[0]
+    c = cm.stage_costs([Stage(0, (0, 10), one)], 2).stages[0]
     assert c.allreduce_s == c.allreduce_lead_s == c.allreduce_after_s == 0.0
 
 
 def test_recompute_lengthens_the_backward_that_hides_the_all_reduce():
     cl = Cluster("one", (group("a", 100.0, gpn=4, intra=(2.0, 10.0)),), ())
     cm = CostModel(big_model(), cl)
-    shape = StageShape(cm.group("a"), 2, 0)
-    plain = cm.allreduce_window(shape, 1, 0, 10)
-    rc = cm.allreduce_window(shape, 1, 0, 10, recompute=True)
+    shape = cm.slice_replicas(cm.group("a"), 2, 0, 2)  # one sample each
+    plain = cm.allreduce_window(shape, 0, 10)
+    rc = cm.allreduce_window(shape, 0, 10, recompute=True)
     assert rc.link_s == plain.link_s
     # the link is the bottleneck: the longer backward hides its whole extra length
     _, b = cm.compute_s(cm.group("a"), 1, 0, 10)
@@ -248,9 +252,9 @@ def test_on_cpu_devices_the_all_reduce_runs_after_the_backward(mixed):
     for g in (gpu, cpu):
         cm = CostModel(big_model(), Cluster("one", (g,), ()))
         a = cm.group("a")
-        shape = (StageShape.of_slots([ReplicaSlot(a, 0, 2), ReplicaSlot(a, 1, 1)]) if mixed
-                 else StageShape(a, 2, 0))
-        c = cm.stage_costs([shape], [(0, 10)], 3 if mixed else 2, [False]).stages[0]
+        shape = (cm.gpu_replicas([(a, 0), (a, 1)], (2, 1)) if mixed
+                 else cm.slice_replicas(a, 2, 0, 2))
+        c = cm.stage_costs([Stage(0, (0, 10), shape)], 3 if mixed else 2).stages[0]
         windows[g.gpu.is_cpu] = c
     on_gpu, on_cpu = windows[False], windows[True]
     assert on_cpu.allreduce_s == pytest.approx(on_gpu.allreduce_s)  # the same buckets

@@ -27,24 +27,9 @@ RENAMED_BASELINES = {"hapt": "hapt_recipe"}
 
 
 def _stages(plan: Plan) -> list[tuple]:
-    mbs = plan.micro_batch_size
     return [(s.index, tuple(s.layers),
-             tuple((r.group, r.device_type, r.samples, tuple(r.ranks)) for r in _replicas(s, mbs)),
+             tuple((r.group, r.device_type, r.samples, tuple(r.ranks)) for r in s.replicas),
              s.warmup, s.recompute, s.optimizer) for s in plan.stages]
-
-
-def _replicas(stage, mbs: int):
-    reps = getattr(stage, "replica_list", None)
-    if reps is not None:  # the record of the recording: an even stage lists no replicas
-        return [_Rep(r.group, r.device_type, r.samples, (r.rank,)) for r in reps(mbs)]
-    return stage.replicas
-
-
-class _Rep(tuple):
-    def __new__(cls, group, device_type, samples, ranks):
-        obj = super().__new__(cls, (group, device_type, samples, ranks))
-        obj.group, obj.device_type, obj.samples, obj.ranks = group, device_type, samples, ranks
-        return obj
 
 
 def _close(a: float | None, b: float | None) -> bool:

@@ -10,7 +10,7 @@ import transformers
 from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
-from hapt_hf.planner.plan import Plan, PlanError, StagePlan
+from hapt_hf.planner.plan import Plan, PlanError, Stage
 from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
 from hapt_hf.planner.search import PlannerOptions, PlanningError, plan_job
 from hapt_hf.planner.simulate import simulate_plan
@@ -105,7 +105,8 @@ def test_opt_blocks_are_halved():
 
 
 def _half_plan(layer_unit="half", num_layers=8) -> Plan:
-    stages = (StagePlan(0, (0, 4), "g", "cpu", (0,), 2), StagePlan(1, (4, num_layers), "g", "cpu", (1,), 1))
+    stages = (Stage.even(0, (0, 4), "g", "cpu", (0,), 2, micro_batch_size=2),
+              Stage.even(1, (4, num_layers), "g", "cpu", (1,), 1, micro_batch_size=2))
     return Plan("m", num_layers, 16, 8, 2, 4, "1f1b", stages, layer_unit=layer_unit)
 
 

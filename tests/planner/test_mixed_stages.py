@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
-from hapt_hf.planner.cost_model import CostModel, ReplicaSlot, StageShape
+from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.plan import Plan
 from hapt_hf.planner.report import build_report, format_report
@@ -78,7 +78,7 @@ def test_where_one_group_stages_are_best_the_plan_is_unchanged():
 
 def test_the_switch_off_keeps_every_stage_on_one_group():
     res = _plan(3, 3, 64, mixed=False)
-    assert all(len(s.groups) == 1 and not s.replicas for s in res.plan.stages)
+    assert all(len(s.groups) == 1 and not s.uneven for s in res.plan.stages)
 
 
 def test_columns_take_a_slice_of_every_group_with_shares_by_speed():
@@ -86,9 +86,9 @@ def test_columns_take_a_slice_of_every_group_with_shares_by_speed():
     lays = column_layouts(cm, 64, PlannerOptions())
     assert lays
     for lay in lays:
-        for sh in lay.shapes:
-            assert {g.name for g in sh.groups} == {"a100", "v100"}
-            assert sum(r.samples for r in sh.replicas) == lay.micro_batch_size
+        for s in lay.stages:
+            assert set(s.groups) == {"a100", "v100"}
+            assert sum(s.shares()) == lay.micro_batch_size
         assert lay.bounds[0][0] == 0 and lay.bounds[-1][1] == cm.model.num_layers
     # groups without a link between them cannot share a stage's gradient ring
     assert column_layouts(CostModel(heavy_model(), cluster(3, 3, linked=False)), 64,
@@ -99,7 +99,7 @@ def test_speed_shape_gives_the_faster_gpu_the_larger_share():
     cm = CostModel(heavy_model(), cluster(1, 1))
     a, v = cm.group("a100"), cm.group("v100")
     sh = speed_shape(cm, [(a, 0), (v, 0)], 7, 0, cm.model.num_layers)
-    assert [r.samples for r in sh.replicas] == [5, 2]
+    assert [r.samples for r in sh] == [5, 2]
     assert speed_shape(cm, [(a, 0), (v, 0)], 1, 0, cm.model.num_layers) is None
 
 
@@ -129,8 +129,7 @@ def test_a_mixed_stage_fits_only_where_every_replica_holds_its_own_share():
     groups = (GpuGroup("a100", GpuType("A", 312.0, 80.0), 1, 1, FAST, FAST),
               GpuGroup("v100", GpuType("V", 125.0, small), 1, 1, FAST, FAST))
     cm = CostModel(m, Cluster("av", groups, (GroupLink("a100", "v100", FAST),)))
-    shape = StageShape.of_slots([ReplicaSlot(cm.group("a100"), 0, 1),
-                                 ReplicaSlot(cm.group("v100"), 0, 6)])
+    shape = cm.gpu_replicas([(cm.group("a100"), 0), (cm.group("v100"), 0)], (1, 6))
     assert stage_state(cm, shape, 7, 0, 2, 1, False, False) is None
     assert stage_state(cm, shape, 7, 0, 1, 1, False, False) == (False, "replicated")
 
@@ -147,5 +146,5 @@ def test_merging_a_group_boundary_keeps_both_stages_layers_on_both_gpus_by_speed
     lay, sim = merge_boundaries(cm, layout_of_plan(cm, res.plan), res.sim,
                                 res.plan.num_microbatches, PlannerOptions())
     assert lay.bounds == ((0, m.num_layers),)
-    assert {r.group.name: r.samples for r in lay.shapes[0].replicas} == {"a100": 3, "v100": 1}
+    assert {r.group: r.samples for r in lay.stages[0].replicas} == {"a100": 3, "v100": 1}
     assert sim.iteration_s < res.sim.iteration_s * 0.95

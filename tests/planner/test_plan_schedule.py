@@ -5,17 +5,17 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hapt_hf.planner.plan import Plan, PlanError, Replica, StagePlan, StagePrediction
+from hapt_hf.planner.plan import Plan, PlanError, Replica, Stage, StagePrediction
 from hapt_hf.planner.schedule import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
                                       default_warmups, format_grid, validate_schedule)
 
 
 def _plan(**kw) -> Plan:
     stages = (
-        StagePlan(0, (0, 5), "v100", "V100-32", (0, 1), 3,
-                  predicted=StagePrediction(0.011, 0.022, 9.1e9)),
-        StagePlan(1, (5, 9), "a100", "A100-40", (2,), 2),
-        StagePlan(2, (9, 14), "a100", "A100-40", (3,), 1, recompute=True),
+        Stage.even(0, (0, 5), "v100", "V100-32", (0, 1), 3, micro_batch_size=2,
+                   predicted=StagePrediction(0.011, 0.022, 9.1e9)),
+        Stage.even(1, (5, 9), "a100", "A100-40", (2,), 2, micro_batch_size=2),
+        Stage.even(2, (9, 14), "a100", "A100-40", (3,), 1, micro_batch_size=2, recompute=True),
     )
     base = dict(model_name="gpt2", num_layers=14, seq_len=1024, global_batch_size=64,
                 micro_batch_size=2, num_microbatches=32, schedule="h1f1b", stages=stages)
@@ -33,11 +33,11 @@ def test_plan_round_trips_through_json(tmp_path):
 
 
 def _uneven_plan(optimizer: str = "sharded") -> Plan:
-    mixed = StagePlan.of_replicas(0, (0, 5), (Replica(0, "a100", "A100-40", 5),
-                                              Replica(1, "v100", "V100-32", 2),
-                                              Replica(2, "v100", "V100-32", 1)), 2,
-                                  optimizer=optimizer)
-    even = StagePlan(1, (5, 14), "v100", "V100-32", (3, 4), 1, optimizer="sharded")
+    mixed = Stage(0, (0, 5), (Replica("a100", "A100-40", 5, (0,)),
+                              Replica("v100", "V100-32", 2, (1,)),
+                              Replica("v100", "V100-32", 1, (2,))), 2, optimizer=optimizer)
+    even = Stage.even(1, (5, 14), "v100", "V100-32", (3, 4), 1, micro_batch_size=8,
+                      optimizer="sharded")
     return Plan("gpt2", 14, 1024, 32, 8, 4, "1f1b", (mixed, even))
 
 
@@ -48,30 +48,35 @@ def test_uneven_replicas_and_sharded_optimizer_round_trip(tmp_path):
     d = json.loads((tmp_path / "plan.json").read_text())["stages"]
     assert d[0]["replicas"][0] == {"ranks": [0], "group": "a100", "device_type": "A100-40",
                                    "samples": 5}
-    assert d[0]["optimizer"] == "sharded" and "replicas" not in d[1]
+    assert d[0]["optimizer"] == "sharded" and "optimizer" in d[1]
+    assert d[1]["replicas"] == [{"group": "v100", "device_type": "V100-32", "samples": 4,
+                                 "ranks": [r]} for r in (3, 4)]
     assert again.stages[0].shares(8) == (5, 2, 1) and again.stages[1].shares(8) == (4, 4)
     assert again.stages[0].groups == ("a100", "v100")
+    assert again.stages[0].uneven and not again.stages[1].uneven
 
 
-def test_even_replicas_listed_in_full_are_stored_as_the_plain_form():
-    reps = tuple(Replica(r, "v100", "V100-32", 2) for r in (0, 1))
-    assert StagePlan.of_replicas(0, (0, 5), reps, 3) == StagePlan(0, (0, 5), "v100", "V100-32",
-                                                                  (0, 1), 3)
+def test_even_replicas_listed_in_full_are_an_even_stage():
+    reps = tuple(Replica("v100", "V100-32", 2, (r,)) for r in (0, 1))
+    assert Stage(0, (0, 5), reps, 3) == Stage.even(0, (0, 5), "v100", "V100-32", (0, 1), 3,
+                                                   micro_batch_size=4)
+    assert not Stage(0, (0, 5), reps, 3).uneven
 
 
-def test_a_plan_without_replicas_or_optimizer_still_loads():
+def test_a_plan_without_optimizer_still_loads():
     d = _plan().to_dict()
-    assert all("replicas" not in s and "optimizer" not in s for s in d["stages"])
+    assert all("optimizer" not in s for s in d["stages"])
     again = Plan.from_dict(d)
     assert all(s.optimizer == "replicated" and not s.uneven for s in again.stages)
 
 
 @pytest.mark.parametrize("edit, words", [
     (lambda s: replace(s, optimizer="zero3"), "optimizer 'zero3' is unknown"),
-    (lambda s: replace(s, replicas=s.replicas[:2], ranks=s.ranks[:2]), "sum to 7"),
+    (lambda s: replace(s, replicas=s.replicas[:2]), "sum to 7"),
     (lambda s: replace(s, replicas=(replace(s.replicas[0], samples=6), s.replicas[1],
                                     replace(s.replicas[2], samples=0))), "a replica with none"),
-    (lambda s: replace(s, ranks=(0, 2, 1)), "make them agree"),
+    (lambda s: replace(s, replicas=(replace(s.replicas[0], ranks=(0, 5)),) + s.replicas[1:]),
+     "one GPU"),
 ])
 def test_bad_replicas_are_named(edit, words):
     plan = _uneven_plan()
@@ -118,7 +123,11 @@ def test_plan_load_errors_are_one_line(tmp_path):
     with pytest.raises(PlanError, match="does not exist"):
         Plan.load(tmp_path / "missing.json")
     d = _plan().to_dict()
-    del d["stages"][1]["ranks"]
+    del d["stages"][1]["replicas"][0]["ranks"]
+    with pytest.raises(PlanError, match="'ranks'"):
+        Plan.from_dict(d)
+    d = _plan().to_dict()
+    del d["stages"][1]["replicas"]
     with pytest.raises(PlanError, match="'ranks'"):
         Plan.from_dict(d)
 

@@ -11,7 +11,7 @@ from hapt_hf.core.precision import Precision, resolve_precision
 from hapt_hf.errors import ClusterError, PlanError, PrecisionError
 from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.model_spec import ModelSpec
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from hapt_hf.planner.search import PlannerOptions, plan_job
 
 
@@ -61,7 +61,8 @@ def test_job_section_precision_and_its_older_name():
 def _plan(**kw) -> Plan:
     return Plan(model_name="m", num_layers=3, seq_len=8, global_batch_size=2,
                 micro_batch_size=1, num_microbatches=2, schedule="1f1b",
-                stages=(StagePlan(0, (0, 3), "g", "cpu", (0,), warmup=1),), **kw)
+                stages=(Stage.even(0, (0, 3), "g", "cpu", (0,), warmup=1, micro_batch_size=1),),
+                **kw)
 
 
 def test_plan_json_round_trips_precision_and_attention(tmp_path):

@@ -207,7 +207,6 @@ def res_profile(cluster, model):
 def test_extrapolated_replay_is_not_fooled_by_a_slow_start():
     # a stage 4% slower than the others, behind deep warm-ups, paces the pipeline only after
     # about 70 micro-batches: the short replays alone measured the period 4% short
-    from hapt_hf.planner.cost_model import StageShape
     from hapt_hf.planner.search import Layout, cluster_profile, simulate_layout
     cluster = Cluster.load(scenario_path("harp_3groups_1p3b"))
     job = cluster.job
@@ -215,9 +214,9 @@ def test_extrapolated_replay_is_not_fooled_by_a_slow_start():
     model = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype, "eager")
     cm = CostModel(model.split_blocks(), cluster, cluster_profile(cluster, model))
     g = {x.name: x for x in cluster.groups}
-    layout = Layout((StageShape(g["a100"], 2, 0), StageShape(g["v100"], 4, 0),
-                     StageShape(g["v100"], 4, 4), StageShape(g["v100-slow"], 2, 0)),
-                    ((0, 20), (20, 34), (34, 48), (48, 50)), (False,) * 4, 4, (9, 6, 4, 1),
-                    "h1f1b")
+    shapes = (cm.slice_replicas(g["a100"], 2, 0, 4), cm.slice_replicas(g["v100"], 4, 0, 4),
+              cm.slice_replicas(g["v100"], 4, 4, 4), cm.slice_replicas(g["v100-slow"], 2, 0, 4))
+    layout = Layout.build(shapes, ((0, 20), (20, 34), (34, 48), (48, 50)), (False,) * 4, 4,
+                          (9, 6, 4, 1), "h1f1b")
     fast, exact = simulate_layout(cm, layout, 256), simulate_layout(cm, layout, 256, exact=True)
     assert fast.iteration_s == pytest.approx(exact.iteration_s, rel=2e-3)

@@ -7,7 +7,8 @@ import pytest
 
 from hapt_hf.core.precision import REPLICATED, SHARDED
 from hapt_hf.planner.cluster import Cluster
-from hapt_hf.planner.cost_model import CostModel, StageShape
+from hapt_hf.planner.cost_model import CostModel
+from hapt_hf.planner.plan import Stage
 from hapt_hf.planner.report import build_report, format_report
 from hapt_hf.planner.search import PlannerOptions, PlanningError, baseline_plans, plan_job
 from hapt_hf.planner.search.infeasible import fit_advice
@@ -43,7 +44,7 @@ def test_sharded_update_is_one_dth_then_an_all_gather_of_the_weights():
     cm = CostModel(toy_model(), two_groups())
     a = cm.group("a")
     nbytes = 2 * 1000 * 4  # two blocks of 1000 fp32 weights
-    inside, spans = StageShape(a, 2, 0), StageShape(a, 4, 0)
+    inside, spans = cm.slice_replicas(a, 2, 0, 2), cm.slice_replicas(a, 4, 0, 4)
     assert cm.update_s(a, 1, 1, 3, SHARDED, 4) == pytest.approx(cm.update_s(a, 1, 1, 3) / 4)
     assert cm.allgather_s(inside, 1, 3, SHARDED) == pytest.approx(
         1 / 2 * nbytes / (100e9 / 8) + 1 * 10e-6)
@@ -51,16 +52,16 @@ def test_sharded_update_is_one_dth_then_an_all_gather_of_the_weights():
     assert cm.allgather_s(spans, 1, 3, SHARDED) == pytest.approx(
         3 / 4 * nbytes / (10e9 / 8) + 3 * 50e-6)
     assert cm.allgather_s(spans, 1, 3, REPLICATED) == 0.0
-    assert cm.allgather_s(StageShape(a, 1, 0), 1, 3, SHARDED) == 0.0
+    assert cm.allgather_s(cm.slice_replicas(a, 1, 0, 1), 1, 3, SHARDED) == 0.0
     assert cm.optimizer_step_s(spans, 1, 1, 3, SHARDED) == pytest.approx(
         cm.update_s(a, 1, 1, 3) / 4 + cm.allgather_s(spans, 1, 3, SHARDED))
 
 
 def test_simulator_runs_the_all_gather_after_the_update():
     cm = CostModel(toy_model(), two_groups())
-    shape = [StageShape(cm.group("a"), 4, 0)]
-    rep = cm.stage_costs(shape, [(0, 6)], 4, [False]).stages[0]
-    shd = cm.stage_costs(shape, [(0, 6)], 4, [False], [SHARDED]).stages[0]
+    stage = Stage(0, (0, 6), cm.slice_replicas(cm.group("a"), 4, 0, 4))
+    rep = cm.stage_costs([stage], 4).stages[0]
+    shd = cm.stage_costs([replace(stage, optimizer=SHARDED)], 4).stages[0]
     assert (rep.optimizer, rep.allgather_s) == (REPLICATED, 0.0)
     assert shd.optimizer == SHARDED and shd.allgather_s > 0
     assert shd.update_s == pytest.approx(rep.update_s / 4)
@@ -88,7 +89,7 @@ def test_where_only_sharded_state_fits_the_plan_shards_and_validates():
     res = plan_job(model, cluster, 8)
     plan = res.plan.validate(world_size=cluster.world_size)
     sharded = [s for s in plan.stages if s.optimizer == SHARDED]
-    assert sharded and all(s.dp >= 2 for s in sharded)
+    assert sharded and all(s.width >= 2 for s in sharded)
     # the saved plan says so, and replays to the same figures and fits
     again = simulate_plan(type(plan).from_dict(plan.to_dict()), model, cluster)
     assert again.feasible and again.iteration_s == pytest.approx(res.sim.iteration_s)
@@ -109,10 +110,10 @@ def test_where_replicated_fits_and_steps_faster_the_plan_stays_replicated():
     model, cluster = synth_model(4, 1024), _one_group(16.0, 8)
     res = plan_job(model, cluster, 16, options=OWN)
     plan = res.plan
-    assert any(s.dp >= 2 for s in plan.stages)
+    assert any(s.width >= 2 for s in plan.stages)
     assert all(s.optimizer == REPLICATED for s in plan.stages) and not res.sharding
     # sharding the same stages would only add the all-gather: the replay is slower
-    wide = tuple(replace(s, optimizer=SHARDED) if s.dp >= 2 else s for s in plan.stages)
+    wide = tuple(replace(s, optimizer=SHARDED) if s.width >= 2 else s for s in plan.stages)
     shd = simulate_plan(replace(plan, stages=wide).validate(), model, cluster)
     assert shd.iteration_s > res.sim.iteration_s
 
@@ -147,7 +148,7 @@ def test_zero1_ddp_baseline_is_one_sharded_stage_over_every_gpu():
     model, cluster = synth_model(2, 256), _one_group(16.0, 4)
     b = baseline_plans(model, cluster, 8)["zero1_ddp"]
     plan = b.plan.validate(world_size=4)
-    assert plan.num_stages == 1 and plan.stages[0].dp == 4
+    assert plan.num_stages == 1 and plan.stages[0].width == 4
     assert plan.stages[0].optimizer == SHARDED and plan.stages[0].layers == (0, model.num_layers)
     assert simulate_plan(plan, model, cluster).iteration_s == pytest.approx(b.sim.iteration_s)
     # where the whole model does not fit one GPU even sharded, the reason gives the figures
@@ -177,10 +178,10 @@ def test_fit_advice_recommends_sharding_only_where_it_is_off_and_would_fit():
 
 def test_report_merges_runs_of_sharded_stages_with_one_reason():
     """A deep plan prints one line per run of alike sharded stages, not one per stage."""
-    from hapt_hf.planner.plan import Plan, StagePlan
+    from hapt_hf.planner.plan import Plan
     from hapt_hf.planner.report import build_report
-    stages = tuple(StagePlan(i, (i, i + 1), "g", "V100-32", (2 * i, 2 * i + 1), 4 - i,
-                             optimizer=SHARDED) for i in range(4))
+    stages = tuple(Stage.even(i, (i, i + 1), "g", "V100-32", (2 * i, 2 * i + 1), 4 - i,
+                              micro_batch_size=2, optimizer=SHARDED) for i in range(4))
     plan = Plan("m", 4, 64, 8, 2, 4, "1f1b", stages).validate()
     why = {0: "fits 2 layers per V100-32 from emb instead of 1",
            1: "fits 3 layers per V100-32 from b1 instead of 2",

@@ -6,7 +6,7 @@ import pytest
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import StageCost, StageCosts
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from hapt_hf.planner.schedule import build_schedule
 from hapt_hf.planner.simulate import simulate_plan, simulate_schedule
 
@@ -153,7 +153,8 @@ def test_simulate_plan_replays_a_hand_written_plan():
                        GpuGroup("b", GpuType("B", 5, 16), 1, 1, link, link)),
                  (GroupLink("a", "b", LinkSpec(10, 100)),))
     m = _model()
-    stages = (StagePlan(0, (0, 4), "a", "A", (0, 1), 2), StagePlan(1, (4, 6), "b", "B", (2,), 1))
+    stages = (Stage.even(0, (0, 4), "a", "A", (0, 1), 2, micro_batch_size=2),
+              Stage.even(1, (4, 6), "b", "B", (2,), 1, micro_batch_size=2))
     plan = Plan("m", 6, 64, 8, 2, 4, "1f1b", stages).validate()
     r = simulate_plan(plan, m, cl)
     assert r.feasible

@@ -8,15 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hapt_hf.core.shares import overlaps
+from hapt_hf.core.shares import overlaps, speed_shares
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
-from hapt_hf.planner.cost_model import CostModel, CostModelError, ReplicaSlot, StageShape
+from hapt_hf.planner.cost_model import CostModel, CostModelError
 from hapt_hf.planner.job import load_job
-from hapt_hf.planner.plan import Plan, Replica, StagePlan
+from hapt_hf.planner.plan import Plan, Replica, Stage
 from hapt_hf.planner.report import build_report, format_report
 from hapt_hf.planner.search import PlannerOptions, plan_job
 from hapt_hf.planner.search.baselines import equal_share_ddp
-from hapt_hf.planner.shares import speed_shares
 from hapt_hf.planner.simulate import simulate_plan
 from tests.planner.test_cost_model import toy_model
 
@@ -33,8 +32,8 @@ def a100_v100(v_mem: float = 32.0, linked: bool = True) -> Cluster:
                    (GroupLink("a100", "v100", GROUP_LINK),) if linked else ())
 
 
-def mixed(cm: CostModel, shares=((("a100", 0), 5), (("v100", 0), 2))) -> StageShape:
-    return StageShape.of_slots([ReplicaSlot(cm.group(g), i, s) for (g, i), s in shares])
+def mixed(cm: CostModel, shares=((("a100", 0), 5), (("v100", 0), 2))) -> tuple[Replica, ...]:
+    return cm.gpu_replicas([(cm.group(g), i) for (g, i), _ in shares], [s for _, s in shares])
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -42,7 +41,7 @@ def mixed(cm: CostModel, shares=((("a100", 0), 5), (("v100", 0), 2))) -> StageSh
 def test_a_mixed_stage_takes_the_slowest_replicas_time_for_its_own_share():
     cm = CostModel(toy_model(), a100_v100())
     L = cm.model.num_layers
-    c = cm.stage_costs([mixed(cm)], [(0, L)], 7, [False]).stages[0]
+    c = cm.stage_costs([Stage(0, (0, L), mixed(cm))], 7).stages[0]
     fa, ba = cm.compute_s(cm.group("a100"), 5, 0, L)
     fv, bv = cm.compute_s(cm.group("v100"), 2, 0, L)
     assert fa != fv and (c.forward_s, c.backward_s) == (max(fa, fv), max(ba, bv))
@@ -59,10 +58,10 @@ def test_each_replica_holds_its_own_share_against_its_own_gpu():
     cm = CostModel(m, a100_v100(v_mem=v_mem))
     cap_v = cm.capacity_bytes(cm.group("v100"))
     # the A100 holds 5 samples in 36 GB; the V100 with 2 is the GPU with the least to spare
-    ok = cm.stage_costs([mixed(cm)], [(0, L)], 7, [False]).stages[0]
+    ok = cm.stage_costs([Stage(0, (0, L), mixed(cm))], 7).stages[0]
     assert ok.memory_use(1) == pytest.approx((need[2], cap_v)) and need[2] < cap_v
     swapped = mixed(cm, ((("a100", 0), 2), (("v100", 0), 5)))
-    bad = cm.stage_costs([swapped], [(0, L)], 7, [False]).stages[0]
+    bad = cm.stage_costs([Stage(0, (0, L), swapped)], 7).stages[0]
     assert bad.memory_use(1) == pytest.approx((need[5], cap_v)) and need[5] > cap_v
 
 
@@ -70,7 +69,7 @@ def test_the_all_reduce_of_a_stage_across_groups_runs_at_the_group_link():
     cm = CostModel(toy_model(), a100_v100())
     L = cm.model.num_layers
     sh = mixed(cm, ((("a100", 0), 3), (("a100", 1), 3), (("v100", 0), 1)))
-    c = cm.stage_costs([sh], [(0, L)], 7, [False]).stages[0]
+    c = cm.stage_costs([Stage(0, (0, L), sh)], 7).stages[0]
     nbytes = cm.params[L] * cm.grad_dtype_bytes  # the toy model's gradients: one bucket
     d = 3
     expect = (2 * (d - 1) / d * nbytes / (GROUP_LINK.bandwidth_gbps * 1e9 / 8)
@@ -78,20 +77,20 @@ def test_the_all_reduce_of_a_stage_across_groups_runs_at_the_group_link():
     assert c.allreduce_s == pytest.approx(expect)
     # inside one group the same stage runs at the intra-node link, as an even stage does
     one = mixed(cm, ((("a100", 0), 4), (("a100", 1), 3)))
-    even = cm.allreduce_window(StageShape(cm.group("a100"), 2, 0), 4, 0, L).link_s
-    assert cm.stage_costs([one], [(0, L)], 7, [False]).stages[0].allreduce_s == \
+    even = cm.allreduce_window(cm.slice_replicas(cm.group("a100"), 2, 0, 8), 0, L).link_s
+    assert cm.stage_costs([Stage(0, (0, L), one)], 7).stages[0].allreduce_s == \
         pytest.approx(even)
 
 
 def test_a_stage_across_unlinked_groups_cannot_all_reduce():
     cm = CostModel(toy_model(), a100_v100(linked=False))
     with pytest.raises(CostModelError, match="add links"):
-        cm.stage_costs([mixed(cm)], [(0, cm.model.num_layers)], 7, [False])
+        cm.stage_costs([Stage(0, (0, cm.model.num_layers), mixed(cm))], 7)
 
 
 def test_a_cut_prices_the_pieces_each_pair_of_gpus_trades():
     cm = CostModel(toy_model(), a100_v100())
-    left = StageShape(cm.group("a100"), 1, 0)  # one A100 with the whole micro-batch of 7
+    left = cm.slice_replicas(cm.group("a100"), 1, 0, 7)  # one A100 with the whole micro-batch
     right = mixed(cm, ((("a100", 1), 5), (("v100", 0), 2)))
     last = 2
     per = cm.model.boundary_bytes(last, 1)
@@ -111,20 +110,19 @@ def test_a_plan_with_replicas_is_priced_from_its_replicas():
     m = toy_model()
     cm = CostModel(m, cl)
     L = m.num_layers
-    reps = (Replica(0, "a100", "A100", 5), Replica(1, "v100", "V100", 2))
-    plan = Plan("toy", L, 64, 14, 7, 2, "1f1b",
-                (StagePlan.of_replicas(0, (0, L), reps, 1),)).validate(2)
-    got = cm.shapes_of(plan)[0]
-    assert [(r.group.name, r.index, r.samples) for r in got.replicas] == \
+    reps = (Replica("a100", "A100", 5, (0,)), Replica("v100", "V100", 2, (1,)))
+    plan = Plan("toy", L, 64, 14, 7, 2, "1f1b", (Stage(0, (0, L), reps, 1),)).validate(2)
+    got = cm.placement(cm.stages_of(plan)[0].replicas)
+    assert [(g.name, i, r.samples) for g, i, r in zip(got.group_of, got.index, got.replicas)] == \
         [("a100", 0, 5), ("v100", 0, 2)]
     sim = simulate_plan(plan, m, cl)
     c = cm.plan_costs(plan).stages[0]
     assert sim.feasible and sim.iteration_s == pytest.approx(
         2 * (c.forward_s + c.backward_s) + c.allreduce_after_s + c.update_s)
-    wrong = Plan("toy", L, 64, 14, 7, 2, "1f1b", (StagePlan.of_replicas(
-        0, (0, L), (Replica(0, "v100", "V100", 5), Replica(1, "a100", "A100", 2)), 1),))
+    wrong = Plan("toy", L, 64, 14, 7, 2, "1f1b", (Stage(
+        0, (0, L), (Replica("v100", "V100", 5, (0,)), Replica("a100", "A100", 2, (1,))), 1),))
     with pytest.raises(CostModelError, match="rank of its own group"):
-        cm.shapes_of(wrong)
+        cm.stages_of(wrong)
 
 
 # -- shares by speed ------------------------------------------------------------------------
@@ -174,7 +172,7 @@ def scenario():
 def test_uneven_data_parallelism_wins_where_the_model_fits_and_links_are_fast(scenario):
     res, pipe = scenario
     (stage,) = res.plan.stages
-    assert stage.dp == 8 and stage.shares(res.plan.micro_batch_size) == (13,) * 3 + (5,) * 5
+    assert stage.width == 8 and stage.shares(res.plan.micro_batch_size) == (13,) * 3 + (5,) * 5
     assert stage.groups == ("a100", "v100")
     res.plan.validate(8)
     assert pipe.plan.num_stages > 1 and res.sim.iteration_s < pipe.sim.iteration_s
@@ -204,7 +202,7 @@ def test_the_ddp_baseline_is_one_stage_of_equal_shares_where_it_fits():
     cm = CostModel(toy_model(), a100_v100())
     b = equal_share_ddp(cm, 28, PlannerOptions())
     (stage,) = b.plan.stages
-    assert stage.dp == 4 and len(set(stage.shares(b.plan.micro_batch_size))) == 1
+    assert stage.width == 4 and len(set(stage.shares(b.plan.micro_batch_size))) == 1
     assert b.sim.feasible
     none = equal_share_ddp(cm, 30, PlannerOptions())  # 30 samples, 4 GPUs: no equal share
     assert none.plan is None and "same number" in none.reason

@@ -6,10 +6,10 @@
   parameter counts as contiguous ranges allow;
 * ``speed_proportional`` (Whale-like): each stage's share of the forward + backward FLOPs in
   proportion to its GPUs' speed;
-* ``hapt`` (HAPT's recipe): the groups in file order (a fixed chain), stages of a power-of-two
-  number of GPUs inside one node, layers by the min-max partition under memory, the
-  configuration chosen by HAPT's pipeline formula, and H-1F1B warm-ups from its 1/2/3
-  thresholds;
+* ``hapt_recipe`` (HAPT's published recipe): the groups in file order (a fixed chain), stages
+  of a power-of-two number of GPUs inside one node, layers by the min-max partition under
+  memory, the configuration chosen by HAPT's pipeline formula, and H-1F1B warm-ups from its
+  1/2/3 thresholds;
 * ``zero1_ddp`` (DeepSpeed ZeRO stage 1, torch's ``ZeroRedundancyOptimizer`` under DDP): no
   pipeline, one stage holding the whole model on every GPU with its Adam moments sharded among
   them and every micro-batch split evenly; only where the model fits every GPU so.
@@ -49,7 +49,7 @@ from .warmups import hapt_warmups, in_flight_guess
 
 __all__ = ["BASELINES", "baseline_plans", "equal_share_ddp"]
 
-BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt", "ddp", "zero1_ddp")
+BASELINES = ("uniform", "param_balanced", "speed_proportional", "hapt_recipe", "ddp", "zero1_ddp")
 
 
 def _uniform(cm: CostModel, shapes, mbs: int) -> list[int] | None:
@@ -96,7 +96,8 @@ def _speed_proportional(cm: CostModel, shapes, mbs: int) -> list[int] | None:
     flops = [0.0]
     for l in cm.model.layers:
         flops.append(flops[-1] + l.fwd_flops + l.bwd_flops)
-    speed = [sh.width / cm.sample_time_s(sh.group, mbs // sh.width) for sh in shapes]
+    speed = [sh.width / cm.sample_time_s(sh.group, mbs // sh.width)
+             for sh in map(cm.placement, shapes)]
     total, acc, cuts, prev = sum(speed), 0.0, [], 0
     for i in range(n - 1):
         acc += speed[i]
@@ -129,8 +130,8 @@ def _framework_layouts(cm: CostModel, name: str, gbs: int, options: PlannerOptio
         if gbs % w:
             continue
         widths = {g.name: (w,) * (g.size // w) for g in groups}
-        shapes = shapes_for(groups, widths)
         for mbs in micro_batch_options(gbs, [w], options.micro_batch_sizes):
+            shapes = shapes_for(cm, groups, widths, mbs)
             m = gbs // mbs
             cuts = _SPLITS[name](cm, shapes, mbs)
             if cuts is None:
@@ -139,7 +140,7 @@ def _framework_layouts(cm: CostModel, name: str, gbs: int, options: PlannerOptio
                                 ScheduleKind.ONE_F_ONE_B)
             got = _with_memory(cm, shapes, cuts, mbs, warm, options.allow_recompute)
             if got is not None:
-                yield Layout(shapes, got[0], got[1], mbs, warm, ScheduleKind.ONE_F_ONE_B)
+                yield Layout.build(shapes, got[0], got[1], mbs, warm, ScheduleKind.ONE_F_ONE_B)
 
 
 def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
@@ -151,8 +152,8 @@ def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
         per_group.append(ws)
     for combo in itertools.product(*per_group):
         widths = {g.name: (w,) * (g.size // w) for g, w in zip(groups, combo)}
-        shapes = shapes_for(groups, widths)
         for mbs in micro_batch_options(gbs, list(combo), options.micro_batch_sizes):
+            shapes = shapes_for(cm, groups, widths, mbs)
             m = gbs // mbs
             inflight = in_flight_guess(shapes, mbs, m, ScheduleKind.H1F1B, cm,
                                        balanced_step_s(cm, shapes, mbs))
@@ -161,7 +162,8 @@ def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
                 continue
             warm = hapt_warmups(shapes, cut_times(cm, shapes, part.bounds, mbs), part.cap_s, m,
                                 ScheduleKind.H1F1B)
-            yield Layout(shapes, part.bounds, part.recompute, mbs, warm, ScheduleKind.H1F1B)
+            yield Layout.build(shapes, part.bounds, part.recompute, mbs, warm,
+                               ScheduleKind.H1F1B)
 
 
 def _zero1_ddp(cm: CostModel, gbs: int, options: PlannerOptions) -> BaselineResult:
@@ -179,7 +181,7 @@ def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
         return BaselineResult(name, None, None, "no configuration of this split fits the "
                               "GPUs' memory (or the global batch allows no common width)")
     # HAPT picks by its formula alone; the framework baselines get the better of their two best
-    keep = ranked[:1] if name == "hapt" else ranked[:2]
+    keep = ranked[:1] if name == "hapt_recipe" else ranked[:2]
     best = None
     for _, _, lay in keep:
         r = simulate_layout(cm, lay, gbs // lay.micro_batch_size, exact=True)
@@ -214,7 +216,7 @@ def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             out[name] = equal_share_ddp(cm, global_batch_size, options)
             continue
         try:
-            layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt"
+            layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt_recipe"
                        else list(_framework_layouts(cm, name, global_batch_size, options)))
             out[name] = _best(cm, global_batch_size, layouts, name)
         except CostModelError as e:

@@ -5,7 +5,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-
 from hapt_hf.core.precision import REPLICATED, SHARDED
 
 from ..cost_model import CostModel
@@ -35,8 +34,8 @@ def _expand(cm: CostModel, shapes, mbs: int, m: int, options: PlannerOptions,
         return None
     cuts = cut_times(cm, shapes, part.bounds, mbs)
     warm = hapt_warmups(shapes, cuts, part.cap_s, m, options.schedule)
-    layout = Layout(tuple(shapes), part.bounds, part.recompute, mbs, warm, options.schedule,
-                    part.optimizer)
+    layout = Layout.build(shapes, part.bounds, part.recompute, mbs, warm, options.schedule,
+                          part.optimizer)
     return _Scored(estimate_s(cm, layout, m), key, layout)
 
 
@@ -75,8 +74,8 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
 
 def _signature(cm: CostModel, layout: Layout) -> tuple:
     """What prices a layout: its GPUs, widths, places, links and cuts (not group names)."""
-    sh = layout.shapes
-    gpus = tuple((s.group.gpu, s.width, s.offset, s.group.gpus_per_node, s.group.intra_node,
+    sh = [cm.placement(s.replicas) for s in layout.stages]
+    gpus = tuple((s.group.gpu, s.width, s.index[0], s.group.gpus_per_node, s.group.intra_node,
                   s.group.inter_node) for s in sh)
     links = tuple(cm.group_link(a.group.name, b.group.name) if a.group.name != b.group.name
                   else None for a, b in zip(sh, sh[1:]))
@@ -109,7 +108,8 @@ def search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
         any_fit = False
         for oi in active:
             tried += 1
-            sc = _expand(cm, shapes_for(orders[oi], widths), mbs, m, options, key + (oi,))
+            sc = _expand(cm, shapes_for(cm, orders[oi], widths, mbs), mbs, m, options,
+                         key + (oi,))
             if sc is None:
                 continue
             any_fit = True

@@ -3,7 +3,7 @@
 Two variants, scored by the same simulator as every pipeline:
 
 * ``uneven`` (the planner's candidate): each GPU takes a share of every micro-batch in
-  proportion to its speed (:func:`~hapt_hf.planner.shares.speed_shares`), so unlike GPUs finish
+  proportion to its speed (:func:`~hapt_hf.core.shares.speed_shares`), so unlike GPUs finish
   together; where the whole model fits every GPU and the links between groups carry the
   gradient all-reduce behind the backward, it has no pipeline bubble and no cut to pay;
 * ``equal`` (the ``ddp`` baseline, what ``accelerate launch`` does today): every GPU the same
@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hapt_hf.core.precision import REPLICATED, SHARDED
+from hapt_hf.core.shares import speed_shares
 from hapt_hf.errors import CostModelError
 
 from ..cluster import GpuGroup
-from ..cost_model import CostModel, ReplicaSlot, StageShape
-from ..shares import speed_shares
+from ..cost_model import CostModel
+from ..plan import Replica
 from ..simulate import SimResult
 from .options import Layout, PlannerOptions
 from .replays import simulate_layout
@@ -67,14 +68,12 @@ def dp_shares(cm: CostModel, mbs: int, recompute: bool, even: bool) -> tuple[int
     return layer_speed_shares(cm, gpus, mbs, 0, cm.model.num_layers, recompute)
 
 
-def dp_shape(cm: CostModel, shares: tuple[int, ...]) -> StageShape:
-    """The stage over every GPU with these shares (the plain even shape on one group)."""
+def dp_shape(cm: CostModel, shares: tuple[int, ...]) -> tuple[Replica, ...]:
+    """The replicas of the stage over every GPU, in rank order, with these shares."""
     groups = cm.cluster.groups
     if len(groups) == 1 and len(set(shares)) == 1:
-        return StageShape(groups[0], groups[0].size, 0)
-    it = iter(shares)
-    return StageShape.of_slots([ReplicaSlot(g, i, next(it)) for g in groups
-                                for i in range(g.size)])
+        return cm.slice_replicas(groups[0], groups[0].size, 0, sum(shares))
+    return cm.gpu_replicas([(g, i) for g in groups for i in range(g.size)], shares)
 
 
 def _whole_model_fits(cm: CostModel, optimizer: str = REPLICATED, gpus: int = 1) -> str:
@@ -116,9 +115,9 @@ def data_parallel(cm: CostModel, global_batch: int, options: PlannerOptions,
         for opt in fitting:
             for rc in ((False, True) if options.allow_recompute else (False,)):
                 shape = dp_shape(cm, dp_shares(cm, mbs, rc, even))
-                lay = Layout((shape,), ((0, cm.model.num_layers),), (rc,), mbs,
-                             hapt_warmups((shape,), [], 1.0, m, options.schedule),
-                             options.schedule, () if opt == REPLICATED else (opt,))
+                lay = Layout.build((shape,), ((0, cm.model.num_layers),), (rc,), mbs,
+                                   hapt_warmups((shape,), [], 1.0, m, options.schedule),
+                                   options.schedule, (opt,))
                 try:
                     r = simulate_layout(cm, lay, m, exact=True)
                 except CostModelError as e:  # groups the gradient ring cannot cross

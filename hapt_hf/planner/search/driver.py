@@ -157,7 +157,8 @@ def _in_units(cm: CostModel, plan: Plan) -> Layout:
     if cm.model.layer_unit == plan.layer_unit:
         return lay
     half = {b: block_boundary_in_halves(b, plan.num_blocks()) for bnd in lay.bounds for b in bnd}
-    return replace(lay, bounds=tuple((half[a], half[b]) for a, b in lay.bounds))
+    return lay.with_layers([(half[a], half[b]) for a, b in lay.bounds], lay.recompute,
+                           lay.optimizers)
 
 
 def _within(plan: Plan | None, options: PlannerOptions) -> bool:

@@ -2,7 +2,7 @@
 
 The pipeline search puts every stage on one group (even shares). Two bounded families of
 layouts let a stage hold GPUs of several linked groups, each GPU taking a share of every
-micro-batch in proportion to its speed (:func:`~hapt_hf.planner.shares.speed_shares`):
+micro-batch in proportion to its speed (:func:`~hapt_hf.core.shares.speed_shares`):
 
 * **merged boundary**: in a pipeline already found, the last stage of one group and the first
   stage of the next become one stage over both stages' GPUs and layers (one stage of fill and
@@ -26,7 +26,8 @@ from hapt_hf.core.precision import REPLICATED, SHARDED
 from hapt_hf.errors import CostModelError
 
 from ..cluster import GpuGroup
-from ..cost_model import CostModel, ReplicaSlot, StageShape
+from ..cost_model import CostModel
+from ..plan import Replica
 from ..simulate import SimResult
 from .data_parallel import layer_speed_shares
 from .options import Layout, PlannerOptions
@@ -45,18 +46,19 @@ next ones (larger ones only lengthen the fill)."""
 
 
 def speed_shape(cm: CostModel, gpus: list[tuple[GpuGroup, int]], mbs: int, a: int,
-                b: int) -> StageShape | None:
-    """A stage over ``gpus`` ((group, index in group), in order) holding layers [a, b), each
-    GPU's share of a micro-batch of ``mbs`` by its speed on those layers; None when ``mbs``
-    cannot give each GPU a sample."""
+                b: int) -> tuple[Replica, ...] | None:
+    """The replicas of a stage over ``gpus`` ((group, index in group), in order) holding layers
+    [a, b), each GPU's share of a micro-batch of ``mbs`` by its speed on those layers; None when
+    ``mbs`` cannot give each GPU a sample."""
     if mbs < len(gpus):
         return None
     shares = layer_speed_shares(cm, [g for g, _ in gpus], mbs, a, b)
-    return StageShape.of_slots([ReplicaSlot(g, i, s) for (g, i), s in zip(gpus, shares)])
+    return cm.gpu_replicas(gpus, shares)
 
 
-def _gpus(shape: StageShape, mbs: int) -> list[tuple[GpuGroup, int]]:
-    return [(r.group, r.index) for r in shape.slots(mbs)]
+def _gpus(cm: CostModel, replicas: tuple[Replica, ...]) -> list[tuple[GpuGroup, int]]:
+    p = cm.placement(replicas)
+    return list(zip(p.group_of, p.index))
 
 
 _REFINE_WITHIN = 1.05
@@ -71,11 +73,9 @@ def _finish(cm: CostModel, layout: Layout, m: int, options: PlannerOptions,
     cannot all-reduce."""
     try:
         cuts = cut_times(cm, layout.shapes, layout.bounds, layout.micro_batch_size)
-        costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
-                               layout.recompute, layout.optimizers)
+        costs = cm.stage_costs(layout.stages, layout.micro_batch_size)
         cap = max(c.forward_s + c.backward_s for c in costs.stages)
-        lay = replace(layout, warmups=hapt_warmups(layout.shapes, cuts, cap, m,
-                                                   layout.schedule))
+        lay = layout.with_warmups(hapt_warmups(layout.shapes, cuts, cap, m, layout.schedule))
         lay, r = refine_warmups(cm, lay, m)
     except CostModelError:  # groups the gradient ring cannot cross
         return None
@@ -90,25 +90,18 @@ def _merged(cm: CostModel, layout: Layout, i: int, in_flight: tuple[int, ...],
             options: PlannerOptions) -> Layout | None:
     """``layout`` with stages i and i + 1 as one stage over both's GPUs and layers."""
     mbs = layout.micro_batch_size
-    a, b = layout.bounds[i][0], layout.bounds[i + 1][1]
-    shape = speed_shape(cm, _gpus(layout.shapes[i], mbs) + _gpus(layout.shapes[i + 1], mbs),
-                        mbs, a, b)
+    left, right = layout.stages[i], layout.stages[i + 1]
+    a, b = left.layers[0], right.layers[1]
+    shape = speed_shape(cm, _gpus(cm, left.replicas) + _gpus(cm, right.replicas), mbs, a, b)
     if shape is None:
         return None
     got = stage_state(cm, shape, mbs, a, b, max(in_flight[i], in_flight[i + 1]),
                       options.allow_recompute, options.allow_sharded_optimizer)
     if got is None:
         return None
-    opts = layout.optimizers
-
-    def spliced(seq, item):
-        return tuple(seq[:i]) + (item,) + tuple(seq[i + 2:])
-
-    return replace(layout, shapes=spliced(layout.shapes, shape),
-                   bounds=spliced(layout.bounds, (a, b)),
-                   recompute=spliced(layout.recompute, got[0]),
-                   optimizer=spliced(opts, got[1]),
-                   warmups=spliced(layout.warmups, layout.warmups[i]))
+    merged = replace(left, layers=(a, b), replicas=shape, recompute=got[0], optimizer=got[1])
+    later = tuple(replace(s, index=s.index - 1) for s in layout.stages[i + 2:])
+    return replace(layout, stages=layout.stages[:i] + (merged,) + later)
 
 
 def merge_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
@@ -120,8 +113,8 @@ def merge_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
         best = None
         inflight = sim.peak_in_flight or layout.warmups
         for i in range(layout.num_stages - 1):
-            left, right = layout.shapes[i], layout.shapes[i + 1]
-            if {g.name for g in left.groups} == {g.name for g in right.groups}:
+            left, right = layout.stages[i], layout.stages[i + 1]
+            if set(left.groups) == set(right.groups):
                 continue  # inside one group: an even stage of both is the search's own
             cand = _merged(cm, layout, i, tuple(inflight), options)
             got = cand and _finish(cm, cand, m, options, 0)
@@ -148,18 +141,21 @@ def _columns(cluster_groups, k: int) -> list[list[tuple[GpuGroup, int]]] | None:
     return cols
 
 
-def _column_partition(cm: CostModel, shapes: list[StageShape], mbs: int,
+def _column_partition(cm: CostModel, shapes: list[tuple[Replica, ...]], mbs: int,
                       in_flight: list[int], options: PlannerOptions):
-    """Min-max contiguous layers over ``shapes`` (each stage timed by its slowest replica)
+    """Min-max contiguous layers over ``shapes`` (each stage's replicas, timed by its slowest)
     under every replica's memory: (bounds, recompute, optimizer), or None."""
     n, L = len(shapes), cm.model.num_layers
-    kinds = [list({(r.group.name, r.samples): r for r in sh.replicas}.values())
-             for sh in shapes]
+    kinds = []
+    for sh in shapes:
+        p = cm.placement(sh)
+        kinds.append(list({(g.name, r.samples): (g, r.samples)
+                           for g, r in zip(p.group_of, p.replicas)}.values()))
 
     def reach(i: int, a: int, cap: float, limit: int):
         b = limit
-        for r in kinds[i]:
-            t = cm.table(r.group, r.samples)
+        for g, samples in kinds[i]:
+            t = cm.table(g, samples)
             b = min(b, cm.max_layers_fitting(t.fb_rc if options.allow_recompute else t.fb,
                                              a, cap))
         while b > a:
@@ -167,8 +163,7 @@ def _column_partition(cm: CostModel, shapes: list[StageShape], mbs: int,
                               options.allow_sharded_optimizer)
             if got is not None:
                 if got[0]:  # recomputing: its backward repeats the forward, so check the cap
-                    if max(sum(cm.compute_s(r.group, r.samples, a, b, True))
-                           for r in kinds[i]) <= cap:
+                    if max(sum(cm.compute_s(g, s, a, b, True)) for g, s in kinds[i]) <= cap:
                         return b, got
                 else:
                     return b, got
@@ -187,7 +182,7 @@ def _column_partition(cm: CostModel, shapes: list[StageShape], mbs: int,
         return (tuple(bounds), tuple(s[0] for s in states),
                 tuple(s[1] for s in states)) if a == L else None
 
-    top = max(sum(cm.compute_s(r.group, r.samples, 0, L, True)) for ks in kinds for r in ks)
+    top = max(sum(cm.compute_s(g, s, 0, L, True)) for ks in kinds for g, s in ks)
     hi = top * 1.001
     got = greedy(hi)
     if got is None:
@@ -237,8 +232,8 @@ def column_layouts(cm: CostModel, global_batch: int, options: PlannerOptions) ->
                 part = _column_partition(cm, shapes, mbs, inflight, options)
                 if part is None:
                     continue
-                lay = Layout(tuple(shapes), part[0], part[1], mbs, tuple(inflight),
-                             options.schedule, part[2])
+                lay = Layout.build(shapes, part[0], part[1], mbs, inflight, options.schedule,
+                                   part[2])
                 scored.append((estimate_s(cm, lay, m), k, mbs, lay))
             except CostModelError:  # its stages span groups with no link between them
                 return []

@@ -1,15 +1,16 @@
 """The search's settings and records: what the user asks for, a candidate, the result."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM
 from hapt_hf.core.layers import BLOCK, HALF
 from hapt_hf.core.precision import REPLICATED
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
 from hapt_hf.errors import PlanningError
 
-from ..cost_model import DEFAULT_EFFICIENCY, StageShape
-from ..plan import Plan
+from ..cost_model import DEFAULT_EFFICIENCY
+from ..plan import Plan, Replica, Stage
 from ..simulate import SimResult
 
 __all__ = ["LAYER_UNIT_OPTIONS", "PlanningError", "PlannerOptions", "Layout", "BaselineResult",
@@ -35,7 +36,7 @@ class PlannerOptions:
     ``torch.distributed.optim.ZeroRedundancyOptimizer``): where only that fits, or fits with
     less recompute, or where its step (update of 1/d, then all-gather of the weights) is the
     faster. False: every stage keeps its whole optimizer state on every replica."""
-    memory_headroom: float = 0.9
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
     """Fraction of each GPU's memory a plan may use."""
     max_stages: int | None = None
     """Upper bound on the pipeline depth; None: the number of layers."""
@@ -102,25 +103,58 @@ class PlannerOptions:
 
 @dataclass(frozen=True)
 class Layout:
-    """A candidate pipeline before it becomes a Plan."""
+    """A candidate pipeline before it becomes a Plan: the plan's own stages (replicas, layers,
+    warm-ups, recompute, optimizer state; ranks numbered over the search's cluster), the
+    micro-batch size and the schedule."""
 
-    shapes: tuple[StageShape, ...]
-    bounds: tuple[tuple[int, int], ...]
-    recompute: tuple[bool, ...]
+    stages: tuple[Stage, ...]
     micro_batch_size: int
-    warmups: tuple[int, ...]
     schedule: str
-    optimizer: tuple[str, ...] = ()
-    """Each stage's optimizer state, 'replicated' or 'sharded'; empty: all replicated."""
+
+    @classmethod
+    def build(cls, shapes, bounds, recompute, micro_batch_size: int, warmups, schedule: str,
+              optimizers=()) -> "Layout":
+        """A layout of stages on the replica tuples ``shapes`` with these layer ranges,
+        recompute flags, warm-ups and optimizer states (empty: every stage replicated)."""
+        opts = tuple(optimizers) or (REPLICATED,) * len(shapes)
+        return cls(tuple(Stage(i, tuple(bnd), reps, w, rc, opt) for i, (reps, bnd, rc, w, opt)
+                         in enumerate(zip(shapes, bounds, recompute, warmups, opts))),
+                   micro_batch_size, schedule)
 
     @property
     def num_stages(self) -> int:
-        return len(self.shapes)
+        return len(self.stages)
+
+    @property
+    def shapes(self) -> tuple[tuple[Replica, ...], ...]:
+        """Each stage's replicas."""
+        return tuple(s.replicas for s in self.stages)
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        return tuple(s.layers for s in self.stages)
+
+    @property
+    def recompute(self) -> tuple[bool, ...]:
+        return tuple(s.recompute for s in self.stages)
+
+    @property
+    def warmups(self) -> tuple[int, ...]:
+        return tuple(s.warmup for s in self.stages)
 
     @property
     def optimizers(self) -> tuple[str, ...]:
-        """Each stage's optimizer state, spelled out."""
-        return self.optimizer or (REPLICATED,) * len(self.shapes)
+        return tuple(s.optimizer for s in self.stages)
+
+    def with_warmups(self, warmups) -> "Layout":
+        return replace(self, stages=tuple(replace(s, warmup=w)
+                                          for s, w in zip(self.stages, warmups)))
+
+    def with_layers(self, bounds, recompute, optimizers) -> "Layout":
+        """The same replicas and warm-ups over other layer ranges and states."""
+        return replace(self, stages=tuple(
+            replace(s, layers=tuple(bnd), recompute=rc, optimizer=opt)
+            for s, bnd, rc, opt in zip(self.stages, bounds, recompute, optimizers)))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Callable, TypeVar
 
 from hapt_hf.core.precision import REPLICATED
 
-from ..cost_model import CostModel, StageShape
+from ..cost_model import CostModel, Placement
 from .options import Layout
 from .state import faster_state, state_options
 
@@ -25,11 +25,11 @@ class Partition:
     """Each stage's optimizer state (see :mod:`~hapt_hf.planner.search.state`)."""
 
 
-def _stage_reach(cm: CostModel, sh: StageShape, samples: int, in_flight: int, a: int, cap: float,
+def _stage_reach(cm: CostModel, sh: Placement, samples: int, in_flight: int, a: int, cap: float,
                  limit: int, allow_rc: bool, mem_pre: dict) -> tuple[int, bool, str]:
-    """Farthest end b (<= limit) of a stage starting at a, with its recompute flag and
-    optimizer state (the least recompute, then the faster step, among those reaching as far);
-    (a, _, _) when nothing fits. ``mem_pre`` maps (recompute, state) to memory prefixes."""
+    """Farthest end b (<= limit) of a stage of alike replicas starting at a, with its recompute
+    flag and optimizer state (the least recompute, then the faster step, among those reaching as
+    far); (a, _, _) when nothing fits. ``mem_pre`` maps (recompute, state) to memory prefixes."""
     t = cm.table(sh.group, samples)
     capacity = cm.capacity_bytes(sh.group)
     best = (a, False, REPLICATED)
@@ -46,16 +46,17 @@ def _stage_reach(cm: CostModel, sh: StageShape, samples: int, in_flight: int, a:
         b = max(r for r, _ in reach)
         if b > best[0]:
             ties = [o for r, o in reach if r == b]
-            opt = ties[0] if len(ties) == 1 else faster_state(cm, sh, samples, a, b, ties)
+            opt = ties[0] if len(ties) == 1 else faster_state(cm, sh.replicas, samples, a, b,
+                                                                  ties)
             best = (b, rc, opt)
     return best
 
 
-def _mem_prefixes(cm: CostModel, sh: StageShape, samples: int, in_flight: int, allow_rc: bool,
+def _mem_prefixes(cm: CostModel, sh: Placement, samples: int, in_flight: int, allow_rc: bool,
                   allow_sharded: bool) -> dict:
     return {(rc, o): cm.memory_prefix(samples, in_flight, rc, o, sh.width)
             for rc in ((False, True) if allow_rc else (False,))
-            for o in state_options(sh, allow_sharded)}
+            for o in state_options(sh.width, allow_sharded)}
 
 
 def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi: float, got: _R,
@@ -78,14 +79,16 @@ def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi:
 def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
                      allow_recompute: bool, rel_tol: float = 1e-3,
                      lower_bound_s: float = 0.0, allow_sharded: bool = False) -> Partition | None:
-    """Min-max contiguous partition of the layers over ``shapes`` (no empty stage) under every
-    stage's memory; None if no partition fits. ``allow_sharded``: a stage of several replicas
-    may shard its optimizer state to hold more layers."""
+    """Min-max contiguous partition of the layers over ``shapes`` (each stage's replicas, alike
+    in each stage; no empty stage) under every stage's memory; None if no partition fits.
+    ``allow_sharded``: a stage of several replicas may shard its optimizer state to hold more
+    layers."""
     n, L = len(shapes), cm.model.num_layers
     if n > L:
         return None
     info = []
-    for sh, k in zip(shapes, in_flight):
+    for reps, k in zip(shapes, in_flight):
+        sh = cm.placement(reps)
         s = mbs // sh.width
         info.append((sh, s, k, _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded)))
 
@@ -119,7 +122,8 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
 def recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):
     """Per stage: recompute off if it fits without, on if only that fits; None if one cannot."""
     rcs = []
-    for sh, (a, b), w in zip(shapes, bounds, warm):
+    for reps, (a, b), w in zip(shapes, bounds, warm):
+        sh = cm.placement(reps)
         s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
         if cm.memory_bytes(s, a, b, w, False) <= cap:
             rcs.append(False)
@@ -137,15 +141,14 @@ def cut_times(cm: CostModel, shapes, bounds, mbs: int) -> list[float]:
 
 def balanced_step_s(cm: CostModel, shapes, mbs: int) -> float:
     """Per-micro-batch time if every stage carried work in proportion to its speed."""
-    rate = sum(cm.replica_rate(sh.group, mbs // sh.width) * sh.width for sh in shapes)
+    rate = sum(cm.replica_rate(sh.group, mbs // sh.width) * sh.width
+               for sh in map(cm.placement, shapes))
     return mbs / rate
 
 
 def estimate_s(cm: CostModel, layout: Layout, num_microbatches: int) -> float:
     """HAPT's pipeline formula: fill and drain plus (M - 1) times the slowest stage or cut."""
-    costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
-                           layout.recompute, layout.optimizers)
-    st = costs.stages
+    st = cm.stage_costs(layout.stages, layout.micro_batch_size).stages
     steps = [c.forward_s + c.backward_s for c in st]
     cuts = [c.send_forward_s for c in st[:-1]]
     # in the steady state a cut passes one micro-batch a period each way: its link is held

@@ -1,12 +1,14 @@
 """Between the search's layouts and Plans, and the physical limit every plan is measured by."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hapt_hf.core.precision import Precision
 
 from ..cluster import Cluster
 from ..cost_model import CostModel
 from ..model_spec import ModelSpec
-from ..plan import Plan, PlanPrediction, Replica, StagePlan, StagePrediction
+from ..plan import Plan, PlanPrediction, StagePrediction
 from ..profile import Profile, load_sailor_profiles
 from ..simulate import SimResult
 from .options import Layout
@@ -16,27 +18,14 @@ __all__ = ["layout_to_plan", "layout_of_plan", "physical_limit_s", "cluster_prof
 
 def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimResult | None,
                    baselines: dict[str, float] | None = None) -> Plan:
-    first = cm.cluster.first_ranks()
+    """The plan of ``layout``'s stages, each with its predicted times and peak memory."""
     mbs = layout.micro_batch_size
-    costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), mbs, layout.recompute,
-                           layout.optimizers)
+    costs = cm.stage_costs(layout.stages, mbs)
     stages = []
-    for i, (sh, bnd, rc, w, c) in enumerate(zip(layout.shapes, layout.bounds, layout.recompute,
-                                                 layout.warmups, costs.stages)):
+    for i, (s, c) in enumerate(zip(layout.stages, costs.stages)):
         peak = sim.peak_memory_bytes[i] if sim and sim.peak_memory_bytes else 0.0
-        if sh.replicas:
-            reps = tuple(Replica(first[r.group.name] + r.index, r.group.name, r.group.gpu.name,
-                                 r.samples) for r in sh.replicas)
-            stages.append(StagePlan.of_replicas(
-                i, bnd, reps, w, recompute=rc,
-                predicted=StagePrediction(c.forward_s, c.backward_s, peak),
-                optimizer=c.optimizer))
-            continue
-        r0 = first[sh.group.name] + sh.offset
-        stages.append(StagePlan(
-            index=i, layers=bnd, group=sh.group.name, device_type=sh.group.gpu.name,
-            ranks=tuple(range(r0, r0 + sh.width)), warmup=w, recompute=rc,
-            predicted=StagePrediction(c.forward_s, c.backward_s, peak), optimizer=c.optimizer))
+        stages.append(replace(s, index=i, optimizer=c.optimizer,
+                              predicted=StagePrediction(c.forward_s, c.backward_s, peak)))
     m = cm.model
     pred = PlanPrediction()
     if sim is not None and sim.feasible:
@@ -53,10 +42,8 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
 
 
 def layout_of_plan(cm: CostModel, plan: Plan) -> Layout:
-    return Layout(tuple(cm.shapes_of(plan)), tuple(s.layers for s in plan.stages),
-                  tuple(s.recompute for s in plan.stages), plan.micro_batch_size,
-                  tuple(plan.warmups()), plan.schedule,
-                  tuple(s.optimizer for s in plan.stages))
+    """The plan's stages as a layout (ranks numbered as ``cm`` numbers them)."""
+    return Layout(cm.stages_of(plan), plan.micro_batch_size, plan.schedule)
 
 
 def physical_limit_s(cm: CostModel, global_batch: int) -> float:

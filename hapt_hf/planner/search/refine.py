@@ -23,8 +23,8 @@ def as_schedule(layout: Layout, schedule: str, m: int) -> Layout:
     if schedule == ScheduleKind.H1F1B and layout.schedule == ScheduleKind.ONE_F_ONE_B:
         return replace(layout, schedule=schedule)
     n = layout.num_stages
-    return replace(layout, schedule=schedule,
-                   warmups=hapt_warmups(layout.shapes, [0.0] * (n - 1), 1.0, m, schedule))
+    warm = hapt_warmups(layout.shapes, [0.0] * (n - 1), 1.0, m, schedule)
+    return replace(layout.with_warmups(warm), schedule=schedule)
 
 
 def _moves(n: int):
@@ -62,7 +62,7 @@ def refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
             inflight = sim.peak_in_flight or layout.warmups
             states = []
             for j, (a, b) in enumerate(bounds):
-                got = stage_state(cm, layout.shapes[j], layout.micro_batch_size, a, b,
+                got = stage_state(cm, layout.stages[j].replicas, layout.micro_batch_size, a, b,
                                   inflight[j], options.allow_recompute,
                                   options.allow_sharded_optimizer)
                 if got is None:
@@ -70,8 +70,7 @@ def refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
                 states.append(got)
             if len(states) != len(bounds):
                 continue
-            cand = replace(layout, bounds=bounds, recompute=tuple(rc for rc, _ in states),
-                           optimizer=tuple(o for _, o in states))
+            cand = layout.with_layers(bounds, [rc for rc, _ in states], [o for _, o in states])
             budget -= 1
             r = simulate_layout(cm, cand, m)
             if better(r, sim):

@@ -21,7 +21,8 @@ def _encoded(kind: str, n: int, m: int,
 
 
 def _steady_cap(layout: Layout) -> int:
-    return max(STEADY_MIN_MICROBATCHES, 4 * max(layout.warmups) + 4 * layout.num_stages)
+    return max(STEADY_MIN_MICROBATCHES, 4 * max(s.warmup for s in layout.stages)
+               + 4 * layout.num_stages)
 
 
 def simulate_layout(cm: CostModel, layout: Layout, num_microbatches: int, exact: bool = False,
@@ -35,11 +36,12 @@ def simulate_layout(cm: CostModel, layout: Layout, num_microbatches: int, exact:
     their queue has filled, which can take longer than the short replays (on
     harp_3groups_1p3b the period measured between 32 and 64 micro-batches was 48.3 ms where
     the slowest stage needs 50.4 ms, and plans differing only there looked equal)."""
-    costs = cm.stage_costs(list(layout.shapes), list(layout.bounds), layout.micro_batch_size,
-                           layout.recompute, layout.optimizers)
+    costs = cm.stage_costs(layout.stages, layout.micro_batch_size)
+
+    warmups = layout.warmups
 
     def run(m: int) -> SimResult:
-        warm = schedule_warmups(layout.schedule, layout.warmups, m)
+        warm = schedule_warmups(layout.schedule, warmups, m)
         return replay(_encoded(layout.schedule, layout.num_stages, m, warm), costs, record_events)
 
     m = num_microbatches

@@ -1,4 +1,5 @@
-"""Stage shapes: how each group is cut into stages, group orders, micro-batch sizes."""
+"""Stage shapes: how each group is cut into stages (each stage's replicas), group orders,
+micro-batch sizes."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +8,8 @@ import math
 from hapt_hf.errors import PlanningError
 
 from ..cluster import Cluster, GpuGroup
-from ..cost_model import StageShape
+from ..cost_model import CostModel
+from ..plan import Replica
 
 __all__ = ["divisors", "compositions", "group_cuts", "width_options", "group_orders",
            "require_chain", "shapes_for",
@@ -81,13 +83,15 @@ def require_chain(cluster: Cluster) -> list[tuple[GpuGroup, ...]]:
     return orders
 
 
-def shapes_for(order: tuple[GpuGroup, ...],
-               widths: dict[str, tuple[int, ...]]) -> tuple[StageShape, ...]:
+def shapes_for(cm: CostModel, order: tuple[GpuGroup, ...], widths: dict[str, tuple[int, ...]],
+               mbs: int) -> tuple[tuple[Replica, ...], ...]:
+    """Each stage's replicas: the groups in ``order``, each cut into stages of ``widths`` (its
+    GPUs in order), every stage splitting a micro-batch of ``mbs`` evenly."""
     shapes = []
     for g in order:
         off = 0
         for w in widths[g.name]:
-            shapes.append(StageShape(g, w, off))
+            shapes.append(cm.slice_replicas(g, w, off, mbs))
             off += w
     return tuple(shapes)
 

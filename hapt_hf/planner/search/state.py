@@ -12,64 +12,68 @@ from __future__ import annotations
 from hapt_hf.core.layers import layer_name
 from hapt_hf.core.precision import REPLICATED, SHARDED
 
-from ..cost_model import CostModel, StageShape
-from ..plan import Plan
+from ..cost_model import CostModel
+from ..plan import Plan, Replica
 
 __all__ = ["state_options", "faster_state", "stage_state", "sharding_reason",
            "sharding_reasons"]
 
 
-def state_options(shape: StageShape, allow_sharded: bool) -> tuple[str, ...]:
-    """The optimizer states a stage of this shape may keep: sharding needs two replicas."""
-    return (REPLICATED, SHARDED) if allow_sharded and shape.width > 1 else (REPLICATED,)
+def state_options(width: int, allow_sharded: bool) -> tuple[str, ...]:
+    """The optimizer states a stage of ``width`` replicas may keep: sharding needs two."""
+    return (REPLICATED, SHARDED) if allow_sharded and width > 1 else (REPLICATED,)
 
 
-def faster_state(cm: CostModel, shape: StageShape, samples: int, a: int, b: int,
+def faster_state(cm: CostModel, replicas: tuple[Replica, ...], samples: int, a: int, b: int,
                  states) -> str:
     """The state among ``states`` whose optimizer step is the shorter (replicated on a tie)."""
-    return min(states, key=lambda o: (cm.optimizer_step_s(shape, samples, a, b, o),
+    return min(states, key=lambda o: (cm.optimizer_step_s(replicas, samples, a, b, o),
                                       o != REPLICATED))
 
 
-def stage_state(cm: CostModel, shape: StageShape, mbs: int, a: int, b: int, in_flight: int,
-                allow_rc: bool, allow_sharded: bool) -> tuple[bool, str] | None:
+def stage_state(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, b: int,
+                in_flight: int, allow_rc: bool, allow_sharded: bool) -> tuple[bool, str] | None:
     """(recompute, optimizer) that lets the stage hold layers [a, b) with ``in_flight``
     micro-batches: recompute only where nothing fits without, then the faster step among the
     states that fit; None when nothing fits."""
+    p = cm.placement(replicas)
     # every kind of replica against its own GPU (a mixed stage's shares and GPUs differ)
-    kinds = {(r.group.name, r.samples): r for r in shape.slots(mbs)}.values()
+    kinds = {(g.name, r.samples): (g, r.samples)
+             for g, r in zip(p.group_of, p.replicas)}.values()
     for rc in ((False, True) if allow_rc else (False,)):
-        fits = [o for o in state_options(shape, allow_sharded)
-                if all(cm.memory_bytes(r.samples, a, b, in_flight, rc, o, shape.width)
-                       <= cm.capacity_bytes(r.group) for r in kinds)]
+        fits = [o for o in state_options(p.width, allow_sharded)
+                if all(cm.memory_bytes(s, a, b, in_flight, rc, o, p.width)
+                       <= cm.capacity_bytes(g) for g, s in kinds)]
         if fits:
-            return rc, faster_state(cm, shape, mbs // shape.width, a, b, fits)
+            return rc, faster_state(cm, replicas, mbs // p.width, a, b, fits)
     return None
 
 
-def _layers_fitting(cm: CostModel, shape: StageShape, samples: int, a: int, in_flight: int,
-                    rc: bool, optimizer: str) -> int:
+def _layers_fitting(cm: CostModel, replicas: tuple[Replica, ...], samples: int, a: int,
+                    in_flight: int, rc: bool, optimizer: str) -> int:
     """How many layers from ``a`` one GPU of the stage holds with this state."""
-    cap, b = cm.capacity_bytes(shape.group), a
+    p = cm.placement(replicas)
+    cap, b = cm.capacity_bytes(p.group), a
     while b < cm.model.num_layers and \
-            cm.memory_bytes(samples, a, b + 1, in_flight, rc, optimizer, shape.width) <= cap:
+            cm.memory_bytes(samples, a, b + 1, in_flight, rc, optimizer, p.width) <= cap:
         b += 1
     return b - a
 
 
-def sharding_reason(cm: CostModel, shape: StageShape, mbs: int, a: int, b: int,
+def sharding_reason(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, b: int,
                     in_flight: int, recompute: bool) -> str:
     """Why a stage holding layers [a, b) with ``in_flight`` micro-batches keeps its optimizer
     state sharded: how much less it would hold replicated, or its faster step."""
-    s, w, cap = mbs // shape.width, shape.width, cm.capacity_bytes(shape.group)
+    p = cm.placement(replicas)
+    s, w, cap = mbs // p.width, p.width, cm.capacity_bytes(p.group)
     if cm.memory_bytes(s, a, b, in_flight, recompute, REPLICATED, w) <= cap:
-        rep = cm.optimizer_step_s(shape, s, a, b, REPLICATED)
-        shd = cm.optimizer_step_s(shape, s, a, b, SHARDED)
+        rep = cm.optimizer_step_s(replicas, s, a, b, REPLICATED)
+        shd = cm.optimizer_step_s(replicas, s, a, b, SHARDED)
         return (f"faster optimizer step: {shd * 1e3:.1f} ms (update of 1/{w} of the "
                 f"parameters, then all-gather) against {rep * 1e3:.1f} ms replicated")
-    fit_r = _layers_fitting(cm, shape, s, a, in_flight, recompute, REPLICATED)
-    fit_s = _layers_fitting(cm, shape, s, a, in_flight, recompute, SHARDED)
-    text = (f"fits {fit_s} layers per {shape.group.gpu.name} from "
+    fit_r = _layers_fitting(cm, replicas, s, a, in_flight, recompute, REPLICATED)
+    fit_s = _layers_fitting(cm, replicas, s, a, in_flight, recompute, SHARDED)
+    text = (f"fits {fit_s} layers per {p.group.gpu.name} from "
             f"{layer_name(a, cm.model.num_layers, cm.model.layer_unit)} instead of {fit_r}")
     if not recompute and cm.memory_bytes(s, a, b, in_flight, True, REPLICATED, w) <= cap:
         text += " (replicated, these layers would need recompute)"
@@ -81,6 +85,6 @@ def sharding_reasons(cm: CostModel, plan: Plan, in_flight=()) -> dict[int, str]:
     (``cm`` over the plan's layer sequence; ``in_flight``: the most micro-batches each stage
     holds, by default its warm-up depth)."""
     depth = tuple(in_flight) or plan.warmups()
-    return {s.index: sharding_reason(cm, sh, plan.micro_batch_size, *s.layers,
+    return {s.index: sharding_reason(cm, s.replicas, plan.micro_batch_size, *s.layers,
                                      depth[s.index], s.recompute)
-            for s, sh in zip(plan.stages, cm.shapes_of(plan)) if s.optimizer == SHARDED}
+            for s in cm.stages_of(plan) if s.optimizer == SHARDED}

@@ -1,8 +1,6 @@
 """Warm-up depths: HAPT's thresholds to start from, refined one group link at a time."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hapt_hf.core.schedules import default_warmups, warmup_rule, warmups_from_steps
 
 from ..cost_model import CostModel
@@ -15,8 +13,9 @@ __all__ = ["hapt_warmups", "in_flight_guess", "refine_warmups"]
 
 def hapt_warmups(shapes, cut_s: list[float], cap_s: float, num_microbatches: int,
                  schedule: str) -> tuple[int, ...]:
-    """Warm-up depths: GPipe runs all forwards first; 1F1B gives stage i ``n - i``; H-1F1B adds
-    1 per stage inside a group and 1, 2 or 3 across a group link whose transfer takes under a
+    """Warm-up depths of stages on the replica tuples ``shapes``: GPipe runs all forwards first;
+    1F1B gives stage i ``n - i``; H-1F1B adds 1 per stage inside a group and 1, 2 or 3 across a
+    group link (between stages whose first replicas' groups differ) whose transfer takes under a
     tenth, under a half, or more of the stage-time cap (HAPT's thresholds)."""
     n, m = len(shapes), num_microbatches
     if not warmup_rule(schedule).per_stage:
@@ -24,7 +23,7 @@ def hapt_warmups(shapes, cut_s: list[float], cap_s: float, num_microbatches: int
     steps = []
     for i in range(n - 1):
         inc = 1
-        if shapes[i].group.name != shapes[i + 1].group.name:
+        if shapes[i][0].group != shapes[i + 1][0].group:
             ratio = cut_s[i] / cap_s if cap_s > 0 else 1.0
             inc = 1 if ratio < 0.1 else 2 if ratio < 0.5 else 3
         steps.append(inc)
@@ -53,7 +52,7 @@ def refine_warmups(cm: CostModel, layout: Layout, m: int,
         return best_l, best_r
     n = layout.num_stages
     cuts = [i for i in range(n - 1)
-            if n <= 4 or layout.shapes[i].group.name != layout.shapes[i + 1].group.name]
+            if n <= 4 or layout.stages[i].group != layout.stages[i + 1].group]
     for i in cuts:
         steps = [best_l.warmups[j] - best_l.warmups[j + 1] for j in range(n - 1)]
         for step in (1, 2, 3, 4, 6, 8):
@@ -61,7 +60,7 @@ def refine_warmups(cm: CostModel, layout: Layout, m: int,
                 continue
             trial = list(steps)
             trial[i] = step
-            cand = replace(best_l, warmups=warmups_from_steps(trial, m))
+            cand = best_l.with_warmups(warmups_from_steps(trial, m))
             if cand.warmups == best_l.warmups:
                 continue
             r = simulate_layout(cm, cand, m)
