@@ -169,7 +169,7 @@ def _stage_list(stage: int, num_stages: int, warmup: int, num_microbatches: int,
     the activations reached a slow stage later and later, 0.49 s into a step the schedule
     had them in at 0.36 s). On NCCL, which pairs transfers in posting order on one stream per
     communicator, they are safe as the runtime posts them, each boundary's each direction on
-    a group of its own (:mod:`hapt_hf.planner.stream_order`)."""
+    a group of its own (`benchmarks/stream_order.py` replays them)."""
     t = _AS_IS if tokens is None else tokens
     first, last = stage == 0, stage == num_stages - 1
     f, b = t[ActionKind.F], t[ActionKind.B]

@@ -105,7 +105,7 @@ def transfer_groups(plan: Plan, work: RankWork,
     its own, each direction of each boundary carries transfers one way, in micro-batch order on
     both sides: the schedules' lists then finish on NCCL, whether torch makes a communicator
     per pair (its default) or one per group (a default group bound to a device). On one group
-    for every transfer, 1F1B's lists hang (:mod:`hapt_hf.planner.stream_order` replays both).
+    for every transfer, 1F1B's lists hang (`benchmarks/stream_order.py` replays both).
     Every rank creates every group, in the same order (``new_group`` is collective); then
     :func:`_open_pairs` makes the communicators."""
     mine: dict[tuple[int, bool], Any] = {}

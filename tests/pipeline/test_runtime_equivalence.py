@@ -317,7 +317,7 @@ def test_transfers_would_pair_up_on_nccl(results, world, case):
     """NCCL pairs a communicator's transfers in posting order, not by tag: on each group and
     pair of ranks the receiver posts the micro-batches in the order the sender sends them; each
     group carries one boundary one way; set-up made every pair's communicator before the lists
-    (hapt_hf.planner.stream_order replays the lists themselves under NCCL's rules)."""
+    (benchmarks/stream_order.py replays the lists themselves under NCCL's rules)."""
     cid = case_id(*case)
     stages = results[(cid, 0)]["stages"]
     stage_of = {r: i for i, ranks in enumerate(stages) for r in ranks}

@@ -1,11 +1,11 @@
 """The schedules' lists under NCCL's rules: transfers paired in posting order, one stream per
-communicator, a send waiting for its receive (hapt_hf.planner.stream_order)."""
+communicator, a send waiting for its receive (benchmarks/stream_order.py)."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from hapt_hf.core.schedules import ActionKind
 from hapt_hf.planner.schedule import Action, Schedule, build_schedule, default_warmups
-from hapt_hf.planner.stream_order import in_order_hazard
+from benchmarks.stream_order import in_order_hazard
 
 
 def _h1f1b_warmups(n: int, m: int, extra: list[int]) -> list[int]:

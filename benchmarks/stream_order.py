@@ -1,5 +1,5 @@
-"""Whether a schedule's per-rank lists finish on a transport that runs transfers in posting
-order (NCCL).
+"""A yardstick for tests (not shipped): whether a schedule's per-rank lists finish on a
+transport that runs transfers in posting order (NCCL).
 
 :func:`~hapt_hf.planner.schedule.validate_schedule` replays the lists as Gloo runs them: every
 transfer is matched by its tag and moves on its own, so a receive posted early holds nothing up.
