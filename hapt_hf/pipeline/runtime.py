@@ -45,7 +45,7 @@ from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, Runti
                                             StepResult, batch_tokens, check_batch)
 from hapt_hf.pipeline.transfers import Transfer
 from hapt_hf.pipeline.zero import StageOptimizers
-from hapt_hf.planner.plan import Plan, StagePlan
+from hapt_hf.planner.plan import Plan, Stage
 from hapt_hf.planner.schedule import Action, ActionKind
 
 # settings, results, errors and process-group set-up: importable from here too, as always
@@ -86,7 +86,7 @@ class PipelineRuntime:
         """Activations and their gradients cross stage boundaries in the compute dtype."""
         self.rank = dist.get_rank()
         self.work: RankWork = rank_work(plan, self.rank)
-        self.stage_plan: StagePlan = self.work.stage
+        self.stage_plan: Stage = self.work.stage
         self.device = torch.device(config.device or local_device())
         self._all_ranks = tuple(range(plan.world_size))
         # The channel comes first: a rank that fails while building its stage (a damaged

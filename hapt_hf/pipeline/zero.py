@@ -30,7 +30,7 @@ from hapt_hf.compat.torch_api import mark_stepped_for_schedulers
 from hapt_hf.core.precision import SHARDED
 from hapt_hf.errors import ConfigError
 from hapt_hf.pipeline.failure import FailureChannel
-from hapt_hf.planner.plan import StagePlan
+from hapt_hf.planner.plan import Stage
 
 __all__ = ["ShardedOptimizer", "OptimizerPlanError", "StageOptimizers", "build_optimizer",
            "prepare_optimizer", "check_optimizer"]
@@ -133,12 +133,12 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         self.param_groups = own
 
 
-def _replica_pg_needed(stage_plan: StagePlan, replica_pg: Any) -> None:
+def _replica_pg_needed(stage_plan: Stage, replica_pg: Any) -> None:
     if replica_pg is None:  # validate() refuses a sharded stage of one replica: a programming error
         raise RuntimeError(f"stage {stage_plan.index} is sharded but has no replica process group")
 
 
-def build_optimizer(stage_plan: StagePlan, replica_pg: Any, optimizer_class: type[torch.optim.Optimizer],
+def build_optimizer(stage_plan: Stage, replica_pg: Any, optimizer_class: type[torch.optim.Optimizer],
                     params: Iterable[Any], **kwargs: Any) -> torch.optim.Optimizer:
     """``optimizer_class(params, **kwargs)`` on a replicated stage; on a sharded one the same
     optimizer as a :class:`ShardedOptimizer` over the stage's replica process group."""
@@ -148,7 +148,7 @@ def build_optimizer(stage_plan: StagePlan, replica_pg: Any, optimizer_class: typ
     return ShardedOptimizer(params, optimizer_class, replica_pg, stage_plan.index, **kwargs)
 
 
-def _refusal(stage_plan: StagePlan, what: str, fix: str) -> OptimizerPlanError:
+def _refusal(stage_plan: Stage, what: str, fix: str) -> OptimizerPlanError:
     return OptimizerPlanError(
         f"stage {stage_plan.index}'s plan says optimizer: sharded (its optimizer state split among "
         f"ranks {list(stage_plan.ranks)}), but {what}; {fix}, or set the stage's \"optimizer\" to "
@@ -169,7 +169,7 @@ def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in defaults.items() if k in sig}
 
 
-def prepare_optimizer(stage_plan: StagePlan, replica_pg: Any,
+def prepare_optimizer(stage_plan: Stage, replica_pg: Any,
                       optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """An optimizer built elsewhere, holding its state as the stage's plan says.
 
@@ -201,7 +201,7 @@ def prepare_optimizer(stage_plan: StagePlan, replica_pg: Any,
     return sharded
 
 
-def check_optimizer(stage_plan: StagePlan, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer(stage_plan: Stage, optimizer: torch.optim.Optimizer) -> None:
     """Refuse stepping a sharded stage with an optimizer that keeps the whole state."""
     if stage_plan.optimizer == SHARDED and not isinstance(optimizer, ShardedOptimizer):
         raise _refusal(stage_plan, f"the optimizer given ({type(optimizer).__name__}) holds the "
@@ -219,7 +219,7 @@ class StageOptimizers:
         channel: The runtime's failure channel: a replica lost in a sharded step is named.
     """
 
-    def __init__(self, stage_plan: StagePlan, module: torch.nn.Module, replica_pg: Any,
+    def __init__(self, stage_plan: Stage, module: torch.nn.Module, replica_pg: Any,
                  channel: FailureChannel) -> None:
         self.stage_plan = stage_plan
         self.module = module

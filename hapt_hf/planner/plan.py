@@ -26,8 +26,8 @@ from hapt_hf.core.precision import DTYPES, OPTIMIZER_STATES, REPLICATED, SHARDED
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, warmup_rule
 from hapt_hf.errors import PlanError
 
-__all__ = ["PlanError", "StagePrediction", "Replica", "Stage", "StagePlan", "PlanPrediction",
-           "Plan", "even_replicas", "SCHEDULES", "LAYER_UNITS"]
+__all__ = ["PlanError", "StagePrediction", "Replica", "Stage", "PlanPrediction", "Plan",
+           "even_replicas", "SCHEDULES", "LAYER_UNITS"]
 
 PLAN_VERSION = 1
 
@@ -244,10 +244,6 @@ class Stage:
             raise PlanError(f"stage {i}: replica samples {list(shares)} include a replica with "
                             "none; leave that GPU out of the stage instead")
         self.shares(micro_batch_size)
-
-
-StagePlan = Stage
-"""Former name of :class:`Stage` (deprecated)."""
 
 
 def _check_listed(d: dict[str, Any], replicas: tuple[Replica, ...], where: str) -> None:
