@@ -58,16 +58,3 @@ def _unit_tests_start_no_ranks(request, monkeypatch):
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", no_process)
     monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
-
-
-@pytest.fixture(autouse=True)
-def _no_model_reader_carried_over():
-    """Every test starts with no model reader installed, as a library user of the planner does:
-    one installed by an earlier test (the CLI, the launch path) would swap the hand formulas of
-    gpt2, llama, mistral, qwen2 and opt for the reader's figures in the tests that follow."""
-    from hapt_hf.planner import model_spec
-    before = dict(model_spec._MODEL_READER)
-    model_spec._MODEL_READER.clear()
-    yield
-    model_spec._MODEL_READER.clear()
-    model_spec._MODEL_READER.update(before)

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from hapt_hf.errors import UnsupportedModel
 from benchmarks.chain_check import attention_for, tiny_config
 from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError
-from hapt_hf.profiling.model_reader import (install_model_reader, read_layer_counts,
-                                           read_layer_specs, read_model)
+from hapt_hf.profiling.model_figures import MeasuringReader
+from hapt_hf.profiling.model_reader import read_layer_counts, read_layer_specs, read_model
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -48,9 +48,8 @@ def test_reader_spec_matches_the_llama_formula(seq_len, dtype):
 
 
 def test_model_spec_reads_a_type_without_a_hand_formula():
-    install_model_reader()
     config = tiny_config("gemma3_text", blocks=2)  # sliding and full blocks alternate
-    spec = ModelSpec.from_config(config, 64, "bf16")
+    spec = ModelSpec.from_config(config, 64, "bf16", reader=MeasuringReader())
     assert spec.family == "gemma3_text" and spec.num_blocks == 2 and not spec.can_split_blocks
     assert spec.total_params == sum(
         p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -60,12 +59,12 @@ def test_model_spec_reads_a_type_without_a_hand_formula():
     assert all(l.fwd_flops > 0 for l in spec.layers[1:])  # the embedding is a lookup
 
 
-def test_model_spec_refuses_a_new_type_without_the_reader(monkeypatch):
-    monkeypatch.setattr("hapt_hf.planner.model_spec._MODEL_READER", {})
-    with pytest.raises(UnsupportedModel, match="install_model_reader"):
+def test_model_spec_refuses_a_new_type_without_the_reader():
+    with pytest.raises(UnsupportedModel, match="hapt_hf.model_spec"):
         ModelSpec.from_config(tiny_config("qwen3", blocks=2), 64)
-    with pytest.raises(UnsupportedModel, match="not supported"):
-        ModelSpec.from_config(_unverified_config(), 64)
+    for reader in (None, MeasuringReader()):
+        with pytest.raises(UnsupportedModel, match="not supported"):
+            ModelSpec.from_config(_unverified_config(), 64, reader=reader)
 
 
 def _unverified_config():
@@ -122,9 +121,8 @@ def _cluster():
 
 def test_generic_blocks_of_llama_shape_are_planned_in_halves():
     from hapt_hf.planner.search import PlannerOptions, plan_job
-    install_model_reader()
     config = tiny_config("qwen3", blocks=3)
-    spec = ModelSpec.from_config(config, 32, "fp32")
+    spec = ModelSpec.from_config(config, 32, "fp32", reader=MeasuringReader())
     assert spec.can_split_blocks and spec.half_refusal == ""
     halves = spec.split_blocks()
     assert halves.num_layers == 2 * 3 + 2 and halves.total_params == spec.total_params
@@ -138,12 +136,11 @@ def test_generic_blocks_of_llama_shape_are_planned_in_halves():
 @pytest.mark.parametrize("model_type", ["phi", "gptj", "gpt_neox", "falcon"])
 def test_parallel_blocks_refuse_halves_and_are_planned_whole(model_type):
     from hapt_hf.planner.search import PlannerOptions, PlanningError, plan_job
-    install_model_reader()
     config = tiny_config(model_type, blocks=2)
     if model_type == "falcon":
         config.parallel_attn = True  # the default, said here: the refusal depends on it
     attn = attention_for(config)  # sdpa where the type has it (GPT-J before transformers 5.24 has not)
-    spec = ModelSpec.from_config(config, 32, "fp32", attn_implementation=attn)
+    spec = ModelSpec.from_config(config, 32, "fp32", attn_implementation=attn, reader=MeasuringReader())
     assert not spec.can_split_blocks and "in parallel" in spec.half_refusal
     with pytest.raises(ModelSpecError, match=f"'half' is not possible .*{model_type}.*in parallel"):
         spec.split_blocks()

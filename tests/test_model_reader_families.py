@@ -1,13 +1,14 @@
 """The families with a hand formula (gpt2, llama, mistral, qwen2, opt) are read off the model
 too: the reader's figures against the formulas as oracles, whole blocks and halves, and
-ModelSpec.from_config returning the reader's figures wherever a reader is installed."""
+ModelSpec.from_config returning the reader's figures wherever it is given the reader."""
 from __future__ import annotations
 
 import pytest
 
 from benchmarks.chain_check import tiny_config
 from hapt_hf.planner.model_spec import ModelSpec, ModelSpecError, model_config
-from hapt_hf.profiling.model_reader import install_model_reader, read_model
+from hapt_hf.profiling.model_figures import MeasuringReader
+from hapt_hf.profiling.model_reader import read_model
 
 SEQ = 64
 
@@ -81,8 +82,7 @@ def test_opt_halves_read_are_the_modules_a_half_stage_holds(case):
         stage = build_stage(config, (half.index, half.index + 1), layer_unit="half")
         tied = {id(p) for p in stage.tied_parameters()} if half.kind == "head" else set()
         assert half.params == sum(p.numel() for p in stage.parameters() if id(p) not in tied)
-    install_model_reader()
-    spec = ModelSpec.from_config(config, SEQ, "fp32")
+    spec = ModelSpec.from_config(config, SEQ, "fp32", reader=MeasuringReader())
     assert spec.can_split_blocks and spec.split_blocks().num_layers == len(read.half_layers)
     assert _figures(spec.half_layers) == _figures(read.half_layers)
 
@@ -94,14 +94,13 @@ def _figures(layers) -> list[tuple]:
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "mistral", "qwen2", "opt"])
-def test_from_config_takes_the_readers_figures_once_installed(model_type):
+def test_from_config_takes_the_readers_figures_when_given_it(model_type):
     config = tiny_config(model_type, blocks=2)
     formula = ModelSpec.from_formula(config, SEQ, "bf16")
     assert _figures(ModelSpec.from_config(config, SEQ, "bf16").layers) == \
-        _figures(formula.layers)  # no reader installed: the torch-free hand formula
+        _figures(formula.layers)  # no reader: the torch-free hand formula
     read = read_model(config, SEQ, "bf16", "sdpa")
-    install_model_reader()
-    spec = ModelSpec.from_config(config, SEQ, "bf16")
+    spec = ModelSpec.from_config(config, SEQ, "bf16", reader=MeasuringReader())
     assert _figures(spec.layers) == _figures(read.layers)
     assert _figures(spec.half_layers) == _figures(read.half_layers)
     assert spec.half_refusal == read.half_refusal
@@ -126,6 +125,5 @@ def test_the_plan_command_reads_gpt2_in_halves():
 
 def test_a_gpt2_config_error_is_still_reported_with_the_reader():
     config = tiny_config("gpt2", blocks=2)
-    install_model_reader()
     with pytest.raises(ModelSpecError, match="seq_len 4096 exceeds the gpt2 model's learned position"):
-        ModelSpec.from_config(config, 4096, "fp32")
+        ModelSpec.from_config(config, 4096, "fp32", reader=MeasuringReader())

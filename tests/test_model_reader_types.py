@@ -14,7 +14,8 @@ from benchmarks.chain_check import attention_for, tiny_config
 from hapt_hf.pipeline.stage import build_stage
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.plan import Plan
-from hapt_hf.profiling.model_reader import install_model_reader, read_layer_counts
+from hapt_hf.profiling.model_figures import MeasuringReader
+from hapt_hf.profiling.model_reader import read_layer_counts
 
 TYPES = ("dbrx", "jetmoe", "biogpt", "cohere_compass_text", "moshi")
 SEQ = 32
@@ -34,9 +35,9 @@ def _real_forward_flops(config) -> int:
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_model_spec_of_the_type_is_its_real_model(model_type):
-    install_model_reader()
     config = tiny_config(model_type, blocks=2)
-    spec = ModelSpec.from_config(config, SEQ, "fp32", attn_implementation=attention_for(config))
+    spec = ModelSpec.from_config(config, SEQ, "fp32", attn_implementation=attention_for(config),
+                                 reader=MeasuringReader())
     assert spec.family == model_type and spec.num_blocks == 2
     assert spec.total_params == sum(
         p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())

@@ -17,7 +17,8 @@ from benchmarks.chain_check import tiny_config
 from hapt_hf.planner.cluster import Cluster, builtin_cluster_path
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.search import PlannerOptions, plan_job
-from hapt_hf.profiling.model_reader import install_model_reader, read_model
+from hapt_hf.profiling.model_figures import MeasuringReader
+from hapt_hf.profiling.model_reader import read_model
 
 
 def _states() -> tuple:
@@ -43,13 +44,13 @@ def no_cuda_seeding(monkeypatch):
 @pytest.mark.parametrize(("model_type", "layer_unit"), [("gpt2", "half"), ("qwen3", "auto"),
                                                        ("gpt_neox", "auto")])
 def test_reading_and_planning_leave_the_rng_as_it_was(model_type, layer_unit, no_cuda_seeding):
-    install_model_reader()
     torch.manual_seed(1)
     random.seed(1)
     np.random.seed(1)
     no_cuda_seeding.clear()
     before = _states()
-    spec = ModelSpec.from_config(tiny_config(model_type, blocks=2), 32, "fp32")
+    spec = ModelSpec.from_config(tiny_config(model_type, blocks=2), 32, "fp32",
+                                 reader=MeasuringReader())
     plan_job(spec, Cluster.load(builtin_cluster_path("cpu_demo_4")), 16,
              options=PlannerOptions(layer_unit=layer_unit))
     _assert_same(before, _states())

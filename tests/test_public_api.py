@@ -114,7 +114,10 @@ def test_top_level_names_are_the_integration_objects():
     from hapt_hf.integration.trainer import HaptTrainer as trainer
 
     assert (HaptAccelerator, HaptTrainer, HaptConfig) == (accelerator, trainer, config)
-    assert hapt_hf.__all__ == ["HaptAccelerator", "HaptTrainer", "HaptConfig", "__version__"]
+    assert hapt_hf.__all__ == ["HaptAccelerator", "HaptTrainer", "HaptConfig", "model_spec",
+                               "__version__"]
+    from hapt_hf.profiling.model_figures import model_spec
+    assert hapt_hf.model_spec is model_spec
     assert all(getattr(hapt_hf, name) is not None for name in hapt_hf.__all__)
     assert set(hapt_hf.__all__) <= set(dir(hapt_hf))
     with pytest.raises(AttributeError, match="has no attribute 'HaptPlugin'"):

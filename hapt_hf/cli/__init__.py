@@ -15,7 +15,7 @@ import sys
 from functools import partial
 from typing import Sequence
 
-from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
 from hapt_hf.core.precision import DTYPES, PRECISIONS
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
 from hapt_hf.errors import HaptError
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, help="older name of --precision (deprecated)")
     p.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS,
                    help="attention the runtime builds (eager keeps the s x s probabilities); "
-                        f"default job.attn_implementation or {DEFAULT_ATTN_IMPLEMENTATION}")
+                        "default job.attn_implementation, else the model's best (sdpa where "
+                        "the model supports it, else eager)")
     p.add_argument("--schedule", choices=SCHEDULES, default=ScheduleKind.H1F1B.value,
                    help=f"pipeline schedule (default {ScheduleKind.H1F1B}: 1F1B with per-stage "
                         "warm-ups)")

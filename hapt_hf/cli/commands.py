@@ -72,7 +72,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           capacity_gb=capacities_gb(job.cluster),
                           physical_limit_s=result.physical_limit_s,
                           search_time_s=result.search_time_s, baselines=result.baselines,
-                          all_groups_s=result.all_groups_s, sharding=result.sharding)
+                          all_groups_s=result.all_groups_s, sharding=result.sharding,
+                          attention_reason=job.model.attn_reason)
     # outputs only now that planning succeeded; each is written atomically
     if args.timeline:
         from hapt_hf.planner.timeline import draw_timeline

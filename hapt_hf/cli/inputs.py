@@ -1,21 +1,22 @@
 """What ``hapt-hf plan`` and ``simulate`` plan or replay: the flags resolved against the
-cluster file's ``job:`` section (flags first), or the demo job when no cluster is named."""
+cluster file's ``job:`` section (flags first), or the demo job when no cluster is named. Every
+model is read off the model itself (:class:`~hapt_hf.profiling.model_figures.MeasuringReader`,
+imported only when a model is planned, so that the other commands start without torch)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.errors import HaptError, ModelSpecError
 
 if TYPE_CHECKING:  # imported lazily below, so that `hapt-hf --help` answers at once
     from hapt_hf.planner.cluster import Cluster
-    from hapt_hf.planner.model_spec import ModelSpec
+    from hapt_hf.planner.model_spec import ModelReader, ModelSpec
     from hapt_hf.planner.profile import Profile
 
 __all__ = ["UsageError", "JobInputs", "load_cluster", "resolve_job", "model_spec",
-           "DEMO_CLUSTER", "DEMO_MODEL", "install_lazy_model_reader"]
+           "DEMO_CLUSTER", "DEMO_MODEL", "model_reader"]
 
 DEMO_CLUSTER = "v100x8_a100x4"
 """The built-in cluster planned without --cluster; its ``job:`` names the demo job."""
@@ -64,26 +65,20 @@ def load_cluster(name_or_path: str | None) -> tuple[Cluster, str]:
 
 def model_spec(model: str | dict | None, seq_len: int, dtype: str, where: str,
                attn: str | None = None) -> ModelSpec:
-    """The model a ``--model`` flag or a ``job: model:`` value names (as ``load_job`` reads it)."""
+    """The model a ``--model`` flag or a ``job: model:`` value names (as ``load_job`` reads it);
+    ``attn`` None: the model's best."""
     from hapt_hf.planner.model_spec import ModelSpec
 
-    install_lazy_model_reader()
     if not model:
         raise ModelSpecError(f"no model given: pass --model NAME_OR_PATH or set job.model in "
                              f"{where}")
-    return ModelSpec.from_job_model(model, seq_len, dtype, attn or DEFAULT_ATTN_IMPLEMENTATION)
+    return ModelSpec.from_job_model(model, seq_len, dtype, attn, model_reader())
 
 
-def install_lazy_model_reader() -> None:
-    """Every model planned is read off the model with torch (the hand-formula families too):
-    the reader is imported only when a model is planned, so that the other commands start
-    without it."""
-    from hapt_hf.planner.model_spec import register_reader
-
-    def read(*args):
-        from hapt_hf.profiling.model_reader import read_model
-        return read_model(*args)
-    register_reader(read)
+def model_reader() -> ModelReader:
+    """The reader every model planned is read with (the hand-formula families too)."""
+    from hapt_hf.profiling.model_figures import MeasuringReader
+    return MeasuringReader()
 
 
 def _with_store(cluster: Cluster, profile: Profile | None, store: str | None
@@ -124,10 +119,10 @@ def resolve_job(cluster_arg: str | None, *, model: str | None = None, seq_len: i
     """
     from hapt_hf.planner.job import load_job
 
-    install_lazy_model_reader()
     cluster, source = load_cluster(cluster_arg)
     job = load_job(cluster, model=model, seq_len=seq_len, global_batch_size=global_batch,
                    precision=_precision_flag(precision, dtype),
-                   attn_implementation=attn_implementation, flags=JOB_FLAGS, where=source)
+                   attn_implementation=attn_implementation, flags=JOB_FLAGS, where=source,
+                   reader=model_reader())
     cluster, profile = _with_store(job.cluster, job.profile, profile_store)
     return JobInputs(cluster, job.model, profile, job.global_batch_size, source, job.precision)

@@ -13,7 +13,8 @@ from torch import Tensor
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-__all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum", "init_module_buffers"]
+__all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum", "init_module_buffers",
+           "supports_sdpa"]
 
 SLIDING_ATTENTION = "sliding_attention"
 """The attention kind (``config.layer_types`` entry) masked by a sliding window."""
@@ -67,3 +68,24 @@ def init_module_buffers(model: Any, module: Any) -> None:
         for n, p in module.named_parameters(recurse=False):
             p.copy_(params[n])
     torch.set_rng_state(rng)
+
+
+def supports_sdpa(config: Any) -> bool:
+    """Whether the causal-LM class transformers builds for ``config`` runs with
+    ``attn_implementation="sdpa"``: the class's ``_supports_sdpa`` flag, the one
+    ``from_config`` checks before it refuses sdpa. The class is the one
+    ``MODEL_FOR_CAUSAL_LM_MAPPING`` gives for the config's class (the one named in
+    ``config.architectures`` where the mapping offers several). A config no causal-LM class
+    takes gives False. Tested on transformers 5.24 (every accepted model type: the flag agrees
+    with building the model with sdpa).
+    """
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        classes = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return False
+    if isinstance(classes, (list, tuple)):
+        named = set(getattr(config, "architectures", None) or ())
+        classes = next((c for c in classes if c.__name__ in named), classes[0])
+    return bool(getattr(classes, "_supports_sdpa", False))

@@ -14,8 +14,12 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 probabilities for the backward, ``sdpa`` (fused scaled-dot-product kernels) keeps a per-row
 log-sum-exp instead."""
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
-"""What the stage builder, the profiler and the planner's memory model assume unless a job says
-otherwise: the three must agree, or the planner budgets memory the runtime does not have."""
+"""The attention preferred: where a job names none, the model's best is this one where the
+model's class supports it, else eager (chosen once, by
+``hapt_hf.profiling.model_figures.choose_attention``); a plan carries the choice, which the stage
+builder, the profiler and the planner's memory model then share, or the planner would budget
+memory the runtime does not have. Also the default of the lower-level calls that take an
+attention (``build_stage``, ``ProfilerOptions``, a plan.json without the field)."""
 DEFAULT_MEMORY_HEADROOM = 0.9
 """Fraction of each GPU's memory a plan may use: the planner's options, the cost model and the
 simulator all default to it (the rest is left for the allocator's fragmentation and the CUDA

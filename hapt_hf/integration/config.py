@@ -6,7 +6,7 @@ A user writes one small YAML file next to their accelerate config::
     schedule: h1f1b
     global_batch_size: 8
     precision: auto        # bf16 | fp16 | fp32 | auto (bf16 where every GPU has it)
-    attn_implementation: sdpa   # or eager; the planner budgets the memory of the one chosen
+    attn_implementation: sdpa   # or eager (default: the model's best); the planner budgets it
     planner: {}            # search options (PlannerOptions fields), e.g. {max_stages: 4}
 
 Relative paths are resolved against the directory of the hapt config, so the file can be moved
@@ -64,8 +64,10 @@ class HaptConfig:
             optimizer state stay fp32). ``auto`` (the default): bf16 where every GPU of the
             cluster has it, else fp16 with dynamic loss scaling, fp32 on CPUs.
         dtype: Older name of ``precision``, read as the same setting.
-        attn_implementation: ``eager`` or ``sdpa`` (None: sdpa, the runtime's default); the
-            planner budgets the memory the chosen one keeps.
+        attn_implementation: ``eager`` or ``sdpa``; None: the model's best, sdpa where the
+            model's class supports it, else eager (rank 0 chooses it when planning; the plan
+            carries it). The planner budgets the memory the chosen one keeps, and the stages
+            are built with it; one the model cannot run is refused.
         planner: Search options (:class:`~hapt_hf.planner.search.PlannerOptions`, every field
             documented there); a mapping is read into one and checked key by key on every
             rank. Its ``schedule`` is this config's ``schedule``.
@@ -84,7 +86,8 @@ class HaptConfig:
     precision: str | None = field(default=None, metadata={"help": f"One of {PRECISIONS}."})
     dtype: str | None = field(default=None, metadata={"help": "Older name of precision."})
     attn_implementation: str | None = field(
-        default=None, metadata={"help": f"One of {ATTN_IMPLEMENTATIONS}; default sdpa."})
+        default=None, metadata={"help": f"One of {ATTN_IMPLEMENTATIONS}; default: the model's "
+                                        "best (sdpa where the model supports it, else eager)."})
     planner: PlannerOptions = field(default_factory=PlannerOptions,
                                     metadata={"help": "Search options (PlannerOptions fields)."})
     timeout_s: float = field(default=DEFAULT_TIMEOUT_S,

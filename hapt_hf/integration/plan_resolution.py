@@ -19,7 +19,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.families import (SUPPORTED_MODEL_TYPES, accepted_model_types, unverified_reason,
                                    verified_generic_types)
 from hapt_hf.core.layers import layer_name, num_layers
@@ -98,18 +97,17 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
 
     from hapt_hf.planner.model_spec import ModelSpec
     from hapt_hf.planner.search import plan_job
-    from hapt_hf.profiling.model_reader import install_model_reader
-
-    install_model_reader()  # every type's figures read off the model
+    from hapt_hf.profiling.model_figures import MeasuringReader
     name = Path(str(getattr(model_config, "name_or_path", "") or model_config.model_type)).name
     if plugin.global_batch_size is None:
         raise LaunchError(f"{plugin.source}: set global_batch_size (samples per optimizer step)"
                           "; the cluster file is planned for one")
     cluster = plugin.load_cluster()
     precision = cluster.precision(plugin.requested_precision)
+    # every type's figures read off the model; no attention asked: the model's best
     spec = ModelSpec.from_config(model_config, seq_len=seq_len, dtype=precision.compute, name=name,
-                                 attn_implementation=plugin.attn_implementation
-                                 or DEFAULT_ATTN_IMPLEMENTATION)
+                                 attn_implementation=plugin.attn_implementation,
+                                 reader=MeasuringReader())
     # plugin.planner was checked when the config was read, with plugin.schedule in it
     best = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
                     options=plugin.planner).plan

@@ -1,7 +1,8 @@
 """A cluster file's ``job:`` section resolved into what :func:`plan_job` needs.
 
-The benchmarks plan every scenario this way; ``hapt-hf plan`` and ``simulate`` do the same,
-passing their flags as values that take precedence over the file's.
+The benchmarks plan every scenario this way (the hand formulas: no reader); ``hapt-hf plan`` and
+``simulate`` do the same, passing their flags as values that take precedence over the file's
+and the measuring reader (:class:`~hapt_hf.profiling.model_figures.MeasuringReader`).
 """
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.precision import Precision
 from hapt_hf.errors import ClusterError
 
 from .cluster import Cluster
-from .model_spec import ModelSpec
+from .model_spec import ModelReader, ModelSpec
 from .profile import Profile
 from .search import cluster_profile
 
@@ -46,14 +46,17 @@ def _first(*values: Any) -> Any:
 def load_job(source: str | os.PathLike | Cluster, *, model: str | dict | None = None,
              seq_len: int | None = None, global_batch_size: int | None = None,
              precision: str | None = None, attn_implementation: str | None = None,
-             flags: Mapping[str, str] | None = None, where: str | None = None) -> Job:
+             flags: Mapping[str, str] | None = None, where: str | None = None,
+             reader: ModelReader | None = None) -> Job:
     """Read a cluster file (or take a loaded cluster) whose ``job:`` names the model, sequence
     length and global batch.
 
     A value given here takes precedence over the file's field of the same name (a command
     line's flags). ``flags`` names, for each field, the option that could have given it, so
     that the message for a missing or non-positive value names it; ``where`` is how messages
-    name the cluster (default: the path).
+    name the cluster (default: the path). ``reader`` is where the model's figures come from,
+    as :meth:`ModelSpec.from_config` takes it (None: the hand formulas); with neither the
+    argument nor the file's ``job.attn_implementation``, the attention is the model's best.
     """
     cluster = source if isinstance(source, Cluster) else Cluster.load(source)
     where = where or (cluster.name if isinstance(source, Cluster) else str(source))
@@ -73,6 +76,6 @@ def load_job(source: str | os.PathLike | Cluster, *, model: str | dict | None = 
     resolved = cluster.precision(_first(precision, job.precision))
     spec = ModelSpec.from_job_model(
         values["model"], int(values["seq_len"]), resolved.compute,
-        _first(attn_implementation, job.attn_implementation) or DEFAULT_ATTN_IMPLEMENTATION)
+        _first(attn_implementation, job.attn_implementation), reader)
     return Job(cluster, spec, int(values["global_batch_size"]), cluster_profile(cluster, spec),
                resolved)

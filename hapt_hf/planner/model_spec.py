@@ -1,13 +1,19 @@
 """ModelSpec: the layer sequence the planner cuts, built from a transformers config (no weights).
 
-Where the figures come from: :meth:`ModelSpec.from_config` takes them from the installed model
-reader (:func:`register_reader`; ``hapt-hf plan``, ``hapt-hf profile`` and the launch path
-install :mod:`hapt_hf.profiling.model_reader`, which reads them off the model with torch) for
-every accepted type. Without a reader, the planner used as a library stays torch-free: gpt2,
-llama, mistral, qwen2 and opt get this module's hand formulas (:meth:`ModelSpec.from_formula`,
-also the oracle the reader is tested against) and every other type is refused. The formulas
-follow the conventions below; the reader keeps the formulas' signatures for these five
-families, so profiles stored under them apply to both.
+Where the figures come from is the caller's choice, never the process's history:
+:meth:`ModelSpec.from_config` with ``reader=None`` (the default) stays torch-free and gives
+gpt2, llama, mistral, qwen2 and opt this module's hand formulas (:meth:`ModelSpec.from_formula`,
+also the oracle the measuring reader is tested against), and refuses every other type. With a
+:class:`ModelReader` every accepted type's figures are read off the model:
+:func:`hapt_hf.model_spec` (the public entry point, :mod:`hapt_hf.profiling.model_figures`)
+passes the measuring one, as ``hapt-hf plan``, ``simulate``, ``profile`` and the launch path
+do. The formulas follow the conventions below; the reader keeps the formulas' signatures for
+these five families, so profiles stored under them apply to both.
+
+The attention a ModelSpec is budgeted for (``attn_implementation``) is the caller's where it
+names one; where it names none, the reader's choice of the model's best (sdpa where the model
+class supports it, else eager); without a reader, sdpa, which the five formula families all
+run.
 
 The sequence is ``[embedding, block_0 .. block_{N-1}, head]``:
 
@@ -52,15 +58,13 @@ the MLP terms, and the norm copies and residual-dropout masks are split evenly (
 mask per half). A profile measured per whole block is shared between the halves in proportion to
 their FLOPs (``LayerSpec.profile_signature`` / ``profile_share``, read by the cost model).
 
-Length: over 400 lines because the per-family readers and the per-sample figures share one
-private record (``_Shape``); kept together, every figure can be traced from the config field it
-comes from within this file. Loading configs lives in :mod:`hapt_hf.planner.model_configs`.
+Loading configs lives in :mod:`hapt_hf.planner.model_configs`.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, generic_refusal
@@ -72,21 +76,18 @@ from .model_configs import (BUILTIN_MODELS, HUB_ALIASES, PROFILE_NAMES, config_f
                             model_config)
 
 __all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES", "SUPPORTED_FAMILIES",
-           "BUILTIN_MODELS", "model_config", "ReadModel", "register_reader"]
+           "BUILTIN_MODELS", "model_config", "ReadModel", "ModelReader", "AS_ASKED",
+           "MODELS_BEST"]
 
 SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
 """Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
 _INDEX_BYTES = 8  # token ids are int64
-_MODEL_READER: dict[str, Any] = {}
-"""The model reader, installed from above (it needs torch):
-``fn(config, seq_len, dtype, attn_implementation) -> ReadModel``."""
-
-
-def register_reader(fn) -> None:
-    """Install the reader ModelSpec.from_config takes every accepted type's figures from, the
-    hand-formula families' included (:func:`hapt_hf.profiling.model_reader.install_model_reader`
-    installs the measuring one; the planner itself stays torch-free)."""
-    _MODEL_READER["read"] = fn
+AS_ASKED = "as asked"
+"""``ModelSpec.attn_reason`` where the caller named the attention."""
+MODELS_BEST = "the model's best"
+"""``ModelSpec.attn_reason`` where the caller named none and the model runs sdpa."""
+ENTRY_POINT = "hapt_hf.model_spec"
+"""Where a model type without a hand formula gets its figures (named in the refusal)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,22 @@ class ReadModel:
     half_refusal: str = ""
     """Why the blocks cannot be cut in two (their attention and MLP run in parallel...); ''
     where ``half_layers`` are given."""
+
+
+class ModelReader(Protocol):
+    """What reads a model's figures off the model itself. It needs torch, so it lives above the
+    planner (:class:`hapt_hf.profiling.model_figures.MeasuringReader`) and is passed to
+    :meth:`ModelSpec.from_config` explicitly."""
+
+    def attention(self, config: Any, asked: str | None) -> tuple[str, str]:
+        """``(attn_implementation, why)``: ``asked`` where the model runs it (an error naming it
+        otherwise), the model's best where ``asked`` is None."""
+        ...
+
+    def read(self, config: Any, seq_len: int, dtype: str,
+             attn_implementation: str) -> ReadModel:
+        """Every layer's figures, and the halves' where the blocks can be cut in two."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -225,6 +242,9 @@ class ModelSpec:
     """Why the blocks cannot be halved, where the model itself says (read off its blocks)."""
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
     """'eager' | 'sdpa': the attention the runtime builds, which sets what attention keeps."""
+    attn_reason: str = ""
+    """Why ``attn_implementation``: 'as asked', or the model's best with why (e.g. 'gemma2 does
+    not support sdpa; the model's best'); '' for a spec put together by hand."""
 
     @property
     def num_layers(self) -> int:
@@ -267,10 +287,6 @@ class ModelSpec:
     def total_params(self) -> int:
         return sum(l.params for l in self.layers)
 
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
     def boundary_bytes(self, last_layer: int, samples: int) -> float:
         """Bytes that cross a stage boundary after layer ``last_layer`` for ``samples`` samples
         (one micro-batch's activations forward, the same again as their gradient backward), at
@@ -282,44 +298,62 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config, seq_len: int, dtype: str = "fp32", name: str | None = None,
-                    profile_name: str | None = None,
-                    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
+                    profile_name: str | None = None, attn_implementation: str | None = None,
+                    reader: ModelReader | None = None) -> "ModelSpec":
         """From a transformers ``PretrainedConfig`` (or a config path / built-in name, as
-        :func:`model_config` reads them); no weights are created. The installed reader's
-        figures; without one, the hand formula's (:meth:`from_formula`) where the type has one."""
+        :func:`model_config` reads them); no weights are created.
+
+        ``reader=None``: the hand formula's figures (:meth:`from_formula`, torch-free) for gpt2,
+        llama, mistral, qwen2 and opt; every other type is refused, naming
+        :func:`hapt_hf.model_spec`, which reads it. With a ``reader`` every accepted type's
+        figures are read off the model (under the formulas' signatures for those five).
+        ``attn_implementation`` None: the model's best (the reader's choice; sdpa without one).
+        """
         config, name = _config_and_name(config, name)
         dtype = _check_dtype(dtype)
-        _check_attn(attn_implementation)
+        if attn_implementation is not None:
+            _check_attn(attn_implementation)
         family = getattr(config, "model_type", None)
+        if family not in _READERS and family not in accepted_model_types():
+            raise UnsupportedModel(generic_refusal(family))  # the matrix's status says why
+        if reader is None:
+            if family not in _READERS:
+                raise UnsupportedModel(
+                    f"model type {family!r} has no hand formula: its figures are read off the "
+                    f"model with torch. Build its ModelSpec with {ENTRY_POINT}(config, "
+                    f"seq_len=...) (ModelSpec.from_config(..., reader=None) gives the hand "
+                    f"formulas of {', '.join(_READERS)} only)")
+            attn, why = (attn_implementation, AS_ASKED) if attn_implementation is not None \
+                else (DEFAULT_ATTN_IMPLEMENTATION, MODELS_BEST)
+            return replace(cls.from_formula(config, seq_len, dtype, name, profile_name, attn),
+                           attn_reason=why)
+        attn, why = reader.attention(config, attn_implementation)
+        _check_attn(attn)
         if family not in _READERS:
-            return cls._from_reader(config, seq_len, dtype, name, profile_name,
-                                    attn_implementation)
-        if "read" not in _MODEL_READER:  # library use without torch: the hand formula
-            return cls.from_formula(config, seq_len, dtype, name, profile_name,
-                                    attn_implementation)
+            return cls._from_reader(config, seq_len, dtype, name, profile_name, attn, why,
+                                    reader)
         shape = _READERS[family](config)  # the config's checks, sizes and profile names
         _check_seq_len(seq_len, shape)
-        read = _MODEL_READER["read"](config, int(seq_len), dtype, attn_implementation)
-        layers, halves = _named(read, _signatures(shape, int(seq_len), dtype,
-                                                  attn_implementation == "eager"))
+        read = reader.read(config, int(seq_len), dtype, attn)
+        layers, halves = _named(read, _signatures(shape, int(seq_len), dtype, attn == "eager"))
         return cls._of_shape(shape, int(seq_len), dtype, layers, halves, name, profile_name,
-                             attn_implementation, half_refusal=read.half_refusal)
+                             attn, half_refusal=read.half_refusal, attn_reason=why)
 
     @classmethod
     def from_formula(cls, config, seq_len: int, dtype: str = "fp32", name: str | None = None,
                      profile_name: str | None = None,
                      attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
         """The hand formula's figures of a gpt2, llama, mistral, qwen2 or opt config (this
-        module's docstring): what :meth:`from_config` returns where no reader is installed
-        (the planner used as a library without torch), and the oracle the reader's figures are
-        tested against."""
+        module's docstring): what :meth:`from_config` returns without a reader (the planner
+        used as a library without torch), and the oracle the reader's figures are tested
+        against."""
         config, name = _config_and_name(config, name)
         dtype = _check_dtype(dtype)
         eager_attention = _check_attn(attn_implementation) == "eager"
         family = getattr(config, "model_type", None)
         if family not in _READERS:
             raise UnsupportedModel(f"model type {family!r} has no hand formula (only "
-                                   f"{', '.join(_READERS)} have); use ModelSpec.from_config")
+                                   f"{', '.join(_READERS)} have); use {ENTRY_POINT}")
         shape = _READERS[family](config)
         _check_seq_len(seq_len, shape)
         layers = _layers(shape, int(seq_len), dtype, eager_attention)
@@ -331,30 +365,24 @@ class ModelSpec:
     @classmethod
     def _of_shape(cls, shape: "_Shape", seq_len: int, dtype: str, layers, halves,
                   name: str | None, profile_name: str | None, attn_implementation: str,
-                  half_refusal: str = "") -> "ModelSpec":
+                  half_refusal: str = "", attn_reason: str = "") -> "ModelSpec":
         return cls(name=name or shape.family, family=shape.family,
                    hidden_size=shape.hidden, num_blocks=shape.num_blocks, vocab_size=shape.vocab,
                    seq_len=seq_len, dtype=dtype, tied_embeddings=shape.tied, layers=layers,
                    num_heads=shape.heads, num_kv_heads=shape.kv_heads,
                    intermediate_size=shape.intermediate, profile_name=profile_name,
                    half_layers=halves, half_refusal=half_refusal,
-                   attn_implementation=attn_implementation)
+                   attn_implementation=attn_implementation, attn_reason=attn_reason)
 
     @classmethod
     def _from_reader(cls, config, seq_len: int, dtype: str, name: str | None,
-                     profile_name: str | None, attn_implementation: str) -> "ModelSpec":
-        """An accepted type without a hand formula: the installed reader's figures (half-block
-        figures where the stage builder cuts its blocks in two)."""
+                     profile_name: str | None, attn_implementation: str, attn_reason: str,
+                     reader: ModelReader) -> "ModelSpec":
+        """An accepted type without a hand formula: the reader's figures (half-block figures
+        where the stage builder cuts its blocks in two)."""
         family = getattr(config, "model_type", None)
-        if family not in accepted_model_types():  # the matrix's status and detail say why
-            raise UnsupportedModel(generic_refusal(family))
-        if "read" not in _MODEL_READER:
-            raise UnsupportedModel(
-                f"model type {family!r} has no hand formula: its figures are read off the model "
-                f"with torch. Call hapt_hf.profiling.model_reader.install_model_reader() first "
-                f"(`hapt-hf plan` and the launch path do).")
         _check_seq_len(seq_len, None)
-        read = _MODEL_READER["read"](config, seq_len, dtype, attn_implementation)
+        read = reader.read(config, seq_len, dtype, attn_implementation)
         layers = read.layers
         return cls(name=name or getattr(config, "name_or_path", "") or family, family=family,
                    hidden_size=int(config.hidden_size), num_blocks=len(layers) - 2,
@@ -364,35 +392,41 @@ class ModelSpec:
                    num_kv_heads=int(getattr(config, "num_key_value_heads", 0) or 0),
                    intermediate_size=int(getattr(config, "intermediate_size", 0) or 0),
                    profile_name=profile_name, attn_implementation=attn_implementation,
-                   half_layers=read.half_layers, half_refusal=read.half_refusal)
+                   attn_reason=attn_reason, half_layers=read.half_layers,
+                   half_refusal=read.half_refusal)
 
     @classmethod
     def from_name_or_path(cls, name_or_path: str, seq_len: int, dtype: str = "fp32",
-                          attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
-        """A local config.json / directory holding one, or a built-in name (``BUILTIN_MODELS``)."""
+                          attn_implementation: str | None = None,
+                          reader: ModelReader | None = None) -> "ModelSpec":
+        """A local config.json / directory holding one, or a built-in name (``BUILTIN_MODELS``);
+        ``attn_implementation`` and ``reader`` as :meth:`from_config` takes them."""
         key = HUB_ALIASES.get(str(name_or_path), str(name_or_path))
         return cls.from_config(model_config(name_or_path), seq_len, dtype, name=str(name_or_path),
                                profile_name=PROFILE_NAMES.get(key),
-                               attn_implementation=attn_implementation)
+                               attn_implementation=attn_implementation, reader=reader)
 
     @classmethod
     def from_job_dict(cls, d: dict, seq_len: int, dtype: str,
-                      attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
-        """From a scenario's ``job: model: {family, hidden_size, num_layers, ...}`` mapping."""
+                      attn_implementation: str | None = None,
+                      reader: ModelReader | None = None) -> "ModelSpec":
+        """From a scenario's ``job: model: {family, hidden_size, num_layers, ...}`` mapping;
+        ``attn_implementation`` and ``reader`` as :meth:`from_config` takes them."""
         config = config_from_job_dict(d, seq_len)
         name = d.get("name") or d.get("profile_name") or f"{d['family']}-h{d['hidden_size']}"
         return cls.from_config(config, seq_len, dtype, name=str(name),
                                profile_name=d.get("profile_name"),
-                               attn_implementation=attn_implementation)
+                               attn_implementation=attn_implementation, reader=reader)
 
     @classmethod
     def from_job_model(cls, model: dict | str, seq_len: int, dtype: str,
-                       attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION) -> "ModelSpec":
+                       attn_implementation: str | None = None,
+                       reader: ModelReader | None = None) -> "ModelSpec":
         """A ``job: model:`` value: a mapping (``from_job_dict``) or a name/path."""
         if isinstance(model, dict):
-            return cls.from_job_dict(model, seq_len, dtype, attn_implementation)
+            return cls.from_job_dict(model, seq_len, dtype, attn_implementation, reader)
         if isinstance(model, (str, Path)):
-            return cls.from_name_or_path(str(model), seq_len, dtype, attn_implementation)
+            return cls.from_name_or_path(str(model), seq_len, dtype, attn_implementation, reader)
         raise ModelSpecError(f"job.model must be a model name, a path or a mapping, "
                              f"got {type(model).__name__}")
 

@@ -3,9 +3,9 @@
 A :class:`PlanReport` gathers, from a :class:`~hapt_hf.planner.plan.Plan` and the simulator's
 result for it, one row per stage (where it runs, which layers, how long a micro-batch takes, how
 much memory it needs against what its GPUs have) and the whole-iteration figures (iteration
-time, tokens/s, bubble, distance to the physical limit, each baseline's time and the speed-up
-over it). It is plain data: :func:`format_report` turns it into text, :func:`report_to_dict`
-into JSON.
+time, tokens/s, bubble, distance to the physical limit, the attention the plan was budgeted
+for and why, each baseline's time and the speed-up over it). It is plain data:
+:func:`format_report` turns it into text, :func:`report_to_dict` into JSON.
 
 The simulator's result and the baselines are read by attribute only (``iteration_s``,
 ``events``, ``plan``, ``sim``, ``reason``...), so this module needs nothing but the plan.
@@ -99,6 +99,9 @@ class PlanReport:
     mixed_stages: tuple[str, ...] = ()
     """One line per pipeline stage whose GPUs differ (several groups, or uneven shares): each
     kind of GPU's share of every micro-batch."""
+    attention: str = ""
+    """The attention the plan was budgeted for (and the runtime builds), with why where the
+    caller said, e.g. ``eager (gemma2 does not support sdpa; the model's best)``."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -177,13 +180,15 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
                  physical_limit_s: float | None = None, search_time_s: float | None = None,
                  baselines: Mapping[str, Any] | None = None,
                  all_groups_s: float | None = None,
-                 sharding: Mapping[int, str] | None = None) -> PlanReport:
+                 sharding: Mapping[int, str] | None = None,
+                 attention_reason: str = "") -> PlanReport:
     """Gather the table's figures; without ``sim`` the plan's own predictions are shown.
 
     ``capacity_gb`` maps a group name to the memory of one of its GPUs; ``baselines`` maps a
     name to an object with ``plan``, ``sim`` and ``reason`` (the search's BaselineResult);
     ``all_groups_s`` is the best time the search found on every group (for a plan that leaves
-    groups idle); ``sharding`` maps a stage index to why it shards its optimizer state.
+    groups idle); ``sharding`` maps a stage index to why it shards its optimizer state;
+    ``attention_reason`` says why the plan's attention (the ModelSpec's ``attn_reason``).
     """
     if sim is not None:
         iteration, bubble = sim.iteration_s, sim.bubble_fraction
@@ -202,7 +207,9 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
         all_groups_s=all_groups_s, sharding=_sharding_lines(plan, sharding or {}),
         data_parallel=_data_parallel(plan, sim if feasible else None),
-        mixed_stages=_mixed_lines(plan))
+        mixed_stages=_mixed_lines(plan),
+        attention=plan.attn_implementation + (f" ({attention_reason})" if attention_reason
+                                              else ""))
 
 
 def _sharding_lines(plan: Plan, why: Mapping[int, str]) -> tuple[str, ...]:
@@ -312,6 +319,8 @@ def format_report(rep: PlanReport) -> str:
                    f"(plan is {100 * rep.limit_distance:.1f}% above it)")
     if rep.search_time_s is not None:
         out.append(f"search time      {rep.search_time_s:.2f} s")
+    if rep.attention:
+        out.append(f"attention        {rep.attention}")
     if rep.idle_groups:
         out.append(_idle_line(rep))
     if rep.data_parallel:

@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
 from hapt_hf.core.precision import DTYPES
 from hapt_hf.errors import HaptError
 from hapt_hf.planner.model_spec import model_config
@@ -32,8 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=4.0,
                    help="timed seconds per entry; slow layers get fewer repeats (at least 3)")
-    p.add_argument("--attn-implementation", default=DEFAULT_ATTN_IMPLEMENTATION,
-                   choices=ATTN_IMPLEMENTATIONS, help="as the job's hapt config sets it")
+    p.add_argument("--attn-implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
+                   help="as the job's hapt config sets it (default: the model's best, sdpa "
+                        "where the model supports it, else eager)")
     return p
 
 
@@ -51,19 +52,19 @@ def cli_main(argv: list[str]) -> int:
     try:
         import torch
 
-        from .model_reader import install_model_reader
-        install_model_reader()  # every type's layers read off the model
+        from .model_figures import MeasuringReader, choose_attention
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        config = model_config(args.model)
+        attn, _ = choose_attention(config, args.attn_implementation)
         options = ProfilerOptions(micro_batches=_micro_batches(args.micro_batches),
                                   repeats=args.repeats, budget_s=args.budget_s,
-                                  attn_implementation=args.attn_implementation)
-        config = model_config(args.model)
+                                  attn_implementation=attn)
         store = ProfileStore.open(args.store)
         before = len(store.timings)
         t0 = time.perf_counter()
         profile = profile_model(config, device_name=args.device_name, seq_len=args.seq_len,
                                 dtype=args.dtype, options=options, store=store, device=device,
-                                log=print)
+                                log=print, reader=MeasuringReader())
     except HaptError as e:  # ProfilerError, ModelSpecError, StageBuildError: user input
         print(f"hapt-hf profile: error: {e}", file=sys.stderr)
         return 2

@@ -25,8 +25,9 @@ copies, RoPE's cos / sin shared by the micro-batch).
 :func:`read_model` adds the half-block sequence where the stage builder cuts blocks in two
 (GPT-2's, OPT's and the LLaMA block, after the attention residual): each half's parameters and
 FLOPs are its own modules' (the MLP half the block's rest), its kept bytes measured on a
-one-half stage; where the blocks cannot be halved it gives the builder's reason instead. :func:`install_model_reader`
-hands it to :meth:`hapt_hf.planner.model_spec.ModelSpec.from_config`.
+one-half stage; where the blocks cannot be halved it gives the builder's reason instead.
+:class:`~hapt_hf.profiling.model_figures.MeasuringReader` passes it to
+:meth:`hapt_hf.planner.model_spec.ModelSpec.from_config` (:func:`hapt_hf.model_spec`).
 """
 from __future__ import annotations
 
@@ -43,15 +44,14 @@ from hapt_hf.core.precision import DTYPE_BYTES, MASTER_BYTES
 from hapt_hf.pipeline.families import FamilyAdapter, adapter_for
 from hapt_hf.pipeline.generic import generic_adapter
 from hapt_hf.core.layers import BLOCK, HALF
-from hapt_hf.planner.model_spec import LayerSpec, ReadModel, register_reader
+from hapt_hf.planner.model_spec import LayerSpec, ReadModel
 
 from .memory import saved_tensor_bytes
 from .profiler import build_layer, layer_run
 from .routing import balanced_routing
 from .store import ProfilerOptions
 
-__all__ = ["LayerCount", "read_layer_counts", "read_layer_specs", "read_model",
-           "install_model_reader"]
+__all__ = ["LayerCount", "read_layer_counts", "read_layer_specs", "read_model"]
 
 _INDEX_BYTES = 8  # token ids are int64
 
@@ -194,12 +194,6 @@ def read_model(config: PretrainedConfig, seq_len: int, dtype: str,
         if reader.meta.adapter.attention_half is None:
             return ReadModel(layers, half_refusal=reader.meta.adapter.half_refusal)
         return ReadModel(layers, half_layers=reader.half_layers(layers))
-
-
-def install_model_reader() -> None:
-    """Let ModelSpec.from_config read every accepted model type off the model, the
-    hand-formula families included."""
-    register_reader(read_model)
 
 
 class _Reader:

@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION, GRAD_BUCKET_BYTES
+from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.core.layers import BLOCK, body_part, num_layers
 from hapt_hf.core.precision import STATE_BYTES_PER_PARAM
-from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
+from hapt_hf.planner.model_spec import LayerSpec, ModelReader, ModelSpec
 from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
 
 from .links import measure_link, time_inside_groups
@@ -221,14 +221,16 @@ def layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: s
 def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32",
                   options: ProfilerOptions = ProfilerOptions(), store: ProfileStore | None = None,
                   device: str = "cpu", log: Callable[[str], None] | None = None,
-                  save: bool = True) -> Profile:
+                  save: bool = True, reader: ModelReader | None = None) -> Profile:
     """Time each distinct layer of ``config`` for every micro-batch size; reuse stored entries.
 
     Returns a Profile of exactly the entries this model needs on ``device_name``; the store (if
-    given) gains what was measured and is saved (unless ``save`` is False).
+    given) gains what was measured and is saved (unless ``save`` is False). The layers are
+    those of ``ModelSpec.from_config(config, ..., reader=reader)``: the hand formula's for
+    None, every accepted type's with the measuring reader (``hapt-hf profile`` passes it).
     """
     spec = ModelSpec.from_config(config, seq_len, dtype,
-                                 attn_implementation=options.attn_implementation)
+                                 attn_implementation=options.attn_implementation, reader=reader)
     timings: dict[ProfileKey, LayerTiming] = {}
     for layer in _representatives(spec):
         stage, update_s = None, 0.0
@@ -274,12 +276,15 @@ class LayerMemory:
 
 
 def layer_memory(config, seq_len: int, dtype: str = "fp32",
-                 attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
+                 attn_implementation: str | None = None,
                  micro_batch: int = 1, device: str = "cpu") -> list[LayerMemory]:
-    """The planner's kept bytes beside autograd's, for each distinct layer of ``config``."""
+    """The planner's kept bytes (the hand formula's) beside autograd's, for each distinct layer
+    of ``config``; ``attn_implementation`` None: the model's best."""
     from .memory import saved_tensor_bytes
-    spec = ModelSpec.from_config(config, seq_len, dtype, attn_implementation=attn_implementation)
-    options = ProfilerOptions(attn_implementation=attn_implementation)
+    from .model_figures import choose_attention
+    attn, _ = choose_attention(config, attn_implementation)
+    spec = ModelSpec.from_config(config, seq_len, dtype, attn_implementation=attn)
+    options = ProfilerOptions(attn_implementation=attn)
     out = []
     for layer in _representatives(spec):
         stage = build_layer(config, layer, device, options)
