@@ -5,7 +5,7 @@
 Builds a config of the LLaMA 3.1 405B shape (hidden 16384, MLP 53248, 126 blocks, 128 heads,
 8 key/value heads, vocabulary 128256) of the given model type and reads its layer sequence
 through the model reader (:func:`hapt_hf.profiling.model_reader.read_model`, the path
-``ModelSpec.from_config`` takes for every type once the reader is installed: whole blocks and
+``hapt_hf.model_spec`` takes for every accepted type: whole blocks and
 halves). Prints one JSON line: the
 seconds taken, the growth of the process's peak resident memory over the read, and the model's
 parameter count. For ``--type llama`` it also gives the largest relative difference of the kept

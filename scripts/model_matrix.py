@@ -62,16 +62,16 @@ BUILDER_DOES_NOT_FIT = {
 
 
 PLANNER_NOTE = (
-    "Wherever torch is at hand (`hapt-hf plan`, `hapt-hf profile` and the launch path install "
-    "the reader), the planner reads every accepted type's figures off the model, gpt2, llama, "
+    "`hapt_hf.model_spec` (and `hapt-hf plan`, `simulate`, `profile` and the launch path, which "
+    "pass its reader) reads every accepted type's figures off the model, gpt2, llama, "
     "mistral, qwen2 and opt included (hapt_hf/profiling/model_reader.py: parameters and FLOPs "
     "from the model built on the meta device, only the experts that run for MoE (top-k routing "
     "evenly spread where a model's code groups tokens by expert); the bytes kept "
     "for the backward measured on one layer (and half) of each kind on fake CPU tensors, no "
     "memory, with the attention implementation the runtime builds and dropout kept as GPU "
     "kernels keep it). The hand formulas of gpt2, llama, mistral, qwen2 and opt "
-    "(`ModelSpec.from_formula`) are the tests' oracles and the figures of the planner used as a "
-    "library without torch, where every other type is refused. Blocks cut in halves "
+    "(`ModelSpec.from_formula`) are the tests' oracles and what `ModelSpec.from_config` gives "
+    "without a reader (torch-free), where every other type is refused. Blocks cut in halves "
     "(`layer_unit: half`) are those the stage builder cuts: GPT-2's, OPT's (pre-norm or "
     "post-norm) and the LLaMA block (an attention residual then an MLP residual); the other "
     "types are planned in whole blocks and `layer_unit: half` is refused with the reason "
