@@ -383,3 +383,20 @@ def test_a_groups_ranks_pool_their_measurements_by_median():
     assert pooled[blk] == LayerTiming(2.0, 2.5, 0.3, peak_memory_bytes=7.0, kept_bytes=3.0)
     assert pooled[head] == lead[head]  # measured by one rank only
     assert pool_timings([lead, {}]) == lead
+
+
+def test_profiler_options_leave_the_attention_to_the_model():
+    """Without an attention given, the profiler times the model's best: sdpa where the model
+    supports it, eager for gemma2 (whose class does not), as the planner and runtime choose."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    from hapt_hf.profiling.profiler import with_attention
+    from hapt_hf.profiling.store import ProfilerOptions
+
+    assert ProfilerOptions().attn_implementation is None
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=64, head_dim=16)
+    assert with_attention(ProfilerOptions(), Gemma2Config(**small)).attn_implementation == "eager"
+    assert with_attention(ProfilerOptions(), LlamaConfig(**small)).attn_implementation == "sdpa"
+    given = ProfilerOptions(attn_implementation="eager")
+    assert with_attention(given, LlamaConfig(**small)) is given

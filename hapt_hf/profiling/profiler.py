@@ -34,6 +34,7 @@ from hapt_hf.planner.model_spec import LayerSpec, ModelReader, ModelSpec
 from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
 
 from .links import measure_link, time_inside_groups
+from .model_figures import choose_attention
 from .store import ProfilerOptions, ProfileStore
 
 __all__ = ["profile_model", "time_layer", "profile_group_leaders", "LayerMemory", "layer_memory",
@@ -218,6 +219,13 @@ def layer_run(stage, config, kind: str, micro_batch: int, seq_len: int, dtype: s
     return _LayerRun(stage, (x, {}), torch.randn(x.shape, generator=gen).to(device), dtype)
 
 
+def with_attention(options: ProfilerOptions, config) -> ProfilerOptions:
+    """``options`` with the attention it leaves open (None) set to the model's best."""
+    if options.attn_implementation is not None:
+        return options
+    return replace(options, attn_implementation=choose_attention(config)[0])
+
+
 def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32",
                   options: ProfilerOptions = ProfilerOptions(), store: ProfileStore | None = None,
                   device: str = "cpu", log: Callable[[str], None] | None = None,
@@ -229,6 +237,7 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
     those of ``ModelSpec.from_config(config, ..., reader=reader)``: the hand formula's for
     None, every accepted type's with the measuring reader (``hapt-hf profile`` passes it).
     """
+    options = with_attention(options, config)
     spec = ModelSpec.from_config(config, seq_len, dtype,
                                  attn_implementation=options.attn_implementation, reader=reader)
     timings: dict[ProfileKey, LayerTiming] = {}
@@ -358,6 +367,7 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     import torch.distributed as dist
 
     from hapt_hf.pipeline import exit_guard
+    options = with_attention(options, config)
     exit_guard.install()  # its collectives end cleanly whenever the caller's process ends
     rank = dist.get_rank()
     leaders = {g: ranks[0] for g, ranks in groups.items()}

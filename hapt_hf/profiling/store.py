@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
 from hapt_hf.errors import ProfileError
 from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey, link_pair
 
@@ -30,15 +30,16 @@ class ProfilerOptions:
         repeats: timed windows; the median is reported, the spread is (p75 - p25) / median.
         min_window_s: each window repeats the pass until it lasts this long, so a CPU quota's
             10 ms throttling periods average out instead of landing in a single sample.
-        attn_implementation: as the job's runtime builds its stages ("eager" or "sdpa"; the
-            default is the runtime's).
+        attn_implementation: as the job's runtime builds its stages ("eager" or "sdpa"); None:
+            the model's best (:func:`hapt_hf.profiling.model_figures.choose_attention`, decided
+            by the profiler once it has the model's config).
     """
 
     micro_batches: tuple[int, ...] = (1, 2, 4)
     warmup: int = 2
     repeats: int = 5
     min_window_s: float = 0.05
-    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
+    attn_implementation: str | None = None
     budget_s: float = 4.0
     """Timed seconds one entry aims at: slow layers get fewer windows (never under 3)."""
 
@@ -50,7 +51,8 @@ class ProfilerOptions:
         if self.repeats < 1 or self.warmup < 1:
             raise ProfilerError(f"repeats ({self.repeats}) and warmup ({self.warmup}) must be "
                                 ">= 1")
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        if self.attn_implementation is not None and \
+                self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ProfilerError(f"attn_implementation {self.attn_implementation!r} is not "
                                 f"known; use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
         if self.min_window_s < 0:
