@@ -1,7 +1,7 @@
 """The search's settings and records: what the user asks for, a candidate, the result."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM
 from hapt_hf.core.layers import BLOCK, HALF
@@ -147,14 +147,17 @@ class Layout:
         return tuple(s.optimizer for s in self.stages)
 
     def with_warmups(self, warmups) -> "Layout":
-        return replace(self, stages=tuple(replace(s, warmup=w)
-                                          for s, w in zip(self.stages, warmups)))
+        # built directly, not with dataclasses.replace: the refinements make thousands
+        return Layout(tuple(Stage(s.index, s.layers, s.replicas, w, s.recompute, s.optimizer,
+                                  s.predicted) for s, w in zip(self.stages, warmups)),
+                      self.micro_batch_size, self.schedule)
 
     def with_layers(self, bounds, recompute, optimizers) -> "Layout":
         """The same replicas and warm-ups over other layer ranges and states."""
-        return replace(self, stages=tuple(
-            replace(s, layers=tuple(bnd), recompute=rc, optimizer=opt)
-            for s, bnd, rc, opt in zip(self.stages, bounds, recompute, optimizers)))
+        return Layout(tuple(Stage(s.index, tuple(bnd), s.replicas, s.warmup, rc, opt, s.predicted)
+                            for s, bnd, rc, opt in zip(self.stages, bounds, recompute,
+                                                       optimizers)),
+                      self.micro_batch_size, self.schedule)
 
 
 @dataclass(frozen=True)
