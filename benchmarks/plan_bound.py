@@ -4,7 +4,7 @@
 
 Plans the scenario, then enumerates every layout (group order, stage widths, micro-batch size,
 layer partition; with ``--interleave`` also a group's stages split by another group's) whose
-lower bound (``hapt_hf.planner.bound``: start, compute, memory slots, exposed all-reduce, drain)
+lower bound (``benchmarks/bound.py``: start, compute, memory slots, exposed all-reduce, drain)
 is below the plan's simulated iteration time, and replays each of them under every warm-up depth
 (steps 1..k along the pipeline). If none replays faster, no plan over these layouts is faster
 than the planner's: its distance to the physical limit is the cost model's, not the search's.
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from benchmarks.inputs import scenario_path  # noqa: E402
-from hapt_hf.planner.bound import best_warmup_replay, layouts_below  # noqa: E402
+from benchmarks.bound import best_warmup_replay, layouts_below  # noqa: E402
 from hapt_hf.planner.cost_model import CostModel  # noqa: E402
 from hapt_hf.planner.job import load_job  # noqa: E402
 from hapt_hf.planner.search import physical_limit_s, plan_job  # noqa: E402

@@ -66,16 +66,6 @@ class ScheduleGenerator:
     generate: Callable[..., "RankLists"]
     """(stages, micro-batches, warm-ups, receives=, tokens=, early_receives=) -> RankLists."""
 
-    @property
-    def per_stage(self) -> bool:
-        """Deprecated name of :attr:`plan_sets_warmups`."""
-        return self.plan_sets_warmups
-
-
-def warmup_rule(kind: str) -> "ScheduleGenerator":
-    """Deprecated name of :func:`schedule_generator`."""
-    return schedule_generator(kind)
-
 
 def schedule_generator(kind: str) -> "ScheduleGenerator":
     """The generator of ``kind``; ScheduleError naming the known kinds if there is none."""

@@ -23,7 +23,7 @@ from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTAT
 from hapt_hf.core.files import write_atomic
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, num_blocks
 from hapt_hf.core.precision import DTYPES, OPTIMIZER_STATES, REPLICATED, SHARDED, Precision
-from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, warmup_rule
+from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, plan_sets_warmups
 from hapt_hf.errors import PlanError
 
 __all__ = ["PlanError", "StagePrediction", "Replica", "Stage", "PlanPrediction", "Plan",
@@ -328,7 +328,7 @@ class Plan:
     def with_schedule(self, schedule: str, warmups: list[int] | None = None) -> "Plan":
         """The same partition under another schedule (default warm-ups for gpipe/1f1b)."""
         if warmups is None:
-            fixed = schedule in SCHEDULES and not warmup_rule(schedule).per_stage
+            fixed = schedule in SCHEDULES and not plan_sets_warmups(schedule)
             warmups = (default_warmups(schedule, self.num_stages, self.num_microbatches)
                        if fixed else self.warmups())
         stages = tuple(replace(s, warmup=w) for s, w in zip(self.stages, warmups))

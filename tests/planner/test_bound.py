@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from hapt_hf.core.schedules import warmups_from_steps
-from hapt_hf.planner.bound import (best_warmup_replay, layouts_below, lower_bound_s,
+from benchmarks.bound import (best_warmup_replay, layouts_below, lower_bound_s,
                                    sequence_replicas, stage_sequences)
 from hapt_hf.planner.cluster import Cluster, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import CostModel
-from hapt_hf.planner.exhaustive import exhaustive_plan
+from benchmarks.exhaustive import exhaustive_plan
 from hapt_hf.planner.job import load_job
 from hapt_hf.planner.search import (Layout, PlanningError, compositions, divisors,
                                     layout_of_plan, plan_job, recompute_flags, simulate_layout)

@@ -201,7 +201,7 @@ def _group(name: str, tflops: float, gpus: int):
 @pytest.mark.parametrize("gbps", [1.0, 100.0])
 def test_half_plans_are_within_one_percent_of_exhaustive_search(speeds, widths, gbps):
     from hapt_hf.planner.cluster import GroupLink, LinkSpec
-    from hapt_hf.planner.exhaustive import exhaustive_plan
+    from benchmarks.exhaustive import exhaustive_plan
     cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2,
                                    num_attention_heads=4, vocab_size=1000,
                                    max_position_embeddings=256)

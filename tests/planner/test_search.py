@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import CostModel
-from hapt_hf.planner.exhaustive import exhaustive_plan
+from benchmarks.exhaustive import exhaustive_plan
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.search import (PlannerOptions, PlanningError, physical_limit_s, plan_job,
                                     width_options)

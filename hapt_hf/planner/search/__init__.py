@@ -25,7 +25,7 @@ How it searches (every step deterministic):
 One module per step: ``options`` (settings and records), ``shapes``, ``partition``, ``warmups``,
 ``replays``, ``candidates``, ``refine``, ``mixed``, ``baselines``, ``infeasible`` (the message when
 nothing fits) and ``driver`` (:func:`plan_job`). The exhaustive yardstick
-(:mod:`hapt_hf.planner.exhaustive`) builds on the public helpers re-exported here.
+(``benchmarks/exhaustive.py``, a test yardstick) builds on the public helpers re-exported here.
 
 Simulations inside the search cap the number of micro-batches and extrapolate the steady state
 linearly (see :func:`~hapt_hf.planner.search.replays.simulate_layout`); the returned plan is

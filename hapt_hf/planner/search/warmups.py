@@ -1,7 +1,7 @@
 """Warm-up depths: HAPT's thresholds to start from, refined one group link at a time."""
 from __future__ import annotations
 
-from hapt_hf.core.schedules import default_warmups, warmup_rule, warmups_from_steps
+from hapt_hf.core.schedules import default_warmups, plan_sets_warmups, warmups_from_steps
 
 from ..cost_model import CostModel
 from ..simulate import SimResult
@@ -18,7 +18,7 @@ def hapt_warmups(shapes, cut_s: list[float], cap_s: float, num_microbatches: int
     group link (between stages whose first replicas' groups differ) whose transfer takes under a
     tenth, under a half, or more of the stage-time cap (HAPT's thresholds)."""
     n, m = len(shapes), num_microbatches
-    if not warmup_rule(schedule).per_stage:
+    if not plan_sets_warmups(schedule):
         return tuple(default_warmups(schedule, n, m))
     steps = []
     for i in range(n - 1):
@@ -34,7 +34,7 @@ def in_flight_guess(shapes, mbs: int, m: int, schedule: str, cm: CostModel,
                     cap_guess: float) -> list[int]:
     """Micro-batches each stage will hold at once, before its layers are known: the warm-up
     depths HAPT's thresholds give with the cut times at a block boundary."""
-    if not warmup_rule(schedule).per_stage:  # the kind fixes the depths
+    if not plan_sets_warmups(schedule):  # the kind fixes the depths
         return default_warmups(schedule, len(shapes), m)
     # cut times at a block boundary stand in for the real boundaries (blocks are alike)
     mid = min(1, cm.model.num_layers - 1)
@@ -48,7 +48,7 @@ def refine_warmups(cm: CostModel, layout: Layout, m: int,
     at a time, and keep the fastest replay that fits in memory."""
     best_l = layout
     best_r = sim if sim is not None else simulate_layout(cm, layout, m)
-    if not warmup_rule(layout.schedule).per_stage:
+    if not plan_sets_warmups(layout.schedule):
         return best_l, best_r
     n = layout.num_stages
     cuts = [i for i in range(n - 1)

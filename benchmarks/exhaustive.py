@@ -13,17 +13,17 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from hapt_hf.core.schedules import default_warmups, warmup_rule, warmups_from_steps
+from hapt_hf.core.schedules import default_warmups, plan_sets_warmups, warmups_from_steps
 from hapt_hf.errors import PlanningError
 
-from .cluster import Cluster
-from .cost_model import CostModel
-from .model_spec import ModelSpec
-from .plan import Plan
-from .profile import Profile
-from .search import (Layout, PlannerOptions, compositions, divisors, group_cuts, group_orders,
+from hapt_hf.planner.cluster import Cluster
+from hapt_hf.planner.cost_model import CostModel
+from hapt_hf.planner.model_spec import ModelSpec
+from hapt_hf.planner.plan import Plan
+from hapt_hf.planner.profile import Profile
+from hapt_hf.planner.search import (Layout, PlannerOptions, compositions, divisors, group_cuts, group_orders,
                      layout_to_plan, recompute_flags, shapes_for, simulate_layout)
-from .simulate import SimResult
+from hapt_hf.planner.simulate import SimResult
 
 __all__ = ["ExhaustiveResult", "exhaustive_plan"]
 
@@ -37,7 +37,7 @@ class ExhaustiveResult:
 
 
 def _warmup_choices(n: int, m: int, schedule: str, max_step: int):
-    if not warmup_rule(schedule).per_stage:
+    if not plan_sets_warmups(schedule):
         yield tuple(default_warmups(schedule, n, m))
         return
     seen = set()

@@ -33,13 +33,12 @@ from dataclasses import dataclass
 
 from hapt_hf.core.schedules import ScheduleKind, warmups_from_steps
 
-from .cluster import Cluster
-from .cluster import GpuGroup
-from .cost_model import CostModel
-from .plan import Replica, Stage
-from .search import Layout, divisors, group_cuts, recompute_flags, simulate_layout
-from .search.state import state_options
-from .simulate import SimResult
+from hapt_hf.planner.cluster import Cluster, GpuGroup
+from hapt_hf.planner.cost_model import CostModel
+from hapt_hf.planner.plan import Replica, Stage
+from hapt_hf.planner.search import Layout, divisors, group_cuts, recompute_flags, simulate_layout
+from hapt_hf.planner.search.state import state_options
+from hapt_hf.planner.simulate import SimResult
 
 __all__ = ["BoundedLayout", "stage_sequences", "sequence_replicas", "lower_bound_s",
            "layouts_below", "best_warmup_replay"]
