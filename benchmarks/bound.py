@@ -36,7 +36,8 @@ from hapt_hf.core.schedules import ScheduleKind, warmups_from_steps
 from hapt_hf.planner.cluster import Cluster, GpuGroup
 from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.plan import Replica, Stage
-from hapt_hf.planner.search import Layout, divisors, group_cuts, recompute_flags, simulate_layout
+from hapt_hf.planner.search import (Layout, SearchProblem, divisors, group_cuts, recompute_flags,
+                                    simulate_layout)
 from hapt_hf.planner.search.state import state_options
 from hapt_hf.planner.simulate import SimResult
 
@@ -150,12 +151,14 @@ def lower_bound_s(cm: CostModel, stages, mbs: int, num_microbatches: int,
     return best
 
 
-def layouts_below(cm: CostModel, global_batch: int, target_s: float, interleave: bool = False,
-                  allow_recompute: bool = True, max_stages: int | None = None
+def layouts_below(problem: SearchProblem, target_s: float, interleave: bool = False
                   ) -> tuple[list[BoundedLayout], int]:
     """Every layout whose :func:`lower_bound_s` is below ``target_s``, lowest bound first, and
-    how many stage sequences were looked at. Stages are pruned as they are placed: the bound of
-    a stage's own start, compute, memory and tail only grows as later stages are added."""
+    how many stage sequences were looked at (the problem's ``allow_recompute`` and
+    ``max_stages`` hold). Stages are pruned as they are placed: the bound of a stage's own
+    start, compute, memory and tail only grows as later stages are added."""
+    cm = problem.cost_model
+    allow_recompute, max_stages = problem.allow_recompute, problem.options.max_stages
     L = cm.model.num_layers
     out, sequences = [], 0
     for sequence in stage_sequences(cm.cluster, interleave):
@@ -164,10 +167,10 @@ def layouts_below(cm: CostModel, global_batch: int, target_s: float, interleave:
         if n > L or (max_stages and n > max_stages):
             continue
         lcm = math.lcm(*(w for _, w, _ in sequence))
-        for mbs in divisors(global_batch):
+        for mbs in divisors(problem.global_batch_size):
             if mbs % lcm:
                 continue
-            m = global_batch // mbs
+            m = problem.num_microbatches(mbs)
             shapes = sequence_replicas(cm, sequence, mbs)
             for bounds in _partitions(cm, shapes, mbs, m, target_s, allow_recompute):
                 stages = tuple(Stage(i, bnd, reps)
@@ -204,13 +207,14 @@ def _partitions(cm: CostModel, shapes, mbs: int, m: int, target: float, allow_rc
     yield from rec(0, 0, 0.0, [])
 
 
-def best_warmup_replay(cm: CostModel, bl: BoundedLayout, global_batch: int,
-                       max_replays: int = 4096, allow_recompute: bool = True
+def best_warmup_replay(problem: SearchProblem, bl: BoundedLayout, max_replays: int = 4096
                        ) -> tuple[Layout, SimResult] | None:
     """The fastest full H-1F1B replay of ``bl`` over every warm-up depth whose steps along the
     pipeline are 1..k (k as large as ``max_replays`` replays allow, at most 8), each stage
-    recomputing only where it does not fit without; None if no depth fits memory."""
-    n, m = len(bl.stages), global_batch // bl.micro_batch_size
+    recomputing only where it does not fit without (and the problem's ``allow_recompute``
+    lets it); None if no depth fits memory."""
+    cm, allow_recompute = problem.cost_model, problem.allow_recompute
+    n, m = len(bl.stages), problem.num_microbatches(bl.micro_batch_size)
     shapes = [s.replicas for s in bl.stages]
     bounds = [s.layers for s in bl.stages]
     k = 8 if n == 1 else max(1, min(8, int(round(max_replays ** (1 / (n - 1)), 6))))

@@ -17,12 +17,11 @@ from hapt_hf.core.schedules import default_warmups, plan_sets_warmups, warmups_f
 from hapt_hf.errors import PlanningError
 
 from hapt_hf.planner.cluster import Cluster
-from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.plan import Plan
 from hapt_hf.planner.profile import Profile
-from hapt_hf.planner.search import (Layout, PlannerOptions, compositions, divisors, group_cuts, group_orders,
-                     layout_to_plan, recompute_flags, shapes_for, simulate_layout)
+from hapt_hf.planner.search import (Layout, PlannerOptions, SearchProblem, compositions, divisors, group_cuts,
+                                    group_orders, layout_to_plan, recompute_flags, shapes_for, simulate_layout)
 from hapt_hf.planner.simulate import SimResult
 
 __all__ = ["ExhaustiveResult", "exhaustive_plan"]
@@ -52,7 +51,8 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                     profile: Profile | None = None, options: PlannerOptions = PlannerOptions(),
                     max_warmup_step: int = 3, max_candidates: int = 200_000) -> ExhaustiveResult:
     """The fastest feasible plan over the whole (small) space; PlanningError if none fits."""
-    cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
+    problem = SearchProblem.build(model, cluster, global_batch_size, profile, options)
+    cm = problem.cost_model
     L = model.num_layers
     best: tuple[float, int, Layout, SimResult] | None = None
     count = 0
@@ -68,7 +68,7 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                  options.micro_batch_sizes):
                     continue
                 shapes = shapes_for(cm, order, widths, mbs)
-                m = global_batch_size // mbs
+                m = problem.num_microbatches(mbs)
                 for sizes in compositions(L, n):
                     edges = list(itertools.accumulate(sizes, initial=0))
                     bounds = tuple(zip(edges, edges[1:]))
@@ -88,4 +88,4 @@ def exhaustive_plan(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     if best is None:
         raise PlanningError(f"no plan of model {model.name!r} fits cluster {cluster.name!r}")
     _, _, lay, r = best
-    return ExhaustiveResult(layout_to_plan(cm, lay, global_batch_size, r).validate(), r, count)
+    return ExhaustiveResult(layout_to_plan(problem, lay, r).validate(), r, count)

@@ -21,9 +21,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from benchmarks.inputs import scenario_path  # noqa: E402
 from benchmarks.bound import best_warmup_replay, layouts_below  # noqa: E402
-from hapt_hf.planner.cost_model import CostModel  # noqa: E402
 from hapt_hf.planner.job import load_job  # noqa: E402
-from hapt_hf.planner.search import physical_limit_s, plan_job  # noqa: E402
+from hapt_hf.planner.search import SearchProblem, physical_limit_s, plan_job  # noqa: E402
 
 __all__ = ["main"]
 
@@ -45,23 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     job = load_job(scenario_path(args.scenario))
     gbs = job.global_batch_size
     res = plan_job(job.model, job.cluster, gbs, profile=job.profile)
-    limit = physical_limit_s(CostModel(job.model, job.cluster, job.profile), gbs)
+    limit = physical_limit_s(SearchProblem.build(job.model, job.cluster, gbs, job.profile))
     target = args.target if args.target is not None else res.sim.iteration_s
     print(f"{args.scenario}: plan {res.sim.iteration_s:.4f} s, limit {limit:.4f} s "
           f"({res.sim.iteration_s / limit - 1:+.2%}); looking for a layout below {target:.4f} s")
     models = [job.model] + ([job.model.split_blocks()] if job.model.can_split_blocks else [])
     faster = []
     for model in models:
-        cm = CostModel(model, job.cluster, job.profile)
+        problem = SearchProblem.build(model, job.cluster, gbs, job.profile)
         c0 = time.process_time()
-        below, sequences = layouts_below(cm, gbs, target, interleave=args.interleave)
+        below, sequences = layouts_below(problem, target, interleave=args.interleave)
         print(f"\n{model.layer_unit} units: {sequences} stage sequences, {len(below)} layouts "
               f"with a bound below the target ({time.process_time() - c0:.1f} s CPU)")
         if below:
             print("| bound s | best replay s | above limit | stages | micro-batch | layers | "
                   "warm-ups |\n|---:|---:|---:|---|---:|---|---|")
         for bl in below:
-            got = best_warmup_replay(cm, bl, gbs, args.max_replays)
+            got = best_warmup_replay(problem, bl, args.max_replays)
             if got is None:
                 print(f"| {bl.lower_bound_s:.4f} | no warm-up fits | | {_shape_text(bl.stages)} "
                       f"| {bl.micro_batch_size} | {[s.layers for s in bl.stages]} | |")

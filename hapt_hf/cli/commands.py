@@ -92,8 +92,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _physical_limit(plan: Plan, job: JobInputs) -> float:
     """No plan of this job can beat this: total work over the sum of every GPU's speed."""
     from hapt_hf.planner.cost_model import CostModel
-    from hapt_hf.planner.search import physical_limit_s
-    return physical_limit_s(CostModel(job.model, job.cluster, job.profile), plan.global_batch_size)
+    from hapt_hf.planner.search import SearchProblem, physical_limit_s
+    return physical_limit_s(SearchProblem(CostModel(job.model, job.cluster, job.profile), plan.global_batch_size))
 
 
 def _check_devices(plan: Plan, cluster: Cluster, where: str) -> None:

@@ -8,6 +8,7 @@ import pytest
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
+from hapt_hf.planner.search import SearchProblem
 from hapt_hf.planner.search.baselines import (BASELINES, _param_balanced, _speed_proportional,
                                               _uniform, baseline_plans)
 from hapt_hf.planner.simulate import simulate_plan
@@ -69,7 +70,7 @@ def test_speed_proportional_gives_the_fast_stage_more_flops():
 
 def test_every_baseline_gives_a_valid_plan_scored_by_the_simulator():
     m, cl = model(), cluster()
-    res = baseline_plans(m, cl, 8)
+    res = baseline_plans(SearchProblem.build(m, cl, 8))
     assert set(res) == set(BASELINES)
     for name, b in res.items():
         assert b.plan is not None, (name, b.reason)
@@ -89,7 +90,7 @@ def test_hapt_recipe_keeps_the_file_order_power_of_two_shapes_and_its_warmups():
     m = model(blocks=12)
     cl = Cluster("c", (grp("fast", 200.0, 4, gpn=2), grp("slow", 50.0, 6, gpn=6)),
                  (GroupLink("slow", "fast", LinkSpec(1.0, 1000.0)),))
-    p = baseline_plans(m, cl, 24)["hapt_recipe"].plan
+    p = baseline_plans(SearchProblem.build(m, cl, 24))["hapt_recipe"].plan
     assert p.schedule == "h1f1b"
     groups = [s.group for s in p.stages]
     assert groups == sorted(groups, key=["fast", "slow"].index)
@@ -103,7 +104,7 @@ def test_hapt_recipe_keeps_the_file_order_power_of_two_shapes_and_its_warmups():
 
 
 def test_a_baseline_that_cannot_fit_says_so():
-    res = baseline_plans(model(), cluster(mem=1e-5), 8)
+    res = baseline_plans(SearchProblem.build(model(), cluster(mem=1e-5), 8))
     for b in res.values():
         assert b.plan is None and b.reason
 
@@ -112,7 +113,7 @@ def test_file_order_with_unlinked_neighbours_rules_the_fixed_order_baselines_out
     cl = Cluster("c", (grp("a", 50.0, 1), grp("b", 50.0, 1), grp("c", 200.0, 1)),
                  (GroupLink("a", "c", LinkSpec(10.0, 10.0)),
                   GroupLink("c", "b", LinkSpec(10.0, 10.0))))
-    res = baseline_plans(model(), cl, 4)
+    res = baseline_plans(SearchProblem.build(model(), cl, 4))
     for name in ("uniform", "param_balanced", "speed_proportional", "hapt_recipe"):  # fixed order
         assert res[name].plan is None and "no link between them" in res[name].reason
     # the planner orders the groups itself: c sits between a and b (when it uses them all)

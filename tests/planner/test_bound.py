@@ -14,7 +14,7 @@ from hapt_hf.planner.cluster import Cluster, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import CostModel
 from benchmarks.exhaustive import exhaustive_plan
 from hapt_hf.planner.job import load_job
-from hapt_hf.planner.search import (Layout, PlanningError, compositions, divisors,
+from hapt_hf.planner.search import (Layout, PlanningError, SearchProblem, compositions, divisors,
                                     layout_of_plan, plan_job, recompute_flags, simulate_layout)
 
 from benchmarks.inputs import scenario_path
@@ -65,14 +65,15 @@ def test_the_optimum_is_among_the_layouts_below_any_higher_target(job):
     except PlanningError:
         return
     cm = CostModel(model, cluster)
-    below, _ = layouts_below(cm, gbs, best.sim.iteration_s * 1.001)
+    problem = SearchProblem(cm, gbs)
+    below, _ = layouts_below(problem, best.sim.iteration_s * 1.001)
     want = layout_of_plan(cm, best.plan)
     assert (want.shapes, want.bounds, want.micro_batch_size) in \
         {(tuple(s.replicas for s in b.stages), tuple(s.layers for s in b.stages),
           b.micro_batch_size) for b in below}
     # and none of them replays faster than the exhaustive search's best
     for bl in below:
-        got = best_warmup_replay(cm, bl, gbs)
+        got = best_warmup_replay(problem, bl)
         assert got is None or got[1].iteration_s >= best.sim.iteration_s * (1 - 1e-9)
 
 

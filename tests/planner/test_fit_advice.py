@@ -7,7 +7,7 @@ import pytest
 
 from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.cost_model import CostModel
-from hapt_hf.planner.search import PlannerOptions, PlanningError, plan_job
+from hapt_hf.planner.search import PlannerOptions, PlanningError, SearchProblem, plan_job
 from hapt_hf.planner.search.infeasible import fit_advice
 
 from .test_search import make_group, synth_model
@@ -77,6 +77,6 @@ def test_a_layer_bigger_than_any_gpu_names_the_gpu_size_and_the_replicas_zero1_n
 def test_advice_is_empty_where_the_job_fits():
     model = synth_model(4, 256)
     cm = CostModel(model, _one_group(16.0, 2))
-    assert fit_advice(cm, 8, PlannerOptions()) == []
+    assert fit_advice(SearchProblem(cm, 8, PlannerOptions())) == []
     tiny = CostModel(model, _one_group(0.01, 2))
-    assert fit_advice(tiny, 8, PlannerOptions())
+    assert fit_advice(SearchProblem(tiny, 8, PlannerOptions()))

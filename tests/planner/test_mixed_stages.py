@@ -11,7 +11,8 @@ from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
 from hapt_hf.planner.plan import Plan
 from hapt_hf.planner.report import build_report, format_report
-from hapt_hf.planner.search import PlannerOptions, PlanningError, layout_of_plan, plan_job
+from hapt_hf.planner.search import (PlannerOptions, PlanningError, SearchProblem, layout_of_plan,
+                                    plan_job)
 from hapt_hf.planner.search.mixed import column_layouts, merge_boundaries, speed_shape
 from hapt_hf.planner.search.state import stage_state
 from hapt_hf.planner.simulate import simulate_plan
@@ -83,7 +84,7 @@ def test_the_switch_off_keeps_every_stage_on_one_group():
 
 def test_columns_take_a_slice_of_every_group_with_shares_by_speed():
     cm = CostModel(heavy_model(), cluster(3, 3))
-    lays = column_layouts(cm, 64, PlannerOptions())
+    lays = column_layouts(SearchProblem(cm, 64, PlannerOptions()))
     assert lays
     for lay in lays:
         for s in lay.stages:
@@ -91,8 +92,8 @@ def test_columns_take_a_slice_of_every_group_with_shares_by_speed():
             assert sum(s.shares()) == lay.micro_batch_size
         assert lay.bounds[0][0] == 0 and lay.bounds[-1][1] == cm.model.num_layers
     # groups without a link between them cannot share a stage's gradient ring
-    assert column_layouts(CostModel(heavy_model(), cluster(3, 3, linked=False)), 64,
-                          PlannerOptions()) == []
+    assert column_layouts(SearchProblem(CostModel(heavy_model(), cluster(3, 3, linked=False)),
+                                        64, PlannerOptions())) == []
 
 
 def test_speed_shape_gives_the_faster_gpu_the_larger_share():
@@ -143,8 +144,8 @@ def test_merging_a_group_boundary_keeps_both_stages_layers_on_both_gpus_by_speed
         all_groups=True))
     assert res.plan.num_stages == 2
     cm = CostModel(m, cl)
-    lay, sim = merge_boundaries(cm, layout_of_plan(cm, res.plan), res.sim,
-                                res.plan.num_microbatches, PlannerOptions())
+    lay, sim = merge_boundaries(SearchProblem(cm, 16, PlannerOptions()),
+                                layout_of_plan(cm, res.plan), res.sim)
     assert lay.bounds == ((0, m.num_layers),)
     assert {r.group: r.samples for r in lay.stages[0].replicas} == {"a100": 3, "v100": 1}
     assert sim.iteration_s < res.sim.iteration_s * 0.95

@@ -10,8 +10,8 @@ from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkS
 from hapt_hf.planner.cost_model import CostModel
 from benchmarks.exhaustive import exhaustive_plan
 from hapt_hf.planner.model_spec import LayerSpec, ModelSpec
-from hapt_hf.planner.search import (PlannerOptions, PlanningError, physical_limit_s, plan_job,
-                                    width_options)
+from hapt_hf.planner.search import (PlannerOptions, PlanningError, SearchProblem, physical_limit_s,
+                                    plan_job, width_options)
 from hapt_hf.planner.simulate import simulate_plan
 
 from benchmarks.inputs import scenario_path, scenario_paths
@@ -195,8 +195,8 @@ def test_every_scenario_gets_a_valid_plan(path):
     assert res.sim.feasible
     assert res.sim.iteration_s >= res.physical_limit_s * (1 - 1e-9)
     assert res.physical_limit_s == pytest.approx(
-        physical_limit_s(CostModel(model, cluster, res_profile(cluster, model)),
-                         job.global_batch_size))
+        physical_limit_s(SearchProblem(CostModel(model, cluster, res_profile(cluster, model)),
+                                       job.global_batch_size)))
 
 
 def res_profile(cluster, model):

@@ -10,7 +10,8 @@ from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.plan import Stage
 from hapt_hf.planner.report import build_report, format_report
-from hapt_hf.planner.search import PlannerOptions, PlanningError, baseline_plans, plan_job
+from hapt_hf.planner.search import (PlannerOptions, PlanningError, SearchProblem, baseline_plans,
+                                    plan_job)
 from hapt_hf.planner.search.infeasible import fit_advice
 from hapt_hf.planner.simulate import simulate_plan
 
@@ -146,16 +147,16 @@ def test_sharding_lets_fewer_stages_hold_the_model():
 
 def test_zero1_ddp_baseline_is_one_sharded_stage_over_every_gpu():
     model, cluster = synth_model(2, 256), _one_group(16.0, 4)
-    b = baseline_plans(model, cluster, 8)["zero1_ddp"]
+    b = baseline_plans(SearchProblem.build(model, cluster, 8))["zero1_ddp"]
     plan = b.plan.validate(world_size=4)
     assert plan.num_stages == 1 and plan.stages[0].width == 4
     assert plan.stages[0].optimizer == SHARDED and plan.stages[0].layers == (0, model.num_layers)
     assert simulate_plan(plan, model, cluster).iteration_s == pytest.approx(b.sim.iteration_s)
     # where the whole model does not fit one GPU even sharded, the reason gives the figures
-    small = baseline_plans(synth_model(4, 1024), _one_group(0.3, 8), 8)["zero1_ddp"]
+    small = baseline_plans(SearchProblem.build(synth_model(4, 1024), _one_group(0.3, 8), 8))["zero1_ddp"]
     assert small.plan is None and "GB per" in small.reason and "usable" in small.reason
     # over several groups: one stage of every GPU of every group, equal shares, sharded
-    multi = baseline_plans(toy_model(), two_groups(), 12)["zero1_ddp"]
+    multi = baseline_plans(SearchProblem.build(toy_model(), two_groups(), 12))["zero1_ddp"]
     stage = multi.plan.validate().stages[0]
     assert multi.plan.num_stages == 1 and stage.optimizer == SHARDED
     assert len(set(stage.shares(multi.plan.micro_batch_size))) == 1 and len(stage.groups) == 2
@@ -168,12 +169,12 @@ def test_fit_advice_recommends_sharding_only_where_it_is_off_and_would_fit():
     cm = CostModel(model, cluster)
     two = PlannerOptions(max_stages=2)
     off = replace(two, allow_sharded_optimizer=False)
-    assert any("allow_sharded_optimizer=True" in a for a in fit_advice(cm, 8, off))
+    assert any("allow_sharded_optimizer=True" in a for a in fit_advice(SearchProblem(cm, 8, off)))
     # allowed already: the sharded layout holds the model, so there is nothing to advise
-    assert fit_advice(cm, 8, two) == []
+    assert fit_advice(SearchProblem(cm, 8, two)) == []
     # where sharding cannot help, it is not advised
     tiny = CostModel(model, _one_group(0.01, 8))
-    assert not any("allow_sharded_optimizer" in a for a in fit_advice(tiny, 8, off))
+    assert not any("allow_sharded_optimizer" in a for a in fit_advice(SearchProblem(tiny, 8, off)))
 
 
 def test_report_merges_runs_of_sharded_stages_with_one_reason():

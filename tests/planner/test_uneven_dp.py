@@ -14,7 +14,7 @@ from hapt_hf.planner.cost_model import CostModel, CostModelError
 from hapt_hf.planner.job import load_job
 from hapt_hf.planner.plan import Plan, Replica, Stage
 from hapt_hf.planner.report import build_report, format_report
-from hapt_hf.planner.search import PlannerOptions, plan_job
+from hapt_hf.planner.search import PlannerOptions, SearchProblem, plan_job
 from hapt_hf.planner.search.baselines import equal_share_ddp
 from hapt_hf.planner.simulate import simulate_plan
 from tests.planner.test_cost_model import toy_model
@@ -200,11 +200,11 @@ def test_where_the_model_does_not_fit_a_gpu_a_pipeline_is_chosen():
 
 def test_the_ddp_baseline_is_one_stage_of_equal_shares_where_it_fits():
     cm = CostModel(toy_model(), a100_v100())
-    b = equal_share_ddp(cm, 28, PlannerOptions())
+    b = equal_share_ddp(SearchProblem(cm, 28, PlannerOptions()))
     (stage,) = b.plan.stages
     assert stage.width == 4 and len(set(stage.shares(b.plan.micro_batch_size))) == 1
     assert b.sim.feasible
-    none = equal_share_ddp(cm, 30, PlannerOptions())  # 30 samples, 4 GPUs: no equal share
+    none = equal_share_ddp(SearchProblem(cm, 30, PlannerOptions()))  # 30 samples, 4 GPUs: no equal share
     assert none.plan is None and "same number" in none.reason
 
 

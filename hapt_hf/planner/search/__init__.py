@@ -22,10 +22,30 @@ How it searches (every step deterministic):
 6. The baselines' plans (:mod:`~hapt_hf.planner.search.baselines`) are candidates too, so the
    planner never returns a slower plan.
 
-One module per step: ``options`` (settings and records), ``shapes``, ``partition``, ``warmups``,
-``replays``, ``candidates``, ``refine``, ``mixed``, ``baselines``, ``infeasible`` (the message when
-nothing fits) and ``driver`` (:func:`plan_job`). The exhaustive yardstick
-(``benchmarks/exhaustive.py``, a test yardstick) builds on the public helpers re-exported here.
+Every step takes one :class:`~hapt_hf.planner.search.problem.SearchProblem`: the cost model
+(model and cluster), the global batch size and the options, derived on a set of groups or on
+another layer sequence where the driver needs one. The modules:
+
+* ``options``: the settings (:class:`PlannerOptions`) and records (:class:`Layout`,
+  :class:`PlanResult`, :class:`BaselineResult`, ``GroupChoice``);
+* ``problem``: :class:`SearchProblem`;
+* ``shapes``: stage widths per group, group orders, micro-batch sizes, each stage's replicas;
+* ``partition``: the min-max layer partition under memory and HAPT's formula that scores it;
+* ``state``: each stage's optimizer state, replicated or sharded (ZeRO-1), and why;
+* ``warmups``: HAPT's warm-up thresholds and their refinement by simulation;
+* ``replays``: a layout replayed in the simulator, shortened where that is exact enough;
+* ``candidates``: the analytic search over shapes in order of their bound (steps 1 to 3);
+* ``refine``: layer boundaries moved by simulation, a baseline under the planner's schedule;
+* ``mixed``: stages that mix groups (merged boundaries, columns);
+* ``data_parallel``: one stage over every GPU, shares by speed or equal;
+* ``baselines``: the splits other systems make;
+* ``infeasible``: the message when nothing fits, with what would fit;
+* ``plans``: layouts to plans and back, and the physical limit;
+* ``subsets``: which groups to use (sets of groups with the others idle);
+* ``driver``: :func:`plan_job`, the whole search.
+
+The exhaustive yardstick (``benchmarks/exhaustive.py``, a test yardstick) builds on the public
+helpers re-exported here.
 
 Simulations inside the search cap the number of micro-batches and extrapolate the steady state
 linearly (see :func:`~hapt_hf.planner.search.replays.simulate_layout`); the returned plan is
@@ -35,17 +55,20 @@ from hapt_hf.errors import PlanningError
 
 from .baselines import BASELINES, baseline_plans
 from .driver import plan_job
-from .options import LAYER_UNIT_OPTIONS, BaselineResult, Layout, PlannerOptions, PlanResult
-from .partition import estimate_s, partition_layers, recompute_flags
+from .options import BaselineResult, Layout, PlannerOptions, PlanResult
+from .partition import recompute_flags
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
-from .replays import STEADY_MIN_MICROBATCHES, simulate_layout
-from .shapes import (compositions, divisors, group_cuts, group_orders, micro_batch_options,
-                     shapes_for, width_options)
-from .warmups import hapt_warmups
+from .problem import SearchProblem
+from .replays import simulate_layout
+from .shapes import compositions, divisors, group_cuts, group_orders, shapes_for, width_options
 
-__all__ = ["PlanningError", "PlannerOptions", "BaselineResult", "PlanResult", "Layout",
-           "plan_job", "physical_limit_s", "cluster_profile", "BASELINES", "baseline_plans",
-           "LAYER_UNIT_OPTIONS", "STEADY_MIN_MICROBATCHES", "estimate_s", "partition_layers",
-           "recompute_flags", "layout_of_plan", "layout_to_plan", "simulate_layout", "divisors",
-           "compositions", "group_cuts", "group_orders", "micro_batch_options", "shapes_for",
-           "width_options", "hapt_warmups"]
+__all__ = [
+    # planning a job
+    "plan_job", "PlannerOptions", "PlanResult", "PlanningError", "SearchProblem",
+    "physical_limit_s", "cluster_profile",
+    # the baselines
+    "BASELINES", "baseline_plans", "BaselineResult",
+    # layouts, for the yardsticks and tests that build their own
+    "Layout", "layout_of_plan", "layout_to_plan", "simulate_layout", "recompute_flags",
+    "divisors", "compositions", "group_cuts", "group_orders", "shapes_for", "width_options",
+]

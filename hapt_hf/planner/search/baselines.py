@@ -34,15 +34,13 @@ from hapt_hf.core.precision import SHARDED
 from hapt_hf.core.schedules import ScheduleKind
 from hapt_hf.errors import CostModelError
 
-from ..cluster import Cluster
 from ..cost_model import CostModel
-from ..model_spec import ModelSpec
-from ..profile import Profile
-from .options import BaselineResult, Layout, PlannerOptions
+from .options import BaselineResult, Layout
 from .partition import (balanced_step_s, cut_times, estimate_s, partition_layers,
                         recompute_flags, smallest_feasible_cap)
 from .data_parallel import data_parallel
 from .plans import layout_to_plan
+from .problem import SearchProblem
 from .replays import simulate_layout
 from .shapes import divisors, micro_batch_options, shapes_for
 from .warmups import hapt_warmups, in_flight_guess
@@ -123,41 +121,45 @@ def _with_memory(cm: CostModel, shapes, cuts: list[int], mbs: int, warm, allow_r
     return None if rcs is None else (bounds, rcs)
 
 
-def _framework_layouts(cm: CostModel, name: str, gbs: int, options: PlannerOptions):
+def _framework_layouts(problem: SearchProblem, name: str):
+    cm, options = problem.cost_model, problem.options
     groups = cm.cluster.groups
     common = math.gcd(*(g.size for g in groups))
     for w in divisors(common):
-        if gbs % w:
+        if problem.global_batch_size % w:
             continue
         widths = {g.name: (w,) * (g.size // w) for g in groups}
-        for mbs in micro_batch_options(gbs, [w], options.micro_batch_sizes):
+        for mbs in micro_batch_options(problem.global_batch_size, [w],
+                                       options.micro_batch_sizes):
             shapes = shapes_for(cm, groups, widths, mbs)
-            m = gbs // mbs
+            m = problem.num_microbatches(mbs)
             cuts = _SPLITS[name](cm, shapes, mbs)
             if cuts is None:
                 continue
             warm = hapt_warmups(shapes, [0.0] * (len(shapes) - 1), 1.0, m,
                                 ScheduleKind.ONE_F_ONE_B)
-            got = _with_memory(cm, shapes, cuts, mbs, warm, options.allow_recompute)
+            got = _with_memory(cm, shapes, cuts, mbs, warm, problem.allow_recompute)
             if got is not None:
                 yield Layout.build(shapes, got[0], got[1], mbs, warm, ScheduleKind.ONE_F_ONE_B)
 
 
-def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
+def _hapt_layouts(problem: SearchProblem):
+    cm = problem.cost_model
     groups = cm.cluster.groups
     per_group = []
     for g in groups:
         ws = [w for w in (1 << k for k in range(12)) if w <= g.gpus_per_node
-              and g.gpus_per_node % w == 0 and gbs % w == 0]
+              and g.gpus_per_node % w == 0 and problem.global_batch_size % w == 0]
         per_group.append(ws)
     for combo in itertools.product(*per_group):
         widths = {g.name: (w,) * (g.size // w) for g, w in zip(groups, combo)}
-        for mbs in micro_batch_options(gbs, list(combo), options.micro_batch_sizes):
+        for mbs in micro_batch_options(problem.global_batch_size, list(combo),
+                                       problem.options.micro_batch_sizes):
             shapes = shapes_for(cm, groups, widths, mbs)
-            m = gbs // mbs
+            m = problem.num_microbatches(mbs)
             inflight = in_flight_guess(shapes, mbs, m, ScheduleKind.H1F1B, cm,
                                        balanced_step_s(cm, shapes, mbs))
-            part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute)
+            part = partition_layers(cm, shapes, mbs, inflight, problem.allow_recompute)
             if part is None:
                 continue
             warm = hapt_warmups(shapes, cut_times(cm, shapes, part.bounds, mbs), part.cap_s, m,
@@ -166,16 +168,17 @@ def _hapt_layouts(cm: CostModel, gbs: int, options: PlannerOptions):
                                ScheduleKind.H1F1B)
 
 
-def _zero1_ddp(cm: CostModel, gbs: int, options: PlannerOptions) -> BaselineResult:
+def _zero1_ddp(problem: SearchProblem) -> BaselineResult:
     """One stage over every GPU, equal shares, sharded optimizer state, or why there is none."""
-    dp = data_parallel(cm, gbs, options, even=True, optimizers=(SHARDED,))
+    dp = data_parallel(problem, even=True, optimizers=(SHARDED,))
     if dp.layout is None:
         return BaselineResult("zero1_ddp", None, None, dp.reason)
-    return BaselineResult("zero1_ddp", layout_to_plan(cm, dp.layout, gbs, dp.sim), dp.sim)
+    return BaselineResult("zero1_ddp", layout_to_plan(problem, dp.layout, dp.sim), dp.sim)
 
 
-def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
-    ranked = sorted(((estimate_s(cm, l, gbs // l.micro_batch_size), i, l)
+def _best(problem: SearchProblem, layouts, name: str) -> BaselineResult:
+    cm = problem.cost_model
+    ranked = sorted(((estimate_s(cm, l, problem.num_microbatches(l.micro_batch_size)), i, l)
                      for i, l in enumerate(layouts)), key=lambda x: (x[0], x[1]))
     if not ranked:
         return BaselineResult(name, None, None, "no configuration of this split fits the "
@@ -184,41 +187,37 @@ def _best(cm: CostModel, gbs: int, layouts, name: str) -> BaselineResult:
     keep = ranked[:1] if name == "hapt_recipe" else ranked[:2]
     best = None
     for _, _, lay in keep:
-        r = simulate_layout(cm, lay, gbs // lay.micro_batch_size, exact=True)
+        r = simulate_layout(cm, lay, problem.num_microbatches(lay.micro_batch_size), exact=True)
         if best is None or (r.feasible, -r.iteration_s) > (best[0].feasible, -best[0].iteration_s):
             best = (r, lay)
     r, lay = best
     if not r.feasible:
         return BaselineResult(name, None, r, r.reason)
-    return BaselineResult(name, layout_to_plan(cm, lay, gbs, r), r)
+    return BaselineResult(name, layout_to_plan(problem, lay, r), r)
 
 
-def equal_share_ddp(cm: CostModel, global_batch: int, options: PlannerOptions) -> BaselineResult:
+def equal_share_ddp(problem: SearchProblem) -> BaselineResult:
     """The ``ddp`` baseline: one stage of every GPU, equal shares, where the model fits."""
-    dp = data_parallel(cm, global_batch, options, even=True)
+    dp = data_parallel(problem, even=True)
     if dp.layout is None:
         return BaselineResult("ddp", None, None, dp.reason)
-    return BaselineResult("ddp", layout_to_plan(cm, dp.layout, global_batch, dp.sim), dp.sim)
+    return BaselineResult("ddp", layout_to_plan(problem, dp.layout, dp.sim), dp.sim)
 
 
-def baseline_plans(model: ModelSpec, cluster: Cluster, global_batch_size: int,
-                   profile: Profile | None = None, options: PlannerOptions = PlannerOptions(),
-                   cost_model: CostModel | None = None) -> dict[str, BaselineResult]:
-    """Every baseline's plan for this job, scored by the simulator (exact replay)."""
-    cm = cost_model or CostModel(model, cluster, profile, options.efficiency,
-                                 options.memory_headroom)
+def baseline_plans(problem: SearchProblem) -> dict[str, BaselineResult]:
+    """Every baseline's plan for this problem, scored by the simulator (exact replay)."""
     out = {}
     for name in BASELINES:
         if name == "zero1_ddp":
-            out[name] = _zero1_ddp(cm, global_batch_size, options)
+            out[name] = _zero1_ddp(problem)
             continue
         if name == "ddp":
-            out[name] = equal_share_ddp(cm, global_batch_size, options)
+            out[name] = equal_share_ddp(problem)
             continue
         try:
-            layouts = (list(_hapt_layouts(cm, global_batch_size, options)) if name == "hapt_recipe"
-                       else list(_framework_layouts(cm, name, global_batch_size, options)))
-            out[name] = _best(cm, global_batch_size, layouts, name)
+            layouts = (list(_hapt_layouts(problem)) if name == "hapt_recipe"
+                       else list(_framework_layouts(problem, name)))
+            out[name] = _best(problem, layouts, name)
         except CostModelError as e:
             # these splits keep the groups in file order; unlinked neighbours rule them out
             out[name] = BaselineResult(name, None, None, f"groups in file order: {e}")

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from hapt_hf.core.precision import REPLICATED, SHARDED
 
 from ..cost_model import CostModel
-from .options import Layout, PlannerOptions
+from .options import Layout
 from .partition import balanced_step_s, cut_times, estimate_s, partition_layers
+from .problem import SearchProblem
 from .shapes import micro_batch_options, require_chain, shapes_for, width_options
 from .warmups import hapt_warmups, in_flight_guess
 
@@ -23,27 +24,27 @@ class _Scored:
     layout: Layout = field(compare=False)
 
 
-def _expand(cm: CostModel, shapes, mbs: int, m: int, options: PlannerOptions,
-            key: tuple) -> _Scored | None:
+def _expand(problem: SearchProblem, shapes, mbs: int, key: tuple) -> _Scored | None:
+    cm, schedule, m = problem.cost_model, problem.schedule, problem.num_microbatches(mbs)
     cap_guess = balanced_step_s(cm, shapes, mbs)
-    inflight = in_flight_guess(shapes, mbs, m, options.schedule, cm, cap_guess)
-    part = partition_layers(cm, shapes, mbs, inflight, options.allow_recompute,
-                            lower_bound_s=cap_guess,
-                            allow_sharded=options.allow_sharded_optimizer)
+    inflight = in_flight_guess(shapes, mbs, m, schedule, cm, cap_guess)
+    part = partition_layers(cm, shapes, mbs, inflight, problem.allow_recompute,
+                            lower_bound_s=cap_guess, allow_sharded=problem.allow_sharded)
     if part is None:
         return None
     cuts = cut_times(cm, shapes, part.bounds, mbs)
-    warm = hapt_warmups(shapes, cuts, part.cap_s, m, options.schedule)
-    layout = Layout.build(shapes, part.bounds, part.recompute, mbs, warm, options.schedule,
+    warm = hapt_warmups(shapes, cuts, part.cap_s, m, schedule)
+    layout = Layout.build(shapes, part.bounds, part.recompute, mbs, warm, schedule,
                           part.optimizer)
     return _Scored(estimate_s(cm, layout, m), key, layout)
 
 
-def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
+def _candidates(problem: SearchProblem):
     """(bound, key, widths, mbs) for every stage-shape choice, most promising first."""
+    cm, options = problem.cost_model, problem.options
     L = cm.model.num_layers
     max_n = min(L, options.max_stages or L)
-    per_group = [width_options(g, global_batch, max_n) for g in cm.cluster.groups]
+    per_group = [width_options(g, problem.global_batch_size, max_n) for g in cm.cluster.groups]
     if math.prod(len(o) for o in per_group) > options.max_shape_combos:
         # at scale, keep equal widths inside a group (unequal ones only where none is equal)
         per_group = [[w for w in o if len(set(w)) == 1] or o for o in per_group]
@@ -62,8 +63,9 @@ def _candidates(cm: CostModel, global_batch: int, options: PlannerOptions):
             continue
         widths = {g.name: w for g, w in zip(cm.cluster.groups, combo)}
         flat = [w for ws in combo for w in ws]
-        for mbs in micro_batch_options(global_batch, flat, options.micro_batch_sizes):
-            m = global_batch // mbs
+        for mbs in micro_batch_options(problem.global_batch_size, flat,
+                                       options.micro_batch_sizes):
+            m = problem.num_microbatches(mbs)
             rate = sum(cm.replica_rate(g, mbs // w) * w
                        for g, ws in zip(cm.cluster.groups, combo) for w in ws)
             bound = (m + n - 1) * mbs / rate
@@ -87,14 +89,17 @@ def _twin(cm: CostModel, a: _Scored, b: _Scored) -> bool:
         _signature(cm, a.layout) == _signature(cm, b.layout)
 
 
-def search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
+def search_layouts(problem: SearchProblem):
+    """The best few layouts scored by HAPT's formula (scored entries, best first; at most
+    ``max(simulate_top, simulate_top_cheap)``) and how many partitions were tried."""
+    cm, options = problem.cost_model, problem.options
     orders = require_chain(cm.cluster)
     best: list[_Scored] = []
     tried = expanded = last_gain = 0
     keep = max(options.simulate_top, options.simulate_top_cheap)
     order_score = [math.inf] * len(orders)
     active = list(range(len(orders)))
-    for bound, key, widths, mbs in _candidates(cm, global_batch, options):
+    for bound, key, widths, mbs in _candidates(problem):
         if len(best) >= options.simulate_top and bound > best[options.simulate_top - 1].score:
             break
         if tried >= options.max_expansions or tried - last_gain > options.patience:
@@ -104,12 +109,10 @@ def search_layouts(cm: CostModel, global_batch: int, options: PlannerOptions):
             # later ones try only the best few orders
             ranked = sorted(range(len(orders)), key=lambda o: (order_score[o], o))
             active = sorted(ranked[:options.orders_kept])
-        m = global_batch // mbs
         any_fit = False
         for oi in active:
             tried += 1
-            sc = _expand(cm, shapes_for(cm, orders[oi], widths, mbs), mbs, m, options,
-                         key + (oi,))
+            sc = _expand(problem, shapes_for(cm, orders[oi], widths, mbs), mbs, key + (oi,))
             if sc is None:
                 continue
             any_fit = True

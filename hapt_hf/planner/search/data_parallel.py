@@ -26,7 +26,8 @@ from ..cluster import GpuGroup
 from ..cost_model import CostModel
 from ..plan import Replica
 from ..simulate import SimResult
-from .options import Layout, PlannerOptions
+from .options import Layout
+from .problem import SearchProblem
 from .replays import simulate_layout
 from .shapes import divisors
 from .warmups import hapt_warmups
@@ -91,11 +92,12 @@ def _whole_model_fits(cm: CostModel, optimizer: str = REPLICATED, gpus: int = 1)
     return ""
 
 
-def data_parallel(cm: CostModel, global_batch: int, options: PlannerOptions,
-                  even: bool, optimizers: tuple[str, ...] = (REPLICATED,)) -> DataParallel:
-    """The fastest one-stage layout over every GPU of ``cm``'s cluster, over every
+def data_parallel(problem: SearchProblem, even: bool,
+                  optimizers: tuple[str, ...] = (REPLICATED,)) -> DataParallel:
+    """The fastest one-stage layout over every GPU of the problem's cluster, over every
     micro-batch size that gives each GPU at least one sample (equal shares: a multiple of the
     GPU count) and each optimizer state of ``optimizers``, replayed exactly."""
+    cm, options = problem.cost_model, problem.options
     n = sum(g.size for g in cm.cluster.groups)
     states = [o for o in optimizers if o == REPLICATED or n > 1]
     fitting = [o for o in states if not _whole_model_fits(cm, o, n)]
@@ -103,15 +105,15 @@ def data_parallel(cm: CostModel, global_batch: int, options: PlannerOptions,
         return DataParallel(None, None, _whole_model_fits(cm, states[-1] if states
                                                           else REPLICATED, n)
                             or "one GPU has no replica to shard the optimizer state with")
-    sizes = [m for m in divisors(global_batch) if m >= n and (not even or m % n == 0)
+    sizes = [m for m in divisors(problem.global_batch_size) if m >= n and (not even or m % n == 0)
              and (options.micro_batch_sizes is None or m in options.micro_batch_sizes)]
     if not sizes:
         return DataParallel(None, None, f"no micro-batch size divides the global batch "
-                            f"{global_batch} and gives each of the {n} GPUs "
+                            f"{problem.global_batch_size} and gives each of the {n} GPUs "
                             f"{'the same number of' if even else 'at least one'} sample(s)")
     best, reason = None, ""
     for mbs in sizes:
-        m = global_batch // mbs
+        m = problem.num_microbatches(mbs)
         for opt in fitting:
             for rc in ((False, True) if options.allow_recompute else (False,)):
                 shape = dp_shape(cm, dp_shares(cm, mbs, rc, even))

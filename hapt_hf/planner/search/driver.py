@@ -21,6 +21,7 @@ from .infeasible import does_not_fit
 from .mixed import mixed_candidate
 from .options import BaselineResult, Layout, PlannerOptions, PlanResult
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
+from .problem import SearchProblem
 from .refine import as_schedule, refine_boundaries
 from .replays import simulate_layout
 from .shapes import require_chain
@@ -53,13 +54,9 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     # a cluster whose groups form no chain is a mistake in its file, not a reason to idle some
     require_chain(cluster)
     profile = profile if profile is not None else cluster_profile(cluster, model)
-    cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
-
-    def search(sub: Cluster) -> PlanResult:
-        return _plan_on(model, sub, global_batch_size, profile, options)
-
+    problem = SearchProblem.build(model, cluster, global_batch_size, profile, options)
     best, idle, choices, whole = choose_groups(
-        cluster, search, lambda sub: _limit_if_fits(cm, sub, global_batch_size),
+        cluster, lambda sub: _plan_on(problem.on(sub)), lambda sub: _limit_if_fits(problem, sub),
         options.all_groups or cluster.world_size > options.weigh_groups_max_gpus)
     plan, baselines = best.plan, best.baselines
     if idle:
@@ -72,71 +69,71 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     # the limit stays the whole cluster's: idle GPUs are GPUs the job could have used
     return replace(best, plan=plan, baselines=baselines,
                    search_time_s=time.perf_counter() - t0,
-                   physical_limit_s=physical_limit_s(cm, global_batch_size),
+                   physical_limit_s=physical_limit_s(problem),
                    group_choices=choices if len(cluster.groups) > 1 else ())
 
 
-def _limit_if_fits(cm: CostModel, sub: Cluster, global_batch: int) -> float | None:
+def _limit_if_fits(problem: SearchProblem, sub: Cluster) -> float | None:
     """The physical limit of a set of groups, or None where even one stage per GPU cannot
     hold the model's weights and optimizer state (every stage holds its layers' share)."""
+    cm = problem.cost_model
     if sum(cm.capacity_bytes(g) * g.size for g in sub.groups) < \
             cm.static_bytes(0, cm.model.num_layers):
         return None
-    return physical_limit_s(CostModel(cm.model, sub, cm.profile, cm.efficiency,
-                                      cm.memory_headroom), global_batch)
+    return physical_limit_s(problem.on(sub))
 
 
-def _plan_on(model: ModelSpec, cluster: Cluster, global_batch_size: int,
-             profile: Profile | None, options: PlannerOptions) -> PlanResult:
-    """The search on every group of ``cluster``: each layer unit, the baselines as candidates."""
+def _plan_on(problem: SearchProblem) -> PlanResult:
+    """The search on every group of the problem's cluster: each layer unit, the baselines as
+    candidates."""
     t0 = time.perf_counter()
-    models = _unit_models(model, options.layer_unit)
-    cm = CostModel(model, cluster, profile, options.efficiency, options.memory_headroom)
+    options = problem.options
     baselines: dict[str, BaselineResult] = {}
     if options.include_baselines:
-        baselines = baseline_plans(model, cluster, global_batch_size, profile, options, cm)
+        baselines = baseline_plans(problem)
     found, tried, failure = [], 0, None
-    for unit_model in models:
-        unit_cm = cm if unit_model is model else CostModel(
-            unit_model, cluster, profile, options.efficiency, options.memory_headroom)
+    for unit_model in _unit_models(problem.model, options.layer_unit):
+        unit = problem.with_model(unit_model)
         try:
-            lay, final, n = _search_unit(unit_cm, global_batch_size, options, baselines)
+            lay, final, n = _search_unit(unit, baselines)
         except PlanningError as e:  # the other unit may still fit
             failure = failure or e
             continue
         tried += n
-        found.append((final.iteration_s, len(found), unit_cm, lay, final))
+        found.append((final.iteration_s, len(found), unit, lay, final))
     if options.allow_mixed_stages and found:
         # stages over several groups, shares by speed: from the best pipeline (its group
         # boundaries merged) and column layouts; after the pipelines, so they win a tie
-        _, _, unit_cm, lay, final = min(found, key=lambda f: f[:2])
-        got = mixed_candidate(unit_cm, global_batch_size, options, lay, final)
+        _, _, unit, lay, final = min(found, key=lambda f: f[:2])
+        got = mixed_candidate(unit, lay, final)
         if got is not None:
-            m = global_batch_size // got[0].micro_batch_size
-            r = simulate_layout(unit_cm, got[0], m, exact=True, record_events=True)
+            r = simulate_layout(unit.cost_model, got[0],
+                                unit.num_microbatches(got[0].micro_batch_size), exact=True,
+                                record_events=True)
             if r.feasible:
-                found.append((r.iteration_s, len(found), unit_cm, got[0], r))
+                found.append((r.iteration_s, len(found), unit, got[0], r))
     dp_at = -1
     if options.allow_uneven_dp:
         # one stage of every GPU, shares by speed: a candidate of its own, never cut, so it
         # skips the partition and refinements; last in line, so a pipeline wins a tie
         states = (REPLICATED, SHARDED) if options.allow_sharded_optimizer else (REPLICATED,)
-        dp = data_parallel(cm, global_batch_size, options, even=False, optimizers=states)
+        dp = data_parallel(problem, even=False, optimizers=states)
         if dp.layout is not None:
             dp_at = len(found)
-            found.append((dp.sim.iteration_s, dp_at, cm, dp.layout, dp.sim))
+            found.append((dp.sim.iteration_s, dp_at, problem, dp.layout, dp.sim))
     if not found:
         raise failure
-    _, i, unit_cm, lay, final = min(found, key=lambda f: f[:2])
+    _, i, unit, lay, final = min(found, key=lambda f: f[:2])
     if i == dp_at:  # its full replay with events, as the search's own final plans have
-        final = simulate_layout(cm, lay, global_batch_size // lay.micro_batch_size, exact=True,
+        final = simulate_layout(problem.cost_model, lay,
+                                problem.num_microbatches(lay.micro_batch_size), exact=True,
                                 record_events=True)
     base_times = {k: b.sim.iteration_s for k, b in baselines.items()
                   if b.sim is not None and b.sim.feasible}
-    plan = layout_to_plan(unit_cm, lay, global_batch_size, final, base_times).validate()
+    plan = layout_to_plan(unit, lay, final, base_times).validate()
     return PlanResult(plan, final, baselines, time.perf_counter() - t0,
-                      physical_limit_s(cm, global_batch_size), tried,
-                      sharding=sharding_reasons(unit_cm, plan, final.peak_in_flight))
+                      physical_limit_s(problem), tried,
+                      sharding=sharding_reasons(unit.cost_model, plan, final.peak_in_flight))
 
 
 def _unit_models(model: ModelSpec, layer_unit: str) -> list[ModelSpec]:
@@ -169,17 +166,17 @@ def _within(plan: Plan | None, options: PlannerOptions) -> bool:
         (options.allow_sharded_optimizer or all(s.optimizer == REPLICATED for s in plan.stages))
 
 
-def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
+def _search_unit(problem: SearchProblem,
                  baselines: dict[str, BaselineResult]) -> tuple[Layout, SimResult, int]:
-    """The best layout over ``cm``'s layer sequence, never slower than a baseline's."""
-    top, tried = search_layouts(cm, global_batch_size, options)
+    """The best layout over the problem's layer sequence, never slower than a baseline's."""
+    cm, options = problem.cost_model, problem.options
+    top, tried = search_layouts(problem)
     scored: list[tuple[SimResult, Layout]] = []
     # the analytic ranking is rough: replay more candidates when replays are cheap
     top = [sc for i, sc in enumerate(top) if i < options.simulate_top or
-           sc.layout.num_stages * global_batch_size // sc.layout.micro_batch_size <= 512]
+           sc.layout.num_stages * problem.num_microbatches(sc.layout.micro_batch_size) <= 512]
     for sc in top:
-        m = global_batch_size // sc.layout.micro_batch_size
-        lay, r = refine_warmups(cm, sc.layout, m)
+        lay, r = refine_warmups(problem, sc.layout)
         scored.append((r, lay))
     usable = [b for b in baselines.values() if _within(b.plan, options)]
     for b in usable:
@@ -188,7 +185,7 @@ def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
     own = len(top)
     feasible = [(r.iteration_s, i, lay, r) for i, (r, lay) in enumerate(scored) if r.feasible]
     if not feasible:
-        raise does_not_fit(cm, global_batch_size, options)
+        raise does_not_fit(problem)
     feasible.sort(key=lambda x: x[:2])
     # the partition balances compute only; moving boundaries by simulation also weighs
     # transfers, all-reduce and the optimizer step, so every finalist gets a share of it:
@@ -198,13 +195,12 @@ def _search_unit(cm: CostModel, global_batch_size: int, options: PlannerOptions,
     share = max(options.max_refine_simulations // len(finalists), 8)
     refined = []
     for r, lay in finalists:
-        m = global_batch_size // lay.micro_batch_size
-        lay, r = refine_boundaries(cm, lay, r, m, options, share)
-        lay, r = refine_warmups(cm, lay, m, r)
+        lay, r = refine_boundaries(problem, lay, r, share)
+        lay, r = refine_warmups(problem, lay, r)
         refined.append((r.iteration_s, len(refined), lay))
     _, _, lay = min(refined)
-    m = global_batch_size // lay.micro_batch_size
-    final = simulate_layout(cm, lay, m, exact=True, record_events=True)
+    final = simulate_layout(cm, lay, problem.num_microbatches(lay.micro_batch_size), exact=True,
+                            record_events=True)
     if not final.feasible:  # extrapolation cannot change feasibility; guard anyway
         raise PlanningError(f"the chosen plan cannot run: {final.reason}")
     # never return a plan slower than a baseline's (the extrapolated ranking could err)

@@ -18,7 +18,7 @@ from hapt_hf.errors import PlanningError
 
 from ..cluster import GpuGroup
 from ..cost_model import CostModel
-from .options import PlannerOptions
+from .problem import SearchProblem
 from .shapes import divisors
 
 __all__ = ["does_not_fit", "fit_advice"]
@@ -33,21 +33,24 @@ def _largest(cm: CostModel) -> list[GpuGroup]:
     return sorted(cm.cluster.groups, key=lambda g: (-cm.capacity_bytes(g), g.name))
 
 
-def _mbs_options(global_batch: int, sizes) -> list[int]:
+def _mbs_options(problem: SearchProblem) -> list[int]:
     """Micro-batch sizes a one-GPU-per-stage pipeline may use, smallest first."""
-    return [m for m in divisors(global_batch) if sizes is None or m in sizes]
+    sizes = problem.options.micro_batch_sizes
+    return [m for m in divisors(problem.global_batch_size) if sizes is None or m in sizes]
 
 
-def _holds(cm: CostModel, caps: list[float], global_batch: int, schedule: str,
-           mbs_sizes, recompute: bool, max_stages: int | None, width: int = 1) -> int | None:
+def _holds(problem: SearchProblem, caps: list[float], width: int = 1) -> int | None:
     """The largest micro-batch size with which stages of these capacities (in this order;
     ``width`` GPUs each, sharding their optimizer state when more than one) hold the whole
-    model; None if none does."""
+    model under the problem's schedule, micro-batch sizes, recompute and depth; None if none
+    does."""
+    cm, options = problem.cost_model, problem.options
+    recompute = options.allow_recompute
     L = cm.model.num_layers
-    n = min(len(caps), L, max_stages or L)
+    n = min(len(caps), L, options.max_stages or L)
     state = SHARDED if width > 1 else REPLICATED
-    for mbs in reversed([m for m in _mbs_options(global_batch, mbs_sizes) if m % width == 0]):
-        warm = default_warmups(schedule, n, global_batch // mbs)
+    for mbs in reversed([m for m in _mbs_options(problem) if m % width == 0]):
+        warm = default_warmups(options.schedule, n, problem.num_microbatches(mbs))
         s, a = mbs // width, 0
         for i, (cap, w) in enumerate(zip(caps[:n], warm)):
             b = a
@@ -96,54 +99,47 @@ def _shard_widths(cm: CostModel) -> list[int]:
     return [1 << k for k in range(1, widest.bit_length()) if 1 << k <= widest]
 
 
-def _more_gpus(cm: CostModel, caps: list[float], big_cap: float, global_batch: int,
-               options: PlannerOptions) -> int | None:
+def _more_gpus(problem: SearchProblem, caps: list[float], big_cap: float) -> int | None:
     """How many more GPUs of ``big_cap`` would hold the model (None: no count up to one stage
     per layer would)."""
-    L = cm.model.num_layers
+    L = problem.num_layers
     # past one stage per layer more GPUs only replicate stages; up to L new ones can still
     # replace smaller GPUs among the first L
     for k in range(1, L + 1):
         grown = sorted(caps + [big_cap] * k, reverse=True)
-        if _holds(cm, grown, global_batch, options.schedule, options.micro_batch_sizes,
-                  options.allow_recompute, options.max_stages):
+        if _holds(problem, grown):
             return k
     return None
 
 
-def fit_advice(cm: CostModel, global_batch: int, options: PlannerOptions) -> list[str]:
+def fit_advice(problem: SearchProblem) -> list[str]:
     """What would make the job fit, each as one clause with its figures; empty when the
-    most favourable layout already fits on ``cm``'s cluster (the search failed for another
-    reason, e.g. the widths the global batch allows)."""
+    most favourable layout already fits on the problem's cluster (the search failed for
+    another reason, e.g. the widths the global batch allows)."""
+    cm, options = problem.cost_model, problem.options
     groups = _largest(cm)
     caps = [cm.capacity_bytes(g) for g in groups for _ in range(g.size)]
     big = groups[0]
     rc = options.allow_recompute
 
-    def holds(**kw) -> int | None:  # on this cluster, with one of the options changed
-        args = dict(schedule=options.schedule, mbs_sizes=options.micro_batch_sizes,
-                    recompute=rc, max_stages=options.max_stages)
-        args.update(kw)
-        sharded = args.pop("sharded", options.allow_sharded_optimizer)
-        got = _holds(cm, caps, global_batch, **args)
-        if got or not sharded:
+    def holds(**changes) -> int | None:  # on this cluster, with one of the options changed
+        p = problem.with_options(**changes) if changes else problem
+        got = _holds(p, caps)
+        if got or not p.allow_sharded:
             return got
         for d in _shard_widths(cm):  # stages of d GPUs of one group, largest GPUs first
             stage_caps = [cm.capacity_bytes(g) for g in groups for _ in range(g.size // d)]
-            got = _holds(cm, stage_caps, global_batch, width=d, **args)
+            got = _holds(p, stage_caps, width=d)
             if got:
                 return got
         return None
-
-    def holds_sharded() -> int | None:
-        return holds(sharded=True)
 
     if holds():
         return []
     layer, need = _largest_layer(cm, True)
     if need > caps[0]:
         size = math.ceil(need / cm.memory_headroom / 1e7) * 1e7  # as printed, rounded up
-        count = _more_gpus(cm, [], size * cm.memory_headroom, global_batch, options)
+        count = _more_gpus(problem, [], size * cm.memory_headroom)
         out = [f"use GPUs with at least {_gb(size)} of memory" + (
             f" ({count} of them, one stage each, hold the model)" if count else "")]
         if need <= big.gpu.memory_gb * 1e9:
@@ -153,19 +149,19 @@ def fit_advice(cm: CostModel, global_batch: int, options: PlannerOptions) -> lis
                           max(g.size for g in groups)))
         return out
     out = []
-    if not rc and holds(recompute=True):
+    if not rc and holds(allow_recompute=True):
         out.append("allow_recompute=True (recompute activations in the backward) fits it")
     if options.schedule == ScheduleKind.GPIPE.value and \
             holds(schedule=ScheduleKind.ONE_F_ONE_B.value):
         out.append("schedule 1f1b (fewer micro-batches in flight: --schedule 1f1b) fits it")
     if options.micro_batch_sizes is not None:
-        mbs = holds(mbs_sizes=None)
+        mbs = holds(micro_batch_sizes=None)
         if mbs:
             out.append(f"micro-batch size {mbs} (--micro-batch {mbs}) fits it")
-    if not options.allow_sharded_optimizer and holds_sharded():
+    if not options.allow_sharded_optimizer and holds(allow_sharded_optimizer=True):
         out.append("allow_sharded_optimizer=True (shard the Adam moments among a stage's "
                    "replicas, ZeRO-1; drop --no-sharded-optimizer) fits it")
-    more = _more_gpus(cm, caps, caps[0], global_batch, options)
+    more = _more_gpus(problem, caps, caps[0])
     if more:
         out.append(f"{more} more {big.gpu.name} GPU{'s' if more > 1 else ''} (one stage each) "
                    "would hold it")
@@ -175,8 +171,9 @@ def fit_advice(cm: CostModel, global_batch: int, options: PlannerOptions) -> lis
     return out
 
 
-def _shortfall(cm: CostModel, options: PlannerOptions) -> str:
+def _shortfall(problem: SearchProblem) -> str:
     """The need against the capacity: the smallest stage and the whole model's state."""
+    cm, options = problem.cost_model, problem.options
     big = _largest(cm)[0]
     layer, need = _largest_layer(cm, options.allow_recompute)
     name = layer_name(layer, cm.model.num_layers, cm.model.layer_unit)
@@ -189,11 +186,11 @@ def _shortfall(cm: CostModel, options: PlannerOptions) -> str:
             f"on all {cm.cluster.world_size} GPUs")
 
 
-def does_not_fit(cm: CostModel, global_batch: int, options: PlannerOptions) -> PlanningError:
+def does_not_fit(problem: SearchProblem) -> PlanningError:
     """The error of a job with no plan that fits memory: the shortfall and what would fit."""
-    head = (f"no plan of model {cm.model.name!r} fits cluster {cm.cluster.name!r} with global "
-            f"batch {global_batch}: {_shortfall(cm, options)}")
-    advice = fit_advice(cm, global_batch, options)
+    head = (f"no plan of model {problem.model.name!r} fits cluster {problem.cluster.name!r} "
+            f"with global batch {problem.global_batch_size}: {_shortfall(problem)}")
+    advice = fit_advice(problem)
     if not advice:
         return PlanningError(
             f"{head}; the micro-batch sizes allowed by the stage widths need more memory than "

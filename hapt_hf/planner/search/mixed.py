@@ -30,8 +30,9 @@ from ..cost_model import CostModel
 from ..plan import Replica
 from ..simulate import SimResult
 from .data_parallel import layer_speed_shares
-from .options import Layout, PlannerOptions
+from .options import Layout
 from .partition import cut_times, estimate_s, smallest_feasible_cap
+from .problem import SearchProblem
 from .refine import refine_boundaries
 from .replays import better
 from .shapes import divisors
@@ -66,37 +67,38 @@ _REFINE_WITHIN = 1.05
 best time so far: moving a layer rarely gains more, and each move costs a replay."""
 
 
-def _finish(cm: CostModel, layout: Layout, m: int, options: PlannerOptions,
-            refine_budget: int, best_s: float = float("inf")) -> tuple[Layout, SimResult] | None:
+def _finish(problem: SearchProblem, layout: Layout, refine_budget: int,
+            best_s: float = float("inf")) -> tuple[Layout, SimResult] | None:
     """Warm-ups from HAPT's thresholds, then replayed with its warm-ups refined, and its
     boundaries where it comes near ``best_s``; None where it does not fit or its replicas
     cannot all-reduce."""
+    cm, m = problem.cost_model, problem.num_microbatches(layout.micro_batch_size)
     try:
         cuts = cut_times(cm, layout.shapes, layout.bounds, layout.micro_batch_size)
         costs = cm.stage_costs(layout.stages, layout.micro_batch_size)
         cap = max(c.forward_s + c.backward_s for c in costs.stages)
         lay = layout.with_warmups(hapt_warmups(layout.shapes, cuts, cap, m, layout.schedule))
-        lay, r = refine_warmups(cm, lay, m)
+        lay, r = refine_warmups(problem, lay)
     except CostModelError:  # groups the gradient ring cannot cross
         return None
     if not r.feasible:
         return None
     if refine_budget > 0 and r.iteration_s < best_s * _REFINE_WITHIN:
-        lay, r = refine_boundaries(cm, lay, r, m, options, refine_budget)
+        lay, r = refine_boundaries(problem, lay, r, refine_budget)
     return lay, r
 
 
-def _merged(cm: CostModel, layout: Layout, i: int, in_flight: tuple[int, ...],
-            options: PlannerOptions) -> Layout | None:
+def _merged(problem: SearchProblem, layout: Layout, i: int,
+            in_flight: tuple[int, ...]) -> Layout | None:
     """``layout`` with stages i and i + 1 as one stage over both's GPUs and layers."""
-    mbs = layout.micro_batch_size
+    cm, mbs = problem.cost_model, layout.micro_batch_size
     left, right = layout.stages[i], layout.stages[i + 1]
     a, b = left.layers[0], right.layers[1]
     shape = speed_shape(cm, _gpus(cm, left.replicas) + _gpus(cm, right.replicas), mbs, a, b)
     if shape is None:
         return None
     got = stage_state(cm, shape, mbs, a, b, max(in_flight[i], in_flight[i + 1]),
-                      options.allow_recompute, options.allow_sharded_optimizer)
+                      problem.allow_recompute, problem.allow_sharded)
     if got is None:
         return None
     merged = replace(left, layers=(a, b), replicas=shape, recompute=got[0], optimizer=got[1])
@@ -104,9 +106,10 @@ def _merged(cm: CostModel, layout: Layout, i: int, in_flight: tuple[int, ...],
     return replace(layout, stages=layout.stages[:i] + (merged,) + later)
 
 
-def merge_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
-                     options: PlannerOptions) -> tuple[Layout, SimResult]:
-    """Merge, one at a time, the two stages at a group boundary while the replay improves."""
+def merge_boundaries(problem: SearchProblem, layout: Layout,
+                     sim: SimResult) -> tuple[Layout, SimResult]:
+    """Merge, one at a time, the two stages at a group boundary of ``layout`` (replayed as
+    ``sim``) while the replay improves."""
     improved = True
     while improved:
         improved = False
@@ -116,8 +119,8 @@ def merge_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
             left, right = layout.stages[i], layout.stages[i + 1]
             if set(left.groups) == set(right.groups):
                 continue  # inside one group: an even stage of both is the search's own
-            cand = _merged(cm, layout, i, tuple(inflight), options)
-            got = cand and _finish(cm, cand, m, options, 0)
+            cand = _merged(problem, layout, i, tuple(inflight))
+            got = cand and _finish(problem, cand, 0)
             if got and better(got[1], sim) and (best is None or better(got[1], best[1])):
                 best = got
         if best is not None:
@@ -141,10 +144,12 @@ def _columns(cluster_groups, k: int) -> list[list[tuple[GpuGroup, int]]] | None:
     return cols
 
 
-def _column_partition(cm: CostModel, shapes: list[tuple[Replica, ...]], mbs: int,
-                      in_flight: list[int], options: PlannerOptions):
+def _column_partition(problem: SearchProblem, shapes: list[tuple[Replica, ...]], mbs: int,
+                      in_flight: list[int]):
     """Min-max contiguous layers over ``shapes`` (each stage's replicas, timed by its slowest)
     under every replica's memory: (bounds, recompute, optimizer), or None."""
+    cm = problem.cost_model
+    allow_rc, allow_sharded = problem.allow_recompute, problem.allow_sharded
     n, L = len(shapes), cm.model.num_layers
     kinds = []
     for sh in shapes:
@@ -156,11 +161,9 @@ def _column_partition(cm: CostModel, shapes: list[tuple[Replica, ...]], mbs: int
         b = limit
         for g, samples in kinds[i]:
             t = cm.table(g, samples)
-            b = min(b, cm.max_layers_fitting(t.fb_rc if options.allow_recompute else t.fb,
-                                             a, cap))
+            b = min(b, cm.max_layers_fitting(t.fb_rc if allow_rc else t.fb, a, cap))
         while b > a:
-            got = stage_state(cm, shapes[i], mbs, a, b, in_flight[i], options.allow_recompute,
-                              options.allow_sharded_optimizer)
+            got = stage_state(cm, shapes[i], mbs, a, b, in_flight[i], allow_rc, allow_sharded)
             if got is not None:
                 if got[0]:  # recomputing: its backward repeats the forward, so check the cap
                     if max(sum(cm.compute_s(g, s, a, b, True)) for g, s in kinds[i]) <= cap:
@@ -190,25 +193,26 @@ def _column_partition(cm: CostModel, shapes: list[tuple[Replica, ...]], mbs: int
     return smallest_feasible_cap(greedy, 0.0, hi, got, 1e-3)[1]
 
 
-def _could_fit(cm: CostModel, cols: list[list[tuple[GpuGroup, int]]], k: int,
-               options: PlannerOptions) -> bool:
+def _could_fit(problem: SearchProblem, cols: list[list[tuple[GpuGroup, int]]], k: int) -> bool:
     """Whether ``k`` columns can hold the model at all: some column holds ``ceil(L / k)``
     layers or more, and every column holds a GPU of the least memory, so the lightest such
     run of layers' weights and state (sharded over the widest column where allowed: the
     least it can take) must fit that GPU; a quick necessary test before any partition."""
+    cm = problem.cost_model
     L = cm.model.num_layers
     run = -(-L // k)
-    state = SHARDED if options.allow_sharded_optimizer else REPLICATED
+    state = SHARDED if problem.allow_sharded else REPLICATED
     widest = max(len(c) for c in cols)
     least = min(cm.capacity_bytes(g) for g in cm.cluster.groups)
     return min(cm.static_bytes(a, a + run, state, widest)
                for a in range(L - run + 1)) <= least
 
 
-def column_layouts(cm: CostModel, global_batch: int, options: PlannerOptions) -> list[Layout]:
-    """Column layouts over every group of ``cm``'s cluster: each column count up to the
+def column_layouts(problem: SearchProblem) -> list[Layout]:
+    """Column layouts over every group of the problem's cluster: each column count up to the
     smallest group, at the first few micro-batch sizes giving every GPU a sample, partitioned,
     best analytic estimate first."""
+    cm, options = problem.cost_model, problem.options
     groups = cm.cluster.groups
     if len(groups) < 2:
         return []
@@ -220,16 +224,16 @@ def column_layouts(cm: CostModel, global_batch: int, options: PlannerOptions) ->
         if cols is None:
             continue
         width = max(len(c) for c in cols)
-        if not _could_fit(cm, cols, k, options):
+        if not _could_fit(problem, cols, k):
             continue
-        sizes = [mb for mb in divisors(global_batch) if mb >= width and
+        sizes = [mb for mb in divisors(problem.global_batch_size) if mb >= width and
                  (options.micro_batch_sizes is None or mb in options.micro_batch_sizes)]
         for mbs in sizes[:_COLUMN_MBS]:
-            m = global_batch // mbs
+            m = problem.num_microbatches(mbs)
             shapes = [speed_shape(cm, c, mbs, 0, L) for c in cols]
             try:
                 inflight = in_flight_guess(shapes, mbs, m, options.schedule, cm, 1.0)
-                part = _column_partition(cm, shapes, mbs, inflight, options)
+                part = _column_partition(problem, shapes, mbs, inflight)
                 if part is None:
                     continue
                 lay = Layout.build(shapes, part[0], part[1], mbs, inflight, options.schedule,
@@ -241,15 +245,14 @@ def column_layouts(cm: CostModel, global_batch: int, options: PlannerOptions) ->
     return [s[3] for s in scored]
 
 
-def mixed_candidate(cm: CostModel, global_batch: int, options: PlannerOptions,
-                    layout: Layout, sim: SimResult) -> tuple[Layout, SimResult] | None:
+def mixed_candidate(problem: SearchProblem, layout: Layout,
+                    sim: SimResult) -> tuple[Layout, SimResult] | None:
     """The fastest layout with mixed stages found from the search's best ``layout`` (merged
     boundaries) and from column layouts, or None where none replays faster than ``sim``."""
-    m = global_batch // layout.micro_batch_size
-    best_l, best_r = merge_boundaries(cm, layout, sim, m, options)
-    for lay in column_layouts(cm, global_batch, options)[:options.simulate_top]:
-        got = _finish(cm, lay, global_batch // lay.micro_batch_size, options,
-                      options.max_refine_simulations // options.simulate_top,
+    options = problem.options
+    best_l, best_r = merge_boundaries(problem, layout, sim)
+    for lay in column_layouts(problem)[:options.simulate_top]:
+        got = _finish(problem, lay, options.max_refine_simulations // options.simulate_top,
                       best_r.iteration_s)
         if got and better(got[1], best_r):
             best_l, best_r = got

@@ -12,14 +12,15 @@ from ..plan import Plan, PlanPrediction, StagePrediction
 from ..profile import Profile, load_sailor_profiles
 from ..simulate import SimResult
 from .options import Layout
+from .problem import SearchProblem
 
 __all__ = ["layout_to_plan", "layout_of_plan", "physical_limit_s", "cluster_profile"]
 
 
-def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimResult | None,
+def layout_to_plan(problem: SearchProblem, layout: Layout, sim: SimResult | None,
                    baselines: dict[str, float] | None = None) -> Plan:
     """The plan of ``layout``'s stages, each with its predicted times and peak memory."""
-    mbs = layout.micro_batch_size
+    cm, mbs = problem.cost_model, layout.micro_batch_size
     costs = cm.stage_costs(layout.stages, mbs)
     stages = []
     for i, (s, c) in enumerate(zip(layout.stages, costs.stages)):
@@ -29,11 +30,12 @@ def layout_to_plan(cm: CostModel, layout: Layout, global_batch: int, sim: SimRes
     m = cm.model
     pred = PlanPrediction()
     if sim is not None and sim.feasible:
-        pred = PlanPrediction(sim.iteration_s, global_batch * m.seq_len / sim.iteration_s,
+        pred = PlanPrediction(sim.iteration_s,
+                              problem.global_batch_size * m.seq_len / sim.iteration_s,
                               sim.bubble_fraction)
     return Plan(model_name=m.name, num_layers=m.num_layers, seq_len=m.seq_len,
-                global_batch_size=global_batch, micro_batch_size=mbs,
-                num_microbatches=global_batch // mbs, schedule=layout.schedule,
+                global_batch_size=problem.global_batch_size, micro_batch_size=mbs,
+                num_microbatches=problem.num_microbatches(mbs), schedule=layout.schedule,
                 stages=tuple(stages), dtype=m.dtype, predicted=pred,
                 attn_implementation=m.attn_implementation,
                 loss_scaling=Precision.of(m.dtype).loss_scaling,
@@ -46,19 +48,20 @@ def layout_of_plan(cm: CostModel, plan: Plan) -> Layout:
     return Layout(cm.stages_of(plan), plan.micro_batch_size, plan.schedule)
 
 
-def physical_limit_s(cm: CostModel, global_batch: int) -> float:
+def physical_limit_s(problem: SearchProblem) -> float:
     """Global batch x (forward + backward time per sample) over the sum of all GPUs' speeds.
 
     A GPU's speed is samples per second through the whole model at its best per-replica batch:
     analytic figures do not depend on the batch; with a profile, the best of the batch sizes it
     measured for that device (and 1)."""
+    cm = problem.cost_model
     rate = 0.0
     for g in cm.cluster.groups:
         sizes = {1}
         if cm.profile is not None:
             sizes.update(cm.profile.micro_batches(g.gpu.name))
         rate += g.size / cm.best_sample_time_s(g, sorted(sizes))
-    return global_batch / rate
+    return problem.global_batch_size / rate
 
 
 def cluster_profile(cluster: Cluster, model: ModelSpec) -> Profile | None:

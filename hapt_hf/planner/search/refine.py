@@ -5,9 +5,9 @@ from dataclasses import replace
 
 from hapt_hf.core.schedules import ScheduleKind
 
-from ..cost_model import CostModel
 from ..simulate import SimResult
-from .options import Layout, PlannerOptions
+from .options import Layout
+from .problem import SearchProblem
 from .replays import better, simulate_layout
 from .state import stage_state
 from .warmups import hapt_warmups
@@ -47,9 +47,12 @@ def _moved(layout: Layout, idx: tuple[int, ...], d: int):
     return tuple(zip(edges, edges[1:]))
 
 
-def refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
-                       options: PlannerOptions, budget: int) -> tuple[Layout, SimResult]:
-    """Move layer boundaries by one while the replay improves (at most ``budget`` replays)."""
+def refine_boundaries(problem: SearchProblem, layout: Layout, sim: SimResult,
+                      budget: int) -> tuple[Layout, SimResult]:
+    """Move layer boundaries of ``layout`` (replayed as ``sim``) by one while the replay
+    improves (at most ``budget`` replays)."""
+    cm, m = problem.cost_model, problem.num_microbatches(layout.micro_batch_size)
+    allow_rc, allow_sharded = problem.allow_recompute, problem.allow_sharded
     improved = True
     while improved and budget > 0:
         improved = False
@@ -63,8 +66,7 @@ def refine_boundaries(cm: CostModel, layout: Layout, sim: SimResult, m: int,
             states = []
             for j, (a, b) in enumerate(bounds):
                 got = stage_state(cm, layout.stages[j].replicas, layout.micro_batch_size, a, b,
-                                  inflight[j], options.allow_recompute,
-                                  options.allow_sharded_optimizer)
+                                  inflight[j], allow_rc, allow_sharded)
                 if got is None:
                     break
                 states.append(got)

@@ -51,9 +51,10 @@ def _split(size: int, k: int, allowed: set[int]) -> tuple[int, ...] | None:
     return best[1] if best else None
 
 
-def width_options(group: GpuGroup, global_batch: int, max_k: int) -> list[tuple[int, ...]]:
+def width_options(group: GpuGroup, global_batch_size: int,
+                  max_k: int) -> list[tuple[int, ...]]:
     """Ways to cut one group into stages (widths per stage), fewest stages first."""
-    allowed = {d for d in divisors(global_batch) if d <= group.size}
+    allowed = {d for d in divisors(global_batch_size) if d <= group.size}
     out = []
     for k in range(1, min(group.size, max_k) + 1):
         w = _split(group.size, k, allowed)
@@ -96,10 +97,12 @@ def shapes_for(cm: CostModel, order: tuple[GpuGroup, ...], widths: dict[str, tup
     return tuple(shapes)
 
 
-def micro_batch_options(global_batch: int, widths: list[int],
+def micro_batch_options(global_batch_size: int, widths: list[int],
                         wanted: tuple[int, ...] | None) -> list[int]:
+    """Micro-batch sizes dividing the global batch that every width divides (of ``wanted``,
+    where given)."""
     l = math.lcm(*widths) if widths else 1
-    opts = [m for m in divisors(global_batch) if m % l == 0]
+    opts = [m for m in divisors(global_batch_size) if m % l == 0]
     if wanted is not None:
         opts = [m for m in opts if m in wanted]
     return opts

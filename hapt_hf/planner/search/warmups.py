@@ -6,6 +6,7 @@ from hapt_hf.core.schedules import default_warmups, plan_sets_warmups, warmups_f
 from ..cost_model import CostModel
 from ..simulate import SimResult
 from .options import Layout
+from .problem import SearchProblem
 from .replays import better, simulate_layout
 
 __all__ = ["hapt_warmups", "in_flight_guess", "refine_warmups"]
@@ -42,10 +43,12 @@ def in_flight_guess(shapes, mbs: int, m: int, schedule: str, cm: CostModel,
     return list(hapt_warmups(shapes, cuts, cap_guess, m, schedule))
 
 
-def refine_warmups(cm: CostModel, layout: Layout, m: int,
-                    sim: SimResult | None = None) -> tuple[Layout, SimResult]:
+def refine_warmups(problem: SearchProblem, layout: Layout,
+                   sim: SimResult | None = None) -> tuple[Layout, SimResult]:
     """Try other warm-up steps across each group link (every cut, in short pipelines), one cut
-    at a time, and keep the fastest replay that fits in memory."""
+    at a time, and keep the fastest replay that fits in memory (``sim``: ``layout``'s own
+    replay, where already made)."""
+    cm, m = problem.cost_model, problem.num_microbatches(layout.micro_batch_size)
     best_l = layout
     best_r = sim if sim is not None else simulate_layout(cm, layout, m)
     if not plan_sets_warmups(layout.schedule):
