@@ -142,10 +142,10 @@ _AS_IS = {k: k for k in ActionKind}
 
 def _stage_list(stage: int, num_stages: int, warmup: int, num_microbatches: int,
                   receives: bool = True, tokens: dict | None = None,
-                  neighbour_warmups: tuple[int, int] | None = None) -> list[tuple[object, int]]:
-    """Stage ``stage``'s whole list: each compute followed by the send of what it produced,
-    and (``receives``) each receive posted ahead of its consumer, so the transfer overlaps
-    the compute before it. The simulator leaves receives out (posting one costs nothing
+                  neighbour_warmups: tuple[int, int] | None = None) -> list[tuple[object, int, int]]:
+    """Stage ``stage``'s whole list of ``(kind, stage, micro-batch)``: each compute followed by
+    the send of what it produced, and (``receives``) each receive posted ahead of its
+    consumer, so the transfer overlaps the compute before it. The simulator leaves receives out (posting one costs nothing
     there) and passes ``tokens``, what to write for each ActionKind (its integer codes): the
     search builds thousands of these lists.
 
@@ -169,15 +169,15 @@ def _stage_list(stage: int, num_stages: int, warmup: int, num_microbatches: int,
     recv_b = None if last or not receives else t[ActionKind.RECV_B]
     m = num_microbatches
     order = _forward_order(warmup, m)
-    body: list[tuple[object, int]] = []   # computes and sends, in order
+    body: list[tuple[object, int, int]] = []  # (kind, stage, mb) of computes and sends
     at_compute: list[int] = []            # index in body of each compute
     after_send: dict[tuple[bool, int], int] = {}  # (forward?, mb) -> index after its send
     for fwd, mb in order:
         at_compute.append(len(body))
-        body.append((f if fwd else b, mb))
+        body.append((f if fwd else b, stage, mb))
         snd = send_f if fwd else send_b
         if snd is not None:
-            body.append((snd, mb))
+            body.append((snd, stage, mb))
             after_send[(fwd, mb)] = len(body)
     if not receives:
         return body
@@ -197,14 +197,14 @@ def _stage_list(stage: int, num_stages: int, warmup: int, num_microbatches: int,
             where = min(where, dep)
         posts.append((where, i, r, mb))
     posts.sort()
-    out: list[tuple[object, int]] = []
+    out: list[tuple[object, int, int]] = []
     j = 0
     for idx, item in enumerate(body):
         while j < len(posts) and posts[j][0] <= idx:
-            out.append((posts[j][2], posts[j][3]))
+            out.append((posts[j][2], stage, posts[j][3]))
             j += 1
         out.append(item)
-    out.extend((p[2], p[3]) for p in posts[j:])
+    out.extend((p[2], stage, p[3]) for p in posts[j:])
     return out
 
 
@@ -220,8 +220,8 @@ def _one_stage_per_rank(num_stages: int, num_microbatches: int, warmups: Sequenc
     for s in range(n):
         nb = (warm[s - 1] if s > 0 else 1, warm[s + 1] if s < n - 1 else 1) \
             if early_receives else None
-        lists.append(tuple((k, s, mb) for k, mb in _stage_list(
-            s, n, warm[s], m, receives=receives, tokens=tokens, neighbour_warmups=nb)))
+        lists.append(tuple(_stage_list(s, n, warm[s], m, receives=receives, tokens=tokens,
+                                       neighbour_warmups=nb)))
     return tuple(lists), tuple(range(n))
 
 

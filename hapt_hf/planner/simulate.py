@@ -120,6 +120,13 @@ def replay(lists, costs: StageCosts, record_events: bool = True) -> SimResult:
     events: list[SimEvent] = []
     remaining = sum(len(l) for l in lists)
     last = n - 1
+    # each stage's durations as plain lists: the loop below runs once per action
+    fwd_s = [c.forward_s for c in st]
+    bwd_s = [c.backward_s for c in st]
+    sf_s = [c.send_forward_s for c in st]
+    sf_lat = [c.send_forward_latency_s for c in st]
+    sb_s = [c.send_backward_s for c in st]
+    sb_lat = [c.send_backward_latency_s for c in st]
     while remaining:
         progressed = False
         for r in range(ranks):
@@ -127,14 +134,13 @@ def replay(lists, costs: StageCosts, record_events: bool = True) -> SimResult:
             t = clock[r]
             while p < len(lst):
                 code, s, mb = lst[p]
-                c = st[s]
                 if code == _F or code == _B:
                     if code == _F:
                         ready = act_arr[s].get(mb) if s > 0 else 0.0
-                        dur = c.forward_s
+                        dur = fwd_s[s]
                     else:
                         ready = grad_arr[s].get(mb) if s < last else 0.0
-                        dur = c.backward_s
+                        dur = bwd_s[s]
                     if ready is None:
                         break
                     start = t if t > ready else ready
@@ -151,15 +157,15 @@ def replay(lists, costs: StageCosts, record_events: bool = True) -> SimResult:
                         events.append(SimEvent(s, _NAME[code], mb, start, t))
                 elif code == _SF:
                     start = t if t > fwd_free[s] else fwd_free[s]
-                    end = start + c.send_forward_s
-                    fwd_free[s] = end - c.send_forward_latency_s
+                    end = start + sf_s[s]
+                    fwd_free[s] = end - sf_lat[s]
                     act_arr[s + 1][mb] = end
                     if record_events:
                         events.append(SimEvent(s, "SEND_F", mb, start, end))
                 elif code == _SB:
                     start = t if t > bwd_free[s] else bwd_free[s]
-                    end = start + c.send_backward_s
-                    bwd_free[s] = end - c.send_backward_latency_s
+                    end = start + sb_s[s]
+                    bwd_free[s] = end - sb_lat[s]
                     grad_arr[s - 1][mb] = end
                     if record_events:
                         events.append(SimEvent(s, "SEND_B", mb, start, end))
