@@ -142,12 +142,13 @@ _AS_IS = {k: k for k in ActionKind}
 
 def _stage_list(stage: int, num_stages: int, warmup: int, num_microbatches: int,
                   receives: bool = True, tokens: dict | None = None,
-                  neighbour_warmups: tuple[int, int] | None = None) -> list[tuple[object, int, int]]:
+                  neighbour_warmups: tuple[int, int] | None = None
+                  ) -> list[tuple[object, int, int]]:
     """Stage ``stage``'s whole list of ``(kind, stage, micro-batch)``: each compute followed by
     the send of what it produced, and (``receives``) each receive posted ahead of its
-    consumer, so the transfer overlaps the compute before it. The simulator leaves receives out (posting one costs nothing
-    there) and passes ``tokens``, what to write for each ActionKind (its integer codes): the
-    search builds thousands of these lists.
+    consumer, so the transfer overlaps the compute before it. The simulator leaves receives
+    out (posting one costs nothing there) and passes ``tokens``, what to write for each
+    ActionKind (its integer codes): the search builds thousands of these lists.
 
     A receive is posted one compute action ahead of its consumer, or, given
     ``neighbour_warmups`` (the warm-up depths of the stages before and after), as soon as its
