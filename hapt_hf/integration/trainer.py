@@ -32,7 +32,7 @@ from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.launch import read_launch_env
 from hapt_hf.integration.plan_resolution import write_plan
 from hapt_hf.integration.lora import peft_parts, write_adapter
-from hapt_hf.integration.precision_args import training_args_precision_mismatch
+from hapt_hf.integration.trainer_checks import training_args_precision_mismatch
 from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,
                                                 check_best_metric, check_training_args_honoured,
                                                 wants_recompute)

@@ -104,7 +104,7 @@ def seq_len_of(config: HaptConfig, *datasets: Any) -> int:
 def _requested_precision(config: HaptConfig, args: Any) -> HaptConfig:
     """``TrainingArguments(bf16=True)`` / ``fp16=True`` ask for that precision where the hapt
     config leaves it to the cluster; where the config names another, the trainer's check
-    refuses the pair (integration/precision_args.py)."""
+    refuses the pair (integration/trainer_checks.py)."""
     wanted = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
         else None
     if wanted is None or config.plan is not None or config.requested_precision not in (None, "auto"):

@@ -47,7 +47,7 @@ def test_accelerates_mixed_precision_must_agree_with_the_plan(tmp_path, monkeypa
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(TrainingArgsError, match=r"mixed_precision=fp16 .* computes in bf16"):
         HaptTrainer(args=_args(str(tmp_path / "out")), runtime=_unbuilt(_plan("bf16")))
-    from hapt_hf.integration.precision_args import training_args_precision_mismatch
+    from hapt_hf.integration.trainer_checks import training_args_precision_mismatch
     assert training_args_precision_mismatch(_args(str(tmp_path / "out")), _plan("fp16")) is None
 
 
