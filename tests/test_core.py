@@ -134,3 +134,23 @@ def test_stage_builder_cuts_every_supported_family_and_halves_where_allowed():
             adapter = adapter_for(model_type)
             assert adapter.name == f.name
             assert (adapter.attention_half is not None) == f.halvable, model_type
+
+
+def test_an_atomic_write_gets_the_permissions_open_gives(tmp_path):
+    """A plan.json or profile store written atomically is readable as a plainly written file
+    is (a temporary file from mkstemp would leave it owner-only), under any umask."""
+    import os
+
+    from hapt_hf.core.files import write_atomic
+    old = os.umask(0o022)
+    try:
+        for mask in (0o022, 0o077, 0o002):
+            os.umask(mask)
+            out = write_atomic(tmp_path / f"plan{mask}.json", "{}")
+            plain = tmp_path / f"plain{mask}.json"
+            plain.write_text("{}")
+            assert out.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 == 0o666 & ~mask
+            assert out.read_text() == "{}"
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

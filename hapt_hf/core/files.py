@@ -5,16 +5,26 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomic"]
+__all__ = ["write_atomic", "new_file_mode"]
+
+
+def new_file_mode() -> int:
+    """The permissions ``open(path, "w")`` gives a new file (0o666 less the umask): a temporary
+    file from ``tempfile.mkstemp`` is 0o600, which a rename would keep."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same directory and
-    ``os.replace``: a crash leaves the old file (or none), never a torn one, and no temporary."""
+    ``os.replace``: a crash leaves the old file (or none), never a torn one, and no temporary.
+    The file gets the permissions a plain ``open`` would give it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, new_file_mode())  # as open() would make it, not mkstemp's owner-only
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

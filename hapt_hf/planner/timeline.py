@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from hapt_hf.core.files import new_file_mode
+
 if TYPE_CHECKING:
     from hapt_hf.planner.plan import Plan
     from hapt_hf.planner.simulate import SimResult
@@ -257,6 +259,7 @@ def _save_atomic(fig: Any, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(fd)
     try:
+        os.chmod(tmp, new_file_mode())  # as open() would make it, not mkstemp's owner-only
         fig.savefig(tmp, format="png", dpi=_DPI)
         os.replace(tmp, path)
     except BaseException:

@@ -64,6 +64,9 @@ def test_draw_writes_a_png_of_the_right_shape(tmp_path):
     assert width > height > 100  # a wide timeline, not an empty canvas
     assert len(data) > 10_000
     assert [p.name for p in out.parent.iterdir()] == ["t.png"]  # no temporary left behind
+    plain = tmp_path / "plain.png"
+    plain.write_bytes(b"")  # the permissions open() gives a new file under this umask
+    assert out.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
 
 
 def test_draw_an_infeasible_result_still_draws(tmp_path):
