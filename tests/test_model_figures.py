@@ -168,13 +168,3 @@ def test_the_launch_path_plans_with_the_models_best_attention(monkeypatch):
     with pytest.raises(PlanError, match="'sdpa': model type 'gemma2' does not support it"):
         resolve_plan(HaptConfig(cluster=cluster, global_batch_size=8, attn_implementation="sdpa"),
                      tiny_config("gemma2", blocks=2), SEQ, LaunchEnv(0, 4, 0, "single"))
-
-
-def test_the_package_loads_the_reader_only_when_asked_for():
-    code = ("import sys, hapt_hf; assert 'torch' not in sys.modules; "
-            "assert 'model_spec' in dir(hapt_hf) and 'torch' not in sys.modules; "
-            "from hapt_hf import model_spec; "
-            "assert 'hapt_hf.profiling.model_figures' in sys.modules; print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -124,11 +124,16 @@ def test_top_level_names_are_the_integration_objects():
         hapt_hf.HaptPlugin  # noqa: B018  (only the names of __all__ are re-exported)
 
 
-def test_top_level_names_load_the_integration_only_when_asked_for():
+@pytest.mark.parametrize("name, names, module", [
+    ("HaptTrainer", "HaptAccelerator, HaptTrainer, HaptConfig", "hapt_hf.integration.trainer"),
+    ("model_spec", "model_spec", "hapt_hf.profiling.model_figures"),
+])
+def test_top_level_names_load_their_layer_only_when_asked_for(name, names, module):
+    """``import hapt_hf`` loads no torch; a top-level name loads its layer when imported."""
     code = ("import sys, hapt_hf; assert 'torch' not in sys.modules; "
-            "assert 'HaptTrainer' in dir(hapt_hf) and 'torch' not in sys.modules; "
-            "from hapt_hf import HaptAccelerator, HaptTrainer, HaptConfig; "
-            "assert 'hapt_hf.integration.trainer' in sys.modules; print('ok')")
+            f"assert {name!r} in dir(hapt_hf) and 'torch' not in sys.modules; "
+            f"from hapt_hf import {names}; "
+            f"assert {module!r} in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
