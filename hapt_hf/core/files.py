@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
-__all__ = ["write_atomic", "new_file_mode"]
+__all__ = ["write_atomic", "replace_atomic", "new_file_mode"]
 
 
 def new_file_mode() -> int:
@@ -16,19 +17,26 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and
-    ``os.replace``: a crash leaves the old file (or none), never a torn one, and no temporary.
-    The file gets the permissions a plain ``open`` would give it."""
+def replace_atomic(path: str | os.PathLike, write: Callable[[Path], None],
+                   suffix: str = ".tmp") -> Path:
+    """Make ``path`` by ``write(temporary)``, the temporary a file in the same directory (named
+    ending in ``suffix``, for writers that read it), then ``os.replace``: a crash leaves the old
+    file (or none), never a torn one, and no temporary. The file gets the permissions a plain
+    ``open`` would give it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
     try:
         os.chmod(tmp, new_file_mode())  # as open() would make it, not mkstemp's owner-only
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        write(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (:func:`replace_atomic`)."""
+    return replace_atomic(path, lambda tmp: tmp.write_text(text))

@@ -21,13 +21,12 @@ canvas, imported lazily so planning never needs a display or pays matplotlib's i
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from hapt_hf.core.files import new_file_mode
+from hapt_hf.core.files import replace_atomic
 
 if TYPE_CHECKING:
     from hapt_hf.planner.plan import Plan
@@ -254,19 +253,6 @@ def _title(sim: Any, title: str) -> str:
     return text
 
 
-def _save_atomic(fig: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        os.chmod(tmp, new_file_mode())  # as open() would make it, not mkstemp's owner-only
-        fig.savefig(tmp, format="png", dpi=_DPI)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @dataclass(frozen=True)
 class _Panel:
     t0: float          # seconds
@@ -429,5 +415,5 @@ def draw_timeline(sim: "SimResult", path: str | os.PathLike, *, title: str = "",
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5),
                fontsize=7.5, frameon=False)
     out = Path(path)
-    _save_atomic(fig, out)
+    replace_atomic(out, lambda tmp: fig.savefig(tmp, format="png", dpi=_DPI), suffix=".png")
     return out
