@@ -23,9 +23,10 @@ result is then infeasible and ``reason`` says where every stage is stuck.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM
-from hapt_hf.core.schedules import ActionKind, schedule_generator
+from hapt_hf.core.schedules import ActionKind, RankLists, schedule_generator
 
 from .cluster import Cluster
 from .cost_model import CostModel, StageCosts
@@ -77,14 +78,13 @@ def _encode(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
 
 
 def encode_schedule(kind: str, num_stages: int, num_microbatches: int,
-                    warmups: tuple[int, ...] | list[int]) -> list[tuple[tuple[int, int, int], ...]]:
+                    warmups: tuple[int, ...] | list[int]) -> RankLists:
     """The replay's view of ``build_schedule(kind, n, m, warmups)`` without building Action
     objects (the search replays thousands of candidates): each pipeline rank's list of
     ``(code, stage, micro-batch)`` from the kind's generator, receives left out because posting
-    one costs nothing here."""
-    lists, _ = schedule_generator(kind).generate(num_stages, num_microbatches, warmups,
-                                                 receives=False, tokens=_CODE)
-    return list(lists)
+    one costs nothing here, and the placement (the pipeline rank of each stage)."""
+    return schedule_generator(kind).generate(num_stages, num_microbatches, warmups,
+                                             receives=False, tokens=_CODE)
 
 
 def simulate_schedule(schedule: Schedule, costs: StageCosts,
@@ -93,13 +93,14 @@ def simulate_schedule(schedule: Schedule, costs: StageCosts,
     if costs.num_stages != schedule.num_stages:
         raise ValueError(f"the schedule has {schedule.num_stages} stages but "
                          f"{costs.num_stages} stage costs were given; give one per stage")
-    return replay(_encode(schedule), costs, record_events)
+    return replay(_encode(schedule), schedule.placement, costs, record_events)
 
 
-def replay(lists, costs: StageCosts, record_events: bool = True) -> SimResult:
+def replay(lists, placement: Sequence[int], costs: StageCosts,
+           record_events: bool = True) -> SimResult:
     """The event loop over encoded per-rank lists of ``(code, stage, micro-batch)`` (see
-    :func:`encode_schedule`): one clock per pipeline rank; arrivals, links, memory and the
-    all-reduce per stage."""
+    :func:`encode_schedule`), ``placement[stage]`` the pipeline rank holding each stage: one
+    clock per pipeline rank; arrivals, links, memory and the all-reduce per stage."""
     ranks = len(lists)
     st = costs.stages
     n = len(st)
@@ -108,10 +109,6 @@ def replay(lists, costs: StageCosts, record_events: bool = True) -> SimResult:
     busy = [0.0] * n
     in_flight = [0] * n
     peak = [0] * n
-    home = [0] * n  # the pipeline rank holding each stage
-    for r, lst in enumerate(lists):
-        for _, s, _ in lst:
-            home[s] = r
     act_arr: list[dict[int, float]] = [{} for _ in range(n)]   # activation arrived at stage s
     grad_arr: list[dict[int, float]] = [{} for _ in range(n)]  # gradient arrived at stage s
     last_b = [0.0] * n     # end of the stage's last backward so far
@@ -186,7 +183,7 @@ def replay(lists, costs: StageCosts, record_events: bool = True) -> SimResult:
     for s in range(n):
         c = st[s]
         # the buckets overlap the last backward; the step waits for the last one
-        t1 = max(clock[home[s]], last_b[s] + c.allreduce_after_s)
+        t1 = max(clock[placement[s]], last_b[s] + c.allreduce_after_s)
         t2 = t1 + c.update_s
         if record_events:
             events.append(SimEvent(s, "ALLREDUCE", -1, last_b[s] - c.allreduce_lead_s, t1))

@@ -172,4 +172,5 @@ def test_fast_encoding_matches_build_schedule(kind, n, m, warm):
     from hapt_hf.planner.simulate import _encode, encode_schedule
     sched = build_schedule(kind, n, m, warm)
     slow = [tuple(a for a in lst if a[0] != 4) for lst in _encode(sched)]  # 4: receives
-    assert encode_schedule(kind, n, m, sched.warmups) == slow
+    lists, placement = encode_schedule(kind, n, m, sched.warmups)
+    assert list(lists) == slow and placement == sched.placement

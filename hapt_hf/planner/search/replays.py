@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from hapt_hf.core.schedules import ScheduleKind, schedule_warmups
+from hapt_hf.core.schedules import RankLists, ScheduleKind, schedule_warmups
 
 from ..cost_model import CostModel
 from ..simulate import SimResult, encode_schedule, replay
@@ -14,10 +14,9 @@ __all__ = ["STEADY_MIN_MICROBATCHES", "simulate_layout", "better"]
 
 
 @functools.lru_cache(maxsize=64)
-def _encoded(kind: str, n: int, m: int,
-             warmups: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+def _encoded(kind: str, n: int, m: int, warmups: tuple[int, ...]) -> RankLists:
     # the refinements replay the same action lists with other costs many times over
-    return tuple(encode_schedule(kind, n, m, warmups))
+    return encode_schedule(kind, n, m, warmups)
 
 
 def _steady_cap(layout: Layout) -> int:
@@ -42,7 +41,8 @@ def simulate_layout(cm: CostModel, layout: Layout, num_microbatches: int, exact:
 
     def run(m: int) -> SimResult:
         warm = schedule_warmups(layout.schedule, warmups, m)
-        return replay(_encoded(layout.schedule, layout.num_stages, m, warm), costs, record_events)
+        lists, placement = _encoded(layout.schedule, layout.num_stages, m, warm)
+        return replay(lists, placement, costs, record_events)
 
     m = num_microbatches
     cap = _steady_cap(layout)
