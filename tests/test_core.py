@@ -154,3 +154,15 @@ def test_an_atomic_write_gets_the_permissions_open_gives(tmp_path):
     finally:
         os.umask(old)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_tp_refusal_names_each_size_the_degree_does_not_divide():
+    from hapt_hf.core.tp import tp_refusal
+    assert tp_refusal(1, 3, 1, 7) is None
+    assert tp_refusal(4, 32, 8, 11008) is None
+    assert tp_refusal(2, 32, None, 11008) is None  # no GQA: kv heads = heads
+    why = tp_refusal(4, 12, 2, 3072)
+    assert why is not None and "key/value heads 2" in why and "attention heads" not in why
+    why = tp_refusal(8, 12, 12, 100)
+    assert "attention heads 12" in why and "key/value heads 12" in why and "MLP width 100" in why
+    assert "must be >= 1" in tp_refusal(0, 4, 4, 4)

@@ -6,6 +6,7 @@
   generator of per-stage action lists;
 * :mod:`~hapt_hf.core.precision`: the training dtypes and their sizes;
 * :mod:`~hapt_hf.core.families`: the model families hapt_hf can describe and cut;
+* :mod:`~hapt_hf.core.tp`: the tensor-parallel degrees a model's sizes allow;
 * :mod:`~hapt_hf.core.ranks`: how global ranks are numbered over a cluster's groups;
 * :mod:`~hapt_hf.core.defaults`: defaults several layers agree on (bucket size, timeout);
 * :mod:`~hapt_hf.core.data`: where the package's data files (clusters, profiles) live.

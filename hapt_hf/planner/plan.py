@@ -1,10 +1,11 @@
 """The Plan: the one artefact everything downstream of the planner reads (plan.json).
 
 A plan says, for every pipeline stage, which half-open range of the layer sequence
-``[embedding, block_0 .. block_{N-1}, head]`` it holds and on which replicas: each replica a
-GPU (its rank, group and device type) with its share of every micro-batch. It also says whether
-a stage's optimizer state is replicated or sharded among its replicas, and how many forward
-micro-batches the stage runs before its first backward.
+``[embedding, block_0 .. block_{N-1}, head]`` it holds and on which replicas: each replica one
+GPU, or the GPUs of a tensor-parallel group (their ranks, group and device type), with its share
+of every micro-batch. It also says whether a stage's optimizer state is replicated or sharded
+among its replicas, and how many forward micro-batches the stage runs before its first
+backward.
 It can be written by the planner or by hand; :func:`Plan.validate` checks it either way.
 
 One record, :class:`Stage` of :class:`Replica` s, describes every stage: the planner's search
@@ -57,7 +58,14 @@ class Replica:
     """How many samples of each micro-batch this replica computes (a stage's replicas sum to
     ``micro_batch_size``; unlike GPUs take shares in proportion to their speed)."""
     ranks: tuple[int, ...]
-    """Global ranks holding the replica together; exactly one in this version (one GPU)."""
+    """Global ranks holding the replica together, in tensor-parallel order: one GPU, or the
+    ``t`` GPUs of its tensor-parallel group (they shard the blocks' projections and compute the
+    same samples; see :mod:`hapt_hf.core.tp`)."""
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree: how many ranks hold the replica together."""
+        return len(self.ranks)
 
     def to_dict(self) -> dict[str, Any]:
         return {"group": self.group, "device_type": self.device_type, "samples": self.samples,
@@ -137,6 +145,12 @@ class Stage:
         return len(self.replicas)
 
     @property
+    def tp(self) -> int:
+        """Tensor-parallel degree of the stage: the ranks of each of its replicas (equal for
+        every replica; 1 = each replica is one GPU)."""
+        return self.replicas[0].tp if self.replicas else 1
+
+    @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
@@ -179,6 +193,7 @@ class Stage:
             d["optimizer"] = self.optimizer
         d["predicted"] = asdict(self.predicted)
         d["dp"] = self.width  # written for readers; checked on load
+        d["tp"] = self.tp  # likewise
         return d
 
     @classmethod
@@ -220,6 +235,10 @@ class Stage:
         if "dp" in d and int(d["dp"]) != stage.width:
             raise PlanError(f"{where}: dp is {d['dp']} but the stage lists {stage.width} "
                             f"replicas (ranks {list(stage.ranks)}); make them agree")
+        if "tp" in d and any(int(d["tp"]) != r.tp for r in stage.replicas):
+            raise PlanError(f"{where}: tp is {d['tp']} but its replicas hold ranks "
+                            f"{[list(r.ranks) for r in stage.replicas]}; each replica lists "
+                            "its tp ranks: make them agree")
         return stage
 
     def validate(self, micro_batch_size: int) -> None:
@@ -233,12 +252,15 @@ class Stage:
         if self.optimizer == SHARDED and self.width < 2:
             raise PlanError(f"stage {i}: optimizer 'sharded' needs at least 2 replicas to shard "
                             "the state among, it has 1; use 'replicated'")
-        for r in self.replicas:
-            if len(r.ranks) != 1:
-                raise PlanError(f"stage {i}: a replica lists ranks {list(r.ranks)}; each "
-                                "replica is one GPU (one rank) in this version (replicas held "
-                                "by several ranks together are not supported): give every GPU "
-                                "a replica of its own")
+        degrees = [r.tp for r in self.replicas]
+        if min(degrees) < 1:
+            raise PlanError(f"stage {i}: a replica lists no ranks; give each replica its rank "
+                            "(or its tensor-parallel group's ranks)")
+        if len(set(degrees)) > 1:
+            raise PlanError(f"stage {i}: its replicas hold {degrees} ranks each "
+                            f"({[list(r.ranks) for r in self.replicas]}); every replica of a "
+                            "stage has the same tensor-parallel degree: give each the same "
+                            "number of ranks")
         shares = self.shares()
         if min(shares) < 1:
             raise PlanError(f"stage {i}: replica samples {list(shares)} include a replica with "
@@ -309,7 +331,8 @@ class Plan:
     # -- derived -------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return sum(s.width for s in self.stages)
+        """Processes the plan runs on: every rank of every replica of every stage."""
+        return sum(len(s.ranks) for s in self.stages)
 
     @property
     def num_stages(self) -> int:
@@ -375,7 +398,7 @@ class Plan:
                                 "every stage needs at least one layer")
             expect = s.layers[1]
             if s.width < 1:
-                raise PlanError(f"stage {i} lists no ranks; give it at least one")
+                raise PlanError(f"stage {i} lists no replicas (no ranks); give it at least one")
             dup = seen_ranks.intersection(s.ranks)
             if dup or len(set(s.ranks)) != len(s.ranks):
                 raise PlanError(f"stage {i}: rank(s) {sorted(dup) or list(s.ranks)} appear twice; "

@@ -76,7 +76,7 @@ def test_a_plan_without_optimizer_still_loads():
     (lambda s: replace(s, replicas=(replace(s.replicas[0], samples=6), s.replicas[1],
                                     replace(s.replicas[2], samples=0))), "a replica with none"),
     (lambda s: replace(s, replicas=(replace(s.replicas[0], ranks=(0, 5)),) + s.replicas[1:]),
-     "one GPU"),
+     "same tensor-parallel degree"),
 ])
 def test_bad_replicas_are_named(edit, words):
     plan = _uneven_plan()

@@ -26,7 +26,7 @@ UNEVEN = Stage(0, (0, 3), (Replica("a100", "A100-40", 5, (0,)),
 
 def test_an_even_stage_is_written_as_replicas_of_equal_samples():
     d = EVEN.to_dict()
-    assert list(d) == ["index", "layers", "replicas", "warmup", "recompute", "predicted", "dp"]
+    assert list(d) == ["index", "layers", "replicas", "warmup", "recompute", "predicted", "dp", "tp"]
     assert d["replicas"] == [{"group": "v100", "device_type": "V100-32", "samples": 4,
                               "ranks": [r]} for r in (2, 3)]
     assert d["dp"] == 2 and _load(d) == EVEN
@@ -38,7 +38,7 @@ def test_an_even_stage_is_written_as_replicas_of_equal_samples():
 def test_uneven_replicas_are_written_in_the_same_form():
     d = UNEVEN.to_dict()
     assert list(d) == ["index", "layers", "replicas", "warmup", "recompute", "optimizer",
-                       "predicted", "dp"]
+                       "predicted", "dp", "tp"]
     assert [r["samples"] for r in d["replicas"]] == [5, 3] and d["optimizer"] == "sharded"
     assert _load(d) == UNEVEN
     assert UNEVEN.uneven and UNEVEN.groups == ("a100", "v100") and UNEVEN.shares(8) == (5, 3)
@@ -71,13 +71,30 @@ def test_the_older_replicas_form_loads_to_the_same_stage():
         _load(dict(old, dp=3))
 
 
-def test_a_replica_of_several_ranks_loads_but_does_not_validate():
+def test_a_replica_of_several_ranks_is_a_tensor_parallel_group():
+    tp = Stage(0, (0, 3), (Replica("a100", "A100-40", 5, (0, 1)),
+                           Replica("a100", "A100-40", 3, (2, 3))), 2)
+    d = tp.to_dict()
+    assert d["tp"] == 2 and d["dp"] == 2 and _load(d) == tp
+    assert tp.ranks == (0, 1, 2, 3) and tp.width == 2 and tp.tp == 2
+    tp.validate(MBS)
+    plan = Plan("m", 6, 32, 16, MBS, 2, "1f1b",
+                (tp, Stage.even(1, (3, 6), "v100", "V100-32", (4,), micro_batch_size=MBS)))
+    assert plan.validate().world_size == 5
+    assert plan.stage_of_rank(3) == tp and EVEN.tp == 1
+
+
+def test_replicas_of_unequal_tensor_parallel_degrees_are_refused():
     d = UNEVEN.to_dict()
     d["replicas"][0]["ranks"] = [0, 2]
+    del d["tp"]
     stage = _load(d)
     assert stage.ranks == (0, 2, 1) and stage.width == 2
-    with pytest.raises(PlanError, match="one GPU"):
+    with pytest.raises(PlanError, match="same tensor-parallel degree"):
         stage.validate(MBS)
+    d["tp"] = 1
+    with pytest.raises(PlanError, match="tp is 1"):
+        _load(d)
 
 
 def test_a_plan_round_trips_in_every_form(tmp_path):
