@@ -162,7 +162,7 @@ def test_tp_refusal_names_each_size_the_degree_does_not_divide():
     assert tp_refusal(4, 32, 8, 11008) is None
     assert tp_refusal(2, 32, None, 11008) is None  # no GQA: kv heads = heads
     why = tp_refusal(4, 12, 2, 3072)
-    assert why is not None and "key/value heads 2" in why and "attention heads" not in why
+    assert why is not None and "key/value heads 2;" in why and "attention heads 12" not in why
     why = tp_refusal(8, 12, 12, 100)
     assert "attention heads 12" in why and "key/value heads 12" in why and "MLP width 100" in why
     assert "must be >= 1" in tp_refusal(0, 4, 4, 4)
