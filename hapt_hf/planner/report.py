@@ -51,6 +51,8 @@ class StageRow:
     warmup: int
     optimizer: str = "replicated"
     """'replicated' or 'sharded' (ZeRO-1: the Adam moments split among the replicas)."""
+    tp: int = 1
+    """Tensor-parallel degree: the GPUs holding each replica together."""
 
     @property
     def fits(self) -> bool:
@@ -150,6 +152,7 @@ def _stage_rows(plan: Plan, sim: Any | None,
         devices = "+".join(dict.fromkeys(r.device_type for r in s.replicas)) or s.device_type
         rows.append(StageRow(
             index=s.index, group="+".join(s.groups), device=devices, ranks=tuple(s.ranks),
+            tp=s.tp,
             layers=tuple(s.layers),
             layer_names=layer_names(s.layers, plan.num_layers, plan.layer_unit),
             forward_ms=1e3 * (s.predicted.forward_s if fwd is None else fwd),
@@ -274,7 +277,7 @@ def _mixed_lines(plan: Plan) -> tuple[str, ...]:
 
 # -- text ----------------------------------------------------------------------------------
 
-_HEADERS = ("stage", "group", "device", "GPUs (ranks)", "layers", "fwd ms", "bwd ms",
+_HEADERS = ("stage", "group", "device", "GPUs (ranks)", "tp", "layers", "fwd ms", "bwd ms",
             "memory GB", "warm-up", "optimizer")
 
 
@@ -284,7 +287,7 @@ def _cells(r: StageRow) -> tuple[str, ...]:
         mem += f" / {r.capacity_gb:.0f}" + ("" if r.fits else " OVER")
     layers = f"[{r.layers[0]},{r.layers[1]}) {r.layers[1] - r.layers[0]}: {r.layer_names}"
     return (str(r.index), r.group, r.device, f"{len(r.ranks)} ({format_ranks(r.ranks)})",
-            layers, _ms(r.forward_ms), _ms(r.backward_ms), mem, str(r.warmup), r.optimizer)
+            str(r.tp), layers, _ms(r.forward_ms), _ms(r.backward_ms), mem, str(r.warmup), r.optimizer)
 
 
 def _ms(v: float) -> str:
