@@ -34,6 +34,10 @@ class ProfileKey:
     """Samples per forward on ONE device."""
     seq_len: int
     dtype: str
+    tp: int = 1
+    """Tensor-parallel degree the layer ran at: ``micro_batch`` samples on each of ``tp``
+    devices, each holding a ``1/tp`` shard of the block's projections (1: one device, the
+    whole layer)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,11 @@ class LayerTiming:
     """Bytes autograd saved for the backward of one micro-batch (saved-tensor hooks, weights
     excluded): what ``LayerSpec.act_keep_bytes`` and ``act_keep_fixed_bytes`` predict; 0 if not
     measured."""
+    tp_comm_included: bool = False
+    """For a timing at ``tp`` > 1: whether ``forward_s`` and ``backward_s`` include the
+    tensor-parallel all-reduces of the layer's activations, run on the measuring node's own
+    links (the Sailor measurements), or are one rank's compute of its shard alone (a profile
+    timed on one device: the cost model adds the all-reduces on the cluster's link)."""
 
 
 @dataclass(frozen=True)
@@ -66,16 +75,16 @@ class Profile:
     source: str = ""
 
     def lookup(self, device: str, layer_signature: str, micro_batch: int, seq_len: int,
-               dtype: str) -> LayerTiming | None:
+               dtype: str, tp: int = 1) -> LayerTiming | None:
         """Exact entry, or one interpolated/extrapolated linearly in micro_batch from the
-        entries of the same (device, signature, seq_len, dtype); None if there are none.
+        entries of the same (device, signature, seq_len, dtype, tp); None if there are none.
 
         ``device`` may be any name of the device (catalogue name, alias or profile name, e.g.
         'GH200' finds entries stored as 'GH-96')."""
         for name in device_names(device):
             points = sorted((k.micro_batch, t) for k, t in self.timings.items()
                             if k.device == name and k.layer_signature == layer_signature
-                            and k.seq_len == seq_len and k.dtype == dtype)
+                            and k.seq_len == seq_len and k.dtype == dtype and k.tp == tp)
             if points:
                 return _estimate(points, micro_batch)
         return None
@@ -84,9 +93,15 @@ class Profile:
         return {k.device for k in self.timings}
 
     def micro_batches(self, device: str) -> list[int]:
-        """Measured micro-batch sizes of a device, under any of its names (as ``lookup``)."""
+        """Measured micro-batch sizes of a device at one rank per layer (tensor-parallel
+        degree 1), under any of its names (as ``lookup``)."""
         names = set(device_names(device))
-        return sorted({k.micro_batch for k in self.timings if k.device in names})
+        return sorted({k.micro_batch for k in self.timings if k.device in names and k.tp == 1})
+
+    def tp_degrees(self, device: str) -> list[int]:
+        """Tensor-parallel degrees measured for a device, under any of its names."""
+        names = set(device_names(device))
+        return sorted({k.tp for k in self.timings if k.device in names})
 
     def merge(self, other: "Profile") -> "Profile":
         """A new profile with both sets of entries; ``other`` wins where both measured."""
@@ -97,7 +112,7 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "source": self.source,
-                "timings": [{**asdict(k), **asdict(t)} for k, t in sorted(self.timings.items())],
+                "timings": [_as_record(k, t) for k, t in sorted(self.timings.items())],
                 "links": [asdict(l) for l in self.links]}
 
     @classmethod
@@ -131,8 +146,8 @@ class Profile:
         return cls.from_dict(d)
 
 
-_KEY_FIELDS = tuple(f.name for f in fields(ProfileKey))
-_TIMING_FIELDS = tuple(f.name for f in fields(LayerTiming))
+_KEY_FIELDS = tuple(f.name for f in fields(ProfileKey) if f.name != "tp")
+_TIMING_FIELDS = tuple(f.name for f in fields(LayerTiming) if f.name != "tp_comm_included")
 
 
 def _record(rec: dict, where: str) -> tuple[ProfileKey, LayerTiming]:
@@ -143,19 +158,37 @@ def _record(rec: dict, where: str) -> tuple[ProfileKey, LayerTiming]:
         raise ProfileError(f"{where} is missing {missing}")
     try:
         key = ProfileKey(str(rec["device"]), str(rec["layer_signature"]),
-                         int(rec["micro_batch"]), int(rec["seq_len"]), str(rec["dtype"]))
-        timing = LayerTiming(**{k: float(rec[k]) for k in _TIMING_FIELDS if k in rec})
+                         int(rec["micro_batch"]), int(rec["seq_len"]), str(rec["dtype"]),
+                         int(rec.get("tp", 1)))
+        timing = LayerTiming(**{k: float(rec[k]) for k in _TIMING_FIELDS if k in rec},
+                             tp_comm_included=_flag(rec.get("tp_comm_included", False), where))
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{where} has a value of the wrong type ({e})") from None
+    if key.tp < 1:
+        raise ProfileError(f"{where}: tp {key.tp} must be >= 1 (the tensor-parallel degree the "
+                           "layer was timed at)")
     if timing.forward_s < 0 or timing.backward_s < 0:
         raise ProfileError(f"{where}: forward_s/backward_s must be >= 0")
     return key, timing
 
 
+def _as_record(key: ProfileKey, timing: LayerTiming) -> dict[str, Any]:
+    rec = {**asdict(key), **asdict(timing)}
+    if key.tp == 1:  # one-device timings are written as before tensor parallelism existed
+        del rec["tp"], rec["tp_comm_included"]
+    return rec
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where}: tp_comm_included must be true or false, got {value!r}")
+    return value
+
+
 def _scale(t: LayerTiming, f: float) -> LayerTiming:
     # the optimizer step touches the same parameters whatever the micro-batch
     return LayerTiming(t.forward_s * f, t.backward_s * f, t.update_s, t.peak_memory_bytes * f,
-                       t.spread, t.kept_bytes * f)
+                       t.spread, t.kept_bytes * f, t.tp_comm_included)
 
 
 def _line(mb: int, p: tuple[int, LayerTiming], q: tuple[int, LayerTiming]) -> LayerTiming:
@@ -168,14 +201,15 @@ def _line(mb: int, p: tuple[int, LayerTiming], q: tuple[int, LayerTiming]) -> La
     return LayerTiming(at(a.forward_s, b.forward_s), at(a.backward_s, b.backward_s),
                        at(a.update_s, b.update_s),
                        at(a.peak_memory_bytes, b.peak_memory_bytes), max(a.spread, b.spread),
-                       at(a.kept_bytes, b.kept_bytes))
+                       at(a.kept_bytes, b.kept_bytes), a.tp_comm_included or b.tp_comm_included)
 
 
 def _floor(t: LayerTiming, low: LayerTiming) -> LayerTiming:
     return LayerTiming(*(max(x, y) for x, y in zip(
         (t.forward_s, t.backward_s, t.update_s, t.peak_memory_bytes),
         (low.forward_s, low.backward_s, low.update_s, low.peak_memory_bytes))), spread=t.spread,
-        kept_bytes=max(t.kept_bytes, low.kept_bytes))
+        kept_bytes=max(t.kept_bytes, low.kept_bytes),
+        tp_comm_included=t.tp_comm_included or low.tp_comm_included)
 
 
 def _estimate(points: list[tuple[int, LayerTiming]], mb: int) -> LayerTiming:
@@ -220,9 +254,11 @@ def load_sailor_profiles(directory, model: ModelSpec) -> Profile:
     """Per-layer times measured by the Sailor planner's authors (``layer_times.json``:
     model -> gpu -> micro-batch -> tensor-parallel degree -> layer -> [fwd, bwd, update]).
 
-    Only tensor-parallel degree 1 is used (stages here are data-parallel only). Profile layer
-    ``i`` is ``model.layers[i]``; layers sharing a signature (the blocks) get the mean of their
-    measured times. Devices keep the file's names ('A100-40', 'V100-16', 'GH-96', ...).
+    Every tensor-parallel degree is kept (``ProfileKey.tp``); the authors timed a layer at
+    degree ``t`` on ``t`` GPUs of one node, so those timings include the layer's all-reduces
+    (``LayerTiming.tp_comm_included``). Profile layer ``i`` is ``model.layers[i]``; layers
+    sharing a signature (the blocks) get the mean of their measured times. Devices keep the
+    file's names ('A100-40', 'V100-16', 'GH-96', ...).
     """
     directory = Path(directory)
     path = directory / "layer_times.json"
@@ -242,13 +278,13 @@ def load_sailor_profiles(directory, model: ModelSpec) -> Profile:
     timings: dict[ProfileKey, LayerTiming] = {}
     for gpu, by_mb in sorted(data[name].items()):
         for mb, by_tp in sorted(by_mb.items(), key=lambda kv: int(kv[0])):
-            if "1" in by_tp:
-                timings.update(_sailor_layers(by_tp["1"], model, gpu, int(mb)))
+            for tp, layers in sorted(by_tp.items(), key=lambda kv: int(kv[0])):
+                timings.update(_sailor_layers(layers, model, gpu, int(mb), int(tp)))
     return Profile(timings, [], source=f"sailor:{path}")
 
 
 def _sailor_layers(layers: dict[str, list[float]], model: ModelSpec, gpu: str,
-                   mb: int) -> dict[ProfileKey, LayerTiming]:
+                   mb: int, tp: int = 1) -> dict[ProfileKey, LayerTiming]:
     if len(layers) != model.num_layers:
         raise ProfileError(
             f"the profile of {model.profile_name or model.name} on {gpu} has {len(layers)} layers "
@@ -260,7 +296,8 @@ def _sailor_layers(layers: dict[str, list[float]], model: ModelSpec, gpu: str,
     out = {}
     for sig, rows in by_sig.items():
         fwd, bwd, upd = (sum(r[j] for r in rows) / len(rows) for j in range(3))
-        out[ProfileKey(gpu, sig, mb, model.seq_len, model.dtype)] = LayerTiming(fwd, bwd, upd)
+        out[ProfileKey(gpu, sig, mb, model.seq_len, model.dtype, tp)] = \
+            LayerTiming(fwd, bwd, upd, tp_comm_included=tp > 1)
     return out
 
 
