@@ -43,6 +43,20 @@ Conventions:
 * Activations and their gradients cross stage boundaries at the compute dtype
   (``act_out_bytes``); the data-parallel all-reduce moves the fp32 weight gradients
   (:data:`~hapt_hf.core.precision.MASTER_BYTES` per parameter).
+* Tensor parallelism (a replica held by ``t`` ranks of one node, ``Replica.ranks``): the
+  blocks' compute splits ``t`` ways at :func:`tp_efficiency` (a profile's timing at degree
+  ``t`` where it has one), plus per block two all-reduces of its activations (``samples x seq x
+  hidden`` at the compute dtype) forward and two backward, ring-priced on the group's
+  intra-node link (``2(t-1)/t * bytes / bw + 2(t-1) * lat``; a profile timing that includes
+  them adds none); the embedding and the head stay whole on every rank and run at one GPU's
+  speed. Per rank: the blocks' sharded projections' weights, gradients and optimizer state
+  divide by ``t`` (norms and row-wise biases whole: :meth:`ModelSpec.tp_whole_params`), a
+  block's kept activations are ``(10 + 24/t) / 34`` of one GPU's (Korthikanti et al., no
+  sequence parallelism), autocast's weight copies ``1/t``, and the data-parallel all-reduce
+  and the optimizer step move and update the rank's shard. ``t`` is read off the replicas;
+  for the search, :class:`CostModel` takes a degree per group (``tp``) and shows it
+  :attr:`CostModel.cluster` with each group's ``t`` GPUs as one (its sizes divided by ``t``),
+  building replicas of ``t`` consecutive ranks.
 """
 from __future__ import annotations
 
@@ -50,12 +64,13 @@ import functools
 from bisect import bisect_right
 from dataclasses import dataclass, replace
 from itertools import accumulate
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM, GRAD_BUCKET_BYTES
 from hapt_hf.core.precision import (MASTER_BYTES, REPLICATED, SHARDED, STATE_BYTES_PER_PARAM,
                                      state_bytes_per_param)
 from hapt_hf.core.shares import overlaps
+from hapt_hf.core.tp import TP_DEGREES, tp_refusal
 from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
@@ -65,10 +80,47 @@ from .profile import LayerTiming, Profile
 
 __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "CostModelError",
            "Placement", "StageCost", "ReplicaMemory", "StageCosts", "AllReduceWindow",
-           "CostModel", "overlapped_allreduce"]
+           "CostModel", "overlapped_allreduce", "tp_efficiency", "tp_unfit", "TP_ACT_KEPT"]
 
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
+
+_TP_EFFICIENCY_WIDE = {1: 1.0, 2: 0.97, 4: 0.94, 8: 0.90}
+_TP_EFFICIENCY_NARROW = {1: 1.0, 2: 0.90, 4: 0.75, 8: 0.60}
+TP_WIDE_HIDDEN = 4096
+"""From this hidden size up a block's shards stay wide GEMMs (the wide efficiencies apply)."""
+
+
+def tp_efficiency(t: int, hidden_size: int) -> float:
+    """Where no profile timed a block at degree ``t``: the fraction of ``t`` times one GPU's
+    speed its shards reach together (smaller GEMMs run less efficiently). From the Sailor
+    measurements (A100-40, V100-16, timed at degrees 1, 2, 4, 8 with their all-reduces, so
+    these figures err low): OPT-30 (hidden 7168) 0.97-0.98 at 2 and 0.93-0.96 at 4, the basis
+    of 0.97 / 0.94 / 0.90 from hidden 4096 up; OPT-350 and GPT-Neo-2.7 (hidden 1024-2560, four
+    samples) 0.85-0.97 at 2, 0.65-0.90 at 4, 0.63-0.83 at 8, the basis of 0.90 / 0.75 / 0.60
+    below it."""
+    table = _TP_EFFICIENCY_WIDE if hidden_size >= TP_WIDE_HIDDEN else _TP_EFFICIENCY_NARROW
+    return table[t]
+
+
+TP_ACT_KEPT = (10, 24, 34)
+"""Korthikanti et al. (2022), without sequence parallelism: of the 34 parts of ``s*b*h`` a
+block keeps, 10 (its inputs, norms, dropout masks) stay whole on each rank and 24 split ``t``
+ways: a rank keeps ``(10 + 24/t) / 34`` of one GPU's."""
+
+
+def tp_unfit(model: ModelSpec, t: int) -> str | None:
+    """Why replicas of ``t`` ranks cannot hold ``model``'s blocks, or None where they can: the
+    degrees the planner searches (:data:`~hapt_hf.core.tp.TP_DEGREES`), dividing the attention
+    heads, key/value heads and MLP width (:func:`~hapt_hf.core.tp.tp_refusal`)."""
+    if t == 1:
+        return None
+    if t not in TP_DEGREES:
+        return f"tensor-parallel degree {t} is not one of {TP_DEGREES}"
+    if not model.num_heads or not model.intermediate_size:
+        return (f"model {model.name!r} gives no attention heads or MLP width, so no "
+                "tensor-parallel degree above 1 can be checked against them")
+    return tp_refusal(t, model.num_heads, model.num_kv_heads or None, model.intermediate_size)
 
 # STATE_BYTES_PER_PARAM (hapt_hf.core.precision): fp32 weights + fp32 gradients + two fp32 Adam
 # moments = 16 bytes, in every precision: 16-bit compute is autocast over the fp32 weights.
@@ -115,13 +167,68 @@ class Placement:
     """The slowest link the stage's gradient ring crosses (see :meth:`CostModel.replica_link`);
     None where its groups have no links joining them (``link_error`` says so)."""
     link_error: str = ""
+    tp: int = 1
+    """Ranks of each replica (its tensor-parallel degree), equal for every replica."""
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _slice(group: str, device_type: str, width: int, first: int,
-           samples: int) -> tuple[Replica, ...]:
+           samples: int, tp: int = 1) -> tuple[Replica, ...]:
     # one tuple object per slice: the cost model caches what it derives from it by identity
-    return even_replicas(group, device_type, range(first, first + width), samples)
+    if tp == 1:
+        return even_replicas(group, device_type, range(first, first + width), samples)
+    return tuple(Replica(group, device_type, samples,
+                         tuple(range(first + i * tp, first + (i + 1) * tp)))
+                 for i in range(width))
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """Per-rank prefix sums over the layer sequence at one tensor-parallel degree."""
+
+    params: tuple[float, ...]
+    keep: tuple[float, ...]
+    keep_rc: tuple[float, ...]
+    fixed: tuple[float, ...]
+    fixed_rc: tuple[float, ...]
+    keep_max: tuple[tuple[float, ...], ...]
+    """keep_max[a][k]: the most one of layers [a, a + k] keeps per sample (a working set)."""
+
+
+def _shard(model: ModelSpec, t: int) -> _Shard:
+    layers = model.layers
+    is_block = [l.kind == "block" for l in layers]
+    whole, split, _ = TP_ACT_KEPT
+    if t == 1:
+        params = [l.params for l in layers]
+        keep = [l.act_keep_bytes for l in layers]
+        fixed = [l.act_keep_fixed_bytes for l in layers]
+    else:
+        params = [(w := model.tp_whole_params(l)) + (l.params - w) / t if b else l.params
+                  for l, b in zip(layers, is_block)]
+        keep = [l.act_keep_bytes * (whole + split / t) / (whole + split) if b
+                else l.act_keep_bytes for l, b in zip(layers, is_block)]
+        fixed = [l.act_keep_fixed_bytes / t if b else l.act_keep_fixed_bytes
+                 for l, b in zip(layers, is_block)]
+    # a recomputed block keeps only its input (whole on every rank) and no weight copies
+    keep_rc = [l.act_in_bytes if b else k for l, k, b in zip(layers, keep, is_block)]
+    fixed_rc = [0.0 if b else f for f, b in zip(fixed, is_block)]
+    keep_max = []
+    for a in range(len(layers)):
+        run, row = 0.0, []
+        for k in keep[a:]:
+            run = max(run, k)
+            row.append(run)
+        keep_max.append(tuple(row))
+    return _Shard(_prefix(params), _prefix(keep), _prefix(keep_rc), _prefix(fixed),
+                  _prefix(fixed_rc), tuple(keep_max))
+
+
+def _fat_cluster(cluster: Cluster, tp: Mapping[str, int]) -> Cluster:
+    """The cluster as the search sees it: each group's ``t`` GPUs of a replica as one."""
+    groups = tuple(replace(g, gpus_per_node=g.gpus_per_node // tp[g.name]) if tp[g.name] > 1
+                   else g for g in cluster.groups)
+    return Cluster(cluster.name, groups, cluster.links, cluster.job, cluster.profiles)
 
 
 @dataclass(frozen=True)
@@ -273,18 +380,19 @@ class _LayerTable:
 
 
 def _lookup(profile: Profile, device: str, layer: LayerSpec, samples: int, seq_len: int,
-            dtype: str) -> LayerTiming | None:
+            dtype: str, tp: int = 1) -> LayerTiming | None:
     """The layer's measured timing; a block half without its own entry takes its FLOP share
     of the whole block's (profiles time whole blocks)."""
-    hit = profile.lookup(device, layer.signature, samples, seq_len, dtype)
+    hit = profile.lookup(device, layer.signature, samples, seq_len, dtype, tp)
     if hit is not None or not layer.profile_signature:
         return hit
-    whole = profile.lookup(device, layer.profile_signature, samples, seq_len, dtype)
+    whole = profile.lookup(device, layer.profile_signature, samples, seq_len, dtype, tp)
     if whole is None:
         return None
     f = layer.profile_share
     return LayerTiming(whole.forward_s * f, whole.backward_s * f, whole.update_s * f,
-                       whole.peak_memory_bytes, whole.spread)
+                       whole.peak_memory_bytes, whole.spread,
+                       tp_comm_included=whole.tp_comm_included)
 
 
 def _prefix(values) -> tuple[float, ...]:
@@ -292,49 +400,74 @@ def _prefix(values) -> tuple[float, ...]:
 
 
 class CostModel:
-    """Prices stages of one model on one cluster; caches per (device, samples) tables."""
+    """Prices stages of one model on one cluster; caches per (device, samples) tables.
+
+    ``tp``: the tensor-parallel degree the search gives each group's replicas (absent: 1).
+    :attr:`cluster` is the cluster as the search sees it, each replica's GPUs as one (a group
+    of ``n`` GPUs at degree ``t`` shows ``n / t``), :attr:`hardware` the cluster itself;
+    :meth:`slice_replicas` and :meth:`gpu_replicas` build replicas of ``t`` ranks. Stages are
+    priced at the degree their replicas hold, whatever ``tp`` says."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profile: Profile | None = None,
                  efficiency: float = DEFAULT_EFFICIENCY,
-                 memory_headroom: float = DEFAULT_MEMORY_HEADROOM):
+                 memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+                 tp: Mapping[str, int] | None = None):
         if not 0 < efficiency <= 1:
             raise CostModelError(f"efficiency {efficiency} must be in (0, 1]")
         if not 0 < memory_headroom <= 1:
             raise CostModelError(f"memory_headroom {memory_headroom} must be in (0, 1]; it is "
                                  "the fraction of GPU memory the plan may use")
         self.model = model
-        self.cluster = cluster
+        self.hardware = cluster
+        self.tp = {g.name: 1 for g in cluster.groups}
+        for name, t in (tp or {}).items():
+            g = next((g for g in cluster.groups if g.name == name), None)
+            if g is None:
+                raise CostModelError(f"tp names group {name!r}, which cluster {cluster.name!r} "
+                                     f"does not have (groups: {', '.join(cluster.group_names)})")
+            why = tp_unfit(model, t) or (
+                f"group {name!r} has {g.gpus_per_node} GPUs per node, which {t} does not "
+                "divide (a replica's ranks sit in one node)" if g.gpus_per_node % t else None)
+            if why:
+                raise CostModelError(f"tensor-parallel degree {t} for group {name!r}: {why}")
+            self.tp[name] = t
+        self.cluster = cluster if all(t == 1 for t in self.tp.values()) \
+            else _fat_cluster(cluster, self.tp)
         self.profile = profile
         self.efficiency = efficiency
         self.memory_headroom = memory_headroom
         self._groups = {g.name: g for g in cluster.groups}
-        self._tables: dict[tuple[str, float, int], _LayerTable] = {}
-        self._rates: dict[tuple[str, float, int], float] = {}
-        self._mem_prefix: dict[tuple[int, int, bool], list[float]] = {}
+        self._tables: dict[tuple, _LayerTable] = {}
+        self._rates: dict[tuple, float] = {}
+        self._mem_prefix: dict[tuple, list[float]] = {}
         self._windows: dict[tuple, AllReduceWindow] = {}
         self._first = cluster.first_ranks()
         self._placements: dict[int, Placement] = {}
         self._cuts: dict[tuple[Placement, Placement, int, int], tuple[float, float]] = {}
-        layers = model.layers
-        self._is_block = tuple(l.kind == "block" for l in layers)
-        self.params = _prefix(l.params for l in layers)
-        self.keep = _prefix(l.act_keep_bytes for l in layers)
-        self.keep_rc = _prefix(l.act_in_bytes if b else l.act_keep_bytes
-                               for l, b in zip(layers, self._is_block))
+        self._is_block = tuple(l.kind == "block" for l in model.layers)
+        self._shards: dict[int, _Shard] = {}
+        one = self.shard(1)
+        self.params, self.keep, self.keep_rc = one.params, one.keep, one.keep_rc
         # per micro-batch whatever its size; a recomputed block keeps no weight copies
-        self.fixed = _prefix(l.act_keep_fixed_bytes for l in layers)
-        self.fixed_rc = _prefix(0.0 if b else l.act_keep_fixed_bytes
-                                for l, b in zip(layers, self._is_block))
-        # running maximum of act_keep from each start layer: one layer's working set in O(1)
-        self._keep_max = []
-        for a in range(len(layers)):
-            run, row = 0.0, []
-            for l in layers[a:]:
-                run = max(run, l.act_keep_bytes)
-                row.append(run)
-            self._keep_max.append(row)
+        self.fixed, self.fixed_rc = one.fixed, one.fixed_rc
         self.grad_dtype_bytes = MASTER_BYTES  # weight gradients are fp32 in every precision
         self.state_bytes = STATE_BYTES_PER_PARAM
+
+    def shard(self, tp: int) -> _Shard:
+        """Per-rank prefix sums of the layers at tensor-parallel degree ``tp``."""
+        got = self._shards.get(tp)
+        if got is None:
+            got = self._shards[tp] = _shard(self.model, tp)
+        return got
+
+    def tp_of(self, group: GpuGroup) -> int:
+        """The tensor-parallel degree the search gives ``group``'s replicas."""
+        return self.tp[group.name]
+
+    def with_tp(self, tp: Mapping[str, int]) -> "CostModel":
+        """The same model, cluster and profile priced for a search at these degrees."""
+        return CostModel(self.model, self.hardware, self.profile, self.efficiency,
+                         self.memory_headroom, tp)
 
     # -- lookups ---------------------------------------------------------------------------
     def group(self, name: str) -> GpuGroup:
@@ -358,13 +491,19 @@ class CostModel:
                        mbs: int) -> tuple[Replica, ...]:
         """``width`` GPUs of ``group`` from its ``offset``-th, splitting a micro-batch of
         ``mbs`` evenly (ranks numbered over this cost model's cluster)."""
-        return _slice(group.name, group.gpu.name, width, self._first[group.name] + offset,
-                      mbs // width)
+        t = self.tp[group.name]
+        return _slice(group.name, group.gpu.name, width, self._first[group.name] + offset * t,
+                      mbs // width, t)
 
     def gpu_replicas(self, gpus, shares) -> tuple[Replica, ...]:
-        """One replica per ``(group, index in group)`` of ``gpus`` with its share."""
-        return tuple(Replica(g.name, g.gpu.name, s, (self._first[g.name] + i,))
-                     for (g, i), s in zip(gpus, shares))
+        """One replica per ``(group, index in group)`` of ``gpus`` with its share (an index of
+        :attr:`cluster`: at degree ``t``, replica ``i`` holds the group's GPUs ``i*t`` on)."""
+        out = []
+        for (g, i), s in zip(gpus, shares):
+            t, first = self.tp[g.name], self._first[g.name]
+            out.append(Replica(g.name, g.gpu.name, s,
+                               tuple(range(first + i * t, first + (i + 1) * t))))
+        return tuple(out)
 
     def placement(self, replicas: tuple[Replica, ...]) -> Placement:
         """Where ``replicas`` sit: each one's group (by name) and GPU index there (its rank less
@@ -380,6 +519,9 @@ class CostModel:
         group_of = tuple(self.group(r.group) for r in replicas)
         index = tuple(r.ranks[0] - self._first[g.name] for r, g in zip(replicas, group_of))
         node = tuple(i // g.gpus_per_node for i, g in zip(index, group_of))
+        tp = replicas[0].tp
+        if tp > 1:
+            self._check_tp(replicas, group_of, tp)
         groups = tuple({g.name: g for g in group_of}.values())
         kinds = {(g.gpu.name, g.gpu.tflops, r.samples): (g, r.samples)
                  for r, g in zip(replicas, group_of)}
@@ -388,7 +530,7 @@ class CostModel:
 
         def placed(link: LinkSpec | None, error: str = "") -> Placement:
             return Placement(replicas, len(replicas), group_of[0], group_of, index, node, groups,
-                             alike, tuple(kinds.values()), on_cpu, link, error)
+                             alike, tuple(kinds.values()), on_cpu, link, error, tp)
 
         links = []
         for g in groups:
@@ -407,84 +549,152 @@ class CostModel:
         return placed(LinkSpec(min(l.bandwidth_gbps for l in links),
                                max(l.latency_us for l in links)))
 
-    def table(self, group: GpuGroup, samples: int) -> _LayerTable:
-        """Per-layer times of one replica computing ``samples`` samples on ``group``'s GPUs."""
-        key = (group.gpu.name, group.gpu.tflops, samples)
+    def _check_tp(self, replicas: tuple[Replica, ...], group_of: tuple[GpuGroup, ...],
+                  tp: int) -> None:
+        """A replica of ``tp`` ranks: as many for every replica, inside one node of its group,
+        a degree the model allows."""
+        why = tp_unfit(self.model, tp)
+        if why:
+            raise CostModelError(f"replicas of {tp} ranks: {why}")
+        for r, g in zip(replicas, group_of):
+            idx = [rank - self._first[g.name] for rank in r.ranks]
+            if r.tp != tp:
+                raise CostModelError(f"a stage's replicas hold {[x.tp for x in replicas]} ranks; "
+                                     "give every replica of a stage the same number")
+            if not all(0 <= i < g.size for i in idx) or \
+                    len({i // g.gpus_per_node for i in idx}) != 1:
+                raise CostModelError(
+                    f"replica ranks {list(r.ranks)} are not {tp} GPUs of one node of group "
+                    f"{g.name!r} (ranks {self._first[g.name]}.."
+                    f"{self._first[g.name] + g.size - 1}, {g.gpus_per_node} a node); a "
+                    "tensor-parallel replica's ranks sit in one node")
+
+    def table(self, group: GpuGroup, samples: int, tp: int = 1) -> _LayerTable:
+        """Per-layer times of one replica computing ``samples`` samples on ``group``'s GPUs,
+        held by ``tp`` of them together."""
+        key = (group.gpu.name, group.gpu.tflops, samples) if tp == 1 else \
+            (group.gpu.name, group.gpu.tflops, samples, tp, group.intra_node)
         t = self._tables.get(key)
         if t is None:
-            t = self._build_table(group, samples)
+            t = self._build_table(group, samples, tp)
             self._tables[key] = t
         return t
 
-    def _build_table(self, group: GpuGroup, samples: int) -> _LayerTable:
+    def tp_allreduce_s(self, group: GpuGroup, samples: int, tp: int, layer: int) -> float:
+        """The tensor-parallel all-reduces one forward (or one backward) of ``layer`` runs on
+        a replica of ``tp`` ranks of ``group`` computing ``samples``: ring all-reduces of the
+        layer's output activations on the group's intra-node link."""
+        spec = self.model.layers[layer]
+        n = self.model.tp_allreduces(spec)
+        if tp == 1 or not n:
+            return 0.0
+        link = group.intra_node
+        nbytes = samples * spec.act_out_bytes
+        return n * (2 * (tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
+                    + 2 * (tp - 1) * link.latency_us * 1e-6)
+
+    def _build_table(self, group: GpuGroup, samples: int, tp: int = 1) -> _LayerTable:
         m = self.model
         speed = group.gpu.tflops * 1e12 * self.efficiency
         mem_bw = group.gpu.tflops * 1e12 / FLOPS_PER_MEMORY_BYTE
         fwd, bwd, upd = [], [], []
         measured = self.profile is not None
-        for layer in m.layers:
+        per_rank = self.shard(tp).params
+        eff = tp_efficiency(tp, m.hidden_size) if tp > 1 else 1.0
+        for j, layer in enumerate(m.layers):
             hit = None
             if self.profile is not None:
                 hit = _lookup(self.profile, group.gpu.name, layer, samples, m.seq_len, m.dtype)
             if hit is not None:
-                fwd.append(hit.forward_s)
-                bwd.append(hit.backward_s)
-                upd.append(hit.update_s if hit.update_s > 0
-                           else layer.params * UPDATE_BYTES_PER_PARAM / mem_bw)
+                f, b = hit.forward_s, hit.backward_s
+                u = hit.update_s if hit.update_s > 0 \
+                    else layer.params * UPDATE_BYTES_PER_PARAM / mem_bw
             else:
                 measured = False
-                fwd.append(samples * layer.fwd_flops / speed)
-                bwd.append(samples * layer.bwd_flops / speed)
-                upd.append(layer.params * UPDATE_BYTES_PER_PARAM / mem_bw)
+                f, b = samples * layer.fwd_flops / speed, samples * layer.bwd_flops / speed
+                u = layer.params * UPDATE_BYTES_PER_PARAM / mem_bw
+            if tp > 1 and self._is_block[j]:
+                f, b, u = self._tp_times(group, samples, tp, j, (f, b, u), eff,
+                                         per_rank[j + 1] - per_rank[j])
+            fwd.append(f)
+            bwd.append(b)
+            upd.append(u)
         block_fwd = [f if b else 0.0 for f, b in zip(fwd, self._is_block)]
         fb = [f + b for f, b in zip(fwd, bwd)]
         return _LayerTable(_prefix(fwd), _prefix(bwd), _prefix(upd), _prefix(block_fwd),
                            measured, _prefix(fb),
                            _prefix(x + r for x, r in zip(fb, block_fwd)))
 
+    def _tp_times(self, group: GpuGroup, samples: int, tp: int, j: int,
+                  one: tuple[float, float, float], eff: float,
+                  rank_params: float) -> tuple[float, float, float]:
+        """(forward, backward, update) of block ``j`` on a replica of ``tp`` ranks, from its
+        times on one GPU (``one``): a profile's timing at degree ``tp`` where it has one, else
+        the compute split ``tp`` ways at ``eff``; plus the all-reduces a timing does not
+        include; the update of the rank's share of the parameters."""
+        layer, m = self.model.layers[j], self.model
+        f, b, u = one
+        u = u * rank_params / layer.params if layer.params else u
+        ar = self.tp_allreduce_s(group, samples, tp, j)
+        hit = None
+        if self.profile is not None:
+            hit = _lookup(self.profile, group.gpu.name, layer, samples, m.seq_len, m.dtype, tp)
+        if hit is not None:
+            extra = 0.0 if hit.tp_comm_included else ar
+            return hit.forward_s + extra, hit.backward_s + extra, u
+        return f / (tp * eff) + ar, b / (tp * eff) + ar, u
+
     # -- per stage -------------------------------------------------------------------------
     def compute_s(self, group: GpuGroup, samples: int, a: int, b: int,
-                  recompute: bool = False) -> tuple[float, float]:
-        """(forward, backward) seconds of layers [a, b) for one replica's ``samples``."""
-        t = self.table(group, samples)
+                  recompute: bool = False, tp: int = 1) -> tuple[float, float]:
+        """(forward, backward) seconds of layers [a, b) for one replica's ``samples`` (held by
+        ``tp`` GPUs)."""
+        t = self.table(group, samples, tp)
         f = t.fwd[b] - t.fwd[a]
         bw = t.bwd[b] - t.bwd[a]
         if recompute:
             bw += t.block_fwd[b] - t.block_fwd[a]
         return f, bw
 
-    def static_bytes(self, a: int, b: int, optimizer: str = REPLICATED, width: int = 1) -> float:
+    def static_bytes(self, a: int, b: int, optimizer: str = REPLICATED, width: int = 1,
+                     tp: int = 1) -> float:
         """Weights, gradients and optimizer state of layers [a, b) on one GPU of a stage of
-        ``width`` replicas keeping its state ``optimizer``."""
-        return (self.params[b] - self.params[a]) * state_bytes_per_param(optimizer, width)
+        ``width`` replicas of ``tp`` ranks keeping its state ``optimizer``."""
+        params = self.shard(tp).params
+        return (params[b] - params[a]) * state_bytes_per_param(optimizer, width)
 
-    def activation_bytes(self, samples: int, a: int, b: int, recompute: bool = False) -> float:
-        """What one micro-batch of ``samples`` keeps in layers [a, b) until its backward."""
-        pre = self.keep_rc if recompute else self.keep
-        fixed = self.fixed_rc if recompute else self.fixed
+    def activation_bytes(self, samples: int, a: int, b: int, recompute: bool = False,
+                         tp: int = 1) -> float:
+        """What one micro-batch of ``samples`` keeps in layers [a, b) until its backward, on
+        each of a replica's ``tp`` ranks."""
+        sh = self.shard(tp)
+        pre = sh.keep_rc if recompute else sh.keep
+        fixed = sh.fixed_rc if recompute else sh.fixed
         return samples * (pre[b] - pre[a]) + fixed[b] - fixed[a]
 
-    def working_bytes(self, samples: int, a: int, b: int) -> float:
-        return samples * self._keep_max[a][b - a - 1]
+    def working_bytes(self, samples: int, a: int, b: int, tp: int = 1) -> float:
+        return samples * self.shard(tp).keep_max[a][b - a - 1]
 
     def memory_bytes(self, samples: int, a: int, b: int, in_flight: int,
                      recompute: bool = False, optimizer: str = REPLICATED,
-                     width: int = 1) -> float:
-        return (self.static_bytes(a, b, optimizer, width)
-                + in_flight * self.activation_bytes(samples, a, b, recompute)
-                + self.working_bytes(samples, a, b))
+                     width: int = 1, tp: int = 1) -> float:
+        return (self.static_bytes(a, b, optimizer, width, tp)
+                + in_flight * self.activation_bytes(samples, a, b, recompute, tp)
+                + self.working_bytes(samples, a, b, tp))
 
     def memory_prefix(self, samples: int, in_flight: int, recompute: bool,
-                      optimizer: str = REPLICATED, width: int = 1) -> list[float]:
+                      optimizer: str = REPLICATED, width: int = 1,
+                      tp: int = 1) -> list[float]:
         """Prefix sums of static + in-flight activation bytes (working set not included)."""
         st = state_bytes_per_param(optimizer, width)
-        key = (samples, in_flight, recompute, st)
+        key = (samples, in_flight, recompute, st, tp)
         pre = self._mem_prefix.get(key)
         if pre is None:
-            keep = self.keep_rc if recompute else self.keep
-            fixed = self.fixed_rc if recompute else self.fixed
+            sh = self.shard(tp)
+            keep = sh.keep_rc if recompute else sh.keep
+            fixed = sh.fixed_rc if recompute else sh.fixed
             pre = [p * st + in_flight * (samples * k + f)
-                   for p, k, f in zip(self.params, keep, fixed)]
+                   for p, k, f in zip(sh.params, keep, fixed)]
             self._mem_prefix[key] = pre
         return pre
 
@@ -494,7 +704,8 @@ class CostModel:
         if d <= 1:
             return 0.0
         link = self.replica_link(replicas)
-        nbytes = (self.params[b] - self.params[a]) * self.grad_dtype_bytes
+        params = self.shard(replicas[0].tp).params
+        nbytes = (params[b] - params[a]) * self.grad_dtype_bytes
         bw = link.bandwidth_gbps * 1e9 / 8
         return 2 * (d - 1) / d * nbytes / bw + 2 * (d - 1) * link.latency_us * 1e-6
 
@@ -511,9 +722,9 @@ class CostModel:
         """(forward, backward, kind) of the stage's slowest replicas on layers [a, b): the
         longest forward and backward of its kinds, and the kind slowest in both together."""
         if len(p.kinds) == 1:
-            f, bw = self.compute_s(*p.kinds[0], a, b, recompute)
+            f, bw = self.compute_s(*p.kinds[0], a, b, recompute, p.tp)
             return f, bw, p.kinds[0]
-        times = [self.compute_s(g, s, a, b, recompute) for g, s in p.kinds]
+        times = [self.compute_s(g, s, a, b, recompute, p.tp) for g, s in p.kinds]
         slow = max(range(len(times)), key=lambda k: sum(times[k]))
         return max(f for f, _ in times), max(bw for _, bw in times), p.kinds[slow]
 
@@ -526,27 +737,29 @@ class CostModel:
         link = self._link(p)
         g, samples = slow
         overlap = not p.on_cpu
-        key = (link, d, g.gpu.name, g.gpu.tflops, samples, a, b, recompute, overlap)
+        key = (link, d, g.gpu.name, g.gpu.tflops, samples, a, b, recompute, overlap, p.tp,
+               g.intra_node)
         w = self._windows.get(key)
         if w is None:
-            w = self._windows[key] = self._ring_window(d, link, self.table(g, samples), a, b,
-                                                       recompute, overlap)
+            w = self._windows[key] = self._ring_window(d, link, self.table(g, samples, p.tp),
+                                                       a, b, recompute, overlap, p.tp)
         return w
 
     def _ring_window(self, d: int, link: LinkSpec, t: _LayerTable, a: int, b: int,
-                     recompute: bool, overlap: bool = True) -> AllReduceWindow:
+                     recompute: bool, overlap: bool = True, tp: int = 1) -> AllReduceWindow:
         """Ring all-reduce of ``d`` replicas over ``link``, in buckets behind the backward of
         layers [a, b) timed by ``t`` (the replica that finishes its backward last); without
         ``overlap`` (CPU devices) every bucket runs after the backward."""
         bw = link.bandwidth_gbps * 1e9 / 8
         ring, lat = 2 * (d - 1) / d, 2 * (d - 1) * link.latency_us * 1e-6
         gb = self.grad_dtype_bytes
+        params = self.shard(tp).params  # each rank all-reduces its shard with its peers'
         layers = []
         for j in range(b - 1, a - 1, -1):  # the backward runs the last layer first
             dur = t.bwd[j + 1] - t.bwd[j]
             if recompute:
                 dur += t.block_fwd[j + 1] - t.block_fwd[j]
-            layers.append((dur, (self.params[j + 1] - self.params[j]) * gb))
+            layers.append((dur, (params[j + 1] - params[j]) * gb))
         if not overlap:  # every gradient is final, then the buckets go one after another
             layers = [(sum(x for x, _ in layers), 0.0)] + [(0.0, n) for _, n in layers]
         return overlapped_allreduce(layers, GRAD_BUCKET_BYTES, lambda n: ring * n / bw + lat)
@@ -564,10 +777,10 @@ class CostModel:
         return p.link
 
     def update_s(self, group: GpuGroup, samples: int, a: int, b: int,
-                 optimizer: str = REPLICATED, width: int = 1) -> float:
-        """The optimizer step of layers [a, b) on one replica; sharded, each replica updates
-        its ``1/width`` of the parameters."""
-        t = self.table(group, samples)
+                 optimizer: str = REPLICATED, width: int = 1, tp: int = 1) -> float:
+        """The optimizer step of layers [a, b) on one replica (each of its ``tp`` ranks its
+        shard); sharded, each replica updates its ``1/width`` of the parameters."""
+        t = self.table(group, samples, tp)
         share = width if optimizer == SHARDED and width > 1 else 1
         return (t.upd[b] - t.upd[a]) / share
 
@@ -582,7 +795,8 @@ class CostModel:
         if optimizer != SHARDED or d <= 1:
             return 0.0
         link = self._link(p)
-        nbytes = (self.params[b] - self.params[a]) * MASTER_BYTES
+        params = self.shard(p.tp).params
+        nbytes = (params[b] - params[a]) * MASTER_BYTES
         bw = link.bandwidth_gbps * 1e9 / 8
         return (d - 1) / d * nbytes / bw + (d - 1) * link.latency_us * 1e-6
 
@@ -591,7 +805,7 @@ class CostModel:
         """What the optimizer adds after the all-reduce: the update (on the first replica's
         GPU, ``samples`` per replica), and the all-gather of a sharded state."""
         p = self.placement(replicas)
-        return (self.update_s(p.group, samples, a, b, optimizer, p.width)
+        return (self.update_s(p.group, samples, a, b, optimizer, p.width, p.tp)
                 + self._allgather(p, a, b, optimizer))
 
     def _neighbour_link(self, a: str, b: str) -> LinkSpec:
@@ -677,7 +891,7 @@ class CostModel:
         this cost model numbers them. A plan numbers its ranks group by group in file order
         over the groups it uses; where it leaves groups idle, the ranks are renumbered over
         every group of the cluster (the same stages otherwise)."""
-        first_rank = self.cluster.subset(self.used_groups(plan)).first_ranks()
+        first_rank = self.hardware.subset(self.used_groups(plan)).first_ranks()
         out = []
         for s in plan.stages:
             reps = tuple(self._renumbered(s.index, r, first_rank) for r in s.replicas)
@@ -729,15 +943,16 @@ class CostModel:
             send_forward_s=send_f[0], send_backward_s=send_b[0],
             send_forward_latency_s=send_f[1], send_backward_latency_s=send_b[1],
             allreduce_s=ar.link_s,
-            update_s=max(self.update_s(g, s, a, b, opt, d) for g, s in p.kinds),
-            static_bytes=self.static_bytes(a, b, opt, d),
-            activation_bytes=self.activation_bytes(first_samples, a, b, rc),
-            working_bytes=self.working_bytes(first_samples, a, b),
+            update_s=max(self.update_s(g, s, a, b, opt, d, p.tp) for g, s in p.kinds),
+            static_bytes=self.static_bytes(a, b, opt, d, p.tp),
+            activation_bytes=self.activation_bytes(first_samples, a, b, rc, p.tp),
+            working_bytes=self.working_bytes(first_samples, a, b, p.tp),
             capacity_bytes=self.capacity_bytes(p.group),
             recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
             allgather_s=self._allgather(p, a, b, opt), optimizer=opt,
             replica_memory=() if p.alike else tuple(
-                ReplicaMemory(self.activation_bytes(s, a, b, rc), self.working_bytes(s, a, b),
+                ReplicaMemory(self.activation_bytes(s, a, b, rc, p.tp),
+                              self.working_bytes(s, a, b, p.tp),
                               self.capacity_bytes(g)) for g, s in p.kinds))
 
     def plan_costs(self, plan: Plan) -> StageCosts:
@@ -754,18 +969,20 @@ class CostModel:
                                      "they must sum to it")
         return self.stage_costs(stages, mbs)
 
-    def sample_time_s(self, group: GpuGroup, samples: int) -> float:
-        """Forward + backward seconds per sample of the whole model on one GPU of ``group``,
-        when it computes ``samples`` samples at a time."""
-        t = self.table(group, samples)
+    def sample_time_s(self, group: GpuGroup, samples: int, tp: int = 1) -> float:
+        """Forward + backward seconds per sample of the whole model on one GPU of ``group``
+        (on a replica of ``tp`` of them), when it computes ``samples`` samples at a time."""
+        t = self.table(group, samples, tp)
         return (t.fwd[-1] + t.bwd[-1]) / samples
 
-    def replica_rate(self, group: GpuGroup, samples: int) -> float:
-        """Samples per second one GPU of ``group`` puts through the whole model (fwd + bwd)."""
-        key = (group.gpu.name, group.gpu.tflops, samples)
+    def replica_rate(self, group: GpuGroup, samples: int, tp: int | None = None) -> float:
+        """Samples per second one replica of ``group`` (``tp`` GPUs; None: the degree the
+        search gives the group) puts through the whole model (fwd + bwd)."""
+        tp = self.tp[group.name] if tp is None else tp
+        key = (group.gpu.name, group.gpu.tflops, samples, tp, group.intra_node)
         r = self._rates.get(key)
         if r is None:
-            r = self._rates[key] = 1.0 / self.sample_time_s(group, samples)
+            r = self._rates[key] = 1.0 / self.sample_time_s(group, samples, tp)
         return r
 
     def best_sample_time_s(self, group: GpuGroup, batch_sizes: list[int]) -> float:

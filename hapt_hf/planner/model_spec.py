@@ -125,6 +125,11 @@ class LayerSpec:
     for the half itself; '' otherwise."""
     profile_share: float = 1.0
     """For a block half: its share of the whole block's measured time (its share of the FLOPs)."""
+    tp_whole_params: int | None = None
+    """Of a block's parameters, those a tensor-parallel replica keeps whole on each of its
+    ranks (its norms and the biases of its row-wise projections); the rest, the projections
+    the model's tensor-parallel plan shards, split ``t`` ways. None: estimated by
+    :meth:`ModelSpec.tp_whole_params`."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +210,10 @@ class _Shape:
     """Attention window shorter than the model's reach (Mistral), or None."""
     embed_dropout: bool = False
     """Dropout on the embedding's output (GPT-2's embd_pdrop): a 1-byte mask."""
+    block_whole: int = 0
+    """Parameters of a block that tensor parallelism leaves whole (norms, row-wise biases)."""
+    attn_whole: int = 0
+    """The same for the block's attention half."""
 
 
 @dataclass(frozen=True)
@@ -286,6 +295,27 @@ class ModelSpec:
     @property
     def total_params(self) -> int:
         return sum(l.params for l in self.layers)
+
+    def tp_whole_params(self, layer: LayerSpec) -> int:
+        """Parameters of ``layer`` that a tensor-parallel replica keeps whole on every rank:
+        all of the embedding's and the head's (they are not sharded); a block's norms and
+        row-wise biases (``LayerSpec.tp_whole_params``, else its norms' weights and biases at
+        most, ``4 x hidden`` a block and half that a half, a bound that keeps the estimate on
+        the side of more memory)."""
+        if layer.kind != "block":
+            return layer.params
+        if layer.tp_whole_params is not None:
+            return layer.tp_whole_params
+        per = 2 if layer.profile_signature else 4  # a half holds one of the block's two norms
+        return min(layer.params, per * self.hidden_size)
+
+    def tp_allreduces(self, layer: LayerSpec) -> int:
+        """All-reduces of the activations one forward (and again one backward) of ``layer``
+        runs on a tensor-parallel replica: 2 a block (after the attention's and the MLP's
+        row-wise projections), 1 a half, none for the embedding and the head."""
+        if layer.kind != "block":
+            return 0
+        return 1 if layer.profile_signature else 2
 
     def boundary_bytes(self, last_layer: int, samples: int) -> float:
         """Bytes that cross a stage boundary after layer ``last_layer`` for ``samples`` samples
@@ -498,7 +528,8 @@ def _gpt2_shape(c) -> _Shape:
                   gated_mlp=False, attn_dropout=c.attn_pdrop > 0, resid_dropout=c.resid_pdrop > 0,
                   act_extra=_act_extra(c.activation_function), max_positions=c.n_positions,
                   attn_inputs=1, mlp_inputs=1, position_ids="per_batch",
-                  embed_dropout=c.embd_pdrop > 0)
+                  embed_dropout=c.embd_pdrop > 0,
+                  block_whole=2 * ln + 2 * h, attn_whole=ln + h)  # norms, c_proj biases
 
 
 def _llama_shape(c) -> _Shape:
@@ -523,7 +554,9 @@ def _llama_shape(c) -> _Shape:
                   gated_mlp=True, attn_dropout=getattr(c, "attention_dropout", 0) > 0,
                   resid_dropout=False, act_extra=_act_extra(c.hidden_act), max_positions=None,
                   attn_inputs=3, mlp_inputs=2, rms_norm=True,
-                  sliding_window=_sliding_window(c))
+                  sliding_window=_sliding_window(c),
+                  # the norms' weights, o_proj's and down_proj's biases
+                  block_whole=2 * h + h * o_bias + h * mlp_bias, attn_whole=h + h * o_bias)
 
 
 def _opt_shape(c) -> _Shape:
@@ -549,7 +582,8 @@ def _opt_shape(c) -> _Shape:
                   resid_dropout=c.dropout > 0, act_extra=_act_extra(c.activation_function),
                   max_positions=c.max_position_embeddings, attn_inputs=3, mlp_inputs=1,
                   position_ids="per_sample",
-                  final_norm=bool(has_final_ln))
+                  final_norm=bool(has_final_ln),
+                  block_whole=2 * ln + 2 * h * bias, attn_whole=ln + h * bias)
 
 
 _READERS = {"gpt2": _gpt2_shape, "llama": _llama_shape, "mistral": _llama_shape,
@@ -650,7 +684,8 @@ def _layers(x: _Shape, s: int, dtype: str, eager: bool) -> tuple[LayerSpec, ...]
     keep = sum(_half_keep_bytes(s, x, c, eager))
     blocks = [LayerSpec(1 + k, "block", block_sig, x.block_params, block_fwd, block_bwd,
                         float(c * s * x.hidden), keep, float(MASTER_BYTES * s * x.hidden),
-                        act_keep_fixed_bytes=_weight_copies(x.block_matmul, c))
+                        act_keep_fixed_bytes=_weight_copies(x.block_matmul, c),
+                        tp_whole_params=x.block_whole)
               for k in range(x.num_blocks)]
     return (_embedding(x, s, c, embed_sig), *blocks, _head(x, s, c, head_sig))
 
@@ -665,15 +700,18 @@ def _half_layers(layers: tuple[LayerSpec, ...], x: _Shape, s: int, dtype: str,
     attn_bwd = 4.0 * s * x.attn_matmul + att_b
     out = [layers[0]]
     for block in layers[1:-1]:
-        halves = (("attn", x.attn_params, attn_fwd, attn_bwd, keep[0], x.attn_matmul),
+        halves = (("attn", x.attn_params, attn_fwd, attn_bwd, keep[0], x.attn_matmul,
+                   x.attn_whole),
                   ("mlp", block.params - x.attn_params, block.fwd_flops - attn_fwd,
-                   block.bwd_flops - attn_bwd, keep[1], x.block_matmul - x.attn_matmul))
-        for tag, params, fwd, bwd, kept, matmul in halves:
+                   block.bwd_flops - attn_bwd, keep[1], x.block_matmul - x.attn_matmul,
+                   x.block_whole - x.attn_whole))
+        for tag, params, fwd, bwd, kept, matmul, whole in halves:
             out.append(LayerSpec(len(out), "block", f"{block.signature}:{tag}", params, fwd,
                                  bwd, block.act_out_bytes, kept, block.act_in_bytes,
                                  profile_signature=block.signature,
                                  profile_share=fwd / block.fwd_flops,
-                                 act_keep_fixed_bytes=_weight_copies(matmul, c)))
+                                 act_keep_fixed_bytes=_weight_copies(matmul, c),
+                                 tp_whole_params=whole))
     out.append(replace(layers[-1], index=len(out)))
     return tuple(out)
 
