@@ -10,7 +10,9 @@ import inspect
 
 from transformers import PretrainedConfig
 
-__all__ = ["recurrent_refusal", "refusal"]
+from hapt_hf.core.tp import tp_refusal
+
+__all__ = ["recurrent_refusal", "refusal", "tp_size_refusal"]
 
 
 def refusal(config: PretrainedConfig) -> str | None:
@@ -77,3 +79,13 @@ def _recurrent_state_argument(model_type: str) -> str | None:
     except (TypeError, ValueError):
         return None
     return next((p for p in ("cache_params", "state") if p in params), None)
+
+
+def tp_size_refusal(config: PretrainedConfig, t: int) -> str | None:
+    """Why ``t``-way tensor parallelism cannot split this model's blocks (``t`` does not divide
+    its attention heads, key/value heads or MLP width), or None."""
+    text = getattr(config, "text_config", None) or config
+    heads = int(text.num_attention_heads)
+    kv = getattr(text, "num_key_value_heads", None)
+    width = getattr(text, "intermediate_size", None) or 4 * int(text.hidden_size)
+    return tp_refusal(t, heads, None if kv is None else int(kv), int(width))

@@ -1,6 +1,16 @@
 """Gradient sums of one rank: its replicas' all-reduce in buckets, the tied embedding's sum,
 and the gradient statistics the whole job agrees on (norm, overflow) with clipping and unscaling.
 
+Under tensor parallelism (a replica held by ``t`` ranks) a rank's sharded parameters and their
+gradients are DTensors: every sum here runs on the local shards. The replicas' all-reduce runs
+per shard, among the ranks at the same tensor-parallel position of every replica; whole
+(replicated) parameters get the same gradient on every rank of a replica and need no sum
+inside it, except those the model's plan marks for one (:attr:`TensorParallelShards.partial
+<hapt_hf.pipeline.tensor_parallel.TensorParallelShards.partial>`), summed over the replica's
+ranks after the replicas' all-reduce. The global norm counts each shard once and each whole
+parameter once (the replica's TP rank 0); the tied embedding is summed once per replica (its
+other ranks add zeros).
+
 The replicas of a stage all-reduce their gradients in buckets of about ``GRAD_BUCKET_BYTES``
 (the cost model's figure), in reverse parameter order, as DDP does: during the iteration's last
 backward, a hook on every trainable parameter counts the gradients made final, and each bucket
@@ -26,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hapt_hf.pipeline.tensor_parallel import TensorParallelShards, is_sharded, local_tensor
+
 __all__ = ["GradSync", "GradBuckets", "all_reduce_flat", "flat_buffer"]
 
 
@@ -39,12 +51,16 @@ class GradSync:
             embedding to sum).
         bucket_bytes: gradient bytes per replica all-reduce bucket.
         overlap: launch buckets during the iteration's last backward.
+        tp: the replica's tensor-parallel sharding (None: a replica of one rank).
     """
 
     def __init__(self, stage: torch.nn.Module, dp_pg: Any, tied_pg: Any,
-                 bucket_bytes: int, overlap: bool) -> None:
+                 bucket_bytes: int, overlap: bool, tp: TensorParallelShards | None = None) -> None:
         self.stage = stage
         self.dp_pg, self.tied_pg = dp_pg, tied_pg
+        self.tp_pg = None if tp is None else tp.group
+        self.tp_rank = 0 if tp is None else tp.rank
+        self.partial = [] if tp is None else list(tp.partial)
         self.tied = list(stage.tied_parameters())
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
         self.buckets: GradBuckets | None = None
@@ -54,7 +70,7 @@ class GradSync:
 
     def release_pgs(self) -> None:
         """Forget the process groups (the runtime is shut down; the groups themselves stay)."""
-        self.dp_pg = self.tied_pg = None
+        self.dp_pg = self.tied_pg = self.tp_pg = None
 
     def update_buckets(self) -> None:
         """Bucket the parameters that train now: adapters added or parameters frozen after the
@@ -111,9 +127,15 @@ class GradSync:
             self.buckets.launch_rest()
         tied = [p.grad for p in self.tied if p.requires_grad]
         if self.tied_pg is not None and tied:
+            if self.tp_rank != 0:  # every rank of a replica holds the same gradient: count one
+                for g in tied:
+                    g.zero_()
             all_reduce_flat(tied, self.tied_pg)
         if self.buckets is not None:
             self.buckets.wait()
+        partial = [local_tensor(p.grad) for p in self.partial if p.requires_grad]
+        if self.tp_pg is not None and partial:
+            all_reduce_flat(partial, self.tp_pg)
 
     def unscale(self, scale: float) -> None:
         """Divide every gradient by the loss scale (a power of two: exact); an overflow stays
@@ -121,20 +143,22 @@ class GradSync:
         inv = 1.0 / scale
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(inv)
+                local_tensor(p.grad).mul_(inv)
 
     def local_stats(self, norm: bool, check: bool, skip_tied: bool,
                     device: torch.device) -> Tensor:
         """[this rank's share of the squared global norm (0 unless ``norm``), 1.0 if it holds
         an inf or NaN gradient (0 unless ``check``)], float64 on ``device``, to be summed over
-        every rank. ``skip_tied``: the tied copy is counted on the first stage."""
+        every rank. ``skip_tied``: the tied copy is counted on the first stage. A shard counts
+        on its own rank, a whole parameter of a tensor-parallel replica on its TP rank 0."""
         stats = torch.zeros(2, dtype=torch.float64, device=device)
-        grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad.detach()) for p in self.parameters() if p.grad is not None]
         if norm:
             tied = {id(p) for p in self.tied} if skip_tied else set()
             for p in self.parameters():
-                if p.grad is not None and id(p) not in tied:
-                    stats[0] += p.grad.detach().double().pow(2).sum()
+                if p.grad is None or id(p) in tied or (self.tp_rank and not is_sharded(p)):
+                    continue
+                stats[0] += local_tensor(p.grad.detach()).double().pow(2).sum()
         if check and grads:  # one device-side flag, no host sync per gradient
             stats[1] = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).double()
         return stats
@@ -144,7 +168,7 @@ class GradSync:
         if coef < 1.0:
             for p in self.parameters():
                 if p.grad is not None:
-                    p.grad.mul_(coef)
+                    local_tensor(p.grad).mul_(coef)
 
 
 class GradBuckets:
@@ -159,14 +183,14 @@ class GradBuckets:
         cur, size = [], 0
         for p in reversed(params):
             cur.append(p)
-            size += p.numel() * p.element_size()
+            size += local_tensor(p).numel() * p.element_size()
             if size >= bucket_bytes:
                 self.buckets.append(cur)
                 cur, size = [], 0
         if cur:
             self.buckets.append(cur)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._flats = [flat_buffer(b) for b in self.buckets]
+        self._flats = [flat_buffer([local_tensor(p) for p in b]) for b in self.buckets]
         self.pg = pg
         self.armed = False
         self._reset()
@@ -214,7 +238,7 @@ class GradBuckets:
             self._launch(self._next)
 
     def _launch(self, i: int) -> None:
-        flat = pack([p.grad for p in self.buckets[i]], self._flats[i])
+        flat = pack([local_tensor(p.grad) for p in self.buckets[i]], self._flats[i])
         self._works.append((i, flat, dist.all_reduce(flat, group=self.pg, async_op=True)))
         self._launched.append(time.perf_counter())
         self._next = i + 1
@@ -234,7 +258,7 @@ class GradBuckets:
         works, self._works = self._works, []
         for i, flat, work in works:
             work.wait()
-            unpack(flat, [p.grad for p in self.buckets[i]])
+            unpack(flat, [local_tensor(p.grad) for p in self.buckets[i]])
         self._times = (self._launched, self._backward_end or 0.0)
         self._reset()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -25,7 +26,8 @@ from hapt_hf.pipeline.placement import RankWork
 from hapt_hf.pipeline.runtime_types import RuntimeSetupError
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["init_distributed", "world_size", "stage_groups", "transfer_groups", "local_device"]
+__all__ = ["init_distributed", "world_size", "StageGroups", "stage_groups", "transfer_groups",
+           "local_device"]
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What ``torchrun`` / ``accelerate launch`` set and the ``env://`` rendezvous reads."""
@@ -72,26 +74,48 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, *, backend: str | Non
     return dist.get_rank(), dist.get_world_size()
 
 
+@dataclass(frozen=True)
+class StageGroups:
+    """The process groups one rank sums gradients (and shards) in; None where it has none."""
+
+    tp: Any
+    """Its replica's ranks (tensor parallelism; None for a replica of one rank)."""
+    dp: Any
+    """The ranks at its tensor-parallel position in every replica of its stage: they hold the
+    same shard and sum its gradients (None for a stage of one replica)."""
+    tied: Any
+    """The first and the last stage's ranks (tied embeddings on different stages), or None."""
+
+
 def stage_groups(plan: Plan, rank: int, tied_ranks: Sequence[int],
-                 tied_embeddings: bool) -> tuple[Any, Any]:
-    """(this rank's replica group, its tied-embedding group); None where it has none.
+                 tied_embeddings: bool) -> StageGroups:
+    """This rank's tensor-parallel, data-parallel and tied-embedding groups.
 
     ``new_group`` is collective over the default group: every rank creates every group, in the
-    same order, and keeps the ones it belongs to. The tied group (the first and the last stage's
-    ranks) exists when the model ties its embeddings and they sit on different stages.
+    same order (stage by stage: each replica's group, then each tensor-parallel position's
+    group across the replicas; the tied group last), and keeps the ones it belongs to. The tied
+    group (the first and the last stage's ranks) exists when the model ties its embeddings and
+    they sit on different stages.
     """
-    mine = None
+    tp = dp = None
     for st in plan.stages:
+        if st.tp > 1:
+            for rep in st.replicas:
+                g = dist.new_group(list(rep.ranks))
+                if rank in rep.ranks:
+                    tp = g
         if st.width > 1:
-            g = dist.new_group(list(st.ranks))
-            if rank in st.ranks:
-                mine = g
+            for j in range(st.tp):
+                ranks = [rep.ranks[j] for rep in st.replicas]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    dp = g
     tied = None
     if tied_embeddings and plan.num_stages > 1:
         g = dist.new_group(list(tied_ranks))
         if rank in tied_ranks:
             tied = g
-    return mine, tied
+    return StageGroups(tp, dp, tied)
 
 
 def transfer_groups(plan: Plan, work: RankWork,
@@ -130,13 +154,11 @@ def _open_pairs(work: RankWork, groups: dict[tuple[int, bool], Any],
     that needs that send. Made here, in one global order, no rank waits for one that waits
     for it."""
     s, me = work.stage.index, work.rank
-    events = []  # (order, send?, peer, group key)
-    for p in work.upstream:
-        events += [((s - 1, 0, p.peer, me), False, p.peer, (s - 1, True)),
-                   ((s - 1, 1, me, p.peer), True, p.peer, (s - 1, False))]
-    for p in work.downstream:
-        events += [((s, 0, me, p.peer), True, p.peer, (s, True)),
-                   ((s, 1, p.peer, me), False, p.peer, (s, False))]
+    events = []  # (order, send?, peer, group key); the two directions may pair other ranks
+    events += [((s - 1, 0, p.peer, me), False, p.peer, (s - 1, True)) for p in work.upstream]
+    events += [((s - 1, 1, me, p.peer), True, p.peer, (s - 1, False)) for p in work.upstream_grads]
+    events += [((s, 0, me, p.peer), True, p.peer, (s, True)) for p in work.downstream]
+    events += [((s, 1, p.peer, me), False, p.peer, (s, False)) for p in work.downstream_grads]
     one = torch.zeros(1, device=device)
     for _, send, peer, key in sorted(events):
         (dist.send if send else dist.recv)(one, peer, group=groups[key])

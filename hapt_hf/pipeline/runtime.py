@@ -41,6 +41,7 @@ from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work
 from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, inference_context, torch_dtype
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups, transfer_groups
+from hapt_hf.pipeline.tensor_parallel import TensorParallelShards, full_state_dict, shard_stage, tp_plan_refusal
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
 from hapt_hf.pipeline.transfers import Transfer
@@ -79,6 +80,10 @@ class PipelineRuntime:
         mismatch = autocast_mismatch(plan.dtype, config.autocast_dtype)
         if mismatch:
             raise RuntimeSetupError(mismatch)
+        for st in plan.stages:  # every rank refuses alike, before any collective
+            problem = tp_plan_refusal(model_config, st.tp)
+            if problem is not None:
+                raise RuntimeSetupError(f"stage {st.index}: {problem}")
         self.plan, self.config = plan, config
         self.loss_scaler: DynamicLossScaler | None = config.loss_scaler(plan)
         """The job's loss scale (fp16 plans); its state goes into checkpoints."""
@@ -120,14 +125,19 @@ class PipelineRuntime:
         # what a stage's input and output are under autocast: the fp32 residual stream
         self._stream_dtype = next(self.stage.parameters()).dtype
         with self.channel.collective("the process-group set-up", s, self._all_ranks):
-            dp_pg, tied_pg = stage_groups(
-                self.plan, self.rank, self.work.tied_ranks,
-                bool(getattr(model_config, "tie_word_embeddings", False)))
+            groups = stage_groups(self.plan, self.rank, self.work.tied_ranks,
+                                  bool(getattr(model_config, "tie_word_embeddings", False)))
             self._transfer_pgs = transfer_groups(self.plan, self.work, self.device)
-        self.optimizers = StageOptimizers(self.stage_plan, self.stage, dp_pg, self.channel)
-        """This stage's optimizer as the plan says (a sharded one splits in the replica group)."""
-        self._grads = GradSync(self.stage, dp_pg, tied_pg, self.config.grad_bucket_bytes,
-                               self.config.overlap_grad_sync)
+        self.tp: TensorParallelShards | None = None
+        """This replica's tensor-parallel sharding (None: the replica is this rank alone)."""
+        if groups.tp is not None:
+            with self.channel.collective("the tensor-parallel sharding", s, self.work.tp_ranks):
+                self.tp = shard_stage(self.stage, model_config, groups.tp, self.device)
+        self.optimizers = StageOptimizers(self.stage_plan, self.stage, groups.dp, self.channel)
+        """This stage's optimizer as the plan says (a sharded one splits among the replicas'
+        ranks that hold the same shard)."""
+        self._grads = GradSync(self.stage, groups.dp, groups.tied, self.config.grad_bucket_bytes,
+                               self.config.overlap_grad_sync, self.tp)
 
     @property
     def bucket_launch_s(self) -> list[float]:
@@ -254,8 +264,10 @@ class PipelineRuntime:
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, Tensor] | None:
         """The full model's state dict (Hugging Face keys) on rank ``dst``, None elsewhere."""
-        mine = ({k: v.detach().cpu() for k, v in self.stage.hf_state_dict().items()}
-                if self.work.replica == 0 else None)
+        mine = None
+        if self.work.replica == 0:  # each of its ranks takes part in gathering the shards
+            full = full_state_dict(self.stage.hf_state_dict())
+            mine = {k: v.cpu() for k, v in full.items()} if self.work.tp_rank == 0 else None
         with self.channel.collective("the state-dict gather", self.stage_plan.index,
                                      self._all_ranks):
             return gather_state_dict(mine, self.rank, dst)
@@ -298,7 +310,7 @@ class PipelineRuntime:
                     if self.work.is_last and keep_logits:
                         logits[k] = out
                         out = self.stage.loss_sum(out, labels[self._rows(k)].to(self.device))
-                    if self.work.is_last:
+                    if self.work.is_last and self.work.tp_rank == 0:  # once per replica
                         loss_sum += out.detach().double().cpu()
                 elif a.kind is ActionKind.SEND_F:
                     sends += self._post_send(self.work.downstream, k, mbs[key].output, "SEND_F")
@@ -306,7 +318,7 @@ class PipelineRuntime:
                         mbs[key].output = None
                 elif a.kind is ActionKind.RECV_B:  # before F(k) on a stage one micro-batch deep
                     mbs.setdefault(key, _MicroBatch([])).grad_recv = self._post_recv(
-                        self.work.downstream, k, seq, "RECV_B")
+                        self.work.downstream_grads, k, seq, "RECV_B")
                 elif a.kind is ActionKind.B:
                     # the iteration's last backward makes every gradient final: the bucket
                     # hooks launch the replicas' all-reduce during it
@@ -314,7 +326,7 @@ class PipelineRuntime:
                         self._backward(mbs[key])
                 elif a.kind is ActionKind.SEND_B:
                     m = mbs.pop(key)
-                    sends += self._post_send(self.work.upstream, k, m.inputs.grad, "SEND_B")
+                    sends += self._post_send(self.work.upstream_grads, k, m.inputs.grad, "SEND_B")
             except PipelineFailure:
                 raise
             except Exception as e:  # noqa: BLE001 - recorded for every rank, then re-raised

@@ -1,0 +1,152 @@
+"""Tensor parallelism inside a replica: one stage's blocks sharded over the replica's ranks.
+
+A replica of ``t`` ranks (its ``ranks`` in the plan) shards the transformer blocks'
+projections that the model's own tensor-parallel plan names (transformers'
+``config.base_model_tp_plan``: ``"layers.*.self_attn.q_proj": "colwise"``, ...), with
+``torch.distributed.tensor.parallel.parallelize_module`` over a 1-D ``DeviceMesh`` of the
+replica's process group: ``colwise`` is ``ColwiseParallel`` (the weight split by output rows,
+the input replicated, the output left sharded on the heads or the MLP width) and ``rowwise`` is
+``RowwiseParallel`` (split by input columns, the partial outputs all-reduced). A block's
+parameters are then DTensors; everything else (the embedding, the norms, the final norm, the
+LM head) stays a whole, plain parameter on every rank of the replica, computed redundantly.
+``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm`` / ``k_norm``) stays whole too,
+but each rank sees only its heads, so its gradient is summed over the replica's ranks
+(:attr:`TensorParallelShards.partial`). Any other style is refused by name.
+
+Every rank of the replica builds the same seeded (or loaded) weights, so each keeps its own
+slice locally (no scatter from one rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from transformers import PretrainedConfig
+
+from hapt_hf.pipeline.config_checks import tp_size_refusal
+
+__all__ = ["SUPPORTED_STYLES", "TensorParallelShards", "tp_plan_refusal", "stage_tp_plan", "shard_stage",
+           "local_tensor", "is_sharded", "full_state_dict"]
+
+COLWISE, ROWWISE, REPLICATED_GRAD_SUM = "colwise", "rowwise", "replicated_with_grad_allreduce"
+SUPPORTED_STYLES = (COLWISE, ROWWISE, REPLICATED_GRAD_SUM)
+"""The styles of ``config.base_model_tp_plan`` a replica can run."""
+
+
+def tp_plan_refusal(config: PretrainedConfig, t: int) -> str | None:
+    """Why a replica of ``t`` ranks cannot hold a stage of this model, or None if it can (or
+    ``t`` is 1): the model has no tensor-parallel plan, the plan names a style not supported
+    here, or ``t`` does not divide the heads, key/value heads or MLP width."""
+    if t == 1:
+        return None
+    plan = getattr(config, "base_model_tp_plan", None)
+    model_type = getattr(config, "model_type", "?")
+    if not plan:
+        return (f"config.model_type {model_type!r} has no tensor-parallel plan "
+                "(config.base_model_tp_plan is empty): its blocks cannot be sharded, so every "
+                f"replica must be one rank; the plan gives a replica {t} ranks: re-plan without "
+                "tensor parallelism (one rank per replica)")
+    bad = sorted({f"{k}: {v!r}" for k, v in plan.items() if v not in SUPPORTED_STYLES})
+    if bad:
+        return (f"config.model_type {model_type!r}'s tensor-parallel plan uses style(s) "
+                f"{bad}, which hapt_hf does not run (it runs {list(SUPPORTED_STYLES)}); re-plan "
+                "with one rank per replica")
+    return tp_size_refusal(config, t)
+
+
+@dataclass(frozen=True)
+class TensorParallelShards:
+    """What sharding did to one stage replica."""
+
+    mesh: DeviceMesh
+    """The replica's 1-D device mesh (its tensor-parallel process group)."""
+    group: Any
+    """The replica's tensor-parallel process group."""
+    rank: int
+    """This rank's position in the replica (its TP rank)."""
+    size: int
+    """Ranks holding the replica together (``t``)."""
+    modules: tuple[str, ...]
+    """The stage's modules parallelized, by path."""
+    partial: tuple[nn.Parameter, ...]
+    """Whole parameters whose gradient each rank computes from its heads only: summed over
+    :attr:`group` after the backward."""
+
+
+def stage_tp_plan(stage: nn.Module, config: PretrainedConfig) -> dict[str, str]:
+    """The model's tensor-parallel plan for the blocks this stage holds: each pattern of
+    ``config.base_model_tp_plan`` (relative to the base model, ``layers.*.mlp.up_proj``) turned
+    into the paths of the stage's modules (``model.layers.3.mlp.up_proj``), style by path.
+    A half block keeps only its half's modules; patterns outside the blocks are refused."""
+    blocks = stage.adapter.blocks_path  # e.g. "model.layers"
+    base, _, stack = blocks.rpartition(".")
+    out: dict[str, str] = {}
+    for pattern, style in (config.base_model_tp_plan or {}).items():
+        head, _, rest = pattern.partition(".")
+        if head != stack or not rest.startswith("*."):
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} is not inside the blocks "
+                             f"({stack}.*.): only the blocks' modules are sharded")
+        for i in stage.block_indices:
+            path = f"{blocks}.{i}.{rest[2:]}"
+            if _holds(stage, path):
+                out[path] = style
+    return out
+
+
+def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,
+                device: torch.device) -> TensorParallelShards:
+    """Shard ``stage``'s blocks over ``group`` (the replica's ranks, every rank of it calls
+    this) as the model's tensor-parallel plan says; the stage is changed in place."""
+    import torch.distributed as dist
+    problem = tp_plan_refusal(config, dist.get_world_size(group))
+    if problem is not None:
+        raise ValueError(problem)
+    mesh = DeviceMesh.from_group(group, device.type)
+    styles: dict[str, ParallelStyle] = {}
+    partial: list[nn.Parameter] = []
+    for path, style in stage_tp_plan(stage, config).items():
+        if style == REPLICATED_GRAD_SUM:
+            partial += [p for p in stage.get_submodule(path).parameters() if p.requires_grad]
+            continue
+        styles[path] = _style(style)
+    if styles:
+        parallelize_module(stage, mesh, styles)
+    return TensorParallelShards(mesh, group, dist.get_rank(group), dist.get_world_size(group),
+                                tuple(styles), tuple(partial))
+
+
+def _style(name: str) -> ParallelStyle:
+    style: ParallelStyle = ColwiseParallel() if name == COLWISE else RowwiseParallel()
+    # every rank holds the same weights: each keeps its own slice, nothing is scattered
+    style.src_data_rank = None
+    return style
+
+
+def _holds(stage: nn.Module, path: str) -> bool:
+    try:
+        stage.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def is_sharded(t: Tensor) -> bool:
+    """Whether ``t`` (a parameter or a gradient) is a DTensor: one shard of a sharded tensor."""
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (a view that writes through),
+    ``t`` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with every shard gathered into its whole tensor (a collective over the
+    replica's ranks for each sharded tensor: every rank of the replica calls it), detached."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in state.items()}

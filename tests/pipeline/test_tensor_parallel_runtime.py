@@ -1,0 +1,187 @@
+"""Replicas held by several ranks (tensor parallelism) train exactly as one process would.
+
+Each case trains STEPS clipped AdamW steps on Gloo ranks and compares, on every rank, the
+loss, the global gradient norm and every gradient of its stage after every step (the shards
+gathered whole), every parameter after the steps, ``evaluate`` and the gathered state dict,
+with one process training the whole model on the same global batches. Cases: TP 2 and 4
+inside one stage; stages of different TP degrees (1 -> 2 -> 4 on 7 ranks, 2 -> 1, 1 -> 2);
+two TP replicas taking uneven shares; tied embeddings across a TP stage; LLaMA, Qwen3 and
+Mistral. Tolerance: rtol 1e-5, atol 4e-5 in fp32, as the pipeline's other equivalence tests
+(the row-wise all-reduce changes the summation order of the projections' outputs; no case
+needed more).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.planner.plan import Plan, Replica, Stage
+from benchmarks.ranks import run_ranks
+from tests.pipeline.test_runtime_equivalence import SEQ, STEPS, _compare, make_batches
+
+pytestmark = pytest.mark.multiproc
+
+M = 2  # micro-batches per step
+
+
+def tiny_config(family: str, blocks: int, tied: bool = False):
+    """Four heads, MLP width 64; LLaMA four key/value heads (TP 4 divides them), Qwen3 and
+    Mistral two (grouped-query attention under TP 2)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+    common = dict(num_hidden_layers=blocks, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=4, vocab_size=97, max_position_embeddings=32,
+                  tie_word_embeddings=tied)
+    if family == "llama":
+        return LlamaConfig(num_key_value_heads=4, **common)
+    if family == "qwen3":
+        return Qwen3Config(num_key_value_heads=2, head_dim=8, **common)
+    return MistralConfig(num_key_value_heads=2, **common)
+
+
+@dataclass(frozen=True)
+class Case:
+    """Blocks per stage, each stage's replica shares and the ranks holding each replica."""
+
+    name: str
+    family: str
+    blocks: tuple[int, ...]
+    shares: tuple[tuple[int, ...], ...]
+    tp: tuple[int, ...]
+    tied: bool = False
+
+    @property
+    def world(self) -> int:
+        return sum(len(s) * t for s, t in zip(self.shares, self.tp))
+
+    def plan(self) -> Plan:
+        n, stages, rank, start = len(self.blocks), [], 0, 0
+        mbs = sum(self.shares[0])
+        for i, (b, shares, t) in enumerate(zip(self.blocks, self.shares, self.tp)):
+            end = start + b + (i == 0) + (i == n - 1)  # the embedding and head are layers too
+            reps = []
+            for s in shares:
+                reps.append(Replica("cpu", "cpu", s, tuple(range(rank, rank + t))))
+                rank += t
+            stages.append(Stage(i, (start, end), tuple(reps), warmup=n - i))
+            start = end
+        return Plan(f"tiny-{self.family}", start, SEQ, mbs * M, mbs, M, "1f1b",
+                    tuple(stages)).validate(self.world)
+
+
+CASES = {
+    3: [Case("tp2|1-tied", "llama", (1, 1), ((2,), (2,)), (2, 1), tied=True),
+        Case("1|tp2-qwen3", "qwen3", (1, 2), ((2,), (2,)), (1, 2))],
+    4: [Case("tp4", "llama", (2,), ((2,),), (4,)),
+        Case("tp2x2-3:1", "mistral", (2,), ((3, 1),), (2,)),
+        Case("tp2|tp2-qwen3-tied", "qwen3", (1, 1), ((2,), (2,)), (2, 2), tied=True)],
+    7: [Case("1|tp2|tp4", "llama", (1, 1, 1), ((2,), (2,), (2,)), (1, 2, 4))],
+}
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def train_case(rank: int, case: Case) -> dict:
+    """STEPS steps against one process; what this rank found wrong."""
+    from transformers import AutoModelForCausalLM
+
+    from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
+    config = tiny_config(case.family, sum(case.blocks), case.tied)
+    rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
+    torch.manual_seed(7)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
+    # lr 1e-3, as the other equivalence tests: larger magnifies last-bit differences past atol
+    opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    errors: list[str] = []
+    norms = []
+    batches = make_batches(config.vocab_size, seed=11, rows=rt.plan.global_batch_size)
+    for i, b in enumerate(batches):
+        ref_opt.zero_grad()
+        ref_loss = ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        res = rt.train_step(b, opt, max_grad_norm=0.5)
+        for n, p in rt.stage.named_parameters():  # clipped alike; the step has not zeroed them
+            _compare(f"step {i} grad {n}", _full(p.grad), ref.get_parameter(n).grad, errors)
+        ref_opt.step()
+        norms.append(res.grad_norm)
+        _compare(f"step {i} loss", torch.tensor(res.loss, dtype=torch.float64),
+                 ref_loss.detach().double(), errors)
+        _compare(f"step {i} grad norm", torch.tensor(res.grad_norm, dtype=torch.float64),
+                 ref_norm.double(), errors)
+    sharded = 0
+    for n, p in rt.stage.named_parameters():
+        sharded += hasattr(p, "full_tensor")
+        _compare(f"param {n} after {STEPS} steps", _full(p.detach()),
+                 ref.get_parameter(n).detach(), errors)
+    with torch.no_grad():
+        ref_eval = ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss
+    _compare("evaluate", torch.tensor(rt.evaluate(b), dtype=torch.float64), ref_eval.double(),
+             errors)
+    state = rt.gather_state_dict()
+    if rank == 0:
+        ref_state = ref.state_dict()
+        if set(state) != set(ref_state):
+            errors.append(f"state dict keys differ: {sorted(set(state) ^ set(ref_state))}")
+        for k in set(state) & set(ref_state):
+            _compare(f"state {k}", state[k], ref_state[k], errors)
+    out = {"errors": errors, "stage": rt.stage_plan.index, "norms": norms, "sharded": sharded,
+           "tp": rt.work.tp, "partial": 0 if rt.tp is None else len(rt.tp.partial)}
+    rt.shutdown()
+    return out
+
+
+def refusal(rank: int) -> str | None:
+    """What a rank is told for a TP plan of a model without a tensor-parallel plan (GPT-2)."""
+    from transformers import GPT2Config
+
+    from hapt_hf.pipeline import PipelineRuntime
+    from hapt_hf.pipeline.runtime import RuntimeSetupError
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32)
+    try:
+        PipelineRuntime(CASES[3][0].plan(), config).shutdown()
+    except RuntimeSetupError as e:
+        return str(e)
+    return None
+
+
+def run_all(rank: int, world_size: int) -> dict:
+    out = {c.name: train_case(rank, c) for c in CASES[world_size]}
+    if world_size == 3:
+        out["refusal"] = refusal(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return {w: [o.value for o in run_ranks(run_all, w, timeout_s=240)] for w in CASES}
+
+
+ALL = [(w, c) for w, cases in CASES.items() for c in cases]
+
+
+@pytest.mark.parametrize("world,case", ALL, ids=[f"{w}r-{c.name}" for w, c in ALL])
+def test_matches_single_process(results, world, case):
+    plan = case.plan()
+    for rank, per_rank in enumerate(results[world]):
+        r = per_rank[case.name]
+        assert not r["errors"], f"rank {rank} (stage {r['stage']}): " + "\n".join(r["errors"])
+        assert max(r["norms"]) > 0.5, "clipping never engaged; the step check would be weaker"
+        st = plan.stages[r["stage"]]
+        assert r["tp"] == st.tp
+        # a TP stage's projections are sharded: 7 per block (q, k, v, o, gate, up, down)
+        assert r["sharded"] == (7 * case.blocks[st.index] if st.tp > 1 else 0), r
+        if case.family == "qwen3" and st.tp > 1:  # q_norm and k_norm summed over the replica
+            assert r["partial"] == 2 * case.blocks[st.index], r
+
+
+def test_a_model_without_a_tensor_parallel_plan_is_refused_naming_it(results):
+    for msg in (per_rank["refusal"] for per_rank in results[3]):
+        assert msg is not None
+        assert "stage 0" in msg and "'gpt2' has no tensor-parallel plan" in msg, msg
+        assert "base_model_tp_plan" in msg and "one rank per replica" in msg, msg
