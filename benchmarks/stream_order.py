@@ -40,9 +40,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from hapt_hf.core.schedules import ActionKind
-from hapt_hf.planner.schedule import Schedule
+from hapt_hf.planner.plan import Plan
+from hapt_hf.planner.schedule import Action, Schedule
 
-__all__ = ["in_order_hazard", "GROUPINGS", "STREAMS"]
+__all__ = ["in_order_hazard", "plan_in_order_hazard", "GROUPINGS", "STREAMS"]
 
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 _FORWARD = (ActionKind.SEND_F, ActionKind.RECV_F)
@@ -63,9 +64,37 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
     default group initialised with ``device_id``, which torch then makes eagerly).
     ``made_at_setup``: the pair communicators already exist when the lists start (the
     runtime's set-up makes them); otherwise a pair's first transfer blocks both hosts."""
+    def peers(r: int, a: Action) -> list[int]:
+        return [sched.rank_of(a.stage + 1 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B)
+                              else a.stage - 1)]
+    return _hazard(dict(enumerate(sched.actions)), peers, sched.num_stages, groups, streams,
+                   made_at_setup)
+
+
+def plan_in_order_hazard(plan: Plan, *, groups: str = "boundary", streams: str = "pair",
+                         made_at_setup: bool = True) -> str | None:
+    """:func:`in_order_hazard` over a plan's global ranks: every rank of every replica runs its
+    stage's list, and each of its transfers goes to the ranks the runtime pairs it with
+    (:func:`hapt_hf.pipeline.placement.rank_work`: the pieces each replica trades with the
+    neighbouring stage's replicas, and under tensor parallelism the TP rank each pairs with),
+    one transfer per piece, posted in piece order as the runtime posts them."""
+    from hapt_hf.pipeline.placement import rank_work
+    works = {r: rank_work(plan, r) for s in plan.stages for r in s.ranks}
+    pieces = {ActionKind.RECV_F: "upstream", ActionKind.SEND_B: "upstream_grads",
+              ActionKind.SEND_F: "downstream", ActionKind.RECV_B: "downstream_grads"}
+
+    def peers(r: int, a: Action) -> list[int]:
+        return [p.peer for p in getattr(works[r], pieces[a.kind])]
+    return _hazard({r: w.actions for r, w in works.items()}, peers, plan.num_stages, groups,
+                   streams, made_at_setup)
+
+
+def _hazard(lists: dict[int, tuple[Action, ...]], peers, n: int, groups: str, streams: str,
+            made_at_setup: bool) -> str | None:
+    """The replay: ``lists`` by rank, ``peers(rank, action)`` the ranks a transfer action
+    posts to or from, in posting order; ``n`` stages."""
     if groups not in GROUPINGS or streams not in STREAMS:
         raise ValueError(f"groups must be one of {GROUPINGS} and streams one of {STREAMS}")
-    n = sched.num_stages
     parent: dict[tuple, tuple] = {}
 
     def find(x: tuple) -> tuple:
@@ -78,48 +107,55 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
     edges: list[tuple[tuple, tuple]] = []
     sends: dict[tuple, list[tuple[tuple, int]]] = defaultdict(list)  # (chan, src, dst)
     recvs: dict[tuple, list[tuple[tuple, int]]] = defaultdict(list)
-    first_post: dict[tuple, tuple] = {}  # (chan, stage) -> host node of its first transfer
-    for r, lst in enumerate(sched.actions):
+    first_post: dict[tuple, tuple] = {}  # (chan, rank) -> host node of its first transfer
+    for r, lst in lists.items():
         last_compute = prev_host = host_sync = None
         tail: dict[object, tuple] = {}  # stream -> its last node
-        received: dict[tuple[int, bool, int], tuple] = {}
+        received: dict[tuple[int, bool, int], list[tuple]] = {}
         for j, a in enumerate(lst):
-            host, node = ("H", r, j), ("G", r, j)
+            host = ("H", r, j)
             for before in (prev_host, host_sync):
                 if before is not None:
                     edges.append((before, host))
-            edges.append((host, node))
             prev_host, host_sync = host, None
             s, k = a.stage, a.microbatch
             if a.is_compute:
-                stream, fwd = "compute", a.kind is ActionKind.F
+                node = ("G", r, j)
+                edges.append((host, node))
+                fwd = a.kind is ActionKind.F
                 if (fwd and s > 0) or (not fwd and s < n - 1):
-                    edges.append((received[(s, fwd, k)], node))
+                    edges += [(x, node) for x in received[(s, fwd, k)]]
                 last_compute = node
                 if fwd and s == n - 1:
                     host_sync = node  # the loss read back to the host
-            else:
-                fwd = a.kind in _FORWARD
-                peer = s + 1 if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else s - 1
-                edge = min(s, peer)  # the boundary's index
-                peer_rank = sched.rank_of(peer)
-                chan = {"one": ("all",), "direction": ("all", fwd),
-                        "boundary": (edge, fwd)}[groups]
-                stream = (chan, frozenset((r, peer_rank))) if streams == "pair" else chan
+                if "compute" in tail:
+                    edges.append((tail["compute"], node))
+                tail["compute"] = node
+                continue
+            fwd = a.kind in _FORWARD
+            edge = s if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else s - 1
+            chan = {"one": ("all",), "direction": ("all", fwd), "boundary": (edge, fwd)}[groups]
+            received.setdefault((s, fwd, k), [])
+            edges.append((host, ("G", r, j)))  # the action's node, even with nothing to post
+            # one transfer per peer, posted in order; the action's node is the first one
+            for i, peer in enumerate(peers(r, a)):
+                node = ("G", r, j) if i == 0 else ("G", r, j, i)
+                edges.append((host, node))
+                stream = (chan, frozenset((r, peer))) if streams == "pair" else chan
                 if streams == "pair" and not made_at_setup:
                     first_post.setdefault((stream, r), host)
                 if last_compute is not None:
                     edges.append((last_compute, node))
                 if a.kind in _SENDS:
-                    sends[(chan, r, peer_rank)].append((node, k))
+                    sends[(chan, r, peer)].append((node, k))
                 else:
-                    recvs[(chan, peer_rank, r)].append((node, k))
-                    received[(s, fwd, k)] = node
-            if stream in tail:
-                edges.append((tail[stream], node))
-            tail[stream] = node
-    for key, out in sends.items():
-        into = recvs.get(key, [])
+                    recvs[(chan, peer, r)].append((node, k))
+                    received[(s, fwd, k)].append(node)
+                if stream in tail:
+                    edges.append((tail[stream], node))
+                tail[stream] = node
+    for key in set(sends) | set(recvs):
+        out, into = sends.get(key, []), recvs.get(key, [])
         _, src, dst = key
         if len(out) != len(into):
             return (f"rank {src} posts {len(out)} sends to rank {dst} but rank {dst} posts "
@@ -136,15 +172,15 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
     for hosts in by_comm.values():
         for h in hosts[1:]:
             parent[find(h)] = find(hosts[0])
-    return _cycle(sched, {(find(u), find(v)) for u, v in edges}, find)
+    return _cycle(lists, {(find(u), find(v)) for u, v in edges}, find)
 
 
-def _cycle(sched: Schedule, edges: set[tuple[tuple, tuple]], find) -> str | None:
+def _cycle(lists: dict[int, tuple[Action, ...]], edges: set[tuple[tuple, tuple]],
+           find) -> str | None:
     """Kahn's order over the merged nodes; where it stops, each rank's first action left."""
     succ: dict[tuple, list[tuple]] = defaultdict(list)
     indeg: dict[tuple, int] = defaultdict(int)
-    nodes = {find(("G", r, j)) for r, lst in enumerate(sched.actions) for j in range(len(lst))}
-    nodes |= {find(("H", r, j)) for r, lst in enumerate(sched.actions) for j in range(len(lst))}
+    nodes = {find(x) for e in edges for x in e}
     for u, v in edges:  # a node that waits on itself (u == v) never becomes ready
         succ[u].append(v)
         indeg[v] += 1
@@ -160,7 +196,7 @@ def _cycle(sched: Schedule, edges: set[tuple[tuple, tuple]], find) -> str | None
     if len(done) == len(nodes):
         return None
     stuck = []
-    for r, lst in enumerate(sched.actions):
+    for r, lst in lists.items():
         j = next((j for j in range(len(lst)) if find(("G", r, j)) not in done), None)
         if j is not None:
             stuck.append(f"rank {r} at {lst[j]}")

@@ -51,11 +51,11 @@ def tp_plan_refusal(config: PretrainedConfig, t: int) -> str | None:
                 "(config.base_model_tp_plan is empty): its blocks cannot be sharded, so every "
                 f"replica must be one rank; the plan gives a replica {t} ranks: re-plan without "
                 "tensor parallelism (one rank per replica)")
-    bad = sorted({f"{k}: {v!r}" for k, v in plan.items() if v not in SUPPORTED_STYLES})
+    bad = sorted(f"{v!r} ({k})" for k, v in plan.items() if v not in SUPPORTED_STYLES)
     if bad:
-        return (f"config.model_type {model_type!r}'s tensor-parallel plan uses style(s) "
-                f"{bad}, which hapt_hf does not run (it runs {list(SUPPORTED_STYLES)}); re-plan "
-                "with one rank per replica")
+        return (f"config.model_type {model_type!r}'s tensor-parallel plan uses the style(s) "
+                f"{', '.join(bad)}, which hapt_hf does not run (it runs "
+                f"{', '.join(SUPPORTED_STYLES)}); re-plan with one rank per replica")
     return tp_size_refusal(config, t)
 
 
