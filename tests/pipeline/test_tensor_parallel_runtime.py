@@ -5,8 +5,9 @@ loss, the global gradient norm and every gradient of its stage after every step 
 gathered whole), every parameter after the steps, ``evaluate`` and the gathered state dict,
 with one process training the whole model on the same global batches. Cases: TP 2 and 4
 inside one stage; stages of different TP degrees (1 -> 2 -> 4 on 7 ranks, 2 -> 1, 1 -> 2);
-two TP replicas taking uneven shares; tied embeddings across a TP stage; LLaMA, Qwen3 and
-Mistral. Tolerance: rtol 1e-5, atol 4e-5 in fp32, as the pipeline's other equivalence tests
+two TP replicas taking uneven shares; tied embeddings across a TP stage; block halves and
+activation checkpointing on a TP stage; LLaMA, Qwen3 and Mistral. fp16's overflow decision
+is one for the whole job. Tolerance: rtol 1e-5, atol 4e-5 in fp32, as the pipeline's other equivalence tests
 (the row-wise all-reduce changes the summation order of the projections' outputs; no case
 needed more).
 """
@@ -51,6 +52,21 @@ class Case:
     shares: tuple[tuple[int, ...], ...]
     tp: tuple[int, ...]
     tied: bool = False
+    unit: str = "block"
+    """``half``: ``blocks`` counts block halves (attention, MLP) per stage."""
+    recompute: tuple[int, ...] = ()
+    """Stages built with activation checkpointing."""
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.blocks) // (2 if self.unit == "half" else 1)
+
+    def projections(self, stage: int) -> int:
+        """The projections a TP stage shards: q, k, v, o per attention, gate, up, down per MLP."""
+        if self.unit == "block":
+            return 7 * self.blocks[stage]
+        first = sum(self.blocks[:stage])  # halves before: even ones are attention halves
+        return sum(4 if h % 2 == 0 else 3 for h in range(first, first + self.blocks[stage]))
 
     @property
     def world(self) -> int:
@@ -65,15 +81,19 @@ class Case:
             for s in shares:
                 reps.append(Replica("cpu", "cpu", s, tuple(range(rank, rank + t))))
                 rank += t
-            stages.append(Stage(i, (start, end), tuple(reps), warmup=n - i))
+            stages.append(Stage(i, (start, end), tuple(reps), warmup=n - i,
+                                recompute=i in self.recompute))
             start = end
-        return Plan(f"tiny-{self.family}", start, SEQ, mbs * M, mbs, M, "1f1b",
-                    tuple(stages)).validate(self.world)
+        return Plan(f"tiny-{self.family}", start, SEQ, mbs * M, mbs, M, "1f1b", tuple(stages),
+                    layer_unit=self.unit).validate(self.world)
 
 
 CASES = {
     3: [Case("tp2|1-tied", "llama", (1, 1), ((2,), (2,)), (2, 1), tied=True),
-        Case("1|tp2-qwen3", "qwen3", (1, 2), ((2,), (2,)), (1, 2))],
+        Case("1|tp2-qwen3", "qwen3", (1, 2), ((2,), (2,)), (1, 2)),
+        # emb, block 0, block 1's attention | block 1's MLP, head
+        Case("tp2-halves-recompute|1", "llama", (3, 1), ((2,), (2,)), (2, 1), unit="half",
+             recompute=(0,))],
     4: [Case("tp4", "llama", (2,), ((2,),), (4,)),
         Case("tp2x2-3:1", "mistral", (2,), ((3, 1),), (2,)),
         Case("tp2|tp2-qwen3-tied", "qwen3", (1, 1), ((2,), (2,)), (2, 2), tied=True)],
@@ -90,7 +110,7 @@ def train_case(rank: int, case: Case) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
-    config = tiny_config(case.family, sum(case.blocks), case.tied)
+    config = tiny_config(case.family, case.num_blocks, case.tied)
     rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
     torch.manual_seed(7)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
@@ -150,10 +170,29 @@ def refusal(rank: int) -> str | None:
     return None
 
 
+def fp16_skips(rank: int) -> list[bool]:
+    """fp16 with dynamic loss scaling from a scale the tiny model's gradients overflow at
+    within a few steps: which steps this rank skipped."""
+    from dataclasses import replace
+
+    from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
+    case = CASES[3][0]
+    plan = replace(case.plan(), dtype="fp16", loss_scaling="dynamic")
+    rt = PipelineRuntime(plan, tiny_config(case.family, case.num_blocks, case.tied),
+                         RuntimeConfig(timeout_s=60, seed=7, loss_scale_init=2.0 ** 17,
+                                       loss_scale_growth_interval=1))
+    opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    out = [rt.train_step(b, opt, max_grad_norm=0.5).skipped for seed in (3, 4)
+           for b in make_batches(97, seed=seed, rows=plan.global_batch_size)]
+    rt.shutdown()
+    return out
+
+
 def run_all(rank: int, world_size: int) -> dict:
     out = {c.name: train_case(rank, c) for c in CASES[world_size]}
     if world_size == 3:
         out["refusal"] = refusal(rank)
+        out["fp16"] = fp16_skips(rank)
     return out
 
 
@@ -175,9 +214,16 @@ def test_matches_single_process(results, world, case):
         st = plan.stages[r["stage"]]
         assert r["tp"] == st.tp
         # a TP stage's projections are sharded: 7 per block (q, k, v, o, gate, up, down)
-        assert r["sharded"] == (7 * case.blocks[st.index] if st.tp > 1 else 0), r
+        assert r["sharded"] == (case.projections(st.index) if st.tp > 1 else 0), r
         if case.family == "qwen3" and st.tp > 1:  # q_norm and k_norm summed over the replica
             assert r["partial"] == 2 * case.blocks[st.index], r
+
+
+def test_fp16_overflow_is_one_decision_for_the_job(results):
+    """Every rank (both TP ranks of the first stage, the last stage) skips the same steps."""
+    skips = [per_rank["fp16"] for per_rank in results[3]]
+    assert any(skips[0]) and not all(skips[0]), skips[0]  # both kinds happened
+    assert all(s == skips[0] for s in skips), skips
 
 
 def test_a_model_without_a_tensor_parallel_plan_is_refused_naming_it(results):
