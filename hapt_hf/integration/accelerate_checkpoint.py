@@ -101,9 +101,11 @@ def check_state_dir(ckpt: Path, plan: Plan) -> None:
         raise CheckpointError(f"load_state: {str(ckpt)!r} lacks {missing}; give a directory "
                               f"written by save_state of a {plan.world_size}-rank hapt run")
     saved = Plan.load(ckpt / "plan.json")
-    if [(s.layers, s.ranks) for s in saved.stages] != [(s.layers, s.ranks) for s in plan.stages]:
-        raise CheckpointError(f"load_state: {str(ckpt)!r} was saved under another plan; load it "
-                              "with the same plan (its plan.json as 'plan' in the hapt config)")
+    if ckpt_io.placements(saved) != ckpt_io.placements(plan):
+        raise CheckpointError(f"load_state: {str(ckpt)!r} was saved under another plan (stages "
+                              f"{ckpt_io.describe_placements(saved)}, this run's "
+                              f"{ckpt_io.describe_placements(plan)}); load it with the same plan "
+                              "(its plan.json as 'plan' in the hapt config)")
     ckpt_io.check_optimizer_states(saved, plan, f"load_state: {str(ckpt)!r}")
 
 

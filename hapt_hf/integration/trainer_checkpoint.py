@@ -36,13 +36,14 @@ import torch.distributed as dist
 
 from hapt_hf.pipeline import checkpoint_io
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
-from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer
+from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer, load_portable_state, portable_state
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
            "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
            "load_trainer_state", "resolve_resume", "load_checkpoint", "check_resumable", "check_optimizer_states",
+           "placements", "describe_placements",
            "barrier", "fsync_path", "fsync_tree"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
@@ -141,7 +142,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_rank_state(tmp: Path, rank: int, optimizer, scheduler, loss_scaler=None) -> None:
     path = rank_state_file(tmp, rank)
-    torch.save({"optimizer": optimizer.state_dict(),
+    torch.save({"optimizer": portable_state(optimizer),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": _rng_state(),
                 "loss_scale": loss_scaler.state_dict() if loss_scaler is not None else None},
@@ -167,8 +168,8 @@ def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler, loss_scaler=Non
                               f"{type(optimizer).__name__} holding the whole state; resume "
                               "with the plan the checkpoint was written under")
     try:
-        optimizer.load_state_dict(parts[0])
-    except ValueError as e:  # a ShardedOptimizer refusing another plan's state names it
+        load_portable_state(optimizer, parts[0])
+    except ValueError as e:  # refusing another plan's state (a shard, a TP shard) names it
         raise CheckpointError(f"{str(path)!r}: {e}") from None
     if scheduler is not None and parts[1] is not None:
         scheduler.load_state_dict(parts[1])
@@ -241,6 +242,18 @@ def load_stage_weights(stage: torch.nn.Module, ckpt: Path) -> None:
     checkpoint_io.load_stage_tensors(stage, ckpt)
 
 
+def placements(plan: Plan) -> list[tuple[tuple[int, int], tuple[tuple[int, ...], ...]]]:
+    """What a rank's saved state depends on: each stage's layers and the ranks of each of its
+    replicas (a tensor-parallel replica's ranks each hold one shard, in that order)."""
+    return [(s.layers, tuple(r.ranks for r in s.replicas)) for s in plan.stages]
+
+
+def describe_placements(plan: Plan) -> str:
+    """The stages' layers and replicas' ranks, as a message names them."""
+    return ", ".join(f"layers {list(s.layers)} on {[list(r.ranks) for r in s.replicas]}"
+                     for s in plan.stages)
+
+
 def check_optimizer_states(saved: Plan, plan: Plan, what: str) -> None:
     """Refuse state saved with the stages' optimizer state kept otherwise (replicated or
     sharded) than this run's plan keeps it: a shard is not a whole state, nor the reverse."""
@@ -266,11 +279,11 @@ def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
         saved = Plan.load(ckpt / "plan.json")
     except PlanError as e:
         raise damaged_file(ckpt / "plan.json", e) from None
-    if [(s.layers, s.ranks) for s in saved.stages] != [(s.layers, s.ranks) for s in plan.stages]:
+    if placements(saved) != placements(plan):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} was written under another plan (stages "
-                              f"{[list(s.layers) for s in saved.stages]}) than this run's "
-                              f"({[list(s.layers) for s in plan.stages]}); resume with the same "
-                              "plan (pass the checkpoint's plan.json as 'plan' in the hapt config)")
+                              f"{describe_placements(saved)}) than this run's "
+                              f"({describe_placements(plan)}); resume with the same plan (pass "
+                              "the checkpoint's plan.json as 'plan' in the hapt config)")
     check_optimizer_states(saved, plan, f"checkpoint {str(ckpt)!r}")
     if saved.precision.to_dict() != plan.precision.to_dict():
         raise CheckpointError(f"checkpoint {str(ckpt)!r} was written training in "

@@ -17,8 +17,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.distributed.tensor import distribute_tensor
 
 from hapt_hf.errors import CheckpointError
+from hapt_hf.pipeline.tensor_parallel import is_sharded
 
 __all__ = [
     "CheckpointError",
@@ -147,14 +149,22 @@ def save_full_checkpoint(
 
 
 def copy_into(target: Tensor, value: Tensor, key: str) -> None:
-    """Copy a checkpoint tensor into a stage tensor, naming the key on a shape mismatch."""
+    """Copy a checkpoint tensor into a stage tensor, naming the key on a shape mismatch.
+
+    A tensor-parallel shard (a DTensor; its ``shape`` is the whole tensor's) takes its own
+    part of the whole ``value``, cut as its placements say, with no collective."""
     if tuple(target.shape) != tuple(value.shape):
         raise CheckpointError(
             f"checkpoint tensor {key!r} has shape {tuple(value.shape)} but the stage expects "
             f"{tuple(target.shape)}; the checkpoint's config does not match the one given"
         )
     with torch.no_grad():
-        target.copy_(value)
+        if is_sharded(target):
+            part = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements,
+                                     src_data_rank=None)
+            target.to_local().copy_(part.to_local())
+        else:
+            target.copy_(value)
 
 
 def load_stage_tensors(stage: torch.nn.Module, checkpoint_dir: str | Path) -> None:

@@ -2,20 +2,29 @@
 (``optimizer: replicated``), or ZeRO-1 (``optimizer: sharded``): the state split among the
 stage's replicas.
 
-Sharding is ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the stage's replica group
-(the group its gradients are all-reduced in). Every replica still holds every parameter and,
-after the all-reduce, the same full gradients, so clipping by the global norm, fp16's overflow
-decision and the gradient statistics are unchanged; each replica then steps only the
-parameters it owns (``ZeroRedundancyOptimizer`` partitions them greedily by size) and
-broadcasts them to the others. Only the Adam state is split: the fp32 weights and gradients
-stay whole on every replica. Adam is elementwise, so every parameter ends bit for bit where the
-replicated optimizer would put it (tested on CPU, with fp16's skipped steps).
+Sharding (:class:`ShardedOptimizer`) works as ``torch.distributed.optim.ZeroRedundancyOptimizer``
+does, in the group of the ranks that hold the same parameters in every replica of the stage
+(the group their gradients are all-reduced in; under tensor parallelism, the ranks at one
+tensor-parallel position, each holding the same shard of every sharded projection). Every such
+rank still holds all of its parameters and, after the all-reduce, the same gradients, so
+clipping by the global norm, fp16's overflow decision and the gradient statistics are
+unchanged; each then steps only the parameters it owns (partitioned greedily by the size of
+the rank's own tensors, as ``ZeroRedundancyOptimizer`` partitions) and broadcasts them to the
+others, one flat broadcast per owner. Only the Adam state is split: the fp32 weights and
+gradients stay on every replica. Adam is elementwise, so every parameter ends bit for bit where
+the replicated optimizer would put it (tested on CPU, with fp16's skipped steps and with
+tensor-parallel stages). ``ZeroRedundancyOptimizer`` itself cannot hold a tensor-parallel
+stage: it views parameters as flat buckets and broadcasts them whole, which a DTensor takes
+neither; here every collective runs on the local tensors (``DTensor.to_local()``).
 
 :class:`ShardedOptimizer` adds what a pipeline's checkpoints need: its ``state_dict()`` is this
 rank's shard (the state of the parameters it owns, under their indices in the whole
 optimizer, with every group's hyperparameters), so that each rank writes its own file with no
 collective and no rank ever holds the whole state; ``load_state_dict`` takes that shard back on
-the same rank of the same plan and refuses any other.
+the same rank of the same plan and refuses any other. The state of a tensor-parallel
+parameter is a DTensor, as the parameter; :func:`portable_state` writes it as the rank's local
+shard and :func:`load_portable_state` makes it a DTensor of the parameter again, for either
+kind of optimizer.
 """
 from __future__ import annotations
 
@@ -24,16 +33,18 @@ import itertools
 from typing import Any, Iterable
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hapt_hf.compat.torch_api import mark_stepped_for_schedulers
 from hapt_hf.core.precision import SHARDED
 from hapt_hf.errors import ConfigError
 from hapt_hf.pipeline.failure import FailureChannel
+from hapt_hf.pipeline.tensor_parallel import is_sharded, local_tensor
 from hapt_hf.planner.plan import Stage
 
 __all__ = ["ShardedOptimizer", "OptimizerPlanError", "StageOptimizers", "build_optimizer",
-           "prepare_optimizer", "check_optimizer"]
+           "prepare_optimizer", "check_optimizer", "portable_state", "load_portable_state"]
 
 SHARD_KEY = "hapt_shard"
 """The key of a :class:`ShardedOptimizer` state dict that says whose shard it is."""
@@ -44,14 +55,15 @@ class OptimizerPlanError(ConfigError):
     to; the message names the stage's setting and the fix."""
 
 
-class ShardedOptimizer(ZeroRedundancyOptimizer):
-    """``ZeroRedundancyOptimizer`` over one stage's replicas; ``state_dict`` is this rank's shard.
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 over one stage's replicas; ``state_dict`` is this rank's shard.
 
     Args:
         params: The stage's parameters, or parameter groups (dicts: their hyperparameters are
             kept, and the dicts themselves become this optimizer's ``param_groups``).
         optimizer_class: The optimizer each replica runs over the parameters it owns.
-        replica_pg: The stage's replica process group.
+        replica_pg: The process group of the ranks holding the same parameters in every
+            replica of the stage (the group their gradients are all-reduced in).
         stage_index: The stage's index (named in refusals).
         source: The optimizer this one was made from, if any (see :func:`prepare_optimizer`).
         **kwargs: ``optimizer_class``'s own arguments (``lr``, ``weight_decay``, ...).
@@ -60,26 +72,59 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
     def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer],
                  replica_pg: Any, stage_index: int, source: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
-        # one broadcast of each replica's whole shard after the step (its parameters laid out
-        # as views of one flat bucket), as the planner prices the all-gather; parameter by
-        # parameter it would pay the link latency once per tensor
-        super().__init__(params, optimizer_class=optimizer_class, process_group=replica_pg,
-                         parameters_as_bucket_view=True, **kwargs)
+        super().__init__(params, kwargs)
         self.stage_index = stage_index
+        self.replica_pg = replica_pg
+        self.rank: int = dist.get_rank(replica_pg)
+        """This rank's position in ``replica_pg``."""
+        self.world_size: int = dist.get_world_size(replica_pg)
+        """Ranks the state is split among."""
         self._source = source
+        self._owner = _partition(self.param_groups, self.world_size)
+        mine = [{**_settings(g), "params": [p for p in g["params"] if self._owner[id(p)] == self.rank]}
+                for g in self.param_groups]
+        self.optim: torch.optim.Optimizer = optimizer_class(mine, **kwargs)
+        """This rank's optimizer over the parameters it owns (groups may be empty)."""
+        _copy_settings(self.optim.param_groups, self.param_groups)  # its defaults, e.g. betas
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
-        loss = super().step(closure, **kwargs)
+        """Step the parameters this rank owns, then every owner broadcasts its parameters to
+        the other replicas (one flat broadcast per owner and dtype)."""
+        _copy_settings(self.param_groups, self.optim.param_groups)  # an LR scheduler's settings
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+        _copy_settings(self.optim.param_groups, self.param_groups)
+        self._broadcast_params()
         if self._source is not None:
             # an LR scheduler built on the optimizer this one replaced drives the same group
             # dicts; tell it that its optimizer stepped, as the optimizer's own step would
             mark_stepped_for_schedulers(self._source)
         return loss
 
+    def _broadcast_params(self) -> None:
+        with torch.no_grad():
+            for owner in range(self.world_size):
+                src = dist.get_global_rank(self.replica_pg, owner)
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+                for p in self._all_group_params():
+                    if self._owner[id(p)] == owner:
+                        t = local_tensor(p)
+                        by_dtype.setdefault(t.dtype, []).append(t)
+                for tensors in by_dtype.values():
+                    if owner == self.rank:
+                        flat = torch.cat([t.reshape(-1) for t in tensors])
+                    else:
+                        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                                           device=tensors[0].device)
+                    dist.broadcast(flat, src, group=self.replica_pg)
+                    if owner != self.rank:
+                        offset = 0
+                        for t in tensors:
+                            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                            offset += t.numel()
+
     def owned_indices(self) -> list[int]:
         """Indices (over every group's parameters, in order) of the parameters this rank steps."""
-        index = {id(p): i for i, p in enumerate(self._all_group_params())}
-        return sorted(index[id(p)] for g in self.optim.param_groups for p in g["params"])
+        return [i for i, p in enumerate(self._all_group_params()) if self._owner[id(p)] == self.rank]
 
     def _all_group_params(self) -> list[torch.Tensor]:
         return list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
@@ -121,16 +166,100 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
                              f"{shard['owned']}, but this is stage {self.stage_index} replica "
                              f"{self.rank} of {self.world_size} owning {mine['owned']}; resume "
                              "with the same plan and the same trainable parameters")
-        state = {k: v for k, v in state_dict.items() if k != SHARD_KEY}
-        # torch's Optimizer.load_state_dict replaces param_groups with new dicts; an LR
-        # scheduler built on the optimizer this one was made from (prepare_optimizer) holds
-        # the old ones and would set every later learning rate where no step reads it. The
-        # loaded settings go into the group dicts this optimizer was built with instead.
-        own = self.param_groups
-        super().load_state_dict(state)
-        for param_group, loaded in zip(own, self.param_groups):
-            param_group.update(loaded)
-        self.param_groups = own
+        saved_groups = state_dict["param_groups"]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in saved_groups] != sizes:
+            raise ValueError(f"the saved optimizer state has parameter groups of "
+                             f"{[len(g['params']) for g in saved_groups]} parameters, this "
+                             f"optimizer {sizes}; resume with the same trainable parameters")
+        # the local optimizer's own state dict: its parameters numbered 0.. in its group order
+        local_groups, local_state, n = [], {}, 0
+        for saved, group in zip(saved_groups, self.param_groups):
+            ids = []
+            for index, p in zip(saved["params"], group["params"]):
+                if self._owner[id(p)] != self.rank:
+                    continue
+                if index in state_dict["state"]:
+                    local_state[n] = state_dict["state"][index]
+                ids.append(n)
+                n += 1
+            local_groups.append({**_settings(saved), "params": ids})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        # the loaded settings go into the group dicts this optimizer was built with: an LR
+        # scheduler built on the optimizer this one was made from (prepare_optimizer) holds them
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update(_settings(saved))
+        _copy_settings(self.param_groups, self.optim.param_groups)
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's hyperparameters (everything but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _copy_settings(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    for s, d in zip(src, dst):
+        d.update(_settings(s))
+
+
+def _partition(param_groups: list[dict[str, Any]], n: int) -> dict[int, int]:
+    """Owner (0..n-1) of every parameter, by ``id``: group by group, the largest first (this
+    rank's local shard's size), each to the owner holding the fewest elements so far (as
+    ``ZeroRedundancyOptimizer`` partitions; every rank of the group sees the same sizes)."""
+    sizes = [0] * n
+    owner: dict[int, int] = {}
+    for group in param_groups:
+        for p in sorted(group["params"], key=lambda t: local_tensor(t).numel(), reverse=True):
+            r = min(range(n), key=sizes.__getitem__)
+            owner[id(p)] = r
+            sizes[r] += local_tensor(p).numel()
+    return owner
+
+
+LOCAL_KEY = "hapt_local_shards"
+"""The key of a :func:`portable_state` listing the ``[index, name]`` of every state tensor it
+holds as this rank's local shard of a sharded (tensor-parallel) parameter's state."""
+
+
+def portable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as a file can hold it: the state of a tensor-parallel
+    parameter (a DTensor, like the parameter) as this rank's local shard, listed under
+    :data:`LOCAL_KEY`; everything else as it is. :func:`load_portable_state` takes it back on
+    the same rank of the same plan."""
+    out = optimizer.state_dict()
+    local: list[list[Any]] = []
+    state = {}
+    for index, entry in out["state"].items():
+        state[index] = dict(entry)  # never write into the optimizer's own state dicts
+        for name, value in entry.items():
+            if is_sharded(value):
+                state[index][name] = value.to_local().detach().clone()
+                local.append([index, name])
+    return {**out, "state": state, LOCAL_KEY: local}
+
+
+def load_portable_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict`` of what :func:`portable_state` wrote: each local shard
+    made again the shard of its parameter (a DTensor on the parameter's mesh and placements).
+    ValueError where a shard does not fit its parameter (another plan's)."""
+    saved = dict(saved)
+    local = saved.pop(LOCAL_KEY, [])
+    if local:
+        # saved indices to this optimizer's parameters, group by group (as torch maps them)
+        params = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved["param_groups"]),
+                          itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+        state = {i: dict(entry) for i, entry in saved["state"].items()}
+        for index, name in local:
+            p = params.get(index)
+            if p is None or not is_sharded(p) or state[index][name].shape != local_tensor(p).shape:
+                raise ValueError(f"the saved optimizer state of parameter {index} ({name!r}) is "
+                                 "one tensor-parallel shard, which this optimizer's parameter "
+                                 "does not take (another plan's); resume with the plan the "
+                                 "checkpoint was written under")
+            state[index][name] = DTensor.from_local(state[index][name], p.device_mesh, p.placements,
+                                                    run_check=False, shape=p.shape, stride=p.stride())
+        saved["state"] = state
+    optimizer.load_state_dict(saved)
 
 
 def _replica_pg_needed(stage_plan: Stage, replica_pg: Any) -> None:
