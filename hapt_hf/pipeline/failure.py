@@ -231,6 +231,27 @@ class FailureChannel:
                 raise self._lost(f"rank {self.rank} (stage {stage_index}) was in {what}",
                                  [r for r in ranks if r != self.rank], e) from None
 
+    @contextmanager
+    def computing_with(self, what: str, stage_index: int, ranks: Sequence[int]) -> Iterator[None]:
+        """Run a compute whose modules talk to ``ranks`` on the way (a tensor-parallel
+        replica's all-reduces inside its forward and backward).
+
+        Meanwhile this rank is published as waiting for them, so that a rank following who
+        waits for whom passes through it to a peer that stopped. A communication failure inside
+        (an error of the process group's backend) becomes a PipelineFailure naming the peer
+        that stopped, as for a collective; any other exception is the compute's own and goes on
+        (the caller records it as this rank's failure)."""
+        with self._waiting(what, tuple(ranks), collective=True):
+            try:
+                yield
+            except PipelineFailure:
+                raise
+            except Exception as e:
+                if not _backend_error(e):
+                    raise
+                raise self._lost(f"rank {self.rank} (stage {stage_index}) was in {what}",
+                                 [r for r in ranks if r != self.rank], e) from None
+
     def agree(self, what: str, stage_index: int, fn: Callable[[], _T],
               refusals: tuple[type[Exception], ...] = (ValueError,)) -> _T:
         """Run ``fn`` on every rank and end them all the same way if it refuses on any.
@@ -462,3 +483,9 @@ class FailureChannel:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def _backend_error(e: Exception) -> bool:
+    """Whether ``e`` comes from the process group's backend (a peer gone, a timeout): NCCL's
+    are ``DistError``; Gloo's are plain RuntimeErrors raised from its transport."""
+    return isinstance(e, dist.DistError) or (type(e) is RuntimeError and "gloo" in str(e).lower())

@@ -323,7 +323,7 @@ class PipelineRuntime:
                     # the iteration's last backward makes every gradient final: the bucket
                     # hooks launch the replicas' all-reduce during it
                     with self._grads.last_backward() if i == last_b else contextlib.nullcontext():
-                        self._backward(mbs[key])
+                        self._backward(mbs[key], k)
                 elif a.kind is ActionKind.SEND_B:
                     m = mbs.pop(key)
                     sends += self._post_send(self.work.upstream_grads, k, m.inputs.grad, "SEND_B")
@@ -353,7 +353,7 @@ class PipelineRuntime:
             kwargs["attention_mask"] = mask[rows].to(self.device)
         if self.work.is_last and labels is not None:
             kwargs["labels"] = labels[rows].to(self.device)
-        with compute_context(self.plan.dtype, self.device):
+        with self._tp_compute("F", k), compute_context(self.plan.dtype, self.device):
             out = self.stage(x, **kwargs)
         kept = out
         if self.work.is_last and labels is not None:
@@ -366,17 +366,29 @@ class PipelineRuntime:
             m.output = kept
         return out
 
-    def _backward(self, m: _MicroBatch) -> None:
+    def _backward(self, m: _MicroBatch, k: int) -> None:
         if self.work.is_last:
             scaler = self.loss_scaler
-            (m.output if scaler is None else m.output * scaler.scale).backward()
+            with self._tp_compute("B", k):
+                (m.output if scaler is None else m.output * scaler.scale).backward()
         else:
             self.channel.wait(m.grad_recv, self.stage_plan.index)
             bufs = [t.buffer for t in m.grad_recv]
             grad = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
-            torch.autograd.backward(m.output, grad.to(m.output.dtype))
+            with self._tp_compute("B", k):
+                torch.autograd.backward(m.output, grad.to(m.output.dtype))
         m.output, m.grad_recv = None, None
         self._live -= 1
+
+    def _tp_compute(self, kind: str, k: int) -> Any:
+        """Around a compute of a tensor-parallel replica, whose all-reduces wait for its other
+        ranks: a rank of the replica that stops is named (``FailureChannel.computing_with``)."""
+        if self.tp is None:
+            return contextlib.nullcontext()
+        s = self.stage_plan.index
+        return self.channel.computing_with(
+            f"{kind} (stage {s}, micro-batch {k}) with its tensor-parallel ranks "
+            f"{list(self.work.tp_ranks)}", s, self.work.tp_ranks)
 
     def _transfer_pg(self, kind: str) -> Any:  # the boundary's process group for the direction
         s = self.stage_plan.index

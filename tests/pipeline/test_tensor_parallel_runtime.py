@@ -231,3 +231,54 @@ def test_a_model_without_a_tensor_parallel_plan_is_refused_naming_it(results):
         assert msg is not None
         assert "stage 0" in msg and "'gpt2' has no tensor-parallel plan" in msg, msg
         assert "base_model_tp_plan" in msg and "one rank per replica" in msg, msg
+
+
+BOUND_S = 6.0  # RuntimeConfig.timeout_s of the failure run
+
+
+def killed_at_second_forward(rank: int, world_size: int, victim: int) -> dict:
+    """One good iteration on TP 2 | 1, then one where ``victim`` (TP rank 1 of stage 0) is
+    SIGKILLed at its second forward: its TP partner is blocked in an all-reduce of that
+    forward, not in a transfer."""
+    import os
+    import signal
+    import time
+
+    from hapt_hf.pipeline import PipelineFailure, PipelineRuntime, RuntimeConfig
+    case = CASES[3][0]
+    rt = PipelineRuntime(case.plan(), tiny_config(case.family, case.num_blocks, case.tied),
+                         RuntimeConfig(timeout_s=BOUND_S))
+    batch = make_batches(97, seed=1, rows=rt.plan.global_batch_size)[0]
+    rt.forward_backward(batch)
+    calls = []
+
+    def kill(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    if rank == victim:
+        rt.stage.register_forward_pre_hook(kill)
+    start = time.monotonic()
+    try:
+        rt.forward_backward(batch)
+    except PipelineFailure as e:
+        return {"message": str(e), "elapsed": time.monotonic() - start}
+    return {"message": None, "elapsed": time.monotonic() - start}
+
+
+def test_a_killed_tp_rank_is_named_by_its_partner_and_the_next_stage():
+    import signal
+    outs = run_ranks(killed_at_second_forward, 3, 1, timeout_s=120, pg_timeout_s=BOUND_S,
+                     check=False)
+    assert outs[1].exitcode == -signal.SIGKILL
+    assert outs[0].ok, outs[0].error
+    msg = outs[0].value["message"]
+    assert msg is not None and msg.startswith("rank 1 stopped answering"), msg
+    assert "while rank 0 (stage 0) was in F (stage 0, micro-batch 1) with its tensor-parallel " \
+        "ranks [0, 1]" in msg, msg
+    assert outs[0].value["elapsed"] < BOUND_S, outs[0].value
+    # rank 2, blocked in a receive from live rank 0, returns the record or its watchdog ends
+    # it (exit 1) printing it
+    tail = outs[2].value["message"] if outs[2].ok else outs[2].stderr_tail
+    assert outs[2].ok or outs[2].exitcode == 1, outs[2]
+    assert "rank 1 stopped answering" in tail and "rank 0 stopped" not in tail, tail
