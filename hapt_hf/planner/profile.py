@@ -66,6 +66,11 @@ class LinkMeasurement:
     b: str
     bandwidth_gbps: float
     latency_us: float
+    tp: int = 1
+    """Above 1: a tensor-parallel all-reduce (``a == b``: ``tp`` ranks of group ``a``
+    all-reducing one block activation at a time, on the link inside the group), the figure a
+    ``tp``-way stage's all-reduces are priced on; 1: a link between two groups, or a group's
+    gradient all-reduce among its ranks."""
 
 
 @dataclass
@@ -103,17 +108,21 @@ class Profile:
         names = set(device_names(device))
         return sorted({k.tp for k in self.timings if k.device in names})
 
+    def tp_link(self, group: str, tp: int) -> LinkMeasurement | None:
+        """The tensor-parallel all-reduce of ``tp`` ranks measured inside ``group``, if any."""
+        return next((l for l in self.links if l.tp == tp > 1 and l.a == l.b == group), None)
+
     def merge(self, other: "Profile") -> "Profile":
         """A new profile with both sets of entries; ``other`` wins where both measured."""
-        links = {(l.a, l.b): l for l in self.links}
-        links.update({(l.a, l.b): l for l in other.links})
+        links = {(l.a, l.b, l.tp): l for l in self.links}
+        links.update({(l.a, l.b, l.tp): l for l in other.links})
         source = " + ".join(s for s in (self.source, other.source) if s)
         return Profile({**self.timings, **other.timings}, list(links.values()), source)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "source": self.source,
                 "timings": [_as_record(k, t) for k, t in sorted(self.timings.items())],
-                "links": [asdict(l) for l in self.links]}
+                "links": [_link_record(l) for l in self.links]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
@@ -128,10 +137,15 @@ class Profile:
             timings[key] = timing
         try:
             links = [LinkMeasurement(str(l["a"]), str(l["b"]), float(l["bandwidth_gbps"]),
-                                     float(l["latency_us"])) for l in d.get("links", [])]
-        except (KeyError, TypeError, ValueError) as e:
+                                     float(l["latency_us"]), int(l.get("tp", 1)))
+                     for l in d.get("links", [])]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProfileError(f"links: each entry needs a, b, bandwidth_gbps, latency_us "
-                               f"({e!r})") from None
+                               f"(and tp, 1 when left out) ({e!r})") from None
+        bad = next((l for l in links if l.tp < 1 or (l.tp > 1 and l.a != l.b)), None)
+        if bad is not None:
+            raise ProfileError(f"links: the entry {bad.a}-{bad.b} has tp {bad.tp}; tp is 1, or "
+                               "the degree of an all-reduce inside one group (a == b)")
         return cls(timings, links, str(d.get("source", "")))
 
     def save(self, path) -> None:
@@ -170,6 +184,13 @@ def _record(rec: dict, where: str) -> tuple[ProfileKey, LayerTiming]:
     if timing.forward_s < 0 or timing.backward_s < 0:
         raise ProfileError(f"{where}: forward_s/backward_s must be >= 0")
     return key, timing
+
+
+def _link_record(link: LinkMeasurement) -> dict[str, Any]:
+    rec = asdict(link)
+    if link.tp == 1:  # written as before tensor parallelism existed
+        del rec["tp"]
+    return rec
 
 
 def _as_record(key: ProfileKey, timing: LayerTiming) -> dict[str, Any]:
@@ -314,7 +335,7 @@ def cluster_with_links(cluster: Cluster, profile: Profile) -> Cluster:
     group on one node, the inter-node link of a group over several (what a ring over all its
     GPUs is held to)."""
     measured = {link_pair(m.a, m.b): LinkSpec(m.bandwidth_gbps, m.latency_us)
-                for m in profile.links}
+                for m in profile.links if m.tp == 1}  # tp > 1: Profile.tp_link's
     links = tuple(GroupLink(l.a, l.b, measured.get(link_pair(l.a, l.b), l.link))
                   for l in cluster.links)
     groups = tuple(_with_inside_link(g, measured.get((g.name, g.name))) for g in cluster.groups)
