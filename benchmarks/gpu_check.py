@@ -25,6 +25,16 @@ downloaded) and each 16-bit dtype it prints three markdown tables:
    for an overflow. On CUDA the pipeline runs ``--ranks`` processes on as many GPUs (1 by
    default: one stage); on CPU ``--ranks`` Gloo processes (2 by default), so the activations
    cross a stage boundary in the compute dtype.
+4. **Tensor-parallel block.** One block split ``t`` ways as one rank of a ``t``-way replica
+   computes it (``hapt_hf.profiling.tp_split``: the projections the model's plan shards cut to
+   one rank's shard), for every degree of 2, 4, 8 the model's heads, key/value heads and MLP
+   width allow, timed by the profiler on the one device, beside the cost model's prediction of
+   that compute: the whole block's measured time over ``t * tp_efficiency(t)`` (the cost model
+   fed the whole block's timing only), and the catalogue's estimate. One device cannot time the
+   rest of a tensor-parallel block: its all-reduces (two forward, two backward) run among ``t``
+   devices; the table gives what the cost model prices them at on the check's nominal
+   intra-node link, and says that timing them needs ``t`` GPUs
+   (``hapt_hf.profiling.profile_group_leaders`` with ``ProfilerOptions.tp_degrees``).
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ from hapt_hf.planner.cluster import Cluster  # noqa: E402
 from hapt_hf.planner.cost_model import CostModel  # noqa: E402
 from hapt_hf.planner.model_spec import ModelSpec  # noqa: E402
 from hapt_hf.planner.plan import Plan, Stage  # noqa: E402
+from hapt_hf.planner.profile import Profile  # noqa: E402
 
 __all__ = ["SIZES", "Size", "main"]
 
@@ -93,12 +104,13 @@ def _plan(size: Size, stages: int, dtype: str, mbs: int, m: int, seq: int) -> Pl
     return replace(plan, dtype=dtype, loss_scaling=Precision.of(dtype).loss_scaling).validate()
 
 
-def _cost_model(size: Size, seq: int, dtype: str, gpu: str, stages: int) -> CostModel:
+def _cost_model(size: Size, seq: int, dtype: str, gpu: str, stages: int,
+                profile: Profile | None = None) -> CostModel:
     spec = ModelSpec.from_config(size.config(), seq, dtype)
     cluster = Cluster.from_dict({"name": "gpu-check", "groups": [{
         "name": "gpu", "gpu": gpu, "nodes": 1, "gpus_per_node": stages,
         "intra_node": {"bandwidth_gbps": 100, "latency_us": 5}}]})
-    return CostModel(spec, cluster)
+    return CostModel(spec, cluster, profile)
 
 
 def _gpu_name(device: str, given: str | None) -> str:
@@ -288,6 +300,53 @@ def curves_table(size_name: str, args) -> list[str]:
     return lines
 
 
+# -- 4. tensor-parallel block ------------------------------------------------------------------
+
+TP_GPUS_NEEDED = ("one device times the compute split only: the block's tensor-parallel "
+                  "all-reduces run among t devices, and timing them needs t GPUs on one node "
+                  "(profile_group_leaders with ProfilerOptions.tp_degrees)")
+
+
+def tp_table(size_name: str, dtype: str, args, gpu: str) -> list[str]:
+    from hapt_hf.core.tp import TP_DEGREES
+    from hapt_hf.planner.cost_model import tp_efficiency
+    from hapt_hf.profiling import ProfilerOptions, profile_model
+    from hapt_hf.profiling.tp_split import tp_degrees
+    size, mb = SIZES[size_name], args.micro_batch
+    degrees, refused = tp_degrees(size.config(), TP_DEGREES)
+    options = ProfilerOptions(micro_batches=(mb,), repeats=args.repeats, tp_degrees=degrees)
+    profile = profile_model(size.config(), device_name=gpu, seq_len=args.seq, dtype=dtype,
+                            options=options, device=args.device, save=False)
+    # the cost model as the planner runs it with a profile of one device: the whole block
+    # measured, its tensor-parallel split predicted from it
+    whole_only = Profile({k: t for k, t in profile.timings.items() if k.tp == 1})
+    fed = _cost_model(size, args.seq, dtype, gpu, max(TP_DEGREES), whole_only)
+    estimate = _cost_model(size, args.seq, dtype, gpu, max(TP_DEGREES))
+    group = fed.group("gpu")
+    block = next(l for l in fed.model.layers if l.kind == "block")
+    j = block.index
+    clock = "CUDA events" if args.device != "cpu" else "wall clock"
+    lines = [f"| {size_name} | {dtype} | tp | measured fwd ms ({clock}) | predicted fwd ms | "
+             "measured bwd ms | predicted bwd ms | measured / predicted (fwd+bwd) | "
+             "tp_efficiency | catalogue fwd+bwd ms | all-reduces per pass, priced (not timed) ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for t in (1, *degrees):
+        hit = profile.lookup(gpu, block.signature, mb, args.seq, dtype, tp=t)
+        ar = fed.tp_allreduce_s(group, mb, t, j)
+        pf, pb = (x - ar for x in fed.compute_s(group, mb, j, j + 1, tp=t))
+        ef, eb = (x - ar for x in estimate.compute_s(group, mb, j, j + 1, tp=t))
+        ratio = (hit.forward_s + hit.backward_s) / (pf + pb)
+        eff = tp_efficiency(t, size.hidden) if t > 1 else 1.0
+        lines.append(f"| | | {t} | {hit.forward_s * 1e3:.3f} | {pf * 1e3:.3f} | "
+                     f"{hit.backward_s * 1e3:.3f} | {pb * 1e3:.3f} | {ratio:.2f} | {eff:.2f} | "
+                     f"{(ef + eb) * 1e3:.3f} | {ar * 1e3:.3f} |")
+    lines += ["", f"{size_name} {dtype}: {TP_GPUS_NEEDED}; the all-reduces are priced on the "
+              f"check's nominal link ({group.intra_node.bandwidth_gbps:g} Gbit/s, "
+              f"{group.intra_node.latency_us:g} us)."]
+    lines += [f"{size_name}: not split: {why}" for why in refused]
+    return lines
+
+
 # -- command line ------------------------------------------------------------------------------
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -304,8 +363,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--repeats", type=int, default=5, help="timed windows per layer")
     p.add_argument("--gpu", help="catalogue name of the device (default: from its name)")
-    p.add_argument("--parts", nargs="+", default=["memory", "times", "curves"],
-                   choices=["memory", "times", "curves"])
+    p.add_argument("--parts", nargs="+", default=["memory", "times", "curves", "tp"],
+                   choices=["memory", "times", "curves", "tp"])
     args = p.parse_args(argv)
     defaults = CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS
     for k, v in defaults.items():
@@ -340,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             if part == "curves":
                 print("\n".join(curves_table(size_name, args)) + "\n", flush=True)
                 continue
-            table = memory_table if part == "memory" else times_table
+            table = {"memory": memory_table, "times": times_table, "tp": tp_table}[part]
             for dtype in args.dtypes:
                 print("\n".join(table(size_name, dtype, args, gpu)) + "\n", flush=True)
     return 0

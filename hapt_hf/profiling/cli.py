@@ -4,11 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
 from hapt_hf.core.precision import DTYPES
+from hapt_hf.core.tp import TP_DEGREES
 from hapt_hf.errors import HaptError
 from hapt_hf.planner.model_spec import model_config
+from hapt_hf.planner.profile import Profile
 
 from .profiler import profile_model
 from .store import ProfilerError, ProfilerOptions, ProfileStore
@@ -35,15 +38,41 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
                    help="as the job's hapt config sets it (default: the model's best, sdpa "
                         "where the model supports it, else eager)")
+    p.add_argument("--tp-degrees", default=",".join(str(t) for t in TP_DEGREES if t > 1),
+                   help="tensor-parallel degrees at which a block's compute split (one rank's "
+                        "shard of the projections the model's plan shards) is timed too; those "
+                        "the model's heads, key/value heads or MLP width refuse are left out, "
+                        "saying why; 1 or an empty value: none (default: %(default)s)")
     return p
 
 
-def _micro_batches(text: str) -> tuple[int, ...]:
+def _ints(flag: str, text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ProfilerError(f"--micro-batches {text!r} must be comma-separated integers, "
+        raise ProfilerError(f"{flag} {text!r} must be comma-separated integers, "
                             "e.g. 1,2,4") from None
+
+
+def _tp_summary(profile: Profile) -> list[str]:
+    """What the profile holds of tensor parallelism: each split block beside the whole one,
+    and each group's measured tensor-parallel all-reduce."""
+    lines = []
+    for key, hit in sorted(profile.timings.items()):
+        if key.tp == 1:
+            continue
+        t, whole = key.tp, profile.timings.get(replace(key, tp=1))
+        split = hit.forward_s + hit.backward_s
+        ratio = f"{(whole.forward_s + whole.backward_s) / split:.2f}" \
+            if whole is not None and split > 0 else "-"
+        lines.append(f"  {key.device} {key.layer_signature} mb={key.micro_batch} tp={t}: "
+                     f"fwd+bwd {split * 1e3:.2f} ms, whole / split {ratio} ({t} for an even "
+                     "split)")
+    for m in profile.links:
+        if m.tp > 1:
+            lines.append(f"  all-reduce inside {m.a}, tp={m.tp}: {m.bandwidth_gbps:.2f} Gbit/s, "
+                         f"{m.latency_us:.1f} us per hop")
+    return ["tensor-parallel figures:", *lines] if lines else []
 
 
 def cli_main(argv: list[str]) -> int:
@@ -56,9 +85,11 @@ def cli_main(argv: list[str]) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         config = model_config(args.model)
         attn, _ = choose_attention(config, args.attn_implementation)
-        options = ProfilerOptions(micro_batches=_micro_batches(args.micro_batches),
+        options = ProfilerOptions(micro_batches=_ints("--micro-batches", args.micro_batches),
                                   repeats=args.repeats, budget_s=args.budget_s,
-                                  attn_implementation=attn)
+                                  attn_implementation=attn,
+                                  tp_degrees=tuple(t for t in _ints("--tp-degrees",
+                                                                    args.tp_degrees) if t > 1))
         store = ProfileStore.open(args.store)
         before = len(store.timings)
         t0 = time.perf_counter()
@@ -69,5 +100,7 @@ def cli_main(argv: list[str]) -> int:
         print(f"hapt-hf profile: error: {e}", file=sys.stderr)
         return 2
     print(f"{len(profile.timings)} entries ({len(store.timings) - before} measured, the rest "
-          f"from the store) in {time.perf_counter() - t0:.1f} s -> {args.store}")
+          f"from the store) in "
+          f"{time.perf_counter() - t0:.1f} s -> {args.store}")
+    print("\n".join(_tp_summary(profile)) or "no tensor-parallel figures", flush=True)
     return 0

@@ -1,7 +1,9 @@
 """Timing the links the planner prices: one link between two groups' leaders (a send and a
-one-element reply), and the link inside a group (a real all-reduce among its ranks).
+one-element reply), the link inside a group (a real all-reduce among its ranks, of gradient
+buckets as data parallelism does it), and the same link as a tensor-parallel replica uses it
+(an all-reduce of one block activation among ``t`` of its ranks).
 
-Both fit ``t = latency + bytes / bandwidth`` by least squares (:func:`fit_link`); the
+All fit ``t = latency + bytes / bandwidth`` by least squares (:func:`fit_link`); the
 all-reduce fit is put in the cost model's own ring formula, so the figures it gives, priced
 again by the planner, are the times measured here.
 """
@@ -10,11 +12,13 @@ from __future__ import annotations
 import time
 
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
+from hapt_hf.core.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
 from hapt_hf.planner.profile import LinkMeasurement
 
 from .store import ProfilerError
 
-__all__ = ["fit_link", "measure_link", "measure_group_allreduce", "time_inside_groups"]
+__all__ = ["fit_link", "measure_link", "measure_group_allreduce", "time_inside_groups",
+           "measure_tp_allreduce", "time_tp_inside_groups", "activation_sizes"]
 
 
 def fit_link(sizes_bytes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -114,4 +118,76 @@ def time_inside_groups(groups: dict[str, list[int]], rank: int,
                 out.append(m)
         dist.barrier()
         dist.destroy_process_group(sub)
+    return out
+
+
+def activation_sizes(hidden_size: int, seq_len: int, dtype: str,
+                     micro_batches: tuple[int, ...]) -> tuple[int, ...]:
+    """Bytes of one block's activation (``samples x seq x hidden`` in the compute dtype) at each
+    micro-batch size, and at four times the largest so that a fit has two sizes to go on."""
+    per_sample = seq_len * hidden_size * DTYPE_BYTES[dtype]
+    return tuple(sorted({mb * per_sample for mb in (*micro_batches, 4 * max(micro_batches))}))
+
+
+def measure_tp_allreduce(group_name: str, group, t: int, sizes_bytes: tuple[int, ...],
+                         dtype: str = "fp32", repeats: int = 3) -> LinkMeasurement:
+    """Time all-reduces of one activation tensor in the compute ``dtype`` among the ``t`` ranks
+    of ``group`` (each of them calls it): what a ``t``-way tensor-parallel replica does after
+    each rowwise projection forward and before each colwise one backward, on the link inside
+    its group. Fitted with the same ring formula as :func:`measure_group_allreduce` (ring
+    factor ``2(t-1)/t``, ``2(t-1)`` latency hops), so the cost model's price of a TP
+    all-reduce on the measured link is the time seen here."""
+    import torch
+    import torch.distributed as dist
+
+    if t < 2:
+        raise ProfilerError(f"a tensor-parallel all-reduce needs at least 2 ranks, got {t}")
+    ring, hops = 2 * (t - 1) / t, 2 * (t - 1)
+    torch_dtype = getattr(torch, TORCH_DTYPE_NAMES[dtype])
+    xs, ys = [], []
+    for size in sizes_bytes:
+        buf = torch.zeros(max(size // DTYPE_BYTES[dtype], 1), dtype=torch_dtype,
+                          device=_device_of(group))
+        for i in range(repeats + 1):  # the first also opens the connections: not counted
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)
+            if i:
+                xs.append(ring * buf.numel() * DTYPE_BYTES[dtype])
+                ys.append(time.perf_counter() - t0)
+    bw, lat = fit_link(xs, ys)
+    return LinkMeasurement(group_name, group_name, bw, lat / hops, tp=t)
+
+
+def _device_of(group) -> str:
+    """Where the all-reduce's tensors live: the local GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+    if dist.get_backend(group) == "nccl":
+        import torch
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def time_tp_inside_groups(groups: dict[str, list[int]], rank: int, degrees: tuple[int, ...],
+                          sizes_bytes: tuple[int, ...], dtype: str = "fp32"
+                          ) -> list[LinkMeasurement]:
+    """Collective: for each group and each degree ``t`` of ``degrees`` its ranks can hold, the
+    group's first ``t`` ranks time the tensor-parallel all-reduce
+    (:func:`measure_tp_allreduce`), one group and degree after another. Returns what this rank
+    measured if it is the group's first rank, else nothing."""
+    import torch.distributed as dist
+    out = []
+    for name in sorted(groups):
+        for t in sorted(set(degrees)):
+            ranks = list(groups[name])[:t]
+            if t < 2 or len(ranks) < t:
+                continue
+            sub = dist.new_group(ranks)  # every rank takes part in making every group
+            if rank in ranks:
+                m = measure_tp_allreduce(name, sub, t, sizes_bytes, dtype)
+                if rank == ranks[0]:
+                    out.append(m)
+            dist.barrier()
+            dist.destroy_process_group(sub)
     return out

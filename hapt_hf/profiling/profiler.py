@@ -9,6 +9,12 @@ the allocator's peak. Layers run as the job will: fp32 weights, the job's comput
 autocast, and the job's attention implementation. Between groups, point-to-point
 transfers of a few sizes are timed and fitted as ``latency + bytes / bandwidth``.
 
+Tensor parallelism is measured in its two parts: a block's compute split ``t`` ways (one
+rank's shard of the projections the model's plan shards, :mod:`~hapt_hf.profiling.tp_split`),
+timed like any layer on the device at hand, and the all-reduce of a block's activation among
+``t`` ranks of a group (:func:`~hapt_hf.profiling.links.measure_tp_allreduce`), which needs the
+group's ``t`` devices (:func:`profile_group_leaders`).
+
 Results live in a readable JSON profile store (:mod:`hapt_hf.profiling.store`) keyed by (device
 name, layer signature, micro-batch, sequence length, dtype); a second profile of the same thing
 reads the store.
@@ -29,13 +35,14 @@ from typing import Callable
 
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.core.layers import BLOCK, body_part, num_layers
-from hapt_hf.core.precision import STATE_BYTES_PER_PARAM
+from hapt_hf.core.precision import STATE_BYTES_PER_PARAM, canonical_dtype
 from hapt_hf.planner.model_spec import LayerSpec, ModelReader, ModelSpec
-from hapt_hf.planner.profile import LayerTiming, Profile, ProfileKey
+from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey
 
-from .links import measure_link, time_inside_groups
+from .links import activation_sizes, measure_link, time_inside_groups, time_tp_inside_groups
 from .model_figures import choose_attention
 from .store import ProfilerOptions, ProfileStore
+from .tp_split import split_block, tp_degrees
 
 __all__ = ["profile_model", "time_layer", "profile_group_leaders", "LayerMemory", "layer_memory",
            "build_layer", "layer_run", "pool_timings"]
@@ -236,34 +243,55 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
     given) gains what was measured and is saved (unless ``save`` is False). The layers are
     those of ``ModelSpec.from_config(config, ..., reader=reader)``: the hand formula's for
     None, every accepted type's with the measuring reader (``hapt-hf profile`` passes it).
+    A block is also timed split at each degree of ``options.tp_degrees`` the model allows
+    (:func:`~.tp_split.split_block`: one tensor-parallel rank's shard, its all-reduces not
+    included), keyed by the whole block's key with ``tp`` set; the log says why a degree the
+    model refuses is left out.
     """
     options = with_attention(options, config)
     spec = ModelSpec.from_config(config, seq_len, dtype,
                                  attn_implementation=options.attn_implementation, reader=reader)
+    degrees, dropped = tp_degrees(config, options.tp_degrees) if options.tp_degrees else ((), [])
+    for why in dropped:
+        if log:
+            log(f"{device_name} tensor-parallel split not timed: {why}")
     timings: dict[ProfileKey, LayerTiming] = {}
     for layer in _representatives(spec):
-        stage, update_s = None, 0.0
-        for mb in options.micro_batches:
-            key = ProfileKey(device_name, layer.signature, mb, seq_len, spec.dtype)
-            hit = store.get(key) if store is not None else None
-            if hit is None:
-                if stage is None:
-                    stage = build_layer(config, layer, device, options)
-                run = layer_run(stage, config, layer.kind, mb, seq_len, spec.dtype, device)
-                hit = time_layer(run, options, device)
-                if not update_s:  # the optimizer step does not depend on the micro-batch
-                    update_s = _update_s(stage, _Clock(device))
-                hit = replace(hit, update_s=update_s)
-                if store is not None:
-                    store.put(key, hit)
-                if log:
-                    log(f"{device_name} {layer.kind:9s} mb={mb}: fwd {hit.forward_s * 1e3:.2f} ms"
-                        f" bwd {hit.backward_s * 1e3:.2f} ms spread {hit.spread:.2f}")
-            timings[key] = hit
+        for t in (1, *degrees) if layer.kind == "block" else (1,):
+            stage, update_s = None, 0.0
+            for mb in options.micro_batches:
+                key = ProfileKey(device_name, layer.signature, mb, seq_len, spec.dtype, t)
+                hit = store.get(key) if store is not None else None
+                if hit is None:
+                    if stage is None:
+                        stage = split_block(build_layer(config, layer, device, options), config,
+                                            t)
+                    run = layer_run(stage, config, layer.kind, mb, seq_len, spec.dtype, device)
+                    hit = time_layer(run, options, device)
+                    if not update_s:  # the optimizer step does not depend on the micro-batch
+                        update_s = _update_s(stage, _Clock(device))
+                    hit = replace(hit, update_s=update_s)
+                    if store is not None:
+                        store.put(key, hit)
+                    if log:
+                        log(_entry_line(layer.kind, key, hit, timings.get(replace(key, tp=1))))
+                timings[key] = hit
     if store is not None and save:
         store.save()
-    return Profile(timings=timings, links=list(store.links.values()) if store else [],
+    return Profile(timings=timings, links=store.all_links() if store else [],
                    source=str(store.path) if store else "")
+
+
+def _entry_line(kind: str, key: ProfileKey, hit: LayerTiming, whole: LayerTiming | None) -> str:
+    """The log line of one measured entry; a split block's gives the whole block's time over
+    its own (``t`` for an even split)."""
+    name = f"{kind}/tp{key.tp}" if key.tp > 1 else kind
+    line = (f"{key.device} {name:9s} mb={key.micro_batch}: fwd {hit.forward_s * 1e3:.2f} ms"
+            f" bwd {hit.backward_s * 1e3:.2f} ms spread {hit.spread:.2f}")
+    if key.tp > 1 and whole is not None and hit.forward_s + hit.backward_s > 0:
+        ratio = (whole.forward_s + whole.backward_s) / (hit.forward_s + hit.backward_s)
+        line += f" (whole / split {ratio:.2f}, {key.tp} for an even split)"
+    return line
 
 
 # -- the memory model against autograd ------------------------------------------------------
@@ -363,6 +391,10 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     among its ranks (:func:`~hapt_hf.profiling.links.measure_group_allreduce`), recorded as
     the link from the group to itself (the link its stages' gradients are all-reduced on);
     empty: not timed.
+    ``options.tp_degrees``: each leader also times the block's compute split at the degrees its
+    group's ranks can hold and the model allows (:func:`time_tp_splits`), and each group's
+    first ``t`` ranks time the tensor-parallel all-reduce of a block's activation among them
+    (:func:`~hapt_hf.profiling.links.measure_tp_allreduce`), recorded per (group, ``t``).
     """
     import torch.distributed as dist
 
@@ -372,18 +404,20 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     rank = dist.get_rank()
     leaders = {g: ranks[0] for g, ranks in groups.items()}
     store = ProfileStore.open(store_path) if store_path else None
-    mine: dict[ProfileKey, LayerTiming] = {}
+    mine = Profile()
     for g, leader in leaders.items():
         # one leader per device type: a second group of the same type would only repeat it
         first_of_type = list(device_names.values()).index(device_names[g]) == \
             list(device_names).index(g)
+        held = replace(options, tp_degrees=tuple(t for t in options.tp_degrees
+                                                 if t <= len(groups[g])))
         if rank == leader and first_of_type:
             cache = ProfileStore(Path(store_path), dict(store.timings)) if store else None
             mine = profile_model(config, device_name=device_names[g], seq_len=seq_len,
-                                 dtype=dtype, options=options, store=cache, save=False).timings
+                                 dtype=dtype, options=held, store=cache, save=False)
         elif busy_peers and rank in groups[g]:
             mine = profile_model(config, device_name=device_names[g], seq_len=seq_len,
-                                 dtype=dtype, options=options).timings
+                                 dtype=dtype, options=held)
     if busy_peers:
         _keep_busy_until_all_done(config, seq_len, dtype, min(options.micro_batches), options)
     dist.barrier()
@@ -398,18 +432,34 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
             dist.barrier()
     if allreduce_sizes:
         links += time_inside_groups(groups, rank, allreduce_sizes)
+    tp_links = _time_tp_allreduces(config, groups, rank, seq_len, dtype, options)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, [m for m in links if rank == leaders[m.a]]))
-    profile = Profile(source=str(store_path or ""))
-    profile.timings.update(pool_timings([timings for timings, _ in gathered]))
-    for _, measured in gathered:
-        profile.links.extend(measured)
+    dist.all_gather_object(gathered, (mine.timings, [m for m in links if rank == leaders[m.a]],
+                                      tp_links))
+    merged = ProfileStore(Path(store_path or ""))
+    merged.timings.update(pool_timings([g[0] for g in gathered]))
+    for _, measured, tp_measured in gathered:
+        for m in measured:
+            merged.put_link(m)
+        for m in tp_measured:
+            merged.put_tp_link(m)
     if rank == 0 and store is not None:
-        for k, t in profile.timings.items():
-            store.put(k, t)
-        for m in profile.links:
-            store.put_link(m)
+        store.merge(merged)
         store.save()
+    profile = merged.to_profile()
+    profile.source = str(store_path or "")
     return profile
 
 
+def _time_tp_allreduces(config, groups: dict[str, list[int]], rank: int, seq_len: int,
+                        dtype: str, options: ProfilerOptions) -> list[LinkMeasurement]:
+    """Collective: the tensor-parallel all-reduce of each group at the degrees of
+    ``options.tp_degrees`` the model allows, on a block activation's sizes."""
+    if not options.tp_degrees:
+        return []
+    degrees, _ = tp_degrees(config, options.tp_degrees)
+    if not degrees:
+        return []
+    dtype = canonical_dtype(dtype)
+    sizes = activation_sizes(config.hidden_size, seq_len, dtype, options.micro_batches)
+    return time_tp_inside_groups(groups, rank, degrees, sizes, dtype)

@@ -33,6 +33,11 @@ class ProfilerOptions:
         attn_implementation: as the job's runtime builds its stages ("eager" or "sdpa"); None:
             the model's best (:func:`hapt_hf.profiling.model_figures.choose_attention`, decided
             by the profiler once it has the model's config).
+        tp_degrees: tensor-parallel degrees above 1 at which a block's compute split is timed
+            too (:func:`hapt_hf.profiling.tp_split.split_block`: one TP rank's shard of the
+            projections the model's plan shards); each is kept where the model's heads,
+            key/value heads and MLP width divide and the profiler says why it drops the others.
+            (): none.
     """
 
     micro_batches: tuple[int, ...] = (1, 2, 4)
@@ -42,6 +47,7 @@ class ProfilerOptions:
     attn_implementation: str | None = None
     budget_s: float = 4.0
     """Timed seconds one entry aims at: slow layers get fewer windows (never under 3)."""
+    tp_degrees: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.micro_batches or any(not isinstance(b, int) or b < 1
@@ -55,17 +61,25 @@ class ProfilerOptions:
                 self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ProfilerError(f"attn_implementation {self.attn_implementation!r} is not "
                                 f"known; use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+        if any(not isinstance(t, int) or t < 1 for t in self.tp_degrees):
+            raise ProfilerError(f"tp_degrees {self.tp_degrees!r} must be positive integers, "
+                                "e.g. --tp-degrees 2,4")
         if self.min_window_s < 0:
             raise ProfilerError(f"min_window_s ({self.min_window_s}) must be >= 0")
 
 
 @dataclass
 class ProfileStore:
-    """A JSON file of measured layer timings and links; created on first save."""
+    """A JSON file of measured layer timings and links; created on first save.
+
+    A block's tensor-parallel compute split is a timing whose key has ``tp`` > 1 (one rank's
+    shard, its all-reduces not included); a tensor-parallel all-reduce inside a group is a link
+    with ``tp`` > 1, kept in ``tp_links`` by (group, degree)."""
 
     path: Path
     timings: dict[ProfileKey, LayerTiming] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkMeasurement] = field(default_factory=dict)
+    tp_links: dict[tuple[str, int], LinkMeasurement] = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: str | Path) -> "ProfileStore":
@@ -82,7 +96,10 @@ class ProfileStore:
                                 "--store") from None
         self.timings.update(profile.timings)
         for m in profile.links:
-            self.links[link_pair(m.a, m.b)] = m
+            if m.tp > 1:
+                self.tp_links[(m.a, m.tp)] = m
+            else:
+                self.links[link_pair(m.a, m.b)] = m
 
     def get(self, key: ProfileKey) -> LayerTiming | None:
         return self.timings.get(key)
@@ -93,11 +110,25 @@ class ProfileStore:
     def put_link(self, m: LinkMeasurement) -> None:
         self.links[link_pair(m.a, m.b)] = m
 
+    def put_tp_link(self, m: LinkMeasurement) -> None:
+        """A tensor-parallel all-reduce inside a group (``m.tp`` > 1)."""
+        self.tp_links[(m.a, m.tp)] = m
+
+    def merge(self, other: "ProfileStore") -> None:
+        """Take every entry of ``other`` (it wins where both have one)."""
+        self.timings.update(other.timings)
+        self.links.update(other.links)
+        self.tp_links.update(other.tp_links)
+
     def save(self) -> None:
         """Write atomically (a reader never sees half a file), sorted so diffs stay readable."""
         self.to_profile().save(self.path)
 
+    def all_links(self) -> list[LinkMeasurement]:
+        """Links between groups and inside them, then tensor-parallel all-reduces, sorted."""
+        return [*(m for _, m in sorted(self.links.items())),
+                *(m for _, m in sorted(self.tp_links.items()))]
+
     def to_profile(self) -> Profile:
-        return Profile(timings=dict(sorted(self.timings.items())),
-                       links=[m for _, m in sorted(self.links.items())],
+        return Profile(timings=dict(sorted(self.timings.items())), links=self.all_links(),
                        source=str(self.path))
