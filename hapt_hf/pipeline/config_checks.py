@@ -2,7 +2,8 @@
 
 Read off the config alone (and, for recurrence, the base model's forward signature), before any
 model is built: encoder-decoder models, recurrent or other non-attention layers, the router's
-auxiliary loss, layer drop, and layers that read more than the hidden state from earlier ones.
+auxiliary loss, layer drop, and layers that read more than the hidden state from earlier ones;
+and the tensor-parallel degrees a config's heads and MLP width do not allow.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ the recipes (through :func:`hapt_hf.integration.launch.init_process_group`, whic
 ``mpirun`` launch look like torchrun's), the benchmarks and the multi-process test helper
 (``run_ranks`` in the checkout's ``benchmarks/ranks.py``) all call it. Gloo on CPU, NCCL on
 CUDA (each rank on the GPU ``LOCAL_RANK`` names); its timeout, ``DEFAULT_TIMEOUT_S`` unless
-given, bounds every collective. :func:`stage_groups` makes the subgroups the runtime sums gradients in;
+given, bounds every collective. :func:`stage_groups` makes the subgroups the runtime shards a replica over
+(tensor parallelism) and sums gradients in;
 :func:`transfer_groups` the ones its activations and gradients cross stage boundaries in. Setting up registers
 :func:`~hapt_hf.pipeline.exit_guard.end_distributed_workers` to run at exit, so that a process
 that used any of them ends cleanly however it ends.

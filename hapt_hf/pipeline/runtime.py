@@ -1,4 +1,6 @@
-"""Run a plan's schedule over torch.distributed: one rank, one stage replica, one action list.
+"""Run a plan's schedule over torch.distributed: one rank, one stage replica (or its share of a
+replica held by several ranks: tensor parallelism, :mod:`~hapt_hf.pipeline.tensor_parallel`),
+one action list.
 
 Every rank holds the whole global batch (token ids), builds only its own stage, and runs its
 stage's list from :func:`hapt_hf.planner.schedule.build_schedule`: receives posted once the
