@@ -21,7 +21,7 @@ import torch
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, Replica, Stage
 from benchmarks.ranks import run_ranks
-from tests.pipeline.test_runtime_equivalence import SEQ, STEPS, _compare, make_batches
+from tests.pipeline.test_runtime_equivalence import SEQ, STEPS, TransferLog, _compare, make_batches
 
 pytestmark = pytest.mark.multiproc
 
@@ -106,12 +106,19 @@ def _full(t):
 
 
 def train_case(rank: int, case: Case) -> dict:
-    """STEPS steps against one process; what this rank found wrong."""
+    """STEPS steps against one process; what this rank found wrong, and the point-to-point
+    calls of its set-up and first step."""
+    with TransferLog() as log:
+        return _train_case(rank, case, log)
+
+
+def _train_case(rank: int, case: Case, log: TransferLog) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
     config = tiny_config(case.family, case.num_blocks, case.tied)
     rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
+    set_up = len(log.calls)
     torch.manual_seed(7)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
     # lr 1e-3, as the other equivalence tests: larger magnifies last-bit differences past atol
@@ -126,6 +133,8 @@ def train_case(rank: int, case: Case) -> dict:
         ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         res = rt.train_step(b, opt, max_grad_norm=0.5)
+        if i == 0:
+            transfers = log.labelled(rt._transfer_pgs)
         for n, p in rt.stage.named_parameters():  # clipped alike; the step has not zeroed them
             _compare(f"step {i} grad {n}", _full(p.grad), ref.get_parameter(n).grad, errors)
         ref_opt.step()
@@ -151,7 +160,8 @@ def train_case(rank: int, case: Case) -> dict:
         for k in set(state) & set(ref_state):
             _compare(f"state {k}", state[k], ref_state[k], errors)
     out = {"errors": errors, "stage": rt.stage_plan.index, "norms": norms, "sharded": sharded,
-           "tp": rt.work.tp, "partial": 0 if rt.tp is None else len(rt.tp.partial)}
+           "tp": rt.work.tp, "partial": 0 if rt.tp is None else len(rt.tp.partial),
+           "transfers": transfers, "set_up": set_up}
     rt.shutdown()
     return out
 
@@ -217,6 +227,40 @@ def test_matches_single_process(results, world, case):
         assert r["sharded"] == (case.projections(st.index) if st.tp > 1 else 0), r
         if case.family == "qwen3" and st.tp > 1:  # q_norm and k_norm summed over the replica
             assert r["partial"] == 2 * case.blocks[st.index], r
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, c in ALL if len(c.blocks) > 1],
+                         ids=[f"{w}r-{c.name}" for w, c in ALL if len(c.blocks) > 1])
+def test_transfers_pair_the_tp_ranks_and_would_pair_up_on_nccl(results, world, case):
+    """Every transfer of the first step goes over its boundary's group for its direction,
+    between the ranks the TP pairing names (the placement's pieces), in the same micro-batch
+    order on both sides, over a pair that set-up opened; every receiving TP rank gets each
+    micro-batch from the pairing's rank."""
+    from hapt_hf.pipeline.placement import rank_work
+    plan = case.plan()
+    works = {r: rank_work(plan, r) for r in range(case.world)}
+    sent, received, opened = {}, {}, set()
+    for rank in range(case.world):
+        r = results[world][rank][case.name]
+        for i, (key, op, peer, tag) in enumerate(r["transfers"]):
+            assert key != "other", f"rank {rank}: {op} to/from {peer} on no transfer group"
+            send = op in ("send", "isend")
+            src, dst = (rank, peer) if send else (peer, rank)
+            boundary, forward = key
+            w = works[dst]  # the receiver's pieces name the sender
+            pieces = w.upstream if forward else w.downstream_grads
+            assert src in [p.peer for p in pieces], (key, src, dst)
+            if i < r["set_up"]:
+                opened.add((key, src, dst, send))
+                continue
+            assert (key, src, dst, send) in opened, f"{key} {src}->{dst} not made at set-up"
+            (sent if send else received).setdefault((key, src, dst), []).append(tag)
+    assert sent and sent == received
+    for rank, w in works.items():  # every receiving rank heard from every piece's peer
+        for forward, pieces in ((True, w.upstream), (False, w.downstream_grads)):
+            b = w.stage.index - 1 if forward else w.stage.index
+            for p in pieces:
+                assert received[((b, forward), p.peer, rank)] == list(range(M)), (rank, p)
 
 
 def test_fp16_overflow_is_one_decision_for_the_job(results):
