@@ -118,9 +118,12 @@ class PipelineRuntime:
         """Build this rank's stage (every rank refuses if one cannot) and the process groups."""
         from hapt_hf.pipeline.stage import build_stage
         s = self.stage_plan.index
+        # a tensor-parallel stage is held whole in host memory only; sharding then moves each
+        # rank's slices to its device, so the device never holds the whole stage
+        build_device = torch.device("cpu") if self.work.tp > 1 else self.device
         self.stage = self.channel.agree("the stage build", s, lambda: build_stage(
             model_config, self.stage_plan.layers, seed=self.config.seed,
-            checkpoint_dir=self.config.checkpoint_dir, device=self.device,
+            checkpoint_dir=self.config.checkpoint_dir, device=build_device,
             recompute=self.stage_plan.recompute, layer_unit=self.plan.layer_unit,
             attn_implementation=self.plan.attn_implementation))
         self.hidden_size = int(model_config.hidden_size)
@@ -135,6 +138,7 @@ class PipelineRuntime:
         if groups.tp is not None:
             with self.channel.collective("the tensor-parallel sharding", s, self.work.tp_ranks):
                 self.tp = shard_stage(self.stage, model_config, groups.tp, self.device)
+            self.stage.to(self.device)  # the parameters left whole, and the buffers
         self.optimizers = StageOptimizers(self.stage_plan, self.stage, groups.dp, self.channel)
         """This stage's optimizer as the plan says (a sharded one splits among the replicas'
         ranks that hold the same shard)."""
