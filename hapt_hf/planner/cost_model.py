@@ -640,8 +640,10 @@ class CostModel:
         if self.profile is not None:
             hit = _lookup(self.profile, group.gpu.name, layer, samples, m.seq_len, m.dtype, tp)
         if hit is not None:
+            # never faster than a t-th of one GPU's time (a profile's noise could say so), so
+            # the physical limit, which counts every GPU alone, stays a bound
             extra = 0.0 if hit.tp_comm_included else ar
-            return hit.forward_s + extra, hit.backward_s + extra, u
+            return (max(hit.forward_s, f / tp) + extra, max(hit.backward_s, b / tp) + extra, u)
         return f / (tp * eff) + ar, b / (tp * eff) + ar, u
 
     # -- per stage -------------------------------------------------------------------------

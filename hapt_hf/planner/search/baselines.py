@@ -94,7 +94,7 @@ def _speed_proportional(cm: CostModel, shapes, mbs: int) -> list[int] | None:
     flops = [0.0]
     for l in cm.model.layers:
         flops.append(flops[-1] + l.fwd_flops + l.bwd_flops)
-    speed = [sh.width / cm.sample_time_s(sh.group, mbs // sh.width)
+    speed = [sh.width / cm.sample_time_s(sh.group, mbs // sh.width, sh.tp)
              for sh in map(cm.placement, shapes)]
     total, acc, cuts, prev = sum(speed), 0.0, [], 0
     for i in range(n - 1):

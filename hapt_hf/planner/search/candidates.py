@@ -54,11 +54,12 @@ def _candidates(problem: SearchProblem):
         if n > max_n:
             continue
         # every replica of a stage holds the stage's weights and optimizer state (sharded: its
-        # share of the Adam moments), so the stages' memories together must hold the whole
-        # model's at least once
+        # share of the Adam moments; a replica of t GPUs: each its 1/t of the blocks'), so the
+        # stages' memories together must hold the whole model's at least once
         widest = max(max(ws) for ws in combo)
         state = SHARDED if options.allow_sharded_optimizer else REPLICATED
-        if sum(cm.capacity_bytes(g) * len(ws) for g, ws in zip(cm.cluster.groups, combo)) \
+        if sum(cm.capacity_bytes(g) * cm.tp_of(g) * len(ws)
+               for g, ws in zip(cm.cluster.groups, combo)) \
                 < cm.static_bytes(0, L, state, widest):
             continue
         widths = {g.name: w for g, w in zip(cm.cluster.groups, combo)}

@@ -54,7 +54,7 @@ def layer_speed_shares(cm: CostModel, gpus: list[GpuGroup], mbs: int, a: int, b:
     def timer(g: GpuGroup):
         def t(s: int) -> float:
             if (g.name, s) not in memo:
-                memo[g.name, s] = sum(cm.compute_s(g, s, a, b, recompute))
+                memo[g.name, s] = sum(cm.compute_s(g, s, a, b, recompute, cm.tp_of(g)))
             return memo[g.name, s]
         return t
 
@@ -80,10 +80,10 @@ def dp_shape(cm: CostModel, shares: tuple[int, ...]) -> tuple[Replica, ...]:
 def _whole_model_fits(cm: CostModel, optimizer: str = REPLICATED, gpus: int = 1) -> str:
     """Why the whole model's state (optimizer state kept ``optimizer`` over ``gpus``) cannot sit
     on some GPU (empty if it can)."""
-    need = cm.static_bytes(0, cm.model.num_layers, optimizer, gpus)
     state = "optimizer state sharded over every GPU" if optimizer == SHARDED \
         else "optimizer state"
     for g in cm.cluster.groups:
+        need = cm.static_bytes(0, cm.model.num_layers, optimizer, gpus, cm.tp_of(g))
         cap = cm.capacity_bytes(g)
         if need > cap:
             return (f"the whole model's weights, gradients and {state} need "

@@ -27,6 +27,7 @@ from .replays import simulate_layout
 from .shapes import require_chain
 from .state import sharding_reasons
 from .subsets import choose_groups
+from .tensor_parallel import choose_degrees
 from .warmups import refine_warmups
 
 __all__ = ["plan_job"]
@@ -85,12 +86,82 @@ def _limit_if_fits(problem: SearchProblem, sub: Cluster) -> float | None:
 
 def _plan_on(problem: SearchProblem) -> PlanResult:
     """The search on every group of the problem's cluster: each layer unit, the baselines as
-    candidates."""
+    candidates, then tensor-parallel degrees per group where they are faster (or where only
+    they fit)."""
     t0 = time.perf_counter()
     options = problem.options
     baselines: dict[str, BaselineResult] = {}
     if options.include_baselines:
         baselines = baseline_plans(problem)
+    failure = None
+    try:
+        best = _best_layout(problem, baselines)
+    except PlanningError as e:
+        best, failure = None, e
+    if options.max_tp > 1:
+        got = _tensor_parallel(problem, best[0].iteration_s if best else None)
+        if got is not None and (best is None or got[0].iteration_s < best[0].iteration_s):
+            best = (got[0], got[1], got[2], got[3] + (best[3] if best else 0))
+    if best is None:
+        raise failure
+    final, unit, lay, tried = best
+    base_times = {k: b.sim.iteration_s for k, b in baselines.items()
+                  if b.sim is not None and b.sim.feasible}
+    plan = layout_to_plan(unit, lay, final, base_times).validate()
+    return PlanResult(plan, final, baselines, time.perf_counter() - t0,
+                      physical_limit_s(problem), tried,
+                      sharding=sharding_reasons(unit.cost_model, plan, final.peak_in_flight))
+
+
+TP_SCREEN_BUDGET_S = 12.0
+"""Seconds the screen of tensor-parallel degrees may spend weighing new assignments."""
+TP_POLISH_BELOW_S = 4.0
+"""Where the screen took less than this, its winner is searched again with the user's
+options (on large clusters the screen's plan stands: a full search costs several times a
+screen)."""
+_SCREEN = dict(simulate_top=2, simulate_top_cheap=2, max_refine_simulations=16)
+
+
+def _tensor_parallel(problem: SearchProblem, base_s: float | None
+                     ) -> tuple[SimResult, SearchProblem, Layout, int] | None:
+    """The best plan with tensor-parallel degrees above 1 in some group, where the screen
+    finds one faster than ``base_s`` (the plan without; None: nothing fits without)."""
+    units = [problem.options.layer_unit]
+    if units[0] != BLOCK and problem.model.can_split_blocks:
+        # with t GPUs a replica holds few blocks: halves balance them; where halves do not
+        # fit (recomputed halves keep twice the inputs), whole blocks
+        units = [HALF] if units[0] == HALF else [HALF, BLOCK]
+
+    def weigh(p: SearchProblem):
+        for unit in units:
+            try:
+                got = _best_layout(p.with_options(layer_unit=unit, **_SCREEN), {})
+            except PlanningError:
+                continue
+            return got[0].iteration_s, got
+        return None
+
+    t0 = time.perf_counter()
+    tp, screened, _ = choose_degrees(problem, weigh, base_s, TP_SCREEN_BUDGET_S)
+    if tp is None:
+        return None
+    if time.perf_counter() - t0 < TP_POLISH_BELOW_S:
+        try:
+            full = _best_layout(problem.with_tp(tp), {})
+        except PlanningError:
+            full = None
+        if full is not None and full[0].iteration_s <= screened[0].iteration_s:
+            return full
+    return screened
+
+
+def _best_layout(problem: SearchProblem, baselines: dict[str, BaselineResult]
+                 ) -> tuple[SimResult, SearchProblem, Layout, int]:
+    """(full replay, problem of its layer unit, layout, partitions tried) of the best plan at
+    the problem's tensor-parallel degrees: each layer unit's search, stages that mix groups
+    and one data-parallel stage where the options allow them; raises where nothing fits."""
+    options = problem.options
+    one_degree = len(set(problem.tp.values())) == 1
     found, tried, failure = [], 0, None
     for unit_model in _unit_models(problem.model, options.layer_unit):
         unit = problem.with_model(unit_model)
@@ -101,7 +172,7 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
             continue
         tried += n
         found.append((final.iteration_s, len(found), unit, lay, final))
-    if options.allow_mixed_stages and found:
+    if options.allow_mixed_stages and found and set(problem.tp.values()) == {1}:
         # stages over several groups, shares by speed: from the best pipeline (its group
         # boundaries merged) and column layouts; after the pipelines, so they win a tie
         _, _, unit, lay, final = min(found, key=lambda f: f[:2])
@@ -113,7 +184,7 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
             if r.feasible:
                 found.append((r.iteration_s, len(found), unit, got[0], r))
     dp_at = -1
-    if options.allow_uneven_dp:
+    if options.allow_uneven_dp and one_degree:
         # one stage of every GPU, shares by speed: a candidate of its own, never cut, so it
         # skips the partition and refinements; last in line, so a pipeline wins a tie
         states = (REPLICATED, SHARDED) if options.allow_sharded_optimizer else (REPLICATED,)
@@ -128,12 +199,7 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
         final = simulate_layout(problem.cost_model, lay,
                                 problem.num_microbatches(lay.micro_batch_size), exact=True,
                                 record_events=True)
-    base_times = {k: b.sim.iteration_s for k, b in baselines.items()
-                  if b.sim is not None and b.sim.feasible}
-    plan = layout_to_plan(unit, lay, final, base_times).validate()
-    return PlanResult(plan, final, baselines, time.perf_counter() - t0,
-                      physical_limit_s(problem), tried,
-                      sharding=sharding_reasons(unit.cost_model, plan, final.peak_in_flight))
+    return final, unit, lay, tried
 
 
 def _unit_models(model: ModelSpec, layer_unit: str) -> list[ModelSpec]:

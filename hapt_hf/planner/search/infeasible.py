@@ -4,7 +4,9 @@ Every figure comes from the cost model. A remedy is checked on the most favourab
 search can build: one GPU per stage, the largest GPUs first (they run the deepest warm-ups),
 each stage taking as many layers as fit under the schedule's own warm-up depths, for each
 micro-batch size allowed; with sharded optimizer state (ZeRO-1), also stages of 2, 4, 8...
-replicas of one group, each holding its share of the Adam moments. Across group links the
+replicas of one group, each holding its share of the Adam moments; where ``max_tp`` keeps
+tensor parallelism out, also replicas of 2, 4 or 8 GPUs of one node (each GPU holding its
+share of the blocks' projections), whose degree the advice names. Across group links the
 search may run deeper warm-ups, so there the check is an estimate.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hapt_hf.core.schedules import ScheduleKind, default_warmups
 from hapt_hf.errors import PlanningError
 
 from ..cluster import GpuGroup
-from ..cost_model import CostModel
+from ..cost_model import CostModel, tp_unfit
 from .problem import SearchProblem
 from .shapes import divisors
 
@@ -39,11 +41,12 @@ def _mbs_options(problem: SearchProblem) -> list[int]:
     return [m for m in divisors(problem.global_batch_size) if sizes is None or m in sizes]
 
 
-def _holds(problem: SearchProblem, caps: list[float], width: int = 1) -> int | None:
+def _holds(problem: SearchProblem, caps: list[float], width: int = 1,
+           tps: list[int] | None = None) -> int | None:
     """The largest micro-batch size with which stages of these capacities (in this order;
-    ``width`` GPUs each, sharding their optimizer state when more than one) hold the whole
-    model under the problem's schedule, micro-batch sizes, recompute and depth; None if none
-    does."""
+    ``width`` replicas each, sharding their optimizer state when more than one; each replica
+    of ``tps[i]`` GPUs, 1 where not given) hold the whole model under the problem's schedule,
+    micro-batch sizes, recompute and depth; None if none does."""
     cm, options = problem.cost_model, problem.options
     recompute = options.allow_recompute
     L = cm.model.num_layers
@@ -53,10 +56,10 @@ def _holds(problem: SearchProblem, caps: list[float], width: int = 1) -> int | N
         warm = default_warmups(options.schedule, n, problem.num_microbatches(mbs))
         s, a = mbs // width, 0
         for i, (cap, w) in enumerate(zip(caps[:n], warm)):
-            b = a
+            b, t = a, tps[i] if tps else 1
             # every later stage keeps at least one layer
             while b < L - (n - i - 1) and \
-                    cm.memory_bytes(s, a, b + 1, w, recompute, state, width) <= cap:
+                    cm.memory_bytes(s, a, b + 1, w, recompute, state, width, t) <= cap:
                 b += 1
             if b == a:
                 break
@@ -97,6 +100,31 @@ def _shard_widths(cm: CostModel) -> list[int]:
     """Stage widths the sharded check tries: powers of two up to the largest group."""
     widest = max(g.size for g in cm.cluster.groups)
     return [1 << k for k in range(1, widest.bit_length()) if 1 << k <= widest]
+
+
+def _tp_degree(problem: SearchProblem, groups: list[GpuGroup]) -> int | None:
+    """The smallest tensor-parallel degree above ``max_tp`` with which replicas of that many
+    GPUs of one node (in the groups whose nodes it divides, one GPU a replica elsewhere) hold
+    the model, where the model allows it; None where none does or ``max_tp`` allows 8."""
+    cm = problem.cost_model
+    for t in (2, 4, 8):
+        if t <= problem.options.max_tp or tp_unfit(cm.model, t):
+            continue
+        deg = {g.name: t if g.gpus_per_node % t == 0 else 1 for g in groups}
+        if all(d == 1 for d in deg.values()):
+            continue
+        # per replica, its GPUs' memory; the largest replicas first
+        reps = sorted(((cm.capacity_bytes(g), deg[g.name]) for g in groups
+                       for _ in range(g.size // deg[g.name])),
+                      key=lambda c: -c[0] * c[1])
+        if _holds(problem, [c for c, _ in reps], tps=[d for _, d in reps]):
+            return t
+    return None
+
+
+def _tp_text(t: int) -> str:
+    return (f"max_tp={t} (tensor parallelism: replicas of {t} GPUs of one node, each holding "
+            f"1/{t} of every block's projections and optimizer state)")
 
 
 def _more_gpus(problem: SearchProblem, caps: list[float], big_cap: float) -> int | None:
@@ -147,6 +175,9 @@ def fit_advice(problem: SearchProblem) -> list[str]:
                        f"(now {cm.memory_headroom}) holds that layer")
         out.append(_zero1(cm, layer, need, caps[0], options.allow_sharded_optimizer,
                           max(g.size for g in groups)))
+        t = _tp_degree(problem, groups)
+        if t:
+            out.append(f"{_tp_text(t)} fits it")
         return out
     out = []
     if not rc and holds(allow_recompute=True):
@@ -161,6 +192,9 @@ def fit_advice(problem: SearchProblem) -> list[str]:
     if not options.allow_sharded_optimizer and holds(allow_sharded_optimizer=True):
         out.append("allow_sharded_optimizer=True (shard the Adam moments among a stage's "
                    "replicas, ZeRO-1; drop --no-sharded-optimizer) fits it")
+    t = _tp_degree(problem, groups)
+    if t:
+        out.append(f"{_tp_text(t)} fits it")
     more = _more_gpus(problem, caps, caps[0])
     if more:
         out.append(f"{more} more {big.gpu.name} GPU{'s' if more > 1 else ''} (one stage each) "

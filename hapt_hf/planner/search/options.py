@@ -7,6 +7,7 @@ from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM
 from hapt_hf.core.layers import BLOCK, HALF
 from hapt_hf.core.precision import REPLICATED
 from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
+from hapt_hf.core.tp import TP_DEGREES
 from hapt_hf.errors import PlanningError
 
 from ..cost_model import DEFAULT_EFFICIENCY
@@ -76,6 +77,12 @@ class PlannerOptions:
     with a group boundary's two stages merged, and layouts whose every stage takes a slice of
     every group); kept when the simulator finds them faster. False: every pipeline stage sits
     on one group with even shares."""
+    max_tp: int = 8
+    """Largest tensor-parallel degree a stage's replicas may have (1, 2, 4 or 8; each group's
+    replicas of ``t`` GPUs of one node, ``t`` dividing the model's attention heads, key/value
+    heads and MLP width). 1: every replica is one GPU, as without tensor parallelism. The
+    search keeps a degree above 1 only where the simulator finds it faster, or where nothing
+    fits without it."""
     layer_unit: str = LAYER_UNIT_OPTIONS[0]
     """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
     fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep
@@ -96,6 +103,9 @@ class PlannerOptions:
         if self.weigh_groups_max_gpus < 0:
             raise PlanningError(f"weigh_groups_max_gpus {self.weigh_groups_max_gpus} must be "
                                 ">= 0 (0: never leave a group idle, like all_groups)")
+        if self.max_tp not in TP_DEGREES:
+            raise PlanningError(f"max_tp {self.max_tp!r} must be one of {TP_DEGREES} (1: no "
+                                "tensor parallelism)")
         if self.layer_unit not in LAYER_UNIT_OPTIONS:
             raise PlanningError(f"layer_unit {self.layer_unit!r} is unknown; use one of "
                                 f"{LAYER_UNIT_OPTIONS}")

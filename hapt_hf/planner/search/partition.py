@@ -30,7 +30,7 @@ def _stage_reach(cm: CostModel, sh: Placement, samples: int, in_flight: int, a: 
     """Farthest end b (<= limit) of a stage of alike replicas starting at a, with its recompute
     flag and optimizer state (the least recompute, then the faster step, among those reaching as
     far); (a, _, _) when nothing fits. ``mem_pre`` maps (recompute, state) to memory prefixes."""
-    t = cm.table(sh.group, samples)
+    t = cm.table(sh.group, samples, sh.tp)
     capacity = cm.capacity_bytes(sh.group)
     best = (a, False, REPLICATED)
     for rc in ((False, True) if allow_rc else (False,)):
@@ -40,7 +40,7 @@ def _stage_reach(cm: CostModel, sh: Placement, samples: int, in_flight: int, a: 
             mp = mem_pre[rc, opt]
             b = min(limit, cm.max_layers_fitting(pre_t, a, cap),
                     cm.max_layers_fitting(mp, a, capacity))
-            while b > a and mp[b] - mp[a] + cm.working_bytes(samples, a, b) > capacity:
+            while b > a and mp[b] - mp[a] + cm.working_bytes(samples, a, b, sh.tp) > capacity:
                 b -= 1
             reach.append((b, opt))
         b = max(r for r, _ in reach)
@@ -54,7 +54,7 @@ def _stage_reach(cm: CostModel, sh: Placement, samples: int, in_flight: int, a: 
 
 def _mem_prefixes(cm: CostModel, sh: Placement, samples: int, in_flight: int, allow_rc: bool,
                   allow_sharded: bool) -> dict:
-    return {(rc, o): cm.memory_prefix(samples, in_flight, rc, o, sh.width)
+    return {(rc, o): cm.memory_prefix(samples, in_flight, rc, o, sh.width, sh.tp)
             for rc in ((False, True) if allow_rc else (False,))
             for o in state_options(sh.width, allow_sharded)}
 
@@ -106,7 +106,7 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
         return (tuple(bounds), tuple(rcs), tuple(opts)) if a == L else None
 
     # no partition beats the perfectly balanced step, so start there and double until it fits
-    top = max(cm.table(sh.group, s).fb_rc[-1] for sh, s, *_ in info) * 1.001
+    top = max(cm.table(sh.group, s, sh.tp).fb_rc[-1] for sh, s, *_ in info) * 1.001
     lo = min(lower_bound_s, top) if lower_bound_s > 0 else 0.0
     hi = max(lo * 1.25, top * 1e-3)
     got = greedy(hi)
@@ -125,9 +125,9 @@ def recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: boo
     for reps, (a, b), w in zip(shapes, bounds, warm):
         sh = cm.placement(reps)
         s, cap = mbs // sh.width, cm.capacity_bytes(sh.group)
-        if cm.memory_bytes(s, a, b, w, False) <= cap:
+        if cm.memory_bytes(s, a, b, w, False, tp=sh.tp) <= cap:
             rcs.append(False)
-        elif allow_rc and cm.memory_bytes(s, a, b, w, True) <= cap:
+        elif allow_rc and cm.memory_bytes(s, a, b, w, True, tp=sh.tp) <= cap:
             rcs.append(True)
         else:
             return None
@@ -141,7 +141,7 @@ def cut_times(cm: CostModel, shapes, bounds, mbs: int) -> list[float]:
 
 def balanced_step_s(cm: CostModel, shapes, mbs: int) -> float:
     """Per-micro-batch time if every stage carried work in proportion to its speed."""
-    rate = sum(cm.replica_rate(sh.group, mbs // sh.width) * sh.width
+    rate = sum(cm.replica_rate(sh.group, mbs // sh.width, sh.tp) * sh.width
                for sh in map(cm.placement, shapes))
     return mbs / rate
 

@@ -53,10 +53,12 @@ def physical_limit_s(problem: SearchProblem) -> float:
 
     A GPU's speed is samples per second through the whole model at its best per-replica batch:
     analytic figures do not depend on the batch; with a profile, the best of the batch sizes it
-    measured for that device (and 1)."""
+    measured for that device (and 1). Every GPU counts alone, as one rank computing whole
+    layers, whatever tensor-parallel degrees the search weighs: splitting a layer among GPUs
+    never makes them faster than that (their time at degree ``t`` is at best ``1/t``)."""
     cm = problem.cost_model
     rate = 0.0
-    for g in cm.cluster.groups:
+    for g in cm.hardware.groups:
         sizes = {1}
         if cm.profile is not None:
             sizes.update(cm.profile.micro_batches(g.gpu.name))

@@ -7,6 +7,7 @@ sequence of the model (:meth:`SearchProblem.with_model`, whole blocks or halves)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 from hapt_hf.errors import PlanningError
 
@@ -54,7 +55,18 @@ class SearchProblem:
 
     @property
     def cluster(self) -> Cluster:
+        """The cluster as the search sees it: each tensor-parallel replica's GPUs as one."""
         return self.cost_model.cluster
+
+    @property
+    def hardware(self) -> Cluster:
+        """The cluster itself (every GPU)."""
+        return self.cost_model.hardware
+
+    @property
+    def tp(self) -> dict[str, int]:
+        """The tensor-parallel degree of each group's replicas."""
+        return self.cost_model.tp
 
     @property
     def profile(self) -> Profile | None:
@@ -82,20 +94,31 @@ class SearchProblem:
         return self.global_batch_size // micro_batch_size
 
     def on(self, cluster: Cluster) -> SearchProblem:
-        """The same problem on another cluster (a set of this one's groups), priced alike."""
-        if cluster is self.cluster:
+        """The same problem on another cluster (a set of this one's groups), priced alike, each
+        group at its degree."""
+        if cluster is self.hardware:
             return self
         cm = self.cost_model
+        tp = {g.name: cm.tp[g.name] for g in cluster.groups if cm.tp.get(g.name, 1) > 1}
         return replace(self, cost_model=CostModel(cm.model, cluster, cm.profile, cm.efficiency,
-                                                  cm.memory_headroom))
+                                                  cm.memory_headroom, tp))
 
     def with_model(self, model: ModelSpec) -> SearchProblem:
         """The same problem over another layer sequence of the model (whole blocks or halves)."""
         if model is self.model:
             return self
         cm = self.cost_model
-        return replace(self, cost_model=CostModel(model, cm.cluster, cm.profile, cm.efficiency,
-                                                  cm.memory_headroom))
+        return replace(self, cost_model=CostModel(model, cm.hardware, cm.profile, cm.efficiency,
+                                                  cm.memory_headroom, cm.tp))
+
+    def with_tp(self, tp: Mapping[str, int]) -> SearchProblem:
+        """The same problem searched with each group's replicas at these tensor-parallel
+        degrees (a group not named: 1)."""
+        full = {g.name: tp.get(g.name, 1) for g in self.hardware.groups}
+        if full == self.tp:
+            return self
+        return replace(self, cost_model=self.cost_model.with_tp(
+            {n: t for n, t in full.items() if t > 1}))
 
     def with_options(self, **changes) -> SearchProblem:
         """The same cost model and batch under options with these fields changed."""

@@ -42,7 +42,7 @@ def stage_state(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, 
              for g, r in zip(p.group_of, p.replicas)}.values()
     for rc in ((False, True) if allow_rc else (False,)):
         fits = [o for o in state_options(p.width, allow_sharded)
-                if all(cm.memory_bytes(s, a, b, in_flight, rc, o, p.width)
+                if all(cm.memory_bytes(s, a, b, in_flight, rc, o, p.width, p.tp)
                        <= cm.capacity_bytes(g) for g, s in kinds)]
         if fits:
             return rc, faster_state(cm, replicas, mbs // p.width, a, b, fits)
@@ -55,7 +55,7 @@ def _layers_fitting(cm: CostModel, replicas: tuple[Replica, ...], samples: int, 
     p = cm.placement(replicas)
     cap, b = cm.capacity_bytes(p.group), a
     while b < cm.model.num_layers and \
-            cm.memory_bytes(samples, a, b + 1, in_flight, rc, optimizer, p.width) <= cap:
+            cm.memory_bytes(samples, a, b + 1, in_flight, rc, optimizer, p.width, p.tp) <= cap:
         b += 1
     return b - a
 
@@ -66,7 +66,7 @@ def sharding_reason(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: i
     state sharded: how much less it would hold replicated, or its faster step."""
     p = cm.placement(replicas)
     s, w, cap = mbs // p.width, p.width, cm.capacity_bytes(p.group)
-    if cm.memory_bytes(s, a, b, in_flight, recompute, REPLICATED, w) <= cap:
+    if cm.memory_bytes(s, a, b, in_flight, recompute, REPLICATED, w, p.tp) <= cap:
         rep = cm.optimizer_step_s(replicas, s, a, b, REPLICATED)
         shd = cm.optimizer_step_s(replicas, s, a, b, SHARDED)
         return (f"faster optimizer step: {shd * 1e3:.1f} ms (update of 1/{w} of the "
@@ -75,7 +75,7 @@ def sharding_reason(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: i
     fit_s = _layers_fitting(cm, replicas, s, a, in_flight, recompute, SHARDED)
     text = (f"fits {fit_s} layers per {p.group.gpu.name} from "
             f"{layer_name(a, cm.model.num_layers, cm.model.layer_unit)} instead of {fit_r}")
-    if not recompute and cm.memory_bytes(s, a, b, in_flight, True, REPLICATED, w) <= cap:
+    if not recompute and cm.memory_bytes(s, a, b, in_flight, True, REPLICATED, w, p.tp) <= cap:
         text += " (replicated, these layers would need recompute)"
     return text
 

@@ -1,0 +1,123 @@
+"""Tensor-parallel degrees: which degree each group's replicas take.
+
+A group of ``n`` GPUs whose replicas are ``t`` GPUs each looks to the rest of the search like
+``n / t`` GPUs, each with ``t`` times the memory for the blocks' sharded projections and
+``t x tp_efficiency(t)`` times the speed on the blocks, less the all-reduces
+(:class:`~hapt_hf.planner.cost_model.CostModel` with ``tp``): the search over stage shapes,
+layer ranges, micro-batch sizes and warm-ups runs unchanged on that view, and its replicas
+come out as ``t`` consecutive ranks of one node.
+
+The degrees are searched per group around that search: every group at the same degree first
+(1, 2, 4, 8 as the group and the model allow, capped by ``max_tp``), then one group at a time
+moved to a neighbouring degree while the plan improves (coordinate descent). An assignment is
+not weighed where its own limit (:func:`tp_limit_s`: the physical limit with every GPU at its
+speed inside a replica of its degree) is no faster than the best plan so far: where the
+blocks are narrow (tensor parallelism's efficiency is low) this rules out every degree above
+1 and costs nothing. Each weighing is a shortened search (the finest layer unit allowed, fewer
+replays; the screen), whose replayed plan is kept; the caller may search the winner again with
+the user's options. Degree 1 everywhere is the search without tensor parallelism, exactly: a
+degree above it is kept only where the simulator finds it faster.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..cluster import GpuGroup
+from ..cost_model import tp_unfit
+from .problem import SearchProblem
+
+__all__ = ["TpChoice", "group_degrees", "choose_degrees"]
+
+Weigh = Callable[[SearchProblem], "tuple[float, object] | None"]
+"""A screen of one assignment of degrees: its best plan's time and what the caller keeps of
+it, None where nothing fits."""
+
+
+@dataclass(frozen=True)
+class TpChoice:
+    """One assignment of tensor-parallel degrees weighed, and what the screen found."""
+
+    tp: tuple[tuple[str, int], ...]
+    """(group, degree) of every group, in file order."""
+    iteration_s: float | None
+    """The screen's best plan time; None where nothing fits."""
+
+
+def group_degrees(problem: SearchProblem, group: GpuGroup) -> list[int]:
+    """The degrees ``group``'s replicas may take: up to ``max_tp``, dividing its GPUs per node,
+    and allowed by the model (:func:`~hapt_hf.planner.cost_model.tp_unfit`)."""
+    return [t for t in (1, 2, 4, 8) if t <= problem.options.max_tp
+            and group.gpus_per_node % t == 0 and tp_unfit(problem.model, t) is None]
+
+
+def tp_limit_s(problem: SearchProblem) -> float:
+    """The physical limit of the problem's degrees: the global batch's work over the summed
+    speed of every GPU, each at its speed inside a replica of its group's degree (a replica
+    of ``t`` GPUs puts a sample through the model in ``sample_time_s(.., t)``, every layer
+    priced as the cost model prices it). No plan at these degrees beats it."""
+    cm = problem.cost_model
+    rate = 0.0
+    for g in problem.hardware.groups:
+        t = cm.tp[g.name]
+        sizes = {1}
+        if cm.profile is not None:
+            sizes.update(cm.profile.micro_batches(g.gpu.name))
+        rate += g.size / (t * min(cm.sample_time_s(g, s, t) for s in sorted(sizes)))
+    return problem.global_batch_size / rate
+
+
+def choose_degrees(problem: SearchProblem, weigh: Weigh, base_s: float | None,
+                   budget_s: float = float("inf")
+                   ) -> tuple[dict[str, int] | None, object, tuple[TpChoice, ...]]:
+    """The assignment of degrees (group -> t) the screen finds fastest, if any beats
+    ``base_s`` (the plan at degree 1 everywhere; None: none fits), what ``weigh`` returned
+    for it, and every assignment weighed. Stops weighing new assignments after ``budget_s``
+    seconds."""
+    groups = problem.hardware.groups
+    options = {g.name: group_degrees(problem, g) for g in groups}
+    if all(o == [1] for o in options.values()):
+        return None, None, ()
+    t0 = time.perf_counter()
+    seen: dict[tuple[tuple[str, int], ...], float | None] = {}
+    kept: dict[tuple[tuple[str, int], ...], object] = {}
+    ones = tuple((g.name, 1) for g in groups)
+    seen[ones] = base_s
+    best = {g.name: 1 for g in groups}
+    best_s = float("inf") if base_s is None else base_s
+
+    def score(tp: dict[str, int]) -> float:
+        key = tuple((g.name, tp[g.name]) for g in groups)
+        if key not in seen:
+            sub = problem.with_tp(tp)
+            if time.perf_counter() - t0 > budget_s or tp_limit_s(sub) >= best_s:
+                return float("inf")
+            got = weigh(sub)
+            seen[key] = None if got is None else got[0]
+            if got is not None:
+                kept[key] = got[1]
+        got = seen[key]
+        return float("inf") if got is None else got
+
+    for t in (2, 4, 8):
+        tp = {n: max(d for d in o if d <= t) for n, o in options.items()}
+        s = score(tp)
+        if s < best_s:
+            best, best_s = tp, s
+    improved = True
+    while improved:
+        improved = False
+        for g in groups:
+            o = options[g.name]
+            i = o.index(best[g.name])
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(o):
+                    tp = {**best, g.name: o[j]}
+                    s = score(tp)
+                    if s < best_s * (1 - 1e-9):
+                        best, best_s, improved = tp, s, True
+    choices = tuple(TpChoice(k, v) for k, v in seen.items() if k != ones)
+    if all(t == 1 for t in best.values()):
+        return None, None, choices
+    return best, kept[tuple((g.name, best[g.name]) for g in groups)], choices
