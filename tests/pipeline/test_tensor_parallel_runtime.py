@@ -5,7 +5,7 @@ loss, the global gradient norm and every gradient of its stage after every step 
 gathered whole), every parameter after the steps, ``evaluate`` and the gathered state dict,
 with one process training the whole model on the same global batches. Cases: TP 2 and 4
 inside one stage; stages of different TP degrees (1 -> 2 -> 4 on 7 ranks, 2 -> 1, 1 -> 2);
-two TP replicas taking uneven shares; tied embeddings across a TP stage; block halves and
+two and three TP replicas taking uneven shares; tied embeddings across TP stages; block halves and
 activation checkpointing on a TP stage; LLaMA, Qwen3 and Mistral. fp16's overflow decision
 is one for the whole job. Tolerance: rtol 1e-5, atol 4e-5 in fp32, as the pipeline's other equivalence tests
 (the row-wise all-reduce changes the summation order of the projections' outputs; no case
@@ -97,7 +97,9 @@ CASES = {
     4: [Case("tp4", "llama", (2,), ((2,),), (4,)),
         Case("tp2x2-3:1", "mistral", (2,), ((3, 1),), (2,)),
         Case("tp2|tp2-qwen3-tied", "qwen3", (1, 1), ((2,), (2,)), (2, 2), tied=True)],
-    7: [Case("1|tp2|tp4", "llama", (1, 1, 1), ((2,), (2,), (2,)), (1, 2, 4))],
+    7: [Case("1|tp2|tp4", "llama", (1, 1, 1), ((2,), (2,), (2,)), (1, 2, 4)),
+        # three TP-2 replicas taking 1:2:1 of what one rank sends, tied to its embedding
+        Case("1|tp2x3-1:2:1-tied", "llama", (1, 1), ((4,), (1, 2, 1)), (1, 2), tied=True)],
 }
 
 
