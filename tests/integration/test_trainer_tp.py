@@ -1,17 +1,20 @@
 """HaptTrainer and HaptAccelerator as drop-ins on a plan with a tensor-parallel stage: the calls
 of transformers' ``run_clm.py`` (test_trainer_dropin's script) and ``run_clm_no_trainer.py``
-(test_accelerate_clm's), only the class changed, on 4 Gloo ranks, against ``Trainer`` /
+(test_accelerate_clm's), only the class changed, on 5 and 4 Gloo ranks, against ``Trainer`` /
 ``Accelerator`` on ONE process with the same global batch.
 
-The Trainer's plan (LLaMA, 4 blocks): stage 0 (the embedding and two blocks) on two replicas of
-one rank with their optimizer state sharded; stage 1 (two blocks and the head) on one replica
-held by ranks 2 and 3 together, its projections sharded two ways. What must hold, as for any
-plan: every logged loss and learning rate (the loss counted once per replica, not once per
-rank), the eval loss over every row and the accuracy on the gathered logits, the saved model,
-whole, equal to the one process's (rtol 1e-5 on the logs; the saved weights as
-test_trainer_dropin compares them); and a run resumed from its checkpoint in fresh processes
-reproduces the uninterrupted run bit for bit. The Accelerate script's plan is alike (6 blocks,
-2 | 4 and the head); its tolerance on the weights is stated where it is checked.
+The Trainer's plan (LLaMA, 4 blocks): stage 0 (the embedding and two blocks) on rank 0;
+stage 1 (two blocks and the head) on two replicas each held by two ranks together, their
+projections sharded two ways, taking 3 and 2 samples of every micro-batch, their optimizer state
+sharded (ZeRO-1) between the ranks holding the same shards. What must hold, as for any plan:
+every logged loss and learning rate (the loss counted once per replica, not once per rank), the
+eval loss over every row and the accuracy on the gathered logits, the saved model, whole, equal
+to the one process's (rtol 1e-5 on the logs; the saved weights as test_trainer_dropin compares
+them); and a run resumed from its checkpoint in fresh processes reproduces the uninterrupted
+run bit for bit (every rank's optimizer shard of tensor-parallel shards in its own file).
+The Accelerate script's plan (6 blocks): the embedding and two blocks on two replicas of one
+rank | four blocks and the head on ranks 2 and 3 together; its tolerance on the weights is
+stated where it is checked.
 """
 from __future__ import annotations
 
@@ -29,23 +32,27 @@ RTOL, ATOL = 1e-5, 4e-5
 
 
 def _tp_plan(path: Path) -> Path:
+    """5 ranks, 10 samples a step (1 a device x 2 accumulation x 5): the embedding and two
+    blocks on rank 0 | two blocks and the head on two tensor-parallel replicas, ranks (1, 2)
+    and (3, 4), taking 3 and 2 samples of every micro-batch, their optimizer state sharded."""
     from hapt_hf.core.precision import SHARDED
     from hapt_hf.planner.plan import Plan, Replica, Stage
     layers = 4 + 2  # embedding + 4 blocks + head
-    plan = Plan("llama-tiny", layers, SEQ, 8, 2, 4, "1f1b", (
-        Stage.even(0, (0, 3), "cpu", "cpu", (0, 1), 2, optimizer=SHARDED, micro_batch_size=2),
-        Stage(1, (3, layers), (Replica("cpu", "cpu", 2, (2, 3)),), 1))).validate(world_size=4)
+    tp = (Replica("cpu", "cpu", 3, (1, 2)), Replica("cpu", "cpu", 2, (3, 4)))
+    plan = Plan("llama-tiny", layers, SEQ, 10, 5, 2, "1f1b", (
+        Stage.even(0, (0, 3), "cpu", "cpu", (0,), 2, micro_batch_size=5),
+        Stage(1, (3, layers), tp, 1, optimizer=SHARDED))).validate(world_size=5)
     return plan.save(path)
 
 
 def test_run_clm_on_a_tensor_parallel_plan_trains_as_trainer_and_resumes_exactly(tmp_path):
     hapt = {"plan": _tp_plan(tmp_path / "plan.json"), "schedule": "1f1b"}
-    world, per_device, steps = 4, 1, 4  # 4 x 1 x 2 = 8 samples a step
+    world, per_device, steps = 5, 1, 4
     ref = _one_process("llama", str(tmp_path / "ref"), per_device * world, steps)
     got = _hapt(world, "llama", str(tmp_path / "hapt"), per_device, steps, hapt, save_steps=2)
     _assert_same_training(ref, got[0])
     assert all(g["logs"] == got[0]["logs"] for g in got)  # every rank logs the same losses
-    assert [g["world"] for g in got] == [(4, r, r == 0) for r in range(4)]
+    assert [g["world"] for g in got] == [(5, r, r == 0) for r in range(5)]
     assert got[0]["eval_loss"] == pytest.approx(ref["eval_loss"], rel=RTOL, abs=ATOL)
     assert got[0]["accuracy"] == pytest.approx(ref["accuracy"], abs=1e-6)
     ref_sd, got_sd = _load(str(tmp_path / "ref")), _load(str(tmp_path / "hapt"))

@@ -1,21 +1,20 @@
 """A tensor-parallel stage whose optimizer state is sharded (ZeRO-1) among its replicas trains as
-one process does, its exported model is that process's model, and a run checkpointed at step K
-and resumed in fresh processes continues bit for bit (``torch.equal``).
+one process does, and its exported model is that process's model.
 
 LLaMA (two blocks, tied embeddings) on 5 Gloo ranks: stage 0 (the embedding and block 0) on
 rank 0; stage 1 (block 1 and the head) held by two tensor-parallel replicas of two ranks each,
 (1, 2) and (3, 4), taking 3 and 1 samples of every micro-batch, with ``optimizer: sharded``:
 ranks 1 and 3 (tensor-parallel position 0, the same shards) split the Adam state of their
-parameters, ranks 2 and 4 theirs. An AdamW step made with ``make_optimizer`` and a linear LR
+parameters, ranks 2 and 4 theirs. An AdamW made with ``make_optimizer`` and a linear LR
 schedule that moves at every step; clipped at 0.5.
 
 Against one process (the whole model, AdamW, the same clipping and schedule): every loss and,
 after every step, every parameter of every rank (the shards gathered whole), rtol 1e-5 / atol
 4e-5 in fp32 as the pipeline's other equivalence tests (the row-wise all-reduce sums the
 projections' partial outputs in another order; nothing needed more). The export is the gathered
-``model.safetensors`` written as a checkpoint does, loaded with ``from_pretrained``. Resume: each
-rank reads the checkpoint's weights (its own slice of each sharded tensor) and its own file
-(its optimizer shard, written as local tensors, scheduler and RNG states).
+``model.safetensors`` written as a checkpoint writes it, loaded with ``from_pretrained``. Resume
+from a checkpoint of such a stage is tested through HaptTrainer
+(tests/integration/test_trainer_tp.py).
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ pytestmark = pytest.mark.multiproc
 
 SEQ, MBS, M = 8, 4, 2
 G = MBS * M
-STEPS, K = 4, 2
+STEPS = 4
 WORLD = 5
 RTOL, ATOL = 1e-5, 4e-5
 
@@ -77,15 +76,8 @@ def _whole(rt) -> dict[str, torch.Tensor]:
             for n, p in rt.stage.named_parameters()}
 
 
-def _local(rt) -> dict[str, torch.Tensor]:
-    """Every parameter as this rank holds it (its shard of a sharded one), as numpy arrays
-    (a tensor returned from a rank would be shared through a file descriptor)."""
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().numpy().copy()
-            for n, p in rt.stage.named_parameters()}
-
-
-def uninterrupted(rank: int, world_size: int, root: str) -> dict:
-    """STEPS steps against one process, checkpointed after K and exported at the end."""
+def train(rank: int, world_size: int, root: str) -> dict:
+    """STEPS steps against one process, then the export."""
     from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
 
     from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
@@ -107,24 +99,15 @@ def uninterrupted(rank: int, world_size: int, root: str) -> dict:
         _close(f"step {i} loss", torch.tensor(losses[-1]), ref_loss.detach(), errors)
         for n, p in _whole(rt).items():
             _close(f"step {i} param {n}", p, ref.get_parameter(n).detach(), errors)
-        if i + 1 == K:
-            ckpt = Path(root) / "ckpt"
-            if rank == 0:
-                ckpt.mkdir()
-            ckpt_io.barrier()
-            ckpt_io.write_gathered_model(rt, ckpt)
-            ckpt_io.save_rank_state(ckpt, rank, opt, sched)
-            ckpt_io.barrier()
     ckpt_io.write_gathered_model(rt, Path(root) / "export")
     if rank == 0:
         exported = AutoModelForCausalLM.from_pretrained(Path(root) / "export")
         for n, p in ref.state_dict().items():
             _close(f"exported {n}", exported.state_dict()[n], p, errors)
     held = getattr(opt, "optim", opt).state
-    out = {"errors": errors, "losses": losses, "params": _local(rt), "optimizer": type(opt).__name__,
+    out = {"errors": errors, "optimizer": type(opt).__name__,
            "owned": len(held), "params_n": len(list(rt.stage.parameters())),
-           "sharded": sum(hasattr(p, "to_local") for p in rt.stage.parameters()),
-           "lr": [g["lr"] for g in opt.param_groups]}
+           "sharded": sum(hasattr(p, "to_local") for p in rt.stage.parameters())}
     rt.shutdown()
     return out
 
@@ -136,25 +119,8 @@ def _close(tag: str, actual, expected, errors: list[str]) -> None:
         errors.append(f"{tag}: {str(e).splitlines()[:4]}")
 
 
-def resumed(rank: int, world_size: int, root: str) -> dict:
-    """Fresh processes: the checkpoint's weights and this rank's file, then steps K+1.."""
-    from hapt_hf.integration import trainer_checkpoint as ckpt_io
-    rt, opt, sched = _start()
-    ckpt = Path(root) / "ckpt"
-    ckpt_io.load_stage_weights(rt.stage, ckpt)
-    ckpt_io.load_rank_state(ckpt, rank, opt, sched)
-    held = getattr(opt, "optim", opt).state
-    loaded = {"owned": len(held), "dtensors": sum(hasattr(v, "to_local") for s in held.values()
-                                                  for v in s.values())}
-    losses = [rt.train_step(b, opt, sched, max_grad_norm=0.5).loss for b in _batches()[K:]]
-    out = {"losses": losses, "params": _local(rt), "lr": [g["lr"] for g in opt.param_groups],
-           **loaded}
-    rt.shutdown()
-    return out
-
-
-def test_tp_stage_with_sharded_optimizer_matches_one_process_exports_and_resumes_exactly(tmp_path):
-    full = [o.value for o in run_ranks(uninterrupted, WORLD, str(tmp_path), timeout_s=300)]
+def test_tp_stage_with_sharded_optimizer_matches_one_process_and_exports_whole(tmp_path):
+    full = [o.value for o in run_ranks(train, WORLD, str(tmp_path), timeout_s=300)]
     for rank, out in enumerate(full):
         assert not out["errors"], f"rank {rank}:\n" + "\n".join(out["errors"])
     assert [o["optimizer"] for o in full] == ["AdamW"] + ["ShardedOptimizer"] * 4
@@ -164,12 +130,3 @@ def test_tp_stage_with_sharded_optimizer_matches_one_process_exports_and_resumes
     for a, b in ((1, 3), (2, 4)):
         assert 0 < full[a]["owned"] < full[a]["params_n"] and 0 < full[b]["owned"]
         assert full[a]["owned"] + full[b]["owned"] == full[a]["params_n"]
-    again = [o.value for o in run_ranks(resumed, WORLD, str(tmp_path), timeout_s=300)]
-    for rank in range(WORLD):
-        a, b = full[rank], again[rank]
-        assert b["owned"] == a["owned"] and b["lr"] == a["lr"], rank
-        # the sharded parameters' state came back as shards of their parameters
-        assert (b["dtensors"] > 0) == (rank > 0), (rank, b["dtensors"])
-        assert b["losses"] == a["losses"][K:], (rank, a["losses"][K:], b["losses"])
-        for n, p in a["params"].items():
-            assert (b["params"][n] == p).all(), (rank, n, float(abs(b["params"][n] - p).max()))
