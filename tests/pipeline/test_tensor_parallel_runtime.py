@@ -2,7 +2,8 @@
 
 Each case trains STEPS clipped AdamW steps on Gloo ranks and compares, on every rank, the
 loss, the global gradient norm and every gradient of its stage after every step (the shards
-gathered whole), every parameter after the steps, ``evaluate`` and the gathered state dict,
+gathered whole), every parameter after the steps, ``evaluate``, the gathered logits and state
+dict, and gradients accumulated over two iterations,
 with one process training the whole model on the same global batches. Cases: TP 2 and 4
 inside one stage; stages of different TP degrees (1 -> 2 -> 4 on 7 ranks, 2 -> 1, 1 -> 2);
 two and three TP replicas taking uneven shares; tied embeddings across TP stages; block halves and
@@ -154,13 +155,24 @@ def _train_case(rank: int, case: Case, log: TransferLog) -> dict:
         ref_eval = ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss
     _compare("evaluate", torch.tensor(rt.evaluate(b), dtype=torch.float64), ref_eval.double(),
              errors)
-    state = rt.gather_state_dict()
+    logits, state = rt.predict_logits(b), rt.gather_state_dict()
     if rank == 0:
+        with torch.no_grad():
+            ref_logits = ref(b.input_ids, attention_mask=b.attention_mask).logits
+        _compare("logits", logits, ref_logits, errors)
         ref_state = ref.state_dict()
         if set(state) != set(ref_state):
             errors.append(f"state dict keys differ: {sorted(set(state) ^ set(ref_state))}")
         for k in set(state) & set(ref_state):
             _compare(f"state {k}", state[k], ref_state[k], errors)
+    # two iterations accumulated without zeroing add up, as two backward() calls would
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+    for b in batches[:2]:
+        rt.forward_backward(b)
+        ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss.backward()
+    for n, p in rt.stage.named_parameters():
+        _compare(f"accumulated grad {n}", _full(p.grad), ref.get_parameter(n).grad, errors)
     out = {"errors": errors, "stage": rt.stage_plan.index, "norms": norms, "sharded": sharded,
            "tp": rt.work.tp, "partial": 0 if rt.tp is None else len(rt.tp.partial),
            "transfers": transfers, "set_up": set_up}
