@@ -183,9 +183,12 @@ def format_plan(plan: Plan) -> str:
         names = [layer_name(i, plan.num_layers, plan.layer_unit) for i in range(*s.layers)]
         if len(names) > 5:  # keep one line per stage for deep models
             names = [names[0], "..", names[-1]]
-        where = (f"ranks {list(s.ranks)} samples {list(s.shares(plan.micro_batch_size))} "
+        # a tensor-parallel stage: each replica's ranks, which hold it together
+        ranks = (f"ranks {[list(r.ranks) for r in s.replicas]} tp {s.tp}" if s.tp > 1
+                 else f"ranks {list(s.ranks)}")
+        where = (f"{ranks} samples {list(s.shares(plan.micro_batch_size))} "
                  f"groups {'+'.join(s.groups)}" if s.uneven
-                 else f"ranks {list(s.ranks)} group {s.group or '-'}")
+                 else f"{ranks} group {s.group or '-'}")
         state = " optimizer sharded" if s.optimizer == SHARDED else ""
         lines.append(f"  stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) "
                      f"{' '.join(names):<28} {where} warmup {s.warmup}{state}")
