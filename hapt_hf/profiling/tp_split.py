@@ -10,81 +10,54 @@ outputs (forward) and of the colwise inputs' gradients (backward), which need ``
 :func:`split_block` builds the first part from a block the profiler built (it slices the
 block's own weights, so the attention's head count follows from the projections' widths, as it
 does on a real TP rank); the profiler times it per ``t`` and times the all-reduces on the
-group's link apart (:func:`hapt_hf.profiling.links.measure_tp_allreduce`).
+group's link apart (:func:`hapt_hf.profiling.links.measure_tp_allreduce`). Which modules are
+cut, and which models and degrees are refused, is read as the runtime reads it
+(:mod:`hapt_hf.pipeline.tensor_parallel`: ``stage_tp_plan``, ``tp_plan_refusal``).
 """
 from __future__ import annotations
 
-import re
-
-from hapt_hf.core.tp import TP_DEGREES, tp_refusal
+from hapt_hf.core.tp import TP_DEGREES
 
 from .store import ProfilerError
 
-__all__ = ["SHARDED_STYLES", "WHOLE_STYLES", "tp_plan", "tp_degrees", "split_block"]
+__all__ = ["tp_degrees", "split_block"]
 
-SHARDED_STYLES = {"colwise": 0, "rowwise": 1}
-"""Styles cut on one dimension of an ``nn.Linear`` weight (out features 0, in features 1)."""
-WHOLE_STYLES = ("replicated_with_grad_allreduce",)
-"""Styles that keep the module whole on every TP rank (its gradient summed over the group)."""
-
-
-def tp_plan(config) -> dict[str, str]:
-    """The model's tensor-parallel plan (module pattern -> style), refused with the reason where
-    it has none or names a style the split does not know."""
-    plan = getattr(config, "base_model_tp_plan", None)
-    if not plan:
-        raise ProfilerError(f"model type {getattr(config, 'model_type', '?')!r} has no "
-                            "tensor-parallel plan (config.base_model_tp_plan); time it with "
-                            "tensor-parallel degree 1 only")
-    unknown = sorted({s for s in plan.values() if s not in SHARDED_STYLES and
-                      s not in WHOLE_STYLES})
-    if unknown:
-        raise ProfilerError(f"the tensor-parallel plan of {config.model_type!r} uses style(s) "
-                            f"{', '.join(unknown)} the profiler cannot split; time it with "
-                            "tensor-parallel degree 1 only")
-    return dict(plan)
+_CUT_DIM = {"colwise": 0, "rowwise": 1}
+"""The styles that cut an ``nn.Linear`` weight, and the dimension they cut (out features 0, in
+features 1); the runtime's other style, ``replicated_with_grad_allreduce``, keeps the module
+whole."""
 
 
-def _sizes(config) -> tuple[int, int | None, int]:
-    heads = getattr(config, "num_attention_heads", None)
-    width = getattr(config, "intermediate_size", None)
-    if heads is None or width is None:
-        raise ProfilerError(f"model type {config.model_type!r} does not give "
-                            "num_attention_heads and intermediate_size; time it with "
-                            "tensor-parallel degree 1 only")
-    return heads, getattr(config, "num_key_value_heads", None), width
+def _refusal(config, t: int) -> str | None:
+    """Why a block of ``config`` cannot be split ``t`` ways: the runtime's reasons
+    (:func:`hapt_hf.pipeline.tensor_parallel.tp_plan_refusal`: no plan, a style it does not run,
+    a degree the heads, key/value heads or MLP width refuse), said for the profiler where the
+    model has no plan."""
+    from hapt_hf.pipeline.tensor_parallel import tp_plan_refusal
+    if t > 1 and not getattr(config, "base_model_tp_plan", None):
+        return (f"model type {getattr(config, 'model_type', '?')!r} has no tensor-parallel plan "
+                "(config.base_model_tp_plan): its blocks are timed whole only")
+    return tp_plan_refusal(config, t)
 
 
 def tp_degrees(config, asked: tuple[int, ...] | None = None, most: int | None = None
                ) -> tuple[tuple[int, ...], list[str]]:
     """(degrees above 1 to time, why each other one is left out): ``asked`` (None: every
-    degree of :data:`~hapt_hf.core.tp.TP_DEGREES`), kept where the model's heads, key/value
-    heads and MLP width divide and, with ``most``, at most that many devices (a group's GPUs
-    on one node). A model without a tensor-parallel plan gives no degree and says why."""
-    candidates = tuple(t for t in (TP_DEGREES if asked is None else asked) if t > 1)
-    if not candidates:
-        return (), []
-    try:
-        tp_plan(config)
-        heads, kv, width = _sizes(config)
-    except ProfilerError as e:
-        return (), [str(e)]
+    degree of :data:`~hapt_hf.core.tp.TP_DEGREES`), kept where the runtime could split the
+    model's blocks that many ways (:func:`_refusal`) and, with ``most``, at most that many
+    devices (a group's GPUs on one node). A reason shared by several degrees is given once."""
     keep, why = [], []
-    for t in candidates:
-        refusal = tp_refusal(t=t, num_heads=heads, num_kv_heads=kv, intermediate_size=width)
+    for t in (TP_DEGREES if asked is None else asked):
+        if t <= 1:
+            continue
+        refusal = _refusal(config, t)
         if refusal is None and most is not None and t > most:
             refusal = f"tensor-parallel degree {t} needs more than the {most} devices given"
         if refusal is None:
             keep.append(t)
-        else:
+        elif refusal not in why:
             why.append(refusal)
     return tuple(keep), why
-
-
-def _pattern(key: str) -> re.Pattern:
-    # 'layers.*.mlp.up_proj' names a module under the base model: any prefix, any layer index
-    body = r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in key.split("."))
-    return re.compile(rf"(?:^|\.){body}$")
 
 
 def split_block(stage, config, t: int, rank: int = 0):
@@ -96,26 +69,29 @@ def split_block(stage, config, t: int, rank: int = 0):
     times rank 0's shard; ``t`` = 1 returns the stage as is."""
     import torch
 
+    from hapt_hf.pipeline.tensor_parallel import stage_tp_plan
     if not 0 <= rank < t:
         raise ProfilerError(f"TP rank {rank} is not one of the {t} ranks 0..{t - 1}")
     if t == 1:
         return stage
-    heads, kv, width = _sizes(config)
-    refusal = tp_refusal(t=t, num_heads=heads, num_kv_heads=kv, intermediate_size=width)
+    refusal = _refusal(config, t)
     if refusal is not None:
         raise ProfilerError(refusal)
-    patterns = [(_pattern(k), style) for k, style in tp_plan(config).items()
-                if style in SHARDED_STYLES]
-    cut = 0
-    for name, module in list(stage.named_modules()):
-        style = next((s for p, s in patterns if p.search(name)), None)
-        if style is None:
-            continue
+    try:
+        plan = stage_tp_plan(stage, config)
+    except ValueError as e:  # a plan entry outside the blocks
+        raise ProfilerError(f"{e}; time this model's blocks whole (degree 1)") from None
+    cuts = {path: style for path, style in plan.items() if style in _CUT_DIM}
+    if not cuts:
+        raise ProfilerError(f"no module of the stage is sharded by the tensor-parallel plan of "
+                            f"{config.model_type!r}; time its blocks whole (degree 1)")
+    for name, style in cuts.items():
+        module = stage.get_submodule(name)
         if type(module) is not torch.nn.Linear:
             raise ProfilerError(f"{name} is a {type(module).__name__}, not the nn.Linear a "
                                 f"{style} split cuts; time this model with tensor-parallel "
                                 "degree 1 only")
-        dim = SHARDED_STYLES[style]
+        dim = _CUT_DIM[style]
         full = module.weight.shape[dim]
         if full % t:
             raise ProfilerError(f"{name} has {full} {('output', 'input')[dim]} features, which "
@@ -132,8 +108,4 @@ def split_block(stage, config, t: int, rank: int = 0):
                 shard.bias.copy_(module.bias if dim else module.bias[rows])
         parent, _, leaf = name.rpartition(".")
         setattr(stage.get_submodule(parent), leaf, shard.train(module.training))
-        cut += 1
-    if not cut:
-        raise ProfilerError(f"no module of the stage matches the tensor-parallel plan of "
-                            f"{config.model_type!r}; time it with tensor-parallel degree 1 only")
     return stage
