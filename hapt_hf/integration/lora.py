@@ -7,23 +7,38 @@ and the peft wrappers removed, so the saved model is a plain Hugging Face checkp
 Intermediate checkpoints keep the adapters unmerged (peft's tensor names), which is what a
 resume with the same ``--lora_r`` reads back.
 
-Limitation: a stage must hold at least one adapted block unless it is the last stage, since
-a stage whose every weight is frozen produces outputs that carry no gradient to send back.
+Limitations: a stage must hold at least one adapted block unless it is the last stage, since
+a stage whose every weight is frozen produces outputs that carry no gradient to send back; and
+no stage may be tensor-parallel (an adapter beside a sharded projection would see the whole
+input where the projection sees its shard: :func:`check_lora_plan` refuses such a plan on
+every rank alike).
 """
 from __future__ import annotations
 
 from torch import nn
 
 from hapt_hf.errors import ConfigError
+from hapt_hf.planner.plan import Plan
 
-__all__ = ["LoraSetupError", "apply_lora", "apply_lora_config", "peft_parts", "adapter_state",
-           "write_adapter", "merge_lora", "LORA_TARGETS"]
+__all__ = ["LoraSetupError", "apply_lora", "apply_lora_config", "check_lora_plan", "peft_parts",
+           "adapter_state", "write_adapter", "merge_lora", "LORA_TARGETS"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class LoraSetupError(ConfigError):
     """LoRA cannot be applied as asked; the message says why."""
+
+
+def check_lora_plan(plan: Plan) -> None:
+    """Refuse LoRA on a plan with a tensor-parallel stage (every rank reads the same plan, so
+    every rank refuses alike)."""
+    tp = [s.index for s in plan.stages if s.tp > 1]
+    if tp:
+        raise LoraSetupError(f"LoRA cannot train on this plan: stage(s) {tp} are tensor-parallel "
+                             "(a replica held by several ranks), and LoRA adapters beside their "
+                             "sharded projections are not supported; use a plan with one rank "
+                             "per replica (planner option max_tp: 1), or train every weight")
 
 
 def apply_lora(stage: nn.Module, r: int, alpha: int | None = None,

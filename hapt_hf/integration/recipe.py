@@ -228,7 +228,8 @@ def _evaluated_at_last_step(trainer) -> bool:
 def _fit(args: RecipeArguments, trainer, resume: str | None, verify_rows: torch.Tensor) -> None:
     lora_r = getattr(args, "lora_r", 0)
     if lora_r:
-        from hapt_hf.integration.lora import apply_lora
+        from hapt_hf.integration.lora import apply_lora, check_lora_plan
+        check_lora_plan(trainer.runtime.plan)
         apply_lora(trainer.runtime.stage, lora_r)
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.log_metrics("train", result.metrics)

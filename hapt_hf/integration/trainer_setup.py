@@ -20,7 +20,7 @@ from torch import nn
 
 from hapt_hf.errors import ConfigError, TrainingArgsError
 from hapt_hf.integration.config import HAPT_CONFIG_ENV, HaptConfig
-from hapt_hf.integration.lora import apply_lora_config, peft_parts
+from hapt_hf.integration.lora import apply_lora_config, check_lora_plan, peft_parts
 from hapt_hf.integration.launch import LaunchEnv, init_process_group, read_launch_env
 from hapt_hf.integration.plan_resolution import check_model_family, format_plan, resolve_plan
 from hapt_hf.pipeline import checkpoint_io
@@ -145,6 +145,8 @@ def stage_runtime(model: nn.Module, plan: Plan, timeout_s: float, seed: int = 0,
     this stage only from the checkpoint directory of a model on the meta device. The caller's
     RNG is left as it was. ``error``: the class a refusal is raised as (the caller's own)."""
     lora, model = peft_parts(model)
+    if lora is not None:
+        check_lora_plan(plan)
     on_meta = any(p.is_meta for p in model.parameters())
     source = str(getattr(model.config, "name_or_path", "") or "")
     if on_meta and not list(Path(source or "/nonexistent").glob("*.safetensors")):
