@@ -25,6 +25,11 @@ NCCL works differently, and :func:`in_order_hazard` replays the lists under its 
 The replay builds the graph of these dependencies (a send and its receive are one node, the two
 hosts' first posts on a communicator are one node) and reports a cycle: the lists would hang.
 
+Every kind's lists replay: a split backward's ``I`` waits for its gradient's receive as ``B``
+does and its send follows it; ``W`` is compute on the rank's stream and transfers nothing.
+Under an interleaved schedule each virtual stage boundary (stage ``s`` to ``s + 1``, rank
+``s mod p`` to rank ``(s + 1) mod p``) is a boundary of its own.
+
 What it shows (tests/planner/test_stream_order.py): on the default group alone, 1F1B's lists
 hang (the stage before posts its gradient receive of micro-batch 0 before its activation send of
 1, the stage after its activation receive of 1 before its gradient send of 0); on one group per
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hapt_hf.core.schedules import ActionKind
+from hapt_hf.core.schedules import BACKWARDS, ActionKind
 from hapt_hf.planner.plan import Plan
 from hapt_hf.planner.schedule import Action, Schedule
 
@@ -123,7 +128,9 @@ def _hazard(lists: dict[int, tuple[Action, ...]], peers, n: int, groups: str, st
                 node = ("G", r, j)
                 edges.append((host, node))
                 fwd = a.kind is ActionKind.F
-                if (fwd and s > 0) or (not fwd and s < n - 1):
+                # F and the backward that feeds the stage before (B, I) wait for their receive;
+                # a weight gradient W for its own I only (stream order, above)
+                if (fwd and s > 0) or (a.kind in BACKWARDS and s < n - 1):
                     edges += [(x, node) for x in received[(s, fwd, k)]]
                 last_compute = node
                 if fwd and s == n - 1:

@@ -50,7 +50,7 @@ def test_block_boundaries_keep_the_same_blocks_in_halves(blocks):
 # -- schedules ---------------------------------------------------------------------------------
 
 def test_schedule_kinds_read_as_their_names():
-    assert SCHEDULES == ("gpipe", "1f1b", "h1f1b")
+    assert SCHEDULES == ("gpipe", "1f1b", "h1f1b", "zero_bubble", "interleaved")
     assert ScheduleKind.H1F1B == "h1f1b" and f"{ScheduleKind.GPIPE}" == "gpipe"
     assert str(ScheduleKind.ONE_F_ONE_B) == "1f1b"
 

@@ -8,6 +8,11 @@ among its replicas, and how many forward micro-batches the stage runs before its
 backward.
 It can be written by the planner or by hand; :func:`Plan.validate` checks it either way.
 
+Under an ``interleaved`` schedule each *pipeline rank* (the ranks holding one position of the
+pipeline) holds ``v`` stages, ``k, k + p, k + 2p...`` of ``v p``: the plan lists every such
+virtual stage as a :class:`Stage` (each with its own layers), and the stages of one pipeline
+rank list the same replicas. Every other schedule places one stage per pipeline rank.
+
 One record, :class:`Stage` of :class:`Replica` s, describes every stage: the planner's search
 and cost model build and price the same record the runtime reads. A stage whose replicas are
 alike (one group, equal shares) is the special case of equal ``samples``.
@@ -24,8 +29,9 @@ from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTAT
 from hapt_hf.core.files import write_atomic
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, num_blocks
 from hapt_hf.core.precision import DTYPES, OPTIMIZER_STATES, REPLICATED, SHARDED, Precision
-from hapt_hf.core.schedules import SCHEDULES, ScheduleKind, default_warmups, plan_sets_warmups
-from hapt_hf.errors import PlanError
+from hapt_hf.core.schedules import (SCHEDULES, ScheduleKind, default_warmups, plan_sets_warmups,
+                                    schedule_generator)
+from hapt_hf.errors import PlanError, ScheduleError
 
 __all__ = ["PlanError", "StagePrediction", "Replica", "Stage", "PlanPrediction", "Plan",
            "even_replicas", "SCHEDULES", "LAYER_UNITS"]
@@ -115,7 +121,9 @@ class Stage:
     """The stage's data-parallel replicas in rank order: replica ``r`` computes the samples
     after those of replicas ``0..r-1`` of every micro-batch."""
     warmup: int = 1
-    """Forward micro-batches this stage runs before its first backward (1F1B: stages - index)."""
+    """Forward micro-batches this stage runs before its first backward (1F1B: stages - index);
+    under an interleaved schedule, the forwards its pipeline rank runs, over all its stages,
+    before its first backward (the same on each of them)."""
     recompute: bool = False
     """Activation checkpointing for this stage's blocks (trades compute for memory)."""
     optimizer: str = REPLICATED
@@ -331,19 +339,42 @@ class Plan:
     # -- derived -------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        """Processes the plan runs on: every rank of every replica of every stage."""
-        return sum(len(s.ranks) for s in self.stages)
+        """Processes the plan runs on: every rank of every replica of every stage (a rank
+        holding several stages counted once)."""
+        return len({r for s in self.stages for r in s.ranks})
 
     @property
     def num_stages(self) -> int:
+        """Stages, virtual ones included (``virtual_stages`` per pipeline rank)."""
         return len(self.stages)
 
+    @property
+    def num_pipeline_ranks(self) -> int:
+        """Positions along the pipeline: the distinct sets of ranks holding stages."""
+        return len({frozenset(s.ranks) for s in self.stages}) or 1
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per pipeline rank: ``v`` of an interleaved plan, 1 otherwise."""
+        return max(self.num_stages // self.num_pipeline_ranks, 1)
+
+    def stages_of_rank(self, rank: int) -> tuple[Stage, ...]:
+        """Every stage global rank ``rank`` holds, in pipeline order (several under an
+        interleaved schedule)."""
+        held = tuple(s for s in self.stages if rank in s.ranks)
+        if not held:
+            raise PlanError(f"rank {rank} holds no stage; the plan covers ranks "
+                            f"{sorted({r for s in self.stages for r in s.ranks})}")
+        return held
+
     def stage_of_rank(self, rank: int) -> Stage:
-        for s in self.stages:
-            if rank in s.ranks:
-                return s
-        raise PlanError(f"rank {rank} holds no stage; the plan covers ranks "
-                        f"{sorted(r for s in self.stages for r in s.ranks)}")
+        """The one stage ``rank`` holds; PlanError where it holds several (interleaved:
+        use :meth:`stages_of_rank`)."""
+        held = self.stages_of_rank(rank)
+        if len(held) > 1:
+            raise PlanError(f"rank {rank} holds stages {[s.index for s in held]} (schedule "
+                            f"{self.schedule!r}); ask stages_of_rank for every stage of a rank")
+        return held[0]
 
     def warmups(self) -> list[int]:
         return [s.warmup for s in self.stages]
@@ -352,10 +383,46 @@ class Plan:
         """The same partition under another schedule (default warm-ups for gpipe/1f1b)."""
         if warmups is None:
             fixed = schedule in SCHEDULES and not plan_sets_warmups(schedule)
-            warmups = (default_warmups(schedule, self.num_stages, self.num_microbatches)
+            warmups = (default_warmups(schedule, self.num_stages, self.num_microbatches,
+                                       self.num_pipeline_ranks)
                        if fixed else self.warmups())
         stages = tuple(replace(s, warmup=w) for s, w in zip(self.stages, warmups))
         return replace(self, schedule=schedule, stages=stages)
+
+    def interleave(self, virtual: int, warmups: Sequence[int] | None = None) -> "Plan":
+        """This plan (one stage per pipeline rank) as an interleaved one of ``virtual`` chunks
+        per rank: every rank keeps its replicas and its number of layers, split into
+        ``virtual`` chunks as evenly as they go (the first chunks one layer larger), and the
+        chunks tile the model in the order ``rank 0 chunk 0, rank 1 chunk 0, ..., rank 0
+        chunk 1...`` (stage ``c p + k`` on rank ``k``). ``warmups``: one per rank (default:
+        the interleaved schedule's own)."""
+        p, v = self.num_stages, int(virtual)
+        if self.virtual_stages != 1:
+            raise PlanError(f"the plan already holds {self.virtual_stages} stages per rank; "
+                            "interleave a plan of one stage per pipeline rank")
+        if v < 1:
+            raise PlanError(f"virtual stages must be at least 1, got {virtual}")
+        short = [s.index for s in self.stages if s.num_layers < v]
+        if short:
+            raise PlanError(f"stage(s) {short} hold fewer than {v} layers and cannot be cut into "
+                            f"{v} chunks; interleave fewer chunks or give them more layers")
+        chunks = [[s.num_layers // v + (1 if c < s.num_layers % v else 0) for c in range(v)]
+                  for s in self.stages]
+        if warmups is None:
+            warmups = default_warmups(ScheduleKind.INTERLEAVED, p * v, self.num_microbatches,
+                                      p)[:p]
+        if len(warmups) != p:
+            raise PlanError(f"{len(warmups)} warm-ups given for {p} pipeline ranks; give one "
+                            "per rank")
+        stages, start = [], 0
+        for c in range(v):
+            for k, base in enumerate(self.stages):
+                end = start + chunks[k][c]
+                stages.append(replace(base, index=c * p + k, layers=(start, end),
+                                      warmup=int(warmups[k]), predicted=StagePrediction()))
+                start = end
+        return replace(self, schedule=ScheduleKind.INTERLEAVED.value, stages=tuple(stages),
+                       predicted=PlanPrediction())
 
     # -- checks --------------------------------------------------------------------------
     def validate(self, world_size: int | None = None) -> "Plan":
@@ -399,14 +466,14 @@ class Plan:
             expect = s.layers[1]
             if s.width < 1:
                 raise PlanError(f"stage {i} lists no replicas (no ranks); give it at least one")
-            dup = seen_ranks.intersection(s.ranks)
-            if dup or len(set(s.ranks)) != len(s.ranks):
-                raise PlanError(f"stage {i}: rank(s) {sorted(dup) or list(s.ranks)} appear twice; "
-                                "each rank holds exactly one stage")
+            if len(set(s.ranks)) != len(s.ranks):
+                raise PlanError(f"stage {i}: rank(s) {list(s.ranks)} appear twice; each rank "
+                                "holds a stage once")
             seen_ranks.update(s.ranks)
             s.validate(self.micro_batch_size)
             if s.warmup < 1:
                 raise PlanError(f"stage {i} has warmup {s.warmup}; it must be >= 1")
+        self._validate_placement()
         if expect != self.num_layers:
             raise PlanError(f"the stages cover layers [0, {expect}) but the model has "
                             f"{self.num_layers}; the last stage must end at {self.num_layers}")
@@ -420,6 +487,50 @@ class Plan:
         if world_size is not None and world_size != self.world_size:
             raise PlanError(self._world_mismatch(world_size))
         return self
+
+    def _validate_placement(self) -> None:
+        """Several stages on one rank exactly where the schedule places them so: under
+        ``interleaved``, stage ``s`` on the pipeline rank of stage ``s mod p``, with the same
+        replicas and warm-up; elsewhere each rank holds one stage."""
+        interleaved = self.schedule == ScheduleKind.INTERLEAVED
+        firsts: list[Stage] = []  # the first stage of each pipeline rank, in order
+        rank_of: list[int] = []
+        for s in self.stages:
+            j = next((k for k, f in enumerate(firsts) if set(f.ranks) & set(s.ranks)), None)
+            if j is None:
+                firsts.append(s)
+                rank_of.append(len(firsts) - 1)
+                continue
+            f = firsts[j]
+            shared = sorted(set(f.ranks) & set(s.ranks))
+            if not interleaved:
+                raise PlanError(f"stages {f.index} and {s.index} both hold rank(s) {shared}; "
+                                f"under schedule {self.schedule!r} each rank holds exactly one "
+                                "stage (schedule 'interleaved' places several on one rank)")
+            if s.replicas != f.replicas:
+                raise PlanError(f"stages {f.index} and {s.index} share rank(s) {shared} but not "
+                                "their replicas; the stages of one pipeline rank list the same "
+                                "replicas (ranks, samples, group, device_type)")
+            if s.warmup != f.warmup:
+                raise PlanError(f"stages {f.index} and {s.index} sit on one pipeline rank but "
+                                f"have warm-ups {f.warmup} and {s.warmup}; an interleaved "
+                                "rank's warm-up counts its forwards over all its stages: give "
+                                "them one value")
+            rank_of.append(j)
+        if not interleaved:
+            return
+        try:
+            want = schedule_generator(self.schedule).place(self.num_stages, len(firsts))
+        except ScheduleError as e:
+            raise PlanError(f"{e} (the plan's stages sit on {len(firsts)} pipeline ranks)") \
+                from None
+        for s, got, w in zip(self.stages, rank_of, want):
+            if got != w:
+                raise PlanError(f"stage {s.index} sits on the pipeline rank of stage "
+                                f"{firsts[got].index}, but an interleaved schedule over "
+                                f"{len(firsts)} pipeline ranks places it with stage {w} (stage "
+                                f"s with stage s mod {len(firsts)}); give it stage {w}'s "
+                                "replicas")
 
     def _world_mismatch(self, world_size: int) -> str:
         if not self.idle_groups:

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: each pipeline rank's action list (GPipe, 1F1B, H-1F1B).
+"""Pipeline schedules as data: each pipeline rank's action list (every kind of
+:mod:`hapt_hf.core.schedules`).
 
 As in torch.distributed.pipelining, a schedule is a list of actions per pipeline rank (a
 position along the pipeline), each action naming its (virtual) stage, kind and micro-batch,
@@ -9,7 +10,10 @@ durations by :mod:`hapt_hf.planner.simulate`, drawn, and executed by the runtime
 
 Semantics the runtime and the simulator share:
 
-* ``F``/``B`` compute one micro-batch; they wait for the receive that feeds them.
+* ``F``/``B`` compute one micro-batch; they wait for the receive that feeds them. A split
+  backward runs ``I`` (the input gradient: it waits for the gradient from stage+1, and its
+  result is sent to stage-1, as ``B``'s) then ``W`` (the weight gradient: it waits for nothing
+  but its own ``I`` and sends nothing).
 * ``RECV_F``/``RECV_B`` *post* a non-blocking receive (activation from stage-1 / gradient from
   stage+1); posting never blocks. The communication pass posts each receive one compute action
   ahead, so the transfer overlaps the compute before it.
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hapt_hf.core.schedules import (COMPUTE, ActionKind, clamp_warmup, default_warmups,
+from hapt_hf.core.schedules import (BACKWARDS, COMPUTE, ActionKind, default_warmups,
                                     schedule_generator)
 from hapt_hf.errors import ScheduleError
 
@@ -85,6 +89,15 @@ class Schedule:
         """Pipeline ranks: positions along the pipeline, one action list each."""
         return len(self.actions)
 
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per pipeline rank (1 but for interleaved schedules)."""
+        return self.num_stages // max(self.num_ranks, 1)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages pipeline rank ``rank`` holds, in pipeline order."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
     def rank_of(self, stage: int) -> int:
         """The pipeline rank holding ``stage``."""
         return self.placement[stage]
@@ -112,26 +125,30 @@ class Schedule:
 
 def build_schedule(kind: str, num_stages: int, num_microbatches: int,
                    warmups: list[int] | tuple[int, ...] | None = None,
-                   validate: bool = True, early_receives: bool = False) -> Schedule:
+                   validate: bool = True, early_receives: bool = False,
+                   num_ranks: int | None = None) -> Schedule:
     """The per-rank lists of ``kind`` from its generator
     (:data:`~hapt_hf.core.schedules.GENERATORS`), with the given warm-up depths (the kind's own
     by default; a kind that fixes its depths runs the ones given all the same, as a plan
     written by hand asks).
 
     ``early_receives``: post each receive as soon as its sender may send instead of one
-    compute action ahead (the runtime asks for it)."""
+    compute action ahead (the runtime asks for it). ``num_ranks``: pipeline ranks the stages
+    are placed on (None: one per stage; fewer for an interleaved schedule)."""
     if num_stages < 1 or num_microbatches < 1:
         raise ScheduleError(f"need at least one stage and one micro-batch, got {num_stages} "
                             f"stages and {num_microbatches} micro-batches")
     gen = schedule_generator(kind)
+    gen.place(num_stages, num_stages if num_ranks is None else num_ranks)
     if warmups is None:
-        warmups = default_warmups(kind, num_stages, num_microbatches)
+        warmups = default_warmups(kind, num_stages, num_microbatches, num_ranks)
     if len(warmups) != num_stages:
         raise ScheduleError(f"{len(warmups)} warm-up depths given for {num_stages} stages; "
                             "give one per stage")
-    warm = tuple(clamp_warmup(w, num_microbatches) for w in warmups)
+    warm = gen.run_depths(warmups, num_microbatches,
+                          num_stages if num_ranks is None else num_ranks)
     lists, placement = gen.generate(num_stages, num_microbatches, warm,
-                                    early_receives=early_receives)
+                                    early_receives=early_receives, num_ranks=num_ranks)
     actions = tuple(tuple(Action(s, k, mb) for k, s, mb in lst) for lst in lists)
     sched = Schedule(kind, num_stages, num_microbatches, warm, actions, placement)
     if validate:
@@ -162,8 +179,12 @@ def _fail(sched: Schedule, rank: int, step: int, why: str) -> None:
     raise ScheduleError(f"{why}\n{format_grid(sched, (rank, step))}")
 
 
-_NEEDS = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B}
-_SENDS = {ActionKind.F: ActionKind.SEND_F, ActionKind.B: ActionKind.SEND_B}
+_NEEDS = {ActionKind.F: ActionKind.RECV_F, ActionKind.B: ActionKind.RECV_B,
+          ActionKind.I: ActionKind.RECV_B}
+_SENDS = {ActionKind.F: ActionKind.SEND_F, ActionKind.B: ActionKind.SEND_B,
+          ActionKind.I: ActionKind.SEND_B}
+_AFTER = {ActionKind.B: ActionKind.F, ActionKind.I: ActionKind.F, ActionKind.W: ActionKind.I}
+"""A compute and the compute of the same stage and micro-batch it must follow."""
 
 
 def _check_static(sched: Schedule) -> None:
@@ -185,8 +206,9 @@ def _check_static(sched: Schedule) -> None:
             if (s, a.kind, a.microbatch) in seen:
                 _fail(sched, r, j, f"{a} appears twice")
             seen[(s, a.kind, a.microbatch)] = j
-            if a.kind is ActionKind.B and (s, ActionKind.F, a.microbatch) not in seen:
-                _fail(sched, r, j, f"{a}: backward before its forward on stage {s}")
+            first = _AFTER.get(a.kind)
+            if first is not None and (s, first, a.microbatch) not in seen:
+                _fail(sched, r, j, f"{a}: runs before its {first.value} on stage {s}")
             if a.kind in (ActionKind.RECV_F, ActionKind.SEND_B) and s == 0:
                 _fail(sched, r, j, f"{a}: the first stage has no upstream stage")
             if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) and s == n - 1:
@@ -194,15 +216,22 @@ def _check_static(sched: Schedule) -> None:
     for s in range(n):
         r = sched.placement[s]
         for k in range(m):
-            for kind in COMPUTE:
+            whole = (s, ActionKind.B, k) in seen
+            split = [(s, x, k) in seen for x in (ActionKind.I, ActionKind.W)]
+            if whole and any(split):
+                _fail(sched, r, seen[(s, ActionKind.B, k)], f"stage {s} runs micro-batch {k}'s "
+                      "backward both whole (B) and split (I, W); give it one or the other")
+            need = [ActionKind.F] + ([] if whole else [ActionKind.I, ActionKind.W]
+                                     if any(split) else [ActionKind.B])
+            for kind in need:
                 if (s, kind, k) not in seen:
                     _fail(sched, r, len(sched.actions[r]) - 1,
                           f"stage {s} never runs {kind.value} of micro-batch {k}")
     for r, lst in enumerate(sched.actions):
         for j, a in enumerate(lst):
             s = a.stage
-            if a.is_compute:  # its receive posted before it, its send after it
-                if (a.kind is ActionKind.F and s > 0) or (a.kind is ActionKind.B and s < n - 1):
+            if a.kind in _SENDS:  # its receive posted before it, its send after it
+                if (a.kind is ActionKind.F and s > 0) or (a.kind in BACKWARDS and s < n - 1):
                     need = _NEEDS[a.kind]
                     if seen.get((s, need, a.microbatch), j + 1) > j:
                         _fail(sched, r, j, f"{a} runs before its {need.value} is posted")
@@ -239,7 +268,7 @@ def validate_schedule(sched: Schedule) -> None:
                 if a.kind is ActionKind.F and s > 0 and \
                         (s - 1, ActionKind.SEND_F, a.microbatch) not in posted_send:
                     break
-                if a.kind is ActionKind.B and s < n - 1 and \
+                if a.kind in BACKWARDS and s < n - 1 and \
                         (s + 1, ActionKind.SEND_B, a.microbatch) not in posted_send:
                     break
                 if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):

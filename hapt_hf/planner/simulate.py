@@ -2,10 +2,11 @@
 
 Rules of the replay (the same ones the runtime follows), one clock per pipeline rank:
 
-* each pipeline rank runs its compute actions (``F``, ``B``) one after another in list order,
-  each priced by the stage it names;
-* a forward waits for its activation to arrive from the previous stage, a backward for its
-  gradient from the next stage;
+* each pipeline rank runs its compute actions (``F``, ``B``, or a split backward's ``I`` and
+  ``W``) one after another in list order, each priced by the stage it names; a split backward
+  is priced from the stage's backward by :func:`backward_split`;
+* a forward waits for its activation to arrive from the previous stage, a backward (``B`` or
+  ``I``) for its gradient from the next stage; ``W`` waits only for its rank;
 * a ``SEND`` starts when the stage reaches it in its list and the link direction is free: sends
   are eager (the receiver buffers), they overlap compute, and the transfers of one direction of
   one cut go one at a time, in the order they were posted. A transfer holds the link for its
@@ -19,6 +20,11 @@ Rules of the replay (the same ones the runtime follows), one clock per pipeline 
 
 A stage whose next action waits for something no stage will ever produce is a deadlock; the
 result is then infeasible and ``reason`` says where every stage is stuck.
+
+Memory: a stage holds a micro-batch's activations from its forward to the backward that ends
+it (``B``, or ``W`` where the backward is split: the weight gradient needs the layers' inputs).
+A rank holding several stages (interleaved) holds all of theirs at once: its peak is taken over
+the sum of its stages' activations as the replay runs, plus their weights and state.
 """
 from __future__ import annotations
 
@@ -29,26 +35,48 @@ from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM
 from hapt_hf.core.schedules import ActionKind, RankLists, schedule_generator
 
 from .cluster import Cluster
-from .cost_model import CostModel, StageCosts
+from .cost_model import CostModel, StageCost, StageCosts
 from .model_spec import ModelSpec
 from .plan import Plan
 from .profile import Profile, load_sailor_profiles
 from .schedule import Schedule, build_schedule
 
 __all__ = ["SimEvent", "SimResult", "simulate_schedule", "simulate_plan", "replay",
-           "encode_schedule"]
+           "encode_schedule", "backward_split", "WEIGHT_GRADIENT_SHARE"]
+
+WEIGHT_GRADIENT_SHARE = 0.5
+"""The share of a stage's backward (its recomputed forward left out) that is the weight
+gradient ``W``, where the cost model gives no split: a block's matmuls cost as much for the
+gradient of their input as for that of their weight (each is one matmul of the forward's
+size); the rest (``I``) carries the norms, activations and attention core, which have no
+weights, so the true share is a little under one half."""
+
+
+def backward_split(cost: StageCost, weight_share: float = WEIGHT_GRADIENT_SHARE
+                   ) -> tuple[float, float]:
+    """(input-gradient ``I``, weight-gradient ``W``) seconds of one micro-batch's backward on
+    a stage: ``weight_share`` of the backward, less the recomputed forward of an activation-
+    checkpointed stage (which runs before ``I``), is ``W``; the rest is ``I``."""
+    if not 0.0 <= weight_share <= 1.0:
+        raise ValueError(f"weight_share must lie in [0, 1], got {weight_share}")
+    recomputed = cost.forward_s if cost.recompute else 0.0
+    w = max(cost.backward_s - recomputed, 0.0) * weight_share
+    return cost.backward_s - w, w
 
 
 @dataclass(frozen=True)
 class SimEvent:
     stage: int
     kind: str
-    """'F', 'B', 'SEND_F', 'SEND_B', 'ALLREDUCE', 'UPDATE' or 'ALLGATHER' (the updated
-    weights of a sharded optimizer state)."""
+    """'F', 'B', 'I', 'W', 'SEND_F', 'SEND_B', 'ALLREDUCE', 'UPDATE' or 'ALLGATHER' (the
+    updated weights of a sharded optimizer state)."""
     microbatch: int
     """-1 for ALLREDUCE, UPDATE and ALLGATHER."""
     start: float
     end: float
+    rank: int = -1
+    """The pipeline rank the stage sits on (-1: not recorded; the stage's own index where
+    each rank holds one stage)."""
 
 
 @dataclass(frozen=True)
@@ -58,19 +86,21 @@ class SimResult:
     stage_busy_s: tuple[float, ...]
     """Forward + backward compute seconds of each stage (one replica)."""
     peak_memory_bytes: tuple[float, ...]
-    """Per stage, one GPU."""
+    """Per stage, one GPU (a rank holding several stages: that rank's GPU, all of them)."""
     events: tuple[SimEvent, ...]
     feasible: bool
     reason: str = ""
     """Why the plan cannot run (deadlock, memory), empty when feasible."""
     peak_in_flight: tuple[int, ...] = ()
-    """Most micro-batches whose activations a stage held at once."""
+    """Most micro-batches whose activations a stage held at once (until their ``B``, or their
+    ``W`` where the backward is split)."""
 
 
-_F, _B, _SF, _SB, _RECV = 0, 1, 2, 3, 4
+_F, _B, _SF, _SB, _RECV, _I, _W = 0, 1, 2, 3, 4, 5, 6
 _CODE = {ActionKind.F: _F, ActionKind.B: _B, ActionKind.SEND_F: _SF, ActionKind.SEND_B: _SB,
-         ActionKind.RECV_F: _RECV, ActionKind.RECV_B: _RECV}
-_NAME = {_F: "F", _B: "B", _SF: "SEND_F", _SB: "SEND_B", _RECV: "RECV"}
+         ActionKind.RECV_F: _RECV, ActionKind.RECV_B: _RECV, ActionKind.I: _I,
+         ActionKind.W: _W}
+_NAME = {_F: "F", _B: "B", _SF: "SEND_F", _SB: "SEND_B", _RECV: "RECV", _I: "I", _W: "W"}
 
 
 def _encode(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
@@ -78,18 +108,23 @@ def _encode(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
 
 
 def encode_schedule(kind: str, num_stages: int, num_microbatches: int,
-                    warmups: tuple[int, ...] | list[int]) -> RankLists:
-    """The replay's view of ``build_schedule(kind, n, m, warmups)`` without building Action
-    objects (the search replays thousands of candidates): each pipeline rank's list of
-    ``(code, stage, micro-batch)`` from the kind's generator, receives left out because posting
-    one costs nothing here, and the placement (the pipeline rank of each stage)."""
-    return schedule_generator(kind).generate(num_stages, num_microbatches, warmups,
-                                             receives=False, tokens=_CODE)
+                    warmups: tuple[int, ...] | list[int],
+                    num_ranks: int | None = None) -> RankLists:
+    """The replay's view of ``build_schedule(kind, n, m, warmups, num_ranks=num_ranks)``
+    without building Action objects (the search replays thousands of candidates): each
+    pipeline rank's list of ``(code, stage, micro-batch)`` from the kind's generator, receives
+    left out because posting one costs nothing here, and the placement (the pipeline rank of
+    each stage)."""
+    gen = schedule_generator(kind)
+    p = num_stages if num_ranks is None else num_ranks
+    return gen.generate(num_stages, num_microbatches, gen.run_depths(warmups, num_microbatches, p),
+                        receives=False, tokens=_CODE, num_ranks=num_ranks)
 
 
 def simulate_schedule(schedule: Schedule, costs: StageCosts,
                       record_events: bool = True) -> SimResult:
-    """Replay ``schedule`` with the durations of ``costs`` (one StageCost per stage)."""
+    """Replay ``schedule`` with the durations of ``costs`` (one StageCost per stage; a split
+    backward priced by :func:`backward_split`)."""
     if costs.num_stages != schedule.num_stages:
         raise ValueError(f"the schedule has {schedule.num_stages} stages but "
                          f"{costs.num_stages} stage costs were given; give one per stage")
@@ -97,10 +132,11 @@ def simulate_schedule(schedule: Schedule, costs: StageCosts,
 
 
 def replay(lists, placement: Sequence[int], costs: StageCosts,
-           record_events: bool = True) -> SimResult:
+           record_events: bool = True, weight_share: float = WEIGHT_GRADIENT_SHARE) -> SimResult:
     """The event loop over encoded per-rank lists of ``(code, stage, micro-batch)`` (see
     :func:`encode_schedule`), ``placement[stage]`` the pipeline rank holding each stage: one
-    clock per pipeline rank; arrivals, links, memory and the all-reduce per stage."""
+    clock per pipeline rank; arrivals, links, memory and the all-reduce per stage.
+    ``weight_share``: how a split backward divides (:func:`backward_split`)."""
     ranks = len(lists)
     st = costs.stages
     n = len(st)
@@ -124,6 +160,15 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
     sf_lat = [c.send_forward_latency_s for c in st]
     sb_s = [c.send_backward_s for c in st]
     sb_lat = [c.send_backward_latency_s for c in st]
+    split = [backward_split(c, weight_share) for c in st]
+    in_s = [x[0] for x in split]
+    wgt_s = [x[1] for x in split]
+    # a rank holding several stages: the activations of all of them at once
+    multi = len(set(placement)) < n
+    if multi:
+        act_b = [c.memory_use(1)[0] - c.memory_use(0)[0] for c in st]
+        held_b = [0.0] * ranks
+        peak_b = [0.0] * ranks
     while remaining:
         progressed = False
         for r in range(ranks):
@@ -131,13 +176,16 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
             t = clock[r]
             while p < len(lst):
                 code, s, mb = lst[p]
-                if code == _F or code == _B:
+                if code == _F or code == _B or code == _I or code == _W:
                     if code == _F:
                         ready = act_arr[s].get(mb) if s > 0 else 0.0
                         dur = fwd_s[s]
+                    elif code == _W:  # after its own I, which the list orders before it
+                        ready = 0.0
+                        dur = wgt_s[s]
                     else:
                         ready = grad_arr[s].get(mb) if s < last else 0.0
-                        dur = bwd_s[s]
+                        dur = bwd_s[s] if code == _B else in_s[s]
                     if ready is None:
                         break
                     start = t if t > ready else ready
@@ -147,25 +195,31 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
                         in_flight[s] += 1
                         if in_flight[s] > peak[s]:
                             peak[s] = in_flight[s]
-                    else:
+                        if multi:
+                            held_b[r] += act_b[s]
+                            if held_b[r] > peak_b[r]:
+                                peak_b[r] = held_b[r]
+                    elif code != _I:  # B or W: the micro-batch's activations are freed
                         in_flight[s] -= 1
                         last_b[s] = t
+                        if multi:
+                            held_b[r] -= act_b[s]
                     if record_events:
-                        events.append(SimEvent(s, _NAME[code], mb, start, t))
+                        events.append(SimEvent(s, _NAME[code], mb, start, t, r))
                 elif code == _SF:
                     start = t if t > fwd_free[s] else fwd_free[s]
                     end = start + sf_s[s]
                     fwd_free[s] = end - sf_lat[s]
                     act_arr[s + 1][mb] = end
                     if record_events:
-                        events.append(SimEvent(s, "SEND_F", mb, start, end))
+                        events.append(SimEvent(s, "SEND_F", mb, start, end, r))
                 elif code == _SB:
                     start = t if t > bwd_free[s] else bwd_free[s]
                     end = start + sb_s[s]
                     bwd_free[s] = end - sb_lat[s]
                     grad_arr[s - 1][mb] = end
                     if record_events:
-                        events.append(SimEvent(s, "SEND_B", mb, start, end))
+                        events.append(SimEvent(s, "SEND_B", mb, start, end, r))
                 p += 1
             if p != pos[r]:
                 remaining -= p - pos[r]
@@ -176,34 +230,67 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
             stuck = "; ".join(f"stage {lists[r][pos[r]][1]} waits at {lists[r][pos[r]][1]}"
                               f"{_NAME[lists[r][pos[r]][0]]}{lists[r][pos[r]][2]}"
                               for r in range(ranks) if pos[r] < len(lists[r]))
-            return SimResult(float("inf"), 1.0, tuple(busy), _peaks(st, peak), tuple(events),
+            return SimResult(float("inf"), 1.0, tuple(busy), _peaks(st, peak, placement),
+                             tuple(events),
                              False, f"deadlock: {stuck}; give every stage a warm-up depth "
                              "no smaller than the next stage's", tuple(peak))
     ends = []
+    free = list(clock)  # a rank holding several stages updates them one after another
     for s in range(n):
-        c = st[s]
+        c, r = st[s], placement[s]
         # the buckets overlap the last backward; the step waits for the last one
-        t1 = max(clock[placement[s]], last_b[s] + c.allreduce_after_s)
+        reduced = last_b[s] + c.allreduce_after_s
+        t1 = max(free[r], reduced)
         t2 = t1 + c.update_s
         if record_events:
-            events.append(SimEvent(s, "ALLREDUCE", -1, last_b[s] - c.allreduce_lead_s, t1))
-            events.append(SimEvent(s, "UPDATE", -1, t1, t2))
+            events.append(SimEvent(s, "ALLREDUCE", -1, last_b[s] - c.allreduce_lead_s,
+                                   reduced if multi else t1, r))
+            events.append(SimEvent(s, "UPDATE", -1, t1, t2, r))
         if c.allgather_s > 0:  # sharded state: the updated weights reach every replica
             if record_events:
-                events.append(SimEvent(s, "ALLGATHER", -1, t2, t2 + c.allgather_s))
+                events.append(SimEvent(s, "ALLGATHER", -1, t2, t2 + c.allgather_s, r))
             t2 += c.allgather_s
+        free[r] = t2
         ends.append(max(t2, fwd_free[s], bwd_free[s]))
     iteration = max(ends)
     bubble = 1.0 - (sum(busy) / ranks) / iteration if iteration > 0 else 0.0
-    peaks = _peaks(st, peak)
-    reason = _memory_reason(st, peaks, peak)
+    if multi:
+        peaks, reason = _rank_memory(st, placement, peak_b)
+    else:
+        peaks = _peaks(st, peak, placement)
+        reason = _memory_reason(st, peaks, peak)
     return SimResult(iteration, bubble, tuple(busy), peaks, tuple(events), not reason, reason,
                      tuple(peak))
 
 
-def _peaks(st, peak: list[int]) -> tuple[float, ...]:
+def _peaks(st, peak: list[int], placement: Sequence[int]) -> tuple[float, ...]:
     # a stage whose replicas differ: its GPU with the least memory to spare
+    if len(set(placement)) < len(st):  # deadlocked interleaved replay: an upper bound
+        per_rank: dict[int, float] = {}
+        for c, k, r in zip(st, peak, placement):
+            per_rank[r] = per_rank.get(r, 0.0) + c.memory_use(k)[0]
+        return tuple(per_rank[r] for r in placement)
     return tuple(c.memory_use(k)[0] for c, k in zip(st, peak))
+
+
+def _rank_memory(st, placement: Sequence[int],
+                 peak_b: list[float]) -> tuple[tuple[float, ...], str]:
+    """Each stage's GPU where ranks hold several stages: the rank's stages' weights, state and
+    working memory (each stage's ``memory_use(0)``; their working memory counted for every
+    stage, an upper bound) plus its peak of their activations together; the reason why a rank
+    does not fit, or empty."""
+    static: dict[int, float] = {}
+    cap: dict[int, float] = {}
+    for c, r in zip(st, placement):
+        use, usable = c.memory_use(0)
+        static[r] = static.get(r, 0.0) + use
+        cap[r] = min(cap.get(r, usable), usable) if usable > 0 else cap.get(r, 0.0)
+    total = {r: static[r] + peak_b[r] for r in static}
+    over = [r for r in sorted(total) if cap.get(r, 0.0) > 0 and total[r] > cap[r]]
+    reason = "; ".join(
+        f"pipeline rank {r} (stages {[s for s, q in enumerate(placement) if q == r]}) needs "
+        f"{total[r] / 1e9:.2f} GB per GPU but {cap[r] / 1e9:.2f} GB are usable" for r in over)
+    return tuple(total[r] for r in placement), reason
 
 
 def _memory_reason(st, peaks: tuple[float, ...], in_flight: list[int]) -> str:
@@ -229,5 +316,5 @@ def simulate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, profile: Profi
                          f"{model.num_layers}; plan again for this model")
     costs = cm.plan_costs(plan)
     sched = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                           plan.warmups(), validate=False)
+                           plan.warmups(), validate=False, num_ranks=plan.num_pipeline_ranks)
     return simulate_schedule(sched, costs, record_events)

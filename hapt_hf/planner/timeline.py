@@ -1,6 +1,11 @@
 """Draw a simulated iteration as a PNG: one row per stage, time to the right.
 
-Each stage's row has a compute lane (forward and backward boxes numbered by micro-batch, the
+Where pipeline ranks hold several stages (an interleaved schedule) the rows are the ranks
+instead, each drawing all its stages' work (a darker shade for each later stage of the rank),
+so the rank's idle time shows. A split backward draws its input gradient ``I`` and weight
+gradient ``W`` in shades of their own.
+
+Each row has a compute lane (forward and backward boxes numbered by micro-batch, the
 optimizer update) and, just under it, a thinner communication lane (activations sent on,
 gradients sent back, the data-parallel all-reduce), since transfers overlap compute. Behind
 each row a light band marks the stage's warm-up (the forwards before its first backward) and
@@ -33,11 +38,14 @@ if TYPE_CHECKING:
     from hapt_hf.planner.simulate import SimResult
 
 __all__ = ["TimelineBox", "StagePhases", "ZoomWindow", "timeline_boxes", "stage_phases",
-           "zoom_windows", "plan_labels", "draw_timeline", "KIND_COLOURS", "ZOOM_ABOVE"]
+           "zoom_windows", "plan_labels", "draw_timeline", "rows_by_rank", "KIND_COLOURS",
+           "ZOOM_ABOVE"]
 
 KIND_COLOURS = {
     "F": "#2b6cb0",          # forward: blue
     "B": "#e8871e",          # backward: orange
+    "I": "#c2410c",          # input gradient of a split backward: dark orange
+    "W": "#2f9e44",          # weight gradient of a split backward (deferred): green
     "UPDATE": "#6b3fa0",     # optimizer step: purple
     "SEND_F": "#8cc4ec",     # activation transfer (goes with the forwards): light blue
     "SEND_B": "#f2c078",     # gradient transfer (goes with the backwards): light orange
@@ -45,7 +53,8 @@ KIND_COLOURS = {
     "ALLGATHER": "#d45d9c",  # sharded optimizer state: updated weights to every replica: pink
 }
 KIND_NAMES = {
-    "F": "forward", "B": "backward", "UPDATE": "optimizer step", "SEND_F": "activation send",
+    "F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient",
+    "UPDATE": "optimizer step", "SEND_F": "activation send",
     "SEND_B": "gradient send", "ALLREDUCE": "all-reduce", "ALLGATHER": "all-gather",
 }
 WARMUP_COLOUR = "#dce9f7"  # band behind a stage's warm-up
@@ -54,7 +63,8 @@ TURN_COLOUR = "#2b4f7a"    # line at a stage's first backward
 ZOOM_ABOVE = 16
 """Above this many micro-batches the drawing adds the two zoom panels."""
 
-_COMPUTE = frozenset({"F", "B"})
+_COMPUTE = frozenset({"F", "B", "I", "W"})
+_BACKWARD = frozenset({"B", "I"})  # the backward that ends a stage's warm-up
 _COMM_KINDS = frozenset({"SEND_F", "SEND_B", "ALLREDUCE", "ALLGATHER"})
 _ROW_H = 1.0          # height of one stage's row
 _COMPUTE_H = 0.62     # compute lane height within it
@@ -77,6 +87,12 @@ class TimelineBox:
     width: float
     y: float
     height: float
+    row: int = -1
+    """The row it is drawn in: its stage, or its pipeline rank where ranks hold several
+    stages (-1: its stage)."""
+    shade: float = 0.0
+    """How much darker than its kind's colour it is drawn (0: not at all; the compute of the
+    later stages of a rank holding several)."""
 
     @property
     def is_comm(self) -> bool:
@@ -85,7 +101,8 @@ class TimelineBox:
 
 @dataclass(frozen=True)
 class StagePhases:
-    """A stage's fill and drain, in seconds.
+    """A row's fill and drain, in seconds (``stage``: the row's stage, or its pipeline rank
+    where the rows are ranks).
 
     ``warmup`` forwards run before the stage's first backward, over ``warmup_start`` to
     ``warmup_end`` (the first backward's start); ``drain`` backwards run after its last
@@ -126,44 +143,71 @@ def _row_top(stage: int, n: int) -> float:
     return (n - 1 - stage) * _ROW_H + _ROW_TOP
 
 
+def rows_by_rank(sim: "SimResult") -> dict[int, tuple[int, ...]]:
+    """The stages of each pipeline rank, where the events record ranks and some rank holds
+    several stages (the drawing then has a row per rank); empty otherwise (a row per
+    stage)."""
+    placed: dict[int, set[int]] = {}
+    for e in _events(sim):
+        if getattr(e, "rank", -1) < 0:
+            return {}
+        placed.setdefault(e.rank, set()).add(e.stage)
+    if all(len(v) == 1 for v in placed.values()):
+        return {}
+    return {r: tuple(sorted(v)) for r, v in sorted(placed.items())}
+
+
+def _row(e: Any, by_rank: dict[int, tuple[int, ...]]) -> int:
+    return e.rank if by_rank else e.stage
+
+
 def timeline_boxes(sim: "SimResult") -> list[TimelineBox]:
-    """Lay out the simulator's events; stage 0 is the top row.
+    """Lay out the simulator's events; stage 0 (or pipeline rank 0) is the top row.
 
     Raises ValueError when the result carries no events (simulated with
     ``record_events=False``) or an event of a kind this drawing does not know.
     """
     events = _events(sim)
-    n = 1 + max(e.stage for e in events)
+    by_rank = rows_by_rank(sim)
+    n = 1 + max(_row(e, by_rank) for e in events)
     boxes = []
     for e in events:
-        top = _row_top(e.stage, n)
+        row = _row(e, by_rank)
+        top = _row_top(row, n)
         if e.kind in _COMM_KINDS:
             y, h = top - _COMPUTE_H - _COMM_H - 0.02, _COMM_H
         else:
             y, h = top - _COMPUTE_H, _COMPUTE_H
+        shade = 0.0
+        if by_rank and e.kind in _COMPUTE:  # transfers keep their colours
+            mine = by_rank[row]
+            shade = 0.5 * mine.index(e.stage) / len(mine)
         boxes.append(TimelineBox(e.stage, e.kind, e.microbatch, e.start,
-                                 max(e.end - e.start, 0.0), y, h))
+                                 max(e.end - e.start, 0.0), y, h, row, shade))
     return boxes
 
 
-def _compute_by_stage(events: Sequence[Any]) -> dict[int, list[Any]]:
+def _compute_by_stage(events: Sequence[Any],
+                      by_rank: dict[int, tuple[int, ...]] | None = None) -> dict[int, list[Any]]:
     rows: dict[int, list[Any]] = {}
     for e in events:
         if e.kind in _COMPUTE:
-            rows.setdefault(e.stage, []).append(e)
+            rows.setdefault(_row(e, by_rank or {}), []).append(e)
     for row in rows.values():
         row.sort(key=lambda e: (e.start, e.end))
     return rows
 
 
 def stage_phases(sim: "SimResult") -> list[StagePhases]:
-    """Each stage's warm-up and drain, in stage order (stages with no compute left out)."""
-    rows = _compute_by_stage(_events(sim))
+    """Each row's warm-up and drain, in row order (rows with no compute left out): the
+    forwards before the row's first backward (``B`` or ``I``) and the backwards after its
+    last forward (a deferred ``W`` after them ends the drain, uncounted)."""
+    rows = _compute_by_stage(_events(sim), rows_by_rank(sim))
     out = []
     for stage in sorted(rows):
         row = rows[stage]
         fwd = [e for e in row if e.kind == "F"]
-        bwd = [e for e in row if e.kind == "B"]
+        bwd = [e for e in row if e.kind in _BACKWARD]
         if not fwd:
             continue
         if not bwd:
@@ -173,8 +217,9 @@ def stage_phases(sim: "SimResult") -> list[StagePhases]:
         first_b, last_f = bwd[0].start, max(e.end for e in fwd)
         warm = [e for e in fwd if e.start < first_b]
         drain = [e for e in bwd if e.start >= last_f]
+        tail = [e.end for e in row if e.kind != "F" and e.start >= last_f]
         out.append(StagePhases(stage, len(warm), fwd[0].start, first_b, len(drain), last_f,
-                               max(e.end for e in bwd) if drain else last_f))
+                               max(tail) if drain else last_f))
     return out
 
 
@@ -198,7 +243,7 @@ def zoom_windows(sim: "SimResult", *, max_boxes: int = 30,
     if max_boxes < 1:
         raise ValueError(f"max_boxes must be at least 1, got {max_boxes}")
     events = _events(sim)
-    rows = _compute_by_stage(events)
+    rows = _compute_by_stage(events, rows_by_rank(sim))
     if not rows:
         return []
     micro = 1 + max(e.microbatch for row in rows.values() for e in row)
@@ -212,7 +257,7 @@ def zoom_windows(sim: "SimResult", *, max_boxes: int = 30,
     if not head_ends:
         return []
     head_t1, tail_t0 = min(head_ends), max(tail_starts)
-    turn = next((e.end for e in rows[max(rows)] if e.kind == "B"), head_t1)
+    turn = next((e.end for e in rows[max(rows)] if e.kind in _BACKWARD), head_t1)
     if turn > head_t1 and all(sum(e.start < turn for e in row) <= max_boxes * 3 // 2
                               for row in rows.values()):
         head_t1 = turn  # show the pipeline full: the last stage's first backward
@@ -227,7 +272,17 @@ def zoom_windows(sim: "SimResult", *, max_boxes: int = 30,
 
 def plan_labels(plan: "Plan") -> list[str]:
     """Row labels naming each stage's GPUs: ``"stage 0: v100 x4"``, or for a stage whose
-    replicas span groups ``"stage 1: a100 x2 + v100 x3"`` (one GPU per replica)."""
+    replicas span groups ``"stage 1: a100 x2 + v100 x3"`` (one GPU per replica); where
+    pipeline ranks hold several stages, one label per rank: ``"rank 0 (stages 0, 4): v100
+    x2"``."""
+    if plan.virtual_stages > 1:
+        p = plan.num_pipeline_ranks
+        return [f"rank {r} (stages {', '.join(str(s) for s in range(r, plan.num_stages, p))}):"
+                f"{lab.split(':', 1)[1]}" for r, lab in enumerate(_stage_labels(plan)[:p])]
+    return _stage_labels(plan)
+
+
+def _stage_labels(plan: "Plan") -> list[str]:
     labels = []
     for s in plan.stages:
         groups = tuple(s.groups)
@@ -292,18 +347,19 @@ def _draw_panel(ax: Any, boxes: Sequence[TimelineBox], phases: Sequence[StagePha
     rects(drain, DRAIN_COLOUR, "none", 0.0, 0)
     ax.add_collection(LineCollection(turns, colors=TURN_COLOUR, linewidths=0.8, zorder=1))
     visible = [b for b in boxes if b.x + b.width >= panel.t0 and b.x <= panel.t1]
-    by_kind: dict[str, list[tuple[float, float, float, float]]] = {}
+    by_kind: dict[tuple[str, float], list[tuple[float, float, float, float]]] = {}
     for b in visible:
         y, h = b.y, b.height
         if panel.split and b.kind in _COMPUTE:
             h = b.height / 2
             y = b.y + h if b.kind == "F" else b.y
-        by_kind.setdefault(b.kind, []).append((b.x * scale, b.width * scale, y, h))
-    for kind, spans in by_kind.items():
+        by_kind.setdefault((b.kind, b.shade), []).append((b.x * scale, b.width * scale, y, h))
+    for (kind, shade), spans in by_kind.items():
+        colour = _darker(KIND_COLOURS[kind], shade)
         if panel.split:
-            rects(spans, KIND_COLOURS[kind], "none", 0.0, 2)
+            rects(spans, colour, "none", 0.0, 2)
         else:
-            rects(spans, KIND_COLOURS[kind], "white", 0.4, 2)
+            rects(spans, colour, "white", 0.4, 2)
     if panel.numbers:
         px_per_s = panel.width_px / span
         px_per_row = panel.row_px / _ROW_H
@@ -320,9 +376,10 @@ def _draw_panel(ax: Any, boxes: Sequence[TimelineBox], phases: Sequence[StagePha
                 rotation = 90  # a narrow but tall box takes its number upright
             else:
                 continue
+            dark = b.kind in ("F", "I", "W") or b.shade > 0.2
             ax.text((lo + hi) / 2 * scale, b.y + b.height / 2, label, ha="center",
                     va="center", fontsize=_NUMBER_PT, rotation=rotation, zorder=3,
-                    color="white" if b.kind == "F" else "black", clip_on=True)
+                    color="white" if dark else "black", clip_on=True)
     ax.set_yticks([_row_top(i, n) - _COMPUTE_H / 2 for i in range(n)])
     ax.set_yticklabels(names["labels"], fontsize=names["size"])
     ax.set_xlabel(f"time ({names['unit']})", fontsize=8)
@@ -332,9 +389,21 @@ def _draw_panel(ax: Any, boxes: Sequence[TimelineBox], phases: Sequence[StagePha
     ax.tick_params(axis="x", labelsize=8)
 
 
+def _darker(colour: str, shade: float) -> str:
+    """``colour`` (``#rrggbb``) mixed with black by ``shade`` (0: as it is)."""
+    if shade <= 0:
+        return colour
+    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c * (1 - shade)):02x}" for c in rgb)
+
+
 def _row_labels(n: int, phases: Sequence[StagePhases],
-                stage_labels: Sequence[str] | None) -> list[str]:
+                stage_labels: Sequence[str] | None,
+                by_rank: dict[int, tuple[int, ...]] | None = None) -> list[str]:
     names = list(stage_labels or ())
+    if by_rank:
+        names += [f"rank {i} (stages {', '.join(map(str, by_rank.get(i, ())))})"
+                  for i in range(len(names), n)]
     names += [f"stage {i}" for i in range(len(names), n)]
     warm = {p.stage: p.warmup for p in phases}
     return [f"{names[i]}\nwarm-up {warm[i]}" if i in warm else names[i] for i in range(n)]
@@ -351,6 +420,9 @@ def _legend_handles(boxes: Sequence[TimelineBox], split: bool) -> list[Any]:
             if split and k in _COMPUTE:
                 name += f" (whole iteration: {'upper' if k == 'F' else 'lower'} half)"
             handles.append(Patch(color=KIND_COLOURS[k], label=f"{k} {name}"))
+    if any(b.shade > 0 for b in boxes):
+        handles.append(Patch(color=_darker(KIND_COLOURS["F"], 0.25),
+                             label="darker: a rank's later stages"))
     handles += [Patch(color=WARMUP_COLOUR, label="warm-up: forwards before the first backward"),
                 Line2D([], [], color=TURN_COLOUR, linewidth=0.8, label="first backward"),
                 Patch(color=DRAIN_COLOUR, label="drain: backwards after the last forward")]
@@ -364,7 +436,8 @@ def draw_timeline(sim: "SimResult", path: str | os.PathLike, *, title: str = "",
 
     Rows are named by ``stage_labels`` (e.g. ``"stage 0: v100 x4"``), else by the GPUs of
     ``plan``'s stages (:func:`plan_labels`), else ``"stage i"``; each label adds the stage's
-    warm-up count.
+    warm-up count. Where ranks hold several stages the rows are ranks (:func:`rows_by_rank`)
+    and ``stage_labels`` names each rank.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -372,13 +445,13 @@ def draw_timeline(sim: "SimResult", path: str | os.PathLike, *, title: str = "",
     boxes = timeline_boxes(sim)
     phases = stage_phases(sim)
     windows = zoom_windows(sim)
-    n = 1 + max(b.stage for b in boxes)
+    n = 1 + max(b.row for b in boxes)
     end = max(max(b.x + b.width for b in boxes), getattr(sim, "iteration_s", 0.0)) or 1.0
     start = min(0.0, min(b.x for b in boxes))
     scale, unit = (1.0, "s") if end >= 10 else (1e3, "ms")
     if stage_labels is None and plan is not None:
         stage_labels = plan_labels(plan)
-    labels = _row_labels(n, phases, stage_labels)
+    labels = _row_labels(n, phases, stage_labels, rows_by_rank(sim))
 
     row_in = max(0.3, min(0.6, 9.0 / n))
     panel_in = 0.4 + row_in * n
