@@ -1,6 +1,6 @@
 """The schedule kinds side by side on one unlike pipeline, and the timelines of the new ones.
 
-    python3 benchmarks/schedule_timelines.py [--out docs/images]
+    python3 benchmarks/schedule_timelines.py [--out docs]
 
 Four pipeline ranks, two A100s then two V100s behind a 5 Gbit/s, 1 ms link, one GPU each,
 GPT-2 of 24 blocks at 1024 tokens, fp16, 12 micro-batches of 4. The layer split is the best
@@ -74,8 +74,8 @@ def best_h1f1b(model: ModelSpec, cluster: Cluster, cm: CostModel) -> Plan:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO / "docs" / "images"),
-                    help="folder for the PNGs (default docs/images)")
+    ap.add_argument("--out", default=str(REPO / "docs"),
+                    help="folder for the PNGs (default docs)")
     args = ap.parse_args(argv)
     cluster = Cluster.from_dict(CLUSTER)
     model = ModelSpec.from_job_model(MODEL, SEQ, "fp16")
