@@ -4,11 +4,11 @@
 
 Four pipeline ranks, two A100s then two V100s behind a 5 Gbit/s, 1 ms link, one GPU each,
 GPT-2 of 24 blocks at 1024 tokens, fp16, 12 micro-batches of 4. The layer split is the best
-H-1F1B split of the layers (every cut giving each rank two layers or more tried, 1F1B's warm-ups deepened before the slow link
-by 0 to 4), and every kind runs on it: 1F1B, H-1F1B, zero-bubble with H-1F1B's warm-ups, and
-interleaved with two chunks per rank (each rank's layers cut in two, the first chunk one layer
-larger where they are odd). It prints each kind's simulated iteration, bubble and the peak
-memory of each rank's GPU, and draws the zero-bubble and interleaved timelines.
+H-1F1B split (every cut giving each rank two layers or more, 1F1B's warm-ups deepened before
+the slow link by 0 to 4), and every kind runs on it: 1F1B, H-1F1B, zero-bubble with H-1F1B's
+warm-ups, and interleaved with two chunks per rank (each rank's layers cut in two, the first
+chunk one layer larger where they are odd). It prints each kind's simulated iteration, bubble
+and the peak memory of each rank's GPU, and draws the zero-bubble and interleaved timelines.
 """
 from __future__ import annotations
 
