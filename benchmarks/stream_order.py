@@ -82,7 +82,9 @@ def plan_in_order_hazard(plan: Plan, *, groups: str = "boundary", streams: str =
     stage's list, and each of its transfers goes to the ranks the runtime pairs it with
     (:func:`hapt_hf.pipeline.placement.rank_work`: the pieces each replica trades with the
     neighbouring stage's replicas, and under tensor parallelism the TP rank each pairs with),
-    one transfer per piece, posted in piece order as the runtime posts them."""
+    one transfer per piece, posted in piece order as the runtime posts them. The ranks of a
+    tensor-parallel replica run each compute together (its all-reduces join them): each of
+    their computes is one node, ready when every one of them could start it."""
     from hapt_hf.pipeline.placement import rank_work
     works = {r: rank_work(plan, r) for s in plan.stages for r in s.ranks}
     pieces = {ActionKind.RECV_F: "upstream", ActionKind.SEND_B: "upstream_grads",
@@ -90,14 +92,16 @@ def plan_in_order_hazard(plan: Plan, *, groups: str = "boundary", streams: str =
 
     def peers(r: int, a: Action) -> list[int]:
         return [p.peer for p in getattr(works[r], pieces[a.kind])]
+    joint = [rep.ranks for s in plan.stages for rep in s.replicas if len(rep.ranks) > 1]
     return _hazard({r: w.actions for r, w in works.items()}, peers, plan.num_stages, groups,
-                   streams, made_at_setup)
+                   streams, made_at_setup, joint)
 
 
 def _hazard(lists: dict[int, tuple[Action, ...]], peers, n: int, groups: str, streams: str,
-            made_at_setup: bool) -> str | None:
+            made_at_setup: bool, joint: list[tuple[int, ...]] = ()) -> str | None:
     """The replay: ``lists`` by rank, ``peers(rank, action)`` the ranks a transfer action
-    posts to or from, in posting order; ``n`` stages."""
+    posts to or from, in posting order; ``n`` stages; ``joint``: groups of ranks that run the
+    same list and whose computes at the same place are one (a tensor-parallel replica's)."""
     if groups not in GROUPINGS or streams not in STREAMS:
         raise ValueError(f"groups must be one of {GROUPINGS} and streams one of {STREAMS}")
     parent: dict[tuple, tuple] = {}
@@ -179,6 +183,11 @@ def _hazard(lists: dict[int, tuple[Action, ...]], peers, n: int, groups: str, st
     for hosts in by_comm.values():
         for h in hosts[1:]:
             parent[find(h)] = find(hosts[0])
+    for ranks in joint:
+        for j, a in enumerate(lists[ranks[0]]):
+            if a.is_compute:
+                for r in ranks[1:]:
+                    parent[find(("G", r, j))] = find(("G", ranks[0], j))
     return _cycle(lists, {(find(u), find(v)) for u, v in edges}, find)
 
 

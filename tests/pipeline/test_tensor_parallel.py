@@ -87,8 +87,9 @@ def test_every_sample_reaches_every_tp_rank_exactly_once_each_way(data, mbs):
        kind=st.sampled_from(["gpipe", "1f1b", "h1f1b"]), streams=st.sampled_from(["pair", "group"]))
 def test_the_transfers_of_tp_plans_finish_on_nccl(data, n, mbs, m, kind, streams):
     """Every rank of every replica runs its stage's list, one transfer per piece to the rank
-    the pairing names, on the groups of each boundary and direction: no hang, every receive
-    gets its own micro-batch (benchmarks/stream_order.py)."""
+    the pairing names, on the groups of each boundary and direction, and a TP replica's ranks
+    run each compute together (its all-reduces): no hang, every receive gets its own
+    micro-batch (benchmarks/stream_order.py)."""
     plan = _plan(data.draw(stage_specs(mbs, n)), mbs, kind, m)
     assert plan_in_order_hazard(plan, streams=streams) is None
 
