@@ -100,7 +100,6 @@ def cli_main(argv: list[str]) -> int:
         print(f"hapt-hf profile: error: {e}", file=sys.stderr)
         return 2
     print(f"{len(profile.timings)} entries ({len(store.timings) - before} measured, the rest "
-          f"from the store) in "
-          f"{time.perf_counter() - t0:.1f} s -> {args.store}")
+          f"from the store) in {time.perf_counter() - t0:.1f} s -> {args.store}")
     print("\n".join(_tp_summary(profile)) or "no tensor-parallel figures", flush=True)
     return 0

@@ -16,8 +16,8 @@ timed like any layer on the device at hand, and the all-reduce of a block's acti
 group's ``t`` devices (:func:`profile_group_leaders`).
 
 Results live in a readable JSON profile store (:mod:`hapt_hf.profiling.store`) keyed by (device
-name, layer signature, micro-batch, sequence length, dtype); a second profile of the same thing
-reads the store.
+name, layer signature, micro-batch, sequence length, dtype, tensor-parallel degree); a second
+profile of the same thing reads the store.
 
 The layers are built with :func:`hapt_hf.pipeline.stage.build_stage`, so the profiler times
 exactly the modules the runtime runs. torch is imported inside the functions that measure, so
@@ -392,7 +392,7 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     the link from the group to itself (the link its stages' gradients are all-reduced on);
     empty: not timed.
     ``options.tp_degrees``: each leader also times the block's compute split at the degrees its
-    group's ranks can hold and the model allows (:func:`time_tp_splits`), and each group's
+    group's ranks can hold and the model allows (as :func:`profile_model` does), and each group's
     first ``t`` ranks time the tensor-parallel all-reduce of a block's activation among them
     (:func:`~hapt_hf.profiling.links.measure_tp_allreduce`), recorded per (group, ``t``).
     """
@@ -439,10 +439,8 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     merged = ProfileStore(Path(store_path or ""))
     merged.timings.update(pool_timings([g[0] for g in gathered]))
     for _, measured, tp_measured in gathered:
-        for m in measured:
+        for m in (*measured, *tp_measured):
             merged.put_link(m)
-        for m in tp_measured:
-            merged.put_tp_link(m)
     if rank == 0 and store is not None:
         store.merge(merged)
         store.save()

@@ -96,10 +96,7 @@ class ProfileStore:
                                 "--store") from None
         self.timings.update(profile.timings)
         for m in profile.links:
-            if m.tp > 1:
-                self.tp_links[(m.a, m.tp)] = m
-            else:
-                self.links[link_pair(m.a, m.b)] = m
+            self.put_link(m)
 
     def get(self, key: ProfileKey) -> LayerTiming | None:
         return self.timings.get(key)
@@ -108,11 +105,12 @@ class ProfileStore:
         self.timings[key] = timing
 
     def put_link(self, m: LinkMeasurement) -> None:
-        self.links[link_pair(m.a, m.b)] = m
-
-    def put_tp_link(self, m: LinkMeasurement) -> None:
-        """A tensor-parallel all-reduce inside a group (``m.tp`` > 1)."""
-        self.tp_links[(m.a, m.tp)] = m
+        """A link between two groups or inside one; a tensor-parallel all-reduce (``m.tp`` > 1)
+        goes to ``tp_links``."""
+        if m.tp > 1:
+            self.tp_links[(m.a, m.tp)] = m
+        else:
+            self.links[link_pair(m.a, m.b)] = m
 
     def merge(self, other: "ProfileStore") -> None:
         """Take every entry of ``other`` (it wins where both have one)."""

@@ -144,7 +144,7 @@ def test_the_tp_allreduce_fit_recovers_the_link_and_is_stored(monkeypatch, tmp_p
     assert m.latency_us == pytest.approx(lat, rel=1e-6)
     store = ProfileStore.open(tmp_path / "store.json")
     store.put_link(LinkMeasurement("g", "g", 99.0, 1.0))  # the gradient all-reduce's
-    store.put_tp_link(m)
+    store.put_link(m)
     store.save()
     back = Profile.load(tmp_path / "store.json")
     assert back.tp_link("g", t) == m and back.tp_link("g", 2 * t) is None
