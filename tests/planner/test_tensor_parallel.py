@@ -83,8 +83,8 @@ def test_memory_falls_and_communication_grows_with_the_degree(shape, blocks, fir
     ar = [cm.tp_allreduce_s(g, samples, t, 1) for t in (1, 2, 4, 8)]
     if has_block:
         assert all(x > y for x, y in zip(mem, mem[1:]))
-    else:
-        assert len(set(mem)) == 1
+    else:  # equal but for the rounding of prefix sums over layers before the range
+        assert mem == pytest.approx([mem[0]] * 4, rel=1e-12)
     assert ar[0] == 0 and all(x < y for x, y in zip(ar, ar[1:]))
     # a block's compute never beats a t-th of one GPU's
     one = sum(cm.compute_s(g, samples, 1, 2))

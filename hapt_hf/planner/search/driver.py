@@ -113,13 +113,8 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
                       sharding=sharding_reasons(unit.cost_model, plan, final.peak_in_flight))
 
 
-TP_SCREEN_BUDGET_S = 12.0
-"""Seconds the screen of tensor-parallel degrees may spend weighing new assignments."""
-TP_POLISH_BELOW_S = 4.0
-"""Where the screen took less than this, its winner is searched again with the user's
-options (on large clusters the screen's plan stands: a full search costs several times a
-screen)."""
-_SCREEN = dict(simulate_top=2, simulate_top_cheap=2, max_refine_simulations=16)
+_SCREEN = dict(simulate_top=2, simulate_top_cheap=2, max_refine_simulations=16, patience=100,
+               max_expansions=400)
 
 
 def _tensor_parallel(problem: SearchProblem, base_s: float | None
@@ -141,11 +136,12 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None
             return got[0].iteration_s, got
         return None
 
-    t0 = time.perf_counter()
-    tp, screened, _ = choose_degrees(problem, weigh, base_s, TP_SCREEN_BUDGET_S)
+    tp, screened, _ = choose_degrees(problem, weigh, base_s)
     if tp is None:
         return None
-    if time.perf_counter() - t0 < TP_POLISH_BELOW_S:
+    # the winner searched again with the user's options, where a search is cheap (above
+    # weigh_groups_max_gpus a search costs several screens: there the screen's plan stands)
+    if problem.hardware.world_size <= problem.options.weigh_groups_max_gpus:
         try:
             full = _best_layout(problem.with_tp(tp), {})
         except PlanningError:

@@ -83,6 +83,11 @@ class PlannerOptions:
     heads and MLP width). 1: every replica is one GPU, as without tensor parallelism. The
     search keeps a degree above 1 only where the simulator finds it faster, or where nothing
     fits without it."""
+    tp_screens: int = 6
+    """At most this many assignments of tensor-parallel degrees to the groups are weighed
+    (each a shortened search of its own; :mod:`~hapt_hf.planner.search.tensor_parallel`):
+    every group at 2, 4 and 8 first, then one group at a time moved to a neighbouring
+    degree."""
     layer_unit: str = LAYER_UNIT_OPTIONS[0]
     """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
     fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep
@@ -106,6 +111,9 @@ class PlannerOptions:
         if self.max_tp not in TP_DEGREES:
             raise PlanningError(f"max_tp {self.max_tp!r} must be one of {TP_DEGREES} (1: no "
                                 "tensor parallelism)")
+        if self.tp_screens < 0:
+            raise PlanningError(f"tp_screens {self.tp_screens} must be >= 0 (0: never weigh "
+                                "tensor parallelism, like max_tp 1)")
         if self.layer_unit not in LAYER_UNIT_OPTIONS:
             raise PlanningError(f"layer_unit {self.layer_unit!r} is unknown; use one of "
                                 f"{LAYER_UNIT_OPTIONS}")

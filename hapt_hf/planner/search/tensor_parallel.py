@@ -20,7 +20,6 @@ degree above it is kept only where the simulator finds it faster.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,18 +67,17 @@ def tp_limit_s(problem: SearchProblem) -> float:
     return problem.global_batch_size / rate
 
 
-def choose_degrees(problem: SearchProblem, weigh: Weigh, base_s: float | None,
-                   budget_s: float = float("inf")
+def choose_degrees(problem: SearchProblem, weigh: Weigh, base_s: float | None
                    ) -> tuple[dict[str, int] | None, object, tuple[TpChoice, ...]]:
     """The assignment of degrees (group -> t) the screen finds fastest, if any beats
     ``base_s`` (the plan at degree 1 everywhere; None: none fits), what ``weigh`` returned
-    for it, and every assignment weighed. Stops weighing new assignments after ``budget_s``
-    seconds."""
+    for it, and every assignment weighed (at most ``tp_screens``, in a fixed order, so the
+    choice does not depend on the machine's speed)."""
     groups = problem.hardware.groups
     options = {g.name: group_degrees(problem, g) for g in groups}
     if all(o == [1] for o in options.values()):
         return None, None, ()
-    t0 = time.perf_counter()
+    screens = problem.options.tp_screens
     seen: dict[tuple[tuple[str, int], ...], float | None] = {}
     kept: dict[tuple[tuple[str, int], ...], object] = {}
     ones = tuple((g.name, 1) for g in groups)
@@ -91,7 +89,7 @@ def choose_degrees(problem: SearchProblem, weigh: Weigh, base_s: float | None,
         key = tuple((g.name, tp[g.name]) for g in groups)
         if key not in seen:
             sub = problem.with_tp(tp)
-            if time.perf_counter() - t0 > budget_s or tp_limit_s(sub) >= best_s:
+            if len(seen) - 1 >= screens or tp_limit_s(sub) >= best_s:
                 return float("inf")
             got = weigh(sub)
             seen[key] = None if got is None else got[0]
