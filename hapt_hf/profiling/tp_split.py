@@ -40,19 +40,17 @@ def _refusal(config, t: int) -> str | None:
     return tp_plan_refusal(config, t)
 
 
-def tp_degrees(config, asked: tuple[int, ...] | None = None, most: int | None = None
+def tp_degrees(config, asked: tuple[int, ...] | None = None
                ) -> tuple[tuple[int, ...], list[str]]:
     """(degrees above 1 to time, why each other one is left out): ``asked`` (None: every
     degree of :data:`~hapt_hf.core.tp.TP_DEGREES`), kept where the runtime could split the
-    model's blocks that many ways (:func:`_refusal`) and, with ``most``, at most that many
-    devices (a group's GPUs on one node). A reason shared by several degrees is given once."""
+    model's blocks that many ways (:func:`_refusal`). A reason shared by several degrees is
+    given once."""
     keep, why = [], []
     for t in (TP_DEGREES if asked is None else asked):
         if t <= 1:
             continue
         refusal = _refusal(config, t)
-        if refusal is None and most is not None and t > most:
-            refusal = f"tensor-parallel degree {t} needs more than the {most} devices given"
         if refusal is None:
             keep.append(t)
         elif refusal not in why:
