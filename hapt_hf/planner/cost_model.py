@@ -47,8 +47,9 @@ Conventions:
   blocks' compute splits ``t`` ways at :func:`tp_efficiency` (a profile's timing at degree
   ``t`` where it has one), plus per block two all-reduces of its activations (``samples x seq x
   hidden`` at the compute dtype) forward and two backward, ring-priced on the group's
-  intra-node link (``2(t-1)/t * bytes / bw + 2(t-1) * lat``; a profile timing that includes
-  them adds none); the embedding and the head stay whole on every rank and run at one GPU's
+  intra-node link, or at a profile's measured figures for ``t`` of its ranks
+  (``Profile.tp_link``), ``2(t-1)/t * bytes / bw + 2(t-1) * lat`` (a profile timing that
+  includes them adds none); the embedding and the head stay whole on every rank and run at one GPU's
   speed. Per rank: the blocks' sharded projections' weights, gradients and optimizer state
   divide by ``t`` (norms and row-wise biases whole: :meth:`ModelSpec.tp_whole_params`), a
   block's kept activations are ``(10 + 24/t) / 34`` of one GPU's (Korthikanti et al., no
@@ -573,7 +574,7 @@ class CostModel:
         """Per-layer times of one replica computing ``samples`` samples on ``group``'s GPUs,
         held by ``tp`` of them together."""
         key = (group.gpu.name, group.gpu.tflops, samples) if tp == 1 else \
-            (group.gpu.name, group.gpu.tflops, samples, tp, group.intra_node)
+            (group.gpu.name, group.gpu.tflops, samples, tp, group.name, group.intra_node)
         t = self._tables.get(key)
         if t is None:
             t = self._build_table(group, samples, tp)
@@ -583,12 +584,16 @@ class CostModel:
     def tp_allreduce_s(self, group: GpuGroup, samples: int, tp: int, layer: int) -> float:
         """The tensor-parallel all-reduces one forward (or one backward) of ``layer`` runs on
         a replica of ``tp`` ranks of ``group`` computing ``samples``: ring all-reduces of the
-        layer's output activations on the group's intra-node link."""
+        layer's output activations on the group's intra-node link, or at the figures the
+        profile measured for ``tp`` of the group's ranks (``Profile.tp_link``)."""
         spec = self.model.layers[layer]
         n = self.model.tp_allreduces(spec)
         if tp == 1 or not n:
             return 0.0
         link = group.intra_node
+        measured = self.profile.tp_link(group.name, tp) if self.profile is not None else None
+        if measured is not None:
+            link = LinkSpec(measured.bandwidth_gbps, measured.latency_us)
         nbytes = samples * spec.act_out_bytes
         return n * (2 * (tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
                     + 2 * (tp - 1) * link.latency_us * 1e-6)
@@ -740,7 +745,7 @@ class CostModel:
         g, samples = slow
         overlap = not p.on_cpu
         key = (link, d, g.gpu.name, g.gpu.tflops, samples, a, b, recompute, overlap, p.tp,
-               g.intra_node)
+               g.name if p.tp > 1 else "", g.intra_node)
         w = self._windows.get(key)
         if w is None:
             w = self._windows[key] = self._ring_window(d, link, self.table(g, samples, p.tp),
@@ -981,7 +986,7 @@ class CostModel:
         """Samples per second one replica of ``group`` (``tp`` GPUs; None: the degree the
         search gives the group) puts through the whole model (fwd + bwd)."""
         tp = self.tp[group.name] if tp is None else tp
-        key = (group.gpu.name, group.gpu.tflops, samples, tp, group.intra_node)
+        key = (group.gpu.name, group.gpu.tflops, samples, tp, group.name, group.intra_node)
         r = self._rates.get(key)
         if r is None:
             r = self._rates[key] = 1.0 / self.sample_time_s(group, samples, tp)

@@ -196,3 +196,17 @@ def test_where_one_gpu_per_replica_fits_the_plan_is_the_one_without():
 def test_max_tp_must_be_a_searched_degree():
     with pytest.raises(PlanningError, match="max_tp 3"):
         PlannerOptions(max_tp=3)
+
+
+def test_a_measured_tensor_parallel_all_reduce_replaces_the_intra_node_link():
+    from hapt_hf.planner.profile import LinkMeasurement
+
+    m, cl = llama(), one_group()
+    g = cl.groups[0]
+    prof = Profile({}, [LinkMeasurement("a", "a", 20.0, 40.0, tp=2)])
+    nbytes = 2 * 1024 * 1024 * 2  # two samples' block output at fp16
+    want = 2 * (2 * (2 - 1) / 2 * nbytes * 8 / 20e9 + 2 * 40e-6)
+    assert CostModel(m, cl, prof).tp_allreduce_s(g, 2, 2, 1) == pytest.approx(want)
+    # no measurement at 4: the intra-node link of the cluster file
+    assert CostModel(m, cl, prof).tp_allreduce_s(g, 2, 4, 1) == \
+        CostModel(m, cl).tp_allreduce_s(g, 2, 4, 1)
