@@ -1,6 +1,6 @@
 """The schedule kinds side by side on one unlike pipeline, and the timelines of the new ones.
 
-    python3 benchmarks/schedule_timelines.py [--out docs]
+    python3 benchmarks/schedule_timelines.py [--out docs] [--link-gbps 5] [--no-draw]
 
 Four pipeline ranks, two A100s then two V100s behind a 5 Gbit/s, 1 ms link, one GPU each,
 GPT-2 of 24 blocks at 1024 tokens, fp16, 12 micro-batches of 4. The layer split is the best
@@ -9,6 +9,7 @@ the slow link by 0 to 4), and every kind runs on it: 1F1B, H-1F1B, zero-bubble w
 warm-ups, and interleaved with two chunks per rank (each rank's layers cut in two, the first
 chunk one layer larger where they are odd). It prints each kind's simulated iteration, bubble
 and the peak memory of each rank's GPU, and draws the zero-bubble and interleaved timelines.
+``--link-gbps`` sets the link between the groups (the drawings are of 5 Gbit/s).
 """
 from __future__ import annotations
 
@@ -76,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "docs"),
                     help="folder for the PNGs (default docs)")
+    ap.add_argument("--link-gbps", type=float, default=5.0,
+                    help="bandwidth of the A100-V100 link, Gbit/s (default 5)")
+    ap.add_argument("--no-draw", action="store_true", help="print the table only")
     args = ap.parse_args(argv)
-    cluster = Cluster.from_dict(CLUSTER)
+    spec = {**CLUSTER, "links": [{**CLUSTER["links"][0], "bandwidth_gbps": args.link_gbps}]}
+    cluster = Cluster.from_dict(spec)
     model = ModelSpec.from_job_model(MODEL, SEQ, "fp16")
     cm = CostModel(model, cluster, None)
     h1 = best_h1f1b(model, cluster, cm)
@@ -97,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         mem = ", ".join(f"{b / 1e9:.1f}" for b in r.peak_memory_bytes[:p])
         print(f"| {kind} | {r.iteration_s * 1e3:.1f} | {100 * r.bubble_fraction:.1f}% | "
               f"{mem} |")
-        if kind in ("zero_bubble", "interleaved"):
+        if kind in ("zero_bubble", "interleaved") and not args.no_draw:
             path = draw_timeline(r, out / f"schedule_{kind}.png", plan=plan,
-                                 title=f"{kind}, A100 x2 then V100 x2 behind 5 Gbit/s",
+                                 title=f"{kind}, A100 x2 then V100 x2 behind "
+                                       f"{args.link_gbps:g} Gbit/s",
                                  stage_labels=plan_labels(plan))
             print(f"  drawn: {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
     return 0

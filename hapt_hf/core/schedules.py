@@ -258,19 +258,28 @@ def _rank_list(order: Sequence[tuple[ActionKind, int, int]], num_stages: int,
     t = _AS_IS if tokens is None else tokens
     last = num_stages - 1
     body: list[tuple[object, int, int]] = []  # (kind, stage, mb) of computes and sends
-    at_compute: list[int] = []            # index in body of each compute
-    after_send: dict[tuple[bool, int], int] = {}  # (forward?, mb) -> index after its send
+    # (kind, stage) -> (its token, the token of the send after it or None): looked up once
+    tok: dict[tuple[ActionKind, int], tuple[object, object]] = {}
     for kind, s, mb in order:
-        at_compute.append(len(body))
-        body.append((t[kind], s, mb))
-        if kind is _F and s != last:
-            body.append((t[ActionKind.SEND_F], s, mb))
-            after_send[(True, mb)] = len(body)
-        elif kind in BACKWARDS and s != 0:
-            body.append((t[ActionKind.SEND_B], s, mb))
-            after_send[(False, mb)] = len(body)
+        pair = tok.get((kind, s))
+        if pair is None:
+            snd = ActionKind.SEND_F if kind is _F and s != last else \
+                ActionKind.SEND_B if kind in BACKWARDS and s != 0 else None
+            pair = tok[(kind, s)] = (t[kind], None if snd is None else t[snd])
+        body.append((pair[0], s, mb))
+        if pair[1] is not None:
+            body.append((pair[1], s, mb))
     if not receives:
         return body
+    at_compute: list[int] = []            # index in body of each compute
+    after_send: dict[tuple[bool, int], int] = {}  # (forward?, mb) -> index after its send
+    j = 0
+    for kind, s, mb in order:
+        at_compute.append(j)
+        j += 1
+        if tok[(kind, s)][1] is not None:
+            j += 1
+            after_send[(kind is _F, mb)] = j
     m = num_microbatches
     if neighbour_warmups is not None:
         before, after = (clamp_warmup(w, m) for w in neighbour_warmups)
