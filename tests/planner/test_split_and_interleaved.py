@@ -327,3 +327,38 @@ def test_the_timeline_of_an_interleaved_plan_has_a_row_per_rank(tmp_path):
     assert plan_labels(plan) == ["rank 0 (stages 0, 2): a x2", "rank 1 (stages 1, 3): b x1"]
     out = draw_timeline(r, tmp_path / "il.png", plan=plan)
     assert out.stat().st_size > 10_000
+
+
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(1, 3), min_size=2, max_size=4), m=st.integers(1, 6),
+       extra=st.lists(st.integers(0, 2), min_size=4, max_size=4), data=st.data())
+def test_zero_bubble_plans_with_uneven_replicas_finish_on_nccl(widths, m, extra, data):
+    """Every global rank of every replica runs its stage's split lists, one transfer per piece
+    to the replicas of the neighbouring stage (the runtime's pairing): nothing hangs."""
+    from benchmarks.stream_order import plan_in_order_hazard
+    from hapt_hf.planner.plan import Replica
+    n, mbs = len(widths), 6
+    warm = _h1f1b(n, m, extra[:n])
+    stages, rank = [], 0
+    for i, w in enumerate(widths):
+        cuts = sorted(data.draw(st.lists(st.integers(1, mbs - 1), min_size=w - 1,
+                                         max_size=w - 1, unique=True)))
+        shares = [b - a for a, b in zip([0, *cuts], [*cuts, mbs])]
+        reps = tuple(Replica("g", "G", s, (rank + j,)) for j, s in enumerate(shares))
+        rank += w
+        stages.append(Stage(i, (i, i + 1), reps, warm[i]))
+    plan = Plan("m", n, 64, mbs * m, mbs, m, "zero_bubble", tuple(stages)).validate()
+    assert plan_in_order_hazard(plan) is None
+
+
+@pytest.mark.parametrize("kind,n,p", [("interleaved", 6, 3), ("zero_bubble", 3, 3)])
+def test_a_rank_computes_one_action_at_a_time(kind, n, p):
+    """One clock per pipeline rank: the compute of a rank's stages never overlaps."""
+    costs = StageCosts(tuple(StageCost(1.0 + s % 2, 2.0, 0.3 if s < n - 1 else 0.0,
+                                       0.3 if s else 0.0, 0, 0, 0, 0, 0, 0) for s in range(n)))
+    r = simulate_schedule(build_schedule(kind, n, 7, num_ranks=p), costs)
+    for rank in range(p):
+        spans = sorted((e.start, e.end) for e in r.events
+                       if e.rank == rank and e.kind in ("F", "B", "I", "W"))
+        assert len(spans) == (3 if kind == "zero_bubble" else 2) * 7 * (n // p)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
