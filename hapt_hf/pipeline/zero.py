@@ -10,12 +10,14 @@ rank still holds all of its parameters and, after the all-reduce, the same gradi
 clipping by the global norm, fp16's overflow decision and the gradient statistics are
 unchanged; each then steps only the parameters it owns (partitioned greedily by the size of
 the rank's own tensors, as ``ZeroRedundancyOptimizer`` partitions) and broadcasts them to the
-others, one flat broadcast per owner. Only the Adam state is split: the fp32 weights and
-gradients stay on every replica. Adam is elementwise, so every parameter ends bit for bit where
-the replicated optimizer would put it (tested on CPU, with fp16's skipped steps and with
-tensor-parallel stages). ``ZeroRedundancyOptimizer`` itself cannot hold a tensor-parallel
-stage: it views parameters as flat buckets and broadcasts them whole, which a DTensor takes
-neither; here every collective runs on the local tensors (``DTensor.to_local()``).
+others, one flat broadcast per owner (and dtype). Only the Adam state is split: the fp32
+weights and gradients stay on every replica. Adam is elementwise, so every parameter ends bit
+for bit where the replicated optimizer would put it (tested on CPU, with fp16's skipped steps
+and with tensor-parallel stages). ``ZeroRedundancyOptimizer`` itself cannot hold a
+tensor-parallel stage: it makes parameters views of flat buckets and broadcasts them whole,
+which a DTensor takes neither. Here whole parameters become views of their owner's bucket as
+there (the broadcast writes them in place), and a DTensor's local shard
+(``DTensor.to_local()``) is copied into a flat buffer and back out around the broadcast.
 
 :class:`ShardedOptimizer` adds what a pipeline's checkpoints need: its ``state_dict()`` is this
 rank's shard (the state of the parameters it owns, under their indices in the whole
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -40,6 +43,7 @@ from hapt_hf.compat.torch_api import mark_stepped_for_schedulers
 from hapt_hf.core.precision import SHARDED
 from hapt_hf.errors import ConfigError
 from hapt_hf.pipeline.failure import FailureChannel
+from hapt_hf.pipeline.grad_sync import flat_buffer, pack, unpack
 from hapt_hf.pipeline.tensor_parallel import is_sharded, local_tensor
 from hapt_hf.planner.plan import Stage
 
@@ -80,7 +84,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size: int = dist.get_world_size(replica_pg)
         """Ranks the state is split among."""
         self._source = source
+        self.global_rank: int = dist.get_global_rank(replica_pg, self.rank)
         self._owner = _partition(self.param_groups, self.world_size)
+        # what each owner broadcasts after the step: its parameters of one dtype and device in
+        # one flat bucket
+        self._buckets: list[_Bucket] = []
+        for owner in range(self.world_size):
+            kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for p in self._all_group_params():
+                if self._owner[id(p)] == owner:
+                    kinds.setdefault((p.dtype, p.device), []).append(p)
+            src = dist.get_global_rank(replica_pg, owner)
+            self._buckets += [_Bucket.of(src, params) for params in kinds.values()]
         mine = [{**_settings(g), "params": [p for p in g["params"] if self._owner[id(p)] == self.rank]}
                 for g in self.param_groups]
         self.optim: torch.optim.Optimizer = optimizer_class(mine, **kwargs)
@@ -102,25 +117,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _broadcast_params(self) -> None:
         with torch.no_grad():
-            for owner in range(self.world_size):
-                src = dist.get_global_rank(self.replica_pg, owner)
-                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-                for p in self._all_group_params():
-                    if self._owner[id(p)] == owner:
-                        t = local_tensor(p)
-                        by_dtype.setdefault(t.dtype, []).append(t)
-                for tensors in by_dtype.values():
-                    if owner == self.rank:
-                        flat = torch.cat([t.reshape(-1) for t in tensors])
-                    else:
-                        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
-                                           device=tensors[0].device)
-                    dist.broadcast(flat, src, group=self.replica_pg)
-                    if owner != self.rank:
-                        offset = 0
-                        for t in tensors:
-                            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                            offset += t.numel()
+            for bucket in self._buckets:
+                bucket.broadcast(self.global_rank, self.replica_pg)
 
     def owned_indices(self) -> list[int]:
         """Indices (over every group's parameters, in order) of the parameters this rank steps."""
@@ -190,6 +188,54 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(_settings(saved))
         _copy_settings(self.param_groups, self.optim.param_groups)
+
+
+@dataclass
+class _Bucket:
+    """One owner's parameters of one dtype and device, broadcast as one flat tensor."""
+
+    src: int
+    """The owner's global rank."""
+    params: list[torch.Tensor]
+    flat: torch.Tensor | None
+    """The bucket (whole parameters: they are views of it); for tensor-parallel shards, a
+    buffer kept across steps on a CPU (as the gradient buckets'), else None."""
+    viewed: bool
+    """The parameters are views of :attr:`flat` (no copy in or out)."""
+
+    @classmethod
+    def of(cls, src: int, params: list[torch.Tensor]) -> "_Bucket":
+        tensors = [local_tensor(p) for p in params]
+        if any(is_sharded(p) for p in params):
+            # a DTensor's local shard cannot be made a view of another tensor: copied in and out
+            return cls(src, params, flat_buffer(tensors), viewed=False)
+        # whole parameters become views of one flat bucket, as ZeroRedundancyOptimizer's
+        # parameters_as_bucket_view makes them: the broadcast reads and writes them in place
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
+                           device=tensors[0].device)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                flat[offset:offset + n].copy_(p.reshape(-1))
+                p.data = flat[offset:offset + n].view_as(p)
+                offset += n
+        return cls(src, params, flat, viewed=True)
+
+    def broadcast(self, rank: int, pg: Any) -> None:
+        """From the owner to the others, into every parameter (in ``torch.no_grad``)."""
+        if self.viewed:
+            dist.broadcast(self.flat, self.src, group=pg)
+            return
+        tensors = [local_tensor(p) for p in self.params]
+        if self.src == rank:
+            buf = pack(tensors, self.flat)
+        else:
+            buf = self.flat if self.flat is not None else torch.empty(
+                sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+        dist.broadcast(buf, self.src, group=pg)
+        if self.src != rank:
+            unpack(buf, tensors)
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
