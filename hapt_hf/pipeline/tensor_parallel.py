@@ -11,7 +11,10 @@ parameters are then DTensors; everything else (the embedding, the norms, the fin
 LM head) stays a whole, plain parameter on every rank of the replica, computed redundantly.
 ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm`` / ``k_norm``) stays whole too,
 but each rank sees only its heads, so its gradient is summed over the replica's ranks
-(:attr:`TensorParallelShards.partial`). Any other style is refused by name.
+(:attr:`TensorParallelShards.partial`), as is that of every whole module beside a sharded
+projection, which the model's plan may not mark (Apertus' learnable MLP activation). Any other style
+inside the blocks is refused by name; entries outside them (an ``embedding_rowwise``
+embedding) are left out, the embedding staying whole.
 
 Every rank of the replica builds the same seeded (or loaded) weights, so each keeps its own
 slice locally (no scatter from one rank).
@@ -51,7 +54,13 @@ def tp_plan_refusal(config: PretrainedConfig, t: int) -> str | None:
                 "(config.base_model_tp_plan is empty): its blocks cannot be sharded, so every "
                 f"replica must be one rank; the plan gives a replica {t} ranks: re-plan without "
                 "tensor parallelism (one rank per replica)")
-    bad = sorted(f"{v!r} ({k})" for k, v in plan.items() if v not in SUPPORTED_STYLES)
+    if not _block_entries(plan):
+        return (f"config.model_type {model_type!r}'s tensor-parallel plan "
+                f"(config.base_model_tp_plan: {sorted(plan)}) shards nothing inside the blocks, "
+                f"so a replica of {t} ranks would only repeat the work; re-plan with one rank per "
+                "replica")
+    bad = sorted(f"{v!r} ({k})" for k, v in _block_entries(plan).items()
+                 if v not in SUPPORTED_STYLES)
     if bad:
         return (f"config.model_type {model_type!r}'s tensor-parallel plan uses the style(s) "
                 f"{', '.join(bad)}, which hapt_hf does not run (it runs "
@@ -82,20 +91,26 @@ def stage_tp_plan(stage: nn.Module, config: PretrainedConfig) -> dict[str, str]:
     """The model's tensor-parallel plan for the blocks this stage holds: each pattern of
     ``config.base_model_tp_plan`` (relative to the base model, ``layers.*.mlp.up_proj``) turned
     into the paths of the stage's modules (``model.layers.3.mlp.up_proj``), style by path.
-    A half block keeps only its half's modules; patterns outside the blocks are refused."""
+    A half block keeps only its half's modules. Entries outside the blocks (an
+    ``embedding_rowwise`` embedding) are left out: the embedding stays whole on every rank."""
     blocks = stage.adapter.blocks_path  # e.g. "model.layers"
-    base, _, stack = blocks.rpartition(".")
+    stack = blocks.rpartition(".")[2]
     out: dict[str, str] = {}
-    for pattern, style in (config.base_model_tp_plan or {}).items():
+    for pattern, style in _block_entries(config.base_model_tp_plan or {}).items():
         head, _, rest = pattern.partition(".")
-        if head != stack or not rest.startswith("*."):
-            raise ValueError(f"tensor-parallel plan entry {pattern!r} is not inside the blocks "
-                             f"({stack}.*.): only the blocks' modules are sharded")
+        if head != stack:
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} names blocks other than "
+                             f"the model's ({blocks})")
         for i in stage.block_indices:
             path = f"{blocks}.{i}.{rest[2:]}"
             if _holds(stage, path):
                 out[path] = style
     return out
+
+
+def _block_entries(plan: dict[str, str]) -> dict[str, str]:
+    """The entries of a tensor-parallel plan inside the blocks (``<blocks>.*.<module>``)."""
+    return {k: v for k, v in plan.items() if k.split(".")[1:2] == ["*"]}
 
 
 def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,
@@ -107,17 +122,32 @@ def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,
     if problem is not None:
         raise ValueError(problem)
     mesh = DeviceMesh.from_group(group, device.type)
-    styles: dict[str, ParallelStyle] = {}
-    partial: list[nn.Parameter] = []
-    for path, style in stage_tp_plan(stage, config).items():
-        if style == REPLICATED_GRAD_SUM:
-            partial += [p for p in stage.get_submodule(path).parameters() if p.requires_grad]
-            continue
-        styles[path] = _style(style)
+    plan = stage_tp_plan(stage, config)
+    styles = {path: _style(style) for path, style in plan.items() if style != REPLICATED_GRAD_SUM}
+    partial = _partial_parameters(stage, plan)
     if styles:
         parallelize_module(stage, mesh, styles)
     return TensorParallelShards(mesh, group, dist.get_rank(group), dist.get_world_size(group),
-                                tuple(styles), tuple(partial))
+                                tuple(styles), partial)
+
+
+def _partial_parameters(stage: nn.Module, plan: dict[str, str]) -> tuple[nn.Parameter, ...]:
+    """The whole parameters that see only this rank's part of a sharded activation, so whose
+    gradient is summed over the replica: those of modules the plan marks
+    ``replicated_with_grad_allreduce``, and of every module that sits beside a sharded
+    projection (a child of the same module: a per-head ``q_norm`` beside ``q_proj``, Apertus'
+    learnable MLP activation, unmarked in its plan, beside ``up_proj``). Modules beside the
+    attention and MLP themselves (the block's norms) see the whole residual stream."""
+    sharded = {p for p, style in plan.items() if style != REPLICATED_GRAD_SUM}
+    modules = {p for p, style in plan.items() if style == REPLICATED_GRAD_SUM}
+    for path in sharded:
+        parent = path.rpartition(".")[0]
+        modules |= {f"{parent}.{name}" for name, _ in stage.get_submodule(parent).named_children()
+                    if f"{parent}.{name}" not in sharded}
+    out: dict[int, nn.Parameter] = {}
+    for path in sorted(modules):
+        out.update((id(p), p) for p in stage.get_submodule(path).parameters() if p.requires_grad)
+    return tuple(out.values())
 
 
 def _style(name: str) -> ParallelStyle:
@@ -136,8 +166,9 @@ def _holds(stage: nn.Module, path: str) -> bool:
 
 
 def is_sharded(t: Tensor) -> bool:
-    """Whether ``t`` (a parameter or a gradient) is a DTensor: one shard of a sharded tensor."""
-    return isinstance(t, DTensor)
+    """Whether ``t`` (a parameter or a gradient) is split among the replica's ranks: a DTensor
+    placed as shards (a row-wise projection's bias is a DTensor too, but whole on every rank)."""
+    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
 
 
 def local_tensor(t: Tensor) -> Tensor:

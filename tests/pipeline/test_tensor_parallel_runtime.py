@@ -40,7 +40,12 @@ def tiny_config(family: str, blocks: int, tied: bool = False):
         return LlamaConfig(num_key_value_heads=4, **common)
     if family == "qwen3":
         return Qwen3Config(num_key_value_heads=2, head_dim=8, **common)
-    return MistralConfig(num_key_value_heads=2, **common)
+    if family == "mistral":
+        return MistralConfig(num_key_value_heads=2, **common)
+    from benchmarks.chain_check import tiny_config as chain_config  # 4 heads, 2 key/value heads
+    config = chain_config(family, blocks)
+    config.tie_word_embeddings = tied
+    return config
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,10 @@ class Case:
         return sum(self.blocks) // (2 if self.unit == "half" else 1)
 
     def projections(self, stage: int) -> int:
-        """The projections a TP stage shards: q, k, v, o per attention, gate, up, down per MLP."""
+        """The DTensor parameters of a TP stage: q, k, v, o per attention, gate, up, down per
+        MLP (Apertus: no gate; StarCoder2: c_fc, c_proj, and a bias to each)."""
         if self.unit == "block":
-            return 7 * self.blocks[stage]
+            return {"apertus": 6, "starcoder2": 12}.get(self.family, 7) * self.blocks[stage]
         first = sum(self.blocks[:stage])  # halves before: even ones are attention halves
         return sum(4 if h % 2 == 0 else 3 for h in range(first, first + self.blocks[stage]))
 
@@ -94,7 +100,11 @@ CASES = {
         Case("1|tp2-qwen3", "qwen3", (1, 2), ((2,), (2,)), (1, 2)),
         # emb, block 0, block 1's attention | block 1's MLP, head
         Case("tp2-halves-recompute|1", "llama", (3, 1), ((2,), (2,)), (2, 1), unit="half",
-             recompute=(0,))],
+             recompute=(0,)),
+        # a learnable MLP activation its plan leaves unmarked: its gradient summed all the same
+        Case("tp2|1-apertus", "apertus", (1, 1), ((2,), (2,)), (2, 1)),
+        # row-wise projections with a bias: a DTensor whole on each rank, counted once
+        Case("1|tp2-starcoder2-tied", "starcoder2", (1, 1), ((2,), (2,)), (1, 2), tied=True)],
     4: [Case("tp4", "llama", (2,), ((2,),), (4,)),
         Case("tp2x2-3:1", "mistral", (2,), ((3, 1),), (2,)),
         Case("tp2|tp2-qwen3-tied", "qwen3", (1, 1), ((2,), (2,)), (2, 2), tied=True)],
@@ -237,10 +247,11 @@ def test_matches_single_process(results, world, case):
         assert max(r["norms"]) > 0.5, "clipping never engaged; the step check would be weaker"
         st = plan.stages[r["stage"]]
         assert r["tp"] == st.tp
-        # a TP stage's projections are sharded: 7 per block (q, k, v, o, gate, up, down)
         assert r["sharded"] == (case.projections(st.index) if st.tp > 1 else 0), r
-        if case.family == "qwen3" and st.tp > 1:  # q_norm and k_norm summed over the replica
-            assert r["partial"] == 2 * case.blocks[st.index], r
+        # whole parameters summed over the replica: q_norm, k_norm (marked in the plan), and
+        # Apertus' activation's two (beside its sharded projections, unmarked)
+        partial = {"qwen3": 2, "apertus": 4}.get(case.family, 0) * case.blocks[st.index]
+        assert r["partial"] == (partial if st.tp > 1 else 0), r
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w, c in ALL if len(c.blocks) > 1],
