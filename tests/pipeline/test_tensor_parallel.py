@@ -115,6 +115,9 @@ def test_the_models_plan_lands_on_the_stages_own_modules():
     plan = stage_tp_plan(stage, config)
     assert plan == {f"model.layers.1.{k.split('.', 2)[2]}": v
                     for k, v in config.base_model_tp_plan.items()}
+    config.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", **config.base_model_tp_plan}
+    assert stage_tp_plan(build_stage(config, (0, 2)), config) == {  # the embedding stays whole
+        f"model.layers.0.{k.split('.', 2)[2]}": v for k, v in _llama().base_model_tp_plan.items()}
     half = build_stage(config, (4, 6), layer_unit="half")  # block 1's MLP half, the head
     assert stage_tp_plan(half, config) == {"model.layers.1.mlp.gate_proj": "colwise",
                                            "model.layers.1.mlp.up_proj": "colwise",
@@ -132,6 +135,11 @@ def test_refusals_name_the_reason():
     odd.base_model_tp_plan = {**odd.base_model_tp_plan, "layers.*.mlp.up_proj": "colwise_rep"}
     msg = tp_plan_refusal(odd, 2)
     assert "uses the style(s) 'colwise_rep' (layers.*.mlp.up_proj), which hapt_hf does not run" in msg
+    odd.base_model_tp_plan = {"embed_tokens": "embedding_rowwise"}  # nothing inside the blocks
+    assert "shards nothing inside the blocks" in tp_plan_refusal(odd, 2)
+    # entries outside the blocks are left out: the embedding stays whole
+    odd.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", **_llama().base_model_tp_plan}
+    assert tp_plan_refusal(odd, 2) is None
 
 
 @pytest.mark.parametrize("t", [2, 4])
