@@ -7,7 +7,9 @@
 The two lines that differ from plain Accelerate are marked ``# hapt``. The hapt config comes
 from ``HAPT_CONFIG`` (or ``--hapt_config``). An optimizer step takes, as under Accelerate,
 per-device batch x processes x gradient_accumulation_steps rows: 1 x 4 x 2 = 8, the demo
-config's global_batch_size.
+config's global_batch_size. On the tensor-parallel demo plan (a stage held by ranks 0 and 1
+together) the same loop trains the LLaMA-shaped model:
+``HAPT_CONFIG=recipes/configs/hapt_cpu_demo_tp.yaml ... --model recipes/models/llama-tiny``.
 """
 import argparse
 import math
@@ -27,6 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--output_dir", required=True)
     p.add_argument("--hapt_config")
+    p.add_argument("--model", default=str(ROOT / "recipes/models/gpt2-tiny"),
+                   help="directory of the config.json to build the model from (random weights)")
     p.add_argument("--max_steps", type=int, default=6)
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--per_device_train_batch_size", type=int, default=1)
@@ -39,7 +43,7 @@ def main() -> None:
         project_dir=args.output_dir, hapt_plugin=args.hapt_config)
     set_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / "recipes/data/tokenizer"))
-    config = AutoConfig.from_pretrained(str(ROOT / "recipes/models/gpt2-tiny"))
+    config = AutoConfig.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_config(config)
     train_rows, eval_rows = load_text_dataset(TextDataConfig(
         ROOT / "recipes/data/tiny_corpus.jsonl", seq_len=args.seq_len), tokenizer)
