@@ -12,9 +12,10 @@ LM head) stays a whole, plain parameter on every rank of the replica, computed r
 ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm`` / ``k_norm``) stays whole too,
 but each rank sees only its heads, so its gradient is summed over the replica's ranks
 (:attr:`TensorParallelShards.partial`), as is that of every whole module beside a sharded
-projection, which the model's plan may not mark (Apertus' learnable MLP activation). Any other style
-inside the blocks is refused by name; entries outside them (an ``embedding_rowwise``
-embedding) are left out, the embedding staying whole.
+projection, which the model's plan may not mark (Apertus' learnable MLP activation). Any
+other style inside the blocks is refused by name; entries outside them (an
+``embedding_rowwise`` embedding) are left out, the embedding staying whole.
+``benchmarks/tp_check.py`` compares every accepted type with a plan against one process.
 
 Every rank of the replica builds the same seeded (or loaded) weights, so each keeps its own
 slice locally (no scatter from one rank).
