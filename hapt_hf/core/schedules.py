@@ -23,7 +23,8 @@ of the generator, not its definition:
   choice), so they fill the drain in which it would otherwise wait for the stages before it.
   A deferred ``W`` keeps its micro-batch's activations until it runs: stage ``s`` holds at
   most ``min(w_s + d_s, M)`` micro-batches (:func:`zero_bubble_deferrals`,
-  :func:`peak_held`);
+  :func:`peak_held`); a plan may set each stage's deferral itself, e.g. the most its memory
+  holds (:func:`fitting_deferrals`);
 * ``interleaved``: Megatron's interleaved 1F1B in torch's ``ScheduleInterleaved1F1B`` order:
   each rank runs its chunks' forwards round by round (``max(1, M // p)`` rounds of at least
   ``p`` micro-batches; within a round chunk 0's, then chunk 1's...) and its backwards in the
@@ -47,7 +48,7 @@ from hapt_hf.errors import ScheduleError
 __all__ = ["ScheduleKind", "SCHEDULES", "ScheduleGenerator", "GENERATORS", "schedule_generator",
            "plan_sets_warmups", "default_warmups", "schedule_warmups", "warmups_from_steps",
            "clamp_warmup", "ActionKind", "COMPUTE", "BACKWARDS", "RankLists", "RUNTIME_KINDS",
-           "runtime_refusal", "zero_bubble_deferrals", "interleaved_rounds",
+           "runtime_refusal", "zero_bubble_deferrals", "fitting_deferrals", "interleaved_rounds",
            "interleaved_bounds", "peak_held"]
 
 
@@ -102,8 +103,8 @@ class ScheduleGenerator:
     """(stage, stages, micro-batches, pipeline ranks) -> the kind's own warm-up depth of that
     stage."""
     generate: Callable[..., "RankLists"]
-    """(stages, micro-batches, warm-ups, receives=, tokens=, early_receives=, num_ranks=)
-    -> RankLists."""
+    """(stages, micro-batches, warm-ups, receives=, tokens=, early_receives=, num_ranks=;
+    a split backward's also deferrals=) -> RankLists."""
     place: Callable[[int, int], tuple[int, ...]]
     """(stages, pipeline ranks) -> the pipeline rank of each stage; ScheduleError where the
     kind cannot place that many stages on that many ranks."""
@@ -199,14 +200,33 @@ def _forward_order(warmup: int, num_microbatches: int) -> list[tuple[ActionKind,
     return out
 
 
-def zero_bubble_deferrals(warmups: Sequence[int], num_microbatches: int) -> tuple[int, ...]:
+def zero_bubble_deferrals(warmups: Sequence[int], num_microbatches: int,
+                          deferrals: Sequence[int | None] | None = None) -> tuple[int, ...]:
     """By how many micro-batches each stage of a ``zero_bubble`` schedule defers its weight
-    gradients: the first stage's depth less its own (0 where deeper), at most M. A stage then
-    holds at most ``min(w_s + d_s, M)`` micro-batches' activations (its forwards' until their
-    ``W``): the first stage's depth on every stage."""
+    gradients: the given ``deferrals`` where not None, else the first stage's depth less its
+    own (0 where deeper); each within ``[0, M]``. A stage then holds at most
+    ``min(w_s + d_s, M)`` micro-batches' activations (its forwards' until their ``W``): by
+    default the first stage's depth on every stage."""
     m = num_microbatches
     warm = [clamp_warmup(w, m) for w in warmups]
-    return tuple(min(max(warm[0] - w, 0), m) for w in warm)
+    given = list(deferrals) if deferrals is not None else [None] * len(warm)
+    if len(given) != len(warm):
+        raise ScheduleError(f"{len(given)} deferrals given for {len(warm)} stages; give one per "
+                            "stage (None: the default)")
+    return tuple(min(max(warm[0] - w if d is None else int(d), 0), m)
+                 for w, d in zip(warm, given))
+
+
+def fitting_deferrals(warmups: Sequence[int], num_microbatches: int,
+                      max_held: Sequence[int]) -> tuple[int, ...]:
+    """``zero_bubble`` deferrals no deeper than the default and within memory: stage ``s``
+    holds at most ``max_held[s]`` micro-batches (what its GPU fits; the cost model knows), so
+    it defers at most ``max_held[s] - w_s`` weight gradients (0 where its warm-up alone fills
+    it)."""
+    m = num_microbatches
+    rule = zero_bubble_deferrals(warmups, m)
+    return tuple(max(0, min(d, int(k) - clamp_warmup(w, m)))
+                 for d, w, k in zip(rule, warmups, max_held))
 
 
 def _zero_bubble_order(warmup: int, deferral: int,
@@ -322,15 +342,20 @@ def _one_per_rank(num_stages: int, num_ranks: int) -> tuple[int, ...]:
 def _one_stage_per_rank(num_stages: int, num_microbatches: int, warmups: Sequence[int],
                         receives: bool = True, tokens: dict | None = None,
                         early_receives: bool = False, num_ranks: int | None = None,
-                        split_backward: bool = False) -> RankLists:
+                        split_backward: bool = False,
+                        deferrals: Sequence[int | None] | None = None) -> RankLists:
     """GPipe, 1F1B, H-1F1B and (``split_backward``) zero-bubble: stage ``s`` on pipeline rank
     ``s``, each list of the 1F1B shape with the stage's warm-up depth (clamped to ``[1, M]``).
     ``early_receives``: each receive posted as soon as its sender may send (see
-    :func:`_rank_list`; the runtime's lists)."""
+    :func:`_rank_list`; the runtime's lists). ``deferrals``: a split backward's, per stage
+    (None: :func:`zero_bubble_deferrals`' rule)."""
     n, m = num_stages, num_microbatches
     placement = _one_per_rank(n, n if num_ranks is None else num_ranks)
     warm = [clamp_warmup(w, m) for w in warmups]
-    defer = zero_bubble_deferrals(warm, m) if split_backward else ()
+    if deferrals is not None and not split_backward:
+        raise ScheduleError("deferrals of weight gradients apply to schedule 'zero_bubble' "
+                            "only; leave them out")
+    defer = zero_bubble_deferrals(warm, m, deferrals) if split_backward else ()
     lists = []
     for s in range(n):
         nb = (warm[s - 1] if s > 0 else 1, warm[s + 1] if s < n - 1 else 1) \
@@ -403,12 +428,16 @@ def _interleaved_depths(warmups: Sequence[int], num_microbatches: int,
 
 def _interleaved(num_stages: int, num_microbatches: int, warmups: Sequence[int],
                  receives: bool = True, tokens: dict | None = None,
-                 early_receives: bool = False, num_ranks: int | None = None) -> RankLists:
+                 early_receives: bool = False, num_ranks: int | None = None,
+                 deferrals: Sequence[int | None] | None = None) -> RankLists:
     """Interleaved 1F1B: rank ``k`` of ``p`` holds stages ``k, k + p, ...``; its forwards in
     rounds (chunk by chunk within each), its backwards in the same rounds with the chunks
     reversed; the rank's warm-up (every stage of the rank carries it) clamped to
     :func:`interleaved_bounds`. Receives are posted one compute action ahead
     (``early_receives`` asks nothing more here)."""
+    if deferrals is not None:
+        raise ScheduleError("deferrals of weight gradients apply to schedule 'zero_bubble' "
+                            "only; leave them out")
     n, m = num_stages, num_microbatches
     p = n if num_ranks is None else num_ranks
     placement = _interleaved_place(n, p)
@@ -437,15 +466,18 @@ def _interleaved(num_stages: int, num_microbatches: int, warmups: Sequence[int],
 
 
 def peak_held(kind: str, num_stages: int, num_microbatches: int, warmups: Sequence[int],
-              num_ranks: int | None = None) -> tuple[int, ...]:
+              num_ranks: int | None = None,
+              deferrals: Sequence[int | None] | None = None) -> tuple[int, ...]:
     """The most micro-batches whose activations each stage holds at once as its rank's list
     orders them: a forward adds one, the backward that ends its micro-batch (``B``, or
     ``W`` where the backward is split: a deferred weight gradient keeps its inputs) removes
     it. Independent of timing: a rank runs its list in order. What the cost model prices a
     stage's activation memory with."""
     gen = schedule_generator(kind)
-    lists, _ = gen.generate(num_stages, num_microbatches, tuple(warmups), receives=False,
-                            num_ranks=num_ranks)
+    p = num_stages if num_ranks is None else num_ranks
+    lists, _ = gen.generate(num_stages, num_microbatches,
+                            gen.run_depths(warmups, num_microbatches, p), receives=False,
+                            num_ranks=num_ranks, deferrals=deferrals)
     held = [0] * num_stages
     peak = [0] * num_stages
     for lst in lists:

@@ -129,6 +129,11 @@ class Stage:
     optimizer: str = REPLICATED
     """``replicated`` (every replica holds the whole Adam state) or ``sharded`` (ZeRO-1)."""
     predicted: StagePrediction = field(default_factory=StagePrediction)
+    deferral: int | None = None
+    """``zero_bubble`` only: by how many micro-batches the stage defers its weight gradients
+    (None: the first stage's warm-up less its own; see
+    :func:`hapt_hf.core.schedules.zero_bubble_deferrals`). Each deferred one keeps its
+    micro-batch's activations."""
 
     @classmethod
     def even(cls, index: int, layers: tuple[int, int], group: str, device_type: str,
@@ -200,6 +205,8 @@ class Stage:
         if self.optimizer != REPLICATED:  # absent means replicated: older files agree
             d["optimizer"] = self.optimizer
         d["predicted"] = asdict(self.predicted)
+        if self.deferral is not None:  # absent means the schedule's rule
+            d["deferral"] = self.deferral
         d["dp"] = self.width  # written for readers; checked on load
         d["tp"] = self.tp  # likewise
         return d
@@ -231,6 +238,7 @@ class Stage:
                 recompute=bool(d.get("recompute", False)),
                 optimizer=str(d.get("optimizer", REPLICATED)),
                 predicted=StagePrediction(**d.get("predicted", {})),
+                deferral=None if d.get("deferral") is None else int(d["deferral"]),
             )
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; every stage needs "
@@ -379,6 +387,13 @@ class Plan:
     def warmups(self) -> list[int]:
         return [s.warmup for s in self.stages]
 
+    def deferrals(self) -> tuple[int | None, ...] | None:
+        """Each stage's ``zero_bubble`` deferral as the plan sets it (None where it leaves it
+        to the schedule's rule), or None where no stage sets one."""
+        if all(s.deferral is None for s in self.stages):
+            return None
+        return tuple(s.deferral for s in self.stages)
+
     def with_schedule(self, schedule: str, warmups: list[int] | None = None) -> "Plan":
         """The same partition under another schedule (default warm-ups for gpipe/1f1b)."""
         if warmups is None:
@@ -386,7 +401,9 @@ class Plan:
             warmups = (default_warmups(schedule, self.num_stages, self.num_microbatches,
                                        self.num_pipeline_ranks)
                        if fixed else self.warmups())
-        stages = tuple(replace(s, warmup=w) for s, w in zip(self.stages, warmups))
+        keep = schedule == ScheduleKind.ZERO_BUBBLE  # deferrals belong to zero_bubble only
+        stages = tuple(replace(s, warmup=w, deferral=s.deferral if keep else None)
+                       for s, w in zip(self.stages, warmups))
         return replace(self, schedule=schedule, stages=stages)
 
     def interleave(self, virtual: int, warmups: Sequence[int] | None = None) -> "Plan":
@@ -473,6 +490,13 @@ class Plan:
             s.validate(self.micro_batch_size)
             if s.warmup < 1:
                 raise PlanError(f"stage {i} has warmup {s.warmup}; it must be >= 1")
+            if s.deferral is not None and self.schedule != ScheduleKind.ZERO_BUBBLE:
+                raise PlanError(f"stage {i} sets deferral {s.deferral}, which only schedule "
+                                f"'zero_bubble' runs (the plan's is {self.schedule!r}); remove "
+                                "it or use zero_bubble")
+            if s.deferral is not None and s.deferral < 0:
+                raise PlanError(f"stage {i} has deferral {s.deferral}; it must be >= 0 (0: "
+                                "each weight gradient right after its input gradient)")
         self._validate_placement()
         if expect != self.num_layers:
             raise PlanError(f"the stages cover layers [0, {expect}) but the model has "

@@ -126,7 +126,9 @@ class Schedule:
 def build_schedule(kind: str, num_stages: int, num_microbatches: int,
                    warmups: list[int] | tuple[int, ...] | None = None,
                    validate: bool = True, early_receives: bool = False,
-                   num_ranks: int | None = None) -> Schedule:
+                   num_ranks: int | None = None,
+                   deferrals: list[int | None] | tuple[int | None, ...] | None = None
+                   ) -> Schedule:
     """The per-rank lists of ``kind`` from its generator
     (:data:`~hapt_hf.core.schedules.GENERATORS`), with the given warm-up depths (the kind's own
     by default; a kind that fixes its depths runs the ones given all the same, as a plan
@@ -134,7 +136,8 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int,
 
     ``early_receives``: post each receive as soon as its sender may send instead of one
     compute action ahead (the runtime asks for it). ``num_ranks``: pipeline ranks the stages
-    are placed on (None: one per stage; fewer for an interleaved schedule)."""
+    are placed on (None: one per stage; fewer for an interleaved schedule). ``deferrals``:
+    ``zero_bubble``'s, one per stage (None, or None for a stage: the kind's rule)."""
     if num_stages < 1 or num_microbatches < 1:
         raise ScheduleError(f"need at least one stage and one micro-batch, got {num_stages} "
                             f"stages and {num_microbatches} micro-batches")
@@ -147,8 +150,9 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int,
                             "give one per stage")
     warm = gen.run_depths(warmups, num_microbatches,
                           num_stages if num_ranks is None else num_ranks)
+    extra = {} if deferrals is None else {"deferrals": tuple(deferrals)}
     lists, placement = gen.generate(num_stages, num_microbatches, warm,
-                                    early_receives=early_receives, num_ranks=num_ranks)
+                                    early_receives=early_receives, num_ranks=num_ranks, **extra)
     actions = tuple(tuple(Action(s, k, mb) for k, s, mb in lst) for lst in lists)
     sched = Schedule(kind, num_stages, num_microbatches, warm, actions, placement)
     if validate:

@@ -109,16 +109,18 @@ def _encode(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
 
 def encode_schedule(kind: str, num_stages: int, num_microbatches: int,
                     warmups: tuple[int, ...] | list[int],
-                    num_ranks: int | None = None) -> RankLists:
-    """The replay's view of ``build_schedule(kind, n, m, warmups, num_ranks=num_ranks)``
+                    num_ranks: int | None = None,
+                    deferrals: tuple[int | None, ...] | None = None) -> RankLists:
+    """The replay's view of ``build_schedule(kind, n, m, warmups, num_ranks=, deferrals=)``
     without building Action objects (the search replays thousands of candidates): each
     pipeline rank's list of ``(code, stage, micro-batch)`` from the kind's generator, receives
     left out because posting one costs nothing here, and the placement (the pipeline rank of
     each stage)."""
     gen = schedule_generator(kind)
     p = num_stages if num_ranks is None else num_ranks
+    extra = {} if deferrals is None else {"deferrals": deferrals}
     return gen.generate(num_stages, num_microbatches, gen.run_depths(warmups, num_microbatches, p),
-                        receives=False, tokens=_CODE, num_ranks=num_ranks)
+                        receives=False, tokens=_CODE, num_ranks=num_ranks, **extra)
 
 
 def simulate_schedule(schedule: Schedule, costs: StageCosts,
@@ -316,5 +318,6 @@ def simulate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, profile: Profi
                          f"{model.num_layers}; plan again for this model")
     costs = cm.plan_costs(plan)
     sched = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                           plan.warmups(), validate=False, num_ranks=plan.num_pipeline_ranks)
+                           plan.warmups(), validate=False, num_ranks=plan.num_pipeline_ranks,
+                           deferrals=plan.deferrals())
     return simulate_schedule(sched, costs, record_events)

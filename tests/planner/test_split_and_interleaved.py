@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from benchmarks.stream_order import in_order_hazard
 from hapt_hf.core.schedules import (RUNTIME_KINDS, SCHEDULES, ActionKind, interleaved_bounds,
-                                    interleaved_rounds, peak_held, runtime_refusal,
+                                    fitting_deferrals, interleaved_rounds, peak_held,
+                                    runtime_refusal,
                                     zero_bubble_deferrals)
 from hapt_hf.errors import PlanError, ScheduleError
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
@@ -362,3 +363,32 @@ def test_a_rank_computes_one_action_at_a_time(kind, n, p):
                        if e.rank == rank and e.kind in ("F", "B", "I", "W"))
         assert len(spans) == (3 if kind == "zero_bubble" else 2) * 7 * (n // p)
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+
+
+def test_a_plan_may_set_each_stages_deferral_within_its_memory():
+    """Deferrals the plan gives replace the rule stage by stage; fitting_deferrals keeps each
+    stage's held micro-batches within what its memory holds; the replay holds what the lists
+    hold; other schedules refuse a deferral rather than ignore it."""
+    warm, m = (4, 3, 2, 1), 8
+    assert zero_bubble_deferrals(warm, m) == (0, 1, 2, 3)
+    assert zero_bubble_deferrals(warm, m, (None, 0, 5, None)) == (0, 0, 5, 3)
+    fit = fitting_deferrals(warm, m, (8, 8, 3, 2))
+    assert fit == (0, 1, 1, 1)
+    sched = build_schedule("zero_bubble", 4, m, warm, deferrals=fit)
+    held = peak_held("zero_bubble", 4, m, warm, deferrals=fit)
+    assert held == (4, 4, 3, 2)
+    assert simulate_schedule(sched, _costs(4)).peak_in_flight == held
+    with pytest.raises(ScheduleError, match="apply to schedule 'zero_bubble' only"):
+        build_schedule("h1f1b", 4, m, warm, deferrals=fit)
+    plan = _one_per_rank().with_schedule("zero_bubble", [2, 1])
+    plan = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], deferral=0)))
+    again = Plan.from_dict(plan.validate().to_dict())
+    assert again == plan and again.deferrals() == (None, 0)
+    assert "deferral" not in plan.to_dict()["stages"][0]
+    assert plan.with_schedule("h1f1b").deferrals() is None
+    with pytest.raises(PlanError, match="only schedule 'zero_bubble' runs"):
+        replace(plan, schedule="h1f1b").validate()
+    with pytest.raises(PlanError, match="must be >= 0"):
+        replace(plan, stages=(plan.stages[0], replace(plan.stages[1], deferral=-1))).validate()
+    r = simulate_plan(plan, _model(), _cluster())
+    assert r.feasible and r.peak_in_flight == (2, 1)  # the last stage defers none
