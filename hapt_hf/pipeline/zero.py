@@ -279,7 +279,7 @@ def portable_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state[index] = dict(entry)  # never write into the optimizer's own state dicts
         for name, value in entry.items():
             if is_sharded(value):
-                state[index][name] = value.to_local().detach().clone()
+                state[index][name] = value.to_local().detach()  # shares the shard's storage
                 local.append([index, name])
     return {**out, "state": state, LOCAL_KEY: local}
 
