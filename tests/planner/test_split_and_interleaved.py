@@ -77,13 +77,19 @@ def _h1f1b(n: int, m: int, extra: list[int]) -> list[int]:
 @settings(max_examples=120, deadline=None)
 @given(n=st.integers(1, 7), m=st.integers(1, 12),
        extra=st.lists(st.integers(0, 4), min_size=7, max_size=7), early=st.booleans(),
-       streams=st.sampled_from(["pair", "group"]))
-def test_every_zero_bubble_list_is_valid_and_finishes_on_nccl(n, m, extra, early, streams):
-    """H-1F1B-shaped warm-ups (never shallower upstream): each stage runs F, I and W of every
-    micro-batch once, W after I after F, nothing deadlocks, and the lists finish under NCCL's
-    rules on the runtime's groups; each stage holds at most its warm-up plus its deferral."""
+       streams=st.sampled_from(["pair", "group"]),
+       defer=st.one_of(st.none(), st.lists(st.one_of(st.none(), st.integers(0, 13)),
+                                           min_size=7, max_size=7)))
+def test_every_zero_bubble_list_is_valid_and_finishes_on_nccl(n, m, extra, early, streams,
+                                                              defer):
+    """H-1F1B-shaped warm-ups (never shallower upstream), the rule's deferrals or any others:
+    each stage runs F, I and W of every micro-batch once, W after I after F, nothing
+    deadlocks, and the lists finish under NCCL's rules on the runtime's groups; each stage
+    holds at most its warm-up plus its deferral."""
     warm = _h1f1b(n, m, extra)
-    sched = build_schedule("zero_bubble", n, m, warm, early_receives=early)  # validates
+    defer = None if defer is None else defer[:n]
+    sched = build_schedule("zero_bubble", n, m, warm, early_receives=early,
+                           deferrals=defer)  # validates
     for s in range(n):
         kinds = [(a.kind, a.microbatch) for a in sched.stage_actions(s) if a.is_compute]
         for k in range(m):
@@ -91,8 +97,8 @@ def test_every_zero_bubble_list_is_valid_and_finishes_on_nccl(n, m, extra, early
             assert at[ActionKind.F] < at[ActionKind.I] < at[ActionKind.W]
         assert len(kinds) == 3 * m
     assert in_order_hazard(sched, groups="boundary", streams=streams) is None
-    d = zero_bubble_deferrals(sched.warmups, m)
-    assert peak_held("zero_bubble", n, m, sched.warmups) == \
+    d = zero_bubble_deferrals(sched.warmups, m, defer)
+    assert peak_held("zero_bubble", n, m, sched.warmups, deferrals=defer) == \
         tuple(min(w + x, m) for w, x in zip(sched.warmups, d))
 
 
