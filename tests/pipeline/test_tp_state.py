@@ -12,7 +12,9 @@ Against one process (the whole model, AdamW, the same clipping and schedule): ev
 after every step, every parameter of every rank (the shards gathered whole), rtol 1e-5 / atol
 4e-5 in fp32 as the pipeline's other equivalence tests (the row-wise all-reduce sums the
 projections' partial outputs in another order; nothing needed more). The export is the gathered
-``model.safetensors`` written as a checkpoint writes it, loaded with ``from_pretrained``. Resume
+``model.safetensors`` written as a checkpoint writes it, loaded with ``from_pretrained``. The
+same steps with the stage's optimizer state replicated leave every parameter bit for bit where
+the sharded one does (``torch.equal``: Adam is elementwise). Resume
 from a checkpoint of such a stage is tested through HaptTrainer
 (tests/integration/test_trainer_tp.py).
 """
@@ -35,11 +37,11 @@ WORLD = 5
 RTOL, ATOL = 1e-5, 4e-5
 
 
-def _plan() -> Plan:
+def _plan(optimizer: str = "sharded") -> Plan:
     tp = (Replica("cpu", "cpu", 3, (1, 2)), Replica("cpu", "cpu", 1, (3, 4)))
     return Plan("tiny-llama", 4, SEQ, G, MBS, M, "1f1b", (
         Stage.even(0, (0, 2), "cpu", "cpu", (0,), 2, micro_batch_size=MBS),
-        Stage(1, (2, 4), tp, 1, optimizer="sharded"))).validate(WORLD)
+        Stage(1, (2, 4), tp, 1, optimizer=optimizer))).validate(WORLD)
 
 
 def _config():
@@ -61,11 +63,11 @@ def _batches() -> list:
     return out
 
 
-def _start():
+def _start(optimizer: str = "sharded"):
     from transformers import get_linear_schedule_with_warmup
 
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
-    rt = PipelineRuntime(_plan(), _config(), RuntimeConfig(timeout_s=60, seed=5))
+    rt = PipelineRuntime(_plan(optimizer), _config(), RuntimeConfig(timeout_s=60, seed=5))
     opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     return rt, opt, get_linear_schedule_with_warmup(opt, 0, STEPS)
 
@@ -105,7 +107,18 @@ def train(rank: int, world_size: int, root: str) -> dict:
         for n, p in ref.state_dict().items():
             _close(f"exported {n}", exported.state_dict()[n], p, errors)
     held = getattr(opt, "optim", opt).state
-    out = {"errors": errors, "optimizer": type(opt).__name__,
+    after = {n: p.to_local() if hasattr(p, "to_local") else p.detach()
+             for n, p in rt.stage.named_parameters()}
+    rt.shutdown()
+    # the same steps with the state replicated: every parameter bit for bit where it is
+    rt, opt_r, sched = _start("replicated")
+    for b in _batches():
+        rt.train_step(b, opt_r, sched, max_grad_norm=0.5)
+    for n, p in rt.stage.named_parameters():
+        mine = p.to_local() if hasattr(p, "to_local") else p.detach()
+        if not torch.equal(mine, after[n]):
+            errors.append(f"{n}: sharded and replicated differ by {(mine - after[n]).abs().max()}")
+    out = {"errors": errors, "optimizer": type(opt).__name__, "replicated": type(opt_r).__name__,
            "owned": len(held), "params_n": len(list(rt.stage.parameters())),
            "sharded": sum(hasattr(p, "to_local") for p in rt.stage.parameters())}
     rt.shutdown()
@@ -124,6 +137,7 @@ def test_tp_stage_with_sharded_optimizer_matches_one_process_and_exports_whole(t
     for rank, out in enumerate(full):
         assert not out["errors"], f"rank {rank}:\n" + "\n".join(out["errors"])
     assert [o["optimizer"] for o in full] == ["AdamW"] + ["ShardedOptimizer"] * 4
+    assert [o["replicated"] for o in full] == ["AdamW"] * 5
     # the projections of block 1 are sharded on stage 1's ranks, whole on stage 0's
     assert full[0]["sharded"] == 0 and all(full[r]["sharded"] == 7 for r in range(1, 5))
     # ranks at the same tensor-parallel position split their shards' Adam state between them
