@@ -8,8 +8,9 @@ layer ranges, micro-batch sizes and warm-ups runs unchanged on that view, and it
 come out as ``t`` consecutive ranks of one node.
 
 The degrees are searched per group around that search: every group at the same degree first
-(1, 2, 4, 8 as the group and the model allow, capped by ``max_tp``), then one group at a time
-moved to a neighbouring degree while the plan improves (coordinate descent). An assignment is
+(1, 2, 4, 8 as the group and the model allow, capped by ``max_tp``), then, from the best of
+those where it has a degree above 1 (or where nothing fits without), one group at a time moved
+to a neighbouring degree while the plan improves (coordinate descent). An assignment is
 not weighed where its own limit (:func:`tp_limit_s`: the physical limit with every GPU at its
 speed inside a replica of its degree) is no faster than the best plan so far: where the
 blocks are narrow (tensor parallelism's efficiency is low) this rules out every degree above
@@ -103,7 +104,10 @@ def choose_degrees(problem: SearchProblem, weigh: Weigh, base_s: float | None
         s = score(tp)
         if s < best_s:
             best, best_s = tp, s
-    improved = True
+    # the descent starts from a degree above 1 that beat the plan without (or where nothing
+    # fits without): one group alone at a higher degree rarely wins where every group at it
+    # does not, and each try costs a search
+    improved = base_s is None or any(t > 1 for t in best.values())
     while improved:
         improved = False
         for g in groups:
