@@ -2,6 +2,7 @@
 
     python3 benchmarks/planner.py [--scenarios benchmarks/scenarios] [--json out.json]
                                   [--update-doc docs/benchmarks.md] [--only NAME ...]
+                                  [--repeat N]
 
 For each scenario file (a cluster file with a ``job:`` section) it reports the search time, the
 simulated iteration time of the plan and of every baseline split, the plan's speed-up over each,
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,6 +70,9 @@ class ScenarioResult:
     """Where the plan has a tensor-parallel stage: the best plan's time without tensor
     parallelism (``max_tp=1``); None where none fits (``no_tp_reason``)."""
     no_tp_reason: str = ""
+    runs_cpu_s: tuple[float, ...] = ()
+    """With ``--repeat``: every run's CPU time (the figures above are the medians)."""
+    runs_wall_s: tuple[float, ...] = ()
 
 
 def run_scenario(path: Path) -> ScenarioResult:
@@ -115,8 +119,33 @@ def _failed(path: Path, why: str) -> ScenarioResult:
 
 
 def _from_dict(d: dict) -> ScenarioResult:
-    d = dict(d, baselines=tuple(BaselineRow(**b) for b in d["baselines"]))
+    d = dict(d, baselines=tuple(BaselineRow(**b) for b in d["baselines"]),
+             tp=tuple(d.get("tp", ())), runs_cpu_s=tuple(d.get("runs_cpu_s", ())),
+             runs_wall_s=tuple(d.get("runs_wall_s", ())))
     return ScenarioResult(**d)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
+def run_repeated(path: Path, timeout_s: float, repeat: int) -> ScenarioResult:
+    """``repeat`` isolated runs: the plan (deterministic) of the first, the median search
+    times, every run's times kept."""
+    runs = [run_isolated(path, timeout_s) for _ in range(repeat)]
+    bad = next((r for r in runs if r.error), None)
+    if bad is not None or repeat == 1:
+        return bad or runs[0]
+    if len({r.iteration_s for r in runs}) != 1:
+        return _failed(path, f"the runs planned different iterations: "
+                             f"{sorted({r.iteration_s for r in runs})}")
+    return replace(runs[0], search_time_s=_median([r.search_time_s for r in runs]),
+                   wall_s=_median([r.wall_s for r in runs]),
+                   cpu_s=_median([r.cpu_s for r in runs]),
+                   runs_cpu_s=tuple(r.cpu_s for r in runs),
+                   runs_wall_s=tuple(r.search_time_s for r in runs))
 
 
 def run_isolated(path: Path, timeout_s: float) -> ScenarioResult:
@@ -190,6 +219,12 @@ def _tables(results: list[ScenarioResult]) -> list[str]:
     if reasons:
         out += ["", "Infeasible baselines:", ""]
         out += [f"- {s}, {b.name}: {b.reason}" for s, b in reasons]
+    rep = [r for r in ok if r.runs_cpu_s]
+    if rep:
+        out += ["", f"Search times are the medians of {len(rep[0].runs_cpu_s)} runs, each in a "
+                "process of its own; every run's (wall / CPU seconds):", ""]
+        out += [f"- {r.scenario}: " + ", ".join(f"{w:.3f} / {c:.3f}" for w, c in
+                                               zip(r.runs_wall_s, r.runs_cpu_s)) for r in rep]
     failed = [r for r in results if r.error]
     if failed:
         out += ["", "Scenarios the planner failed on:", ""]
@@ -322,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="scenario names (file stems) to run")
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds one scenario may take before it is stopped (default 900)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="plan each scenario this many times (each in a process of its own) "
+                         "and report the median search times and every run's (default 1)")
     ap.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # child process mode
     args = ap.parse_args(argv)
     if args.one:
@@ -340,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     results = []
     for f in files:
-        r = run_isolated(f, args.timeout)
+        r = run_repeated(f, args.timeout, max(1, args.repeat))
         print(f"{f.stem}: " + (r.error or f"{r.iteration_s:.3f} s/iter, "
                                 f"search {r.search_time_s:.3f} s"), file=sys.stderr)
         results.append(r)
