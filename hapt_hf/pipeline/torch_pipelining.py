@@ -49,6 +49,9 @@ def torch_supports(plan: Plan) -> str | None:
     if any(s.width != 1 for s in plan.stages):
         return ("stages of several ranks: torch's stages exchange whole micro-batches with one "
                 "peer each, so neighbouring stages of different widths (8 -> 4) cannot be wired")
+    if any(s.tp != 1 for s in plan.stages):
+        return ("tensor-parallel stages: the torch-schedule path builds each stage whole on one "
+                "rank; run plans with tensor-parallel replicas on hapt_hf's own runtime")
     if plan.schedule == ScheduleKind.ONE_F_ONE_B and plan.num_microbatches < n:
         return f"Schedule1F1B needs at least {n} micro-batches, the plan has {plan.num_microbatches}"
     return None

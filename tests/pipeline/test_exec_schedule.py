@@ -1,6 +1,8 @@
 """Execution mapping without processes: slices, pieces between widths, per-rank work."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -117,3 +119,7 @@ def test_torch_capability_check_names_what_it_lacks():
     assert "different widths" in torch_supports(plan_of([2, 1], mbs=2))
     deeper = plan_of([1, 1, 1], mbs=2).with_schedule("h1f1b", [4, 3, 1])
     assert "per-stage depths" in torch_supports(deeper)
+    one = plan_of([1, 1], mbs=2)
+    tp = replace(one, stages=(replace(one.stages[0], replicas=(replace(
+        one.stages[0].replicas[0], ranks=(0, 2)),)),) + one.stages[1:]).validate()
+    assert tp.stages[0].width == 1 and "tensor-parallel" in torch_supports(tp)
