@@ -105,9 +105,10 @@ def _stage_options(cm: CostModel, replicas: tuple[Replica, ...], a: int, b: int,
     # sharded optimizer state frees memory (more slots) for a different step: both are options
     for rc, opt in itertools.product((False, True) if allow_rc else (False,),
                                      state_options(sh.width, True)):
-        f, bw = cm.compute_s(sh.group, s, a, b, rc)
-        act = cm.activation_bytes(s, a, b, rc)
-        free = cap - cm.static_bytes(a, b, opt, sh.width) - cm.working_bytes(s, a, b)
+        f, bw = cm.compute_s(sh.group, s, a, b, rc, sh.tp)  # a replica's ranks at its degree
+        act = cm.activation_bytes(s, a, b, rc, sh.tp)
+        free = (cap - cm.static_bytes(a, b, opt, sh.width, sh.tp)
+                - cm.working_bytes(s, a, b, sh.tp))
         slots = m if act <= 0 and free >= 0 else int(free // act) if act > 0 else 0
         if slots < 1:
             continue
@@ -190,7 +191,7 @@ def _partitions(cm: CostModel, shapes, mbs: int, m: int, target: float, allow_rc
     def rec(i: int, a: int, start: float, acc: list):
         sh = shapes[i]
         p = cm.placement(sh)
-        t = cm.table(p.group, mbs // p.width)
+        t = cm.table(p.group, mbs // p.width, p.tp)
         for b in ([L] if i == n - 1 else range(a + 1, L - (n - 1 - i) + 1)):
             if start + m * (t.fb[b] - t.fb[a]) >= target:
                 break  # every later end only adds compute

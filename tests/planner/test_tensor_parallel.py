@@ -210,3 +210,21 @@ def test_a_measured_tensor_parallel_all_reduce_replaces_the_intra_node_link():
     # no measurement at 4: the intra-node link of the cluster file
     assert CostModel(m, cl, prof).tp_allreduce_s(g, 2, 4, 1) == \
         CostModel(m, cl).tp_allreduce_s(g, 2, 4, 1)
+
+
+def test_the_layout_bound_prices_a_replica_at_its_degree_and_no_replay_beats_it():
+    from benchmarks.bound import lower_bound_s
+    from hapt_hf.planner.search import Layout, simulate_layout
+
+    m = llama(blocks=4)
+    cm = CostModel(m, one_group(gpus=4, gpn=4), tp={"a": 2})
+    g = cm.cluster.groups[0]
+    shapes = (cm.slice_replicas(g, 1, 0, 2), cm.slice_replicas(g, 1, 1, 2))
+    lay = Layout.build(shapes, ((0, 3), (3, m.num_layers)), (False, False), 2, (2, 1), "1f1b")
+    bound = lower_bound_s(cm, lay.stages, 2, 4)
+    assert simulate_layout(cm, lay, 4, exact=True).iteration_s >= bound * (1 - 1e-9)
+    # priced at degree 2: less compute than the same ranks priced one GPU a replica
+    one = CostModel(m, one_group(gpus=4, gpn=4))
+    one_lay = Layout.build((one.slice_replicas(g, 1, 0, 2), one.slice_replicas(g, 1, 2, 2)),
+                           lay.bounds, (False, False), 2, (2, 1), "1f1b")
+    assert bound < lower_bound_s(one, one_lay.stages, 2, 4)
