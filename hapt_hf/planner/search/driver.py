@@ -42,7 +42,10 @@ def plan_job(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     stage, its MLP half on the next); baselines always cut whole blocks, as frameworks do.
     Unless ``options.all_groups``, sets of groups with the others idle are weighed too
     (:mod:`~hapt_hf.planner.search.subsets`); the plan names the groups it leaves idle, and its
-    ranks are numbered over the groups it uses."""
+    ranks are numbered over the groups it uses. Up to ``options.max_tp``, each group's
+    replicas may be several GPUs of one node (tensor parallelism,
+    :mod:`~hapt_hf.planner.search.tensor_parallel`), kept where the simulator finds that
+    faster or where nothing fits without."""
     t0 = time.perf_counter()
     if global_batch_size < 1:
         raise PlanningError(f"global_batch_size {global_batch_size} must be >= 1")
