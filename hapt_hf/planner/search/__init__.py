@@ -21,6 +21,10 @@ How it searches (every step deterministic):
    GPU's share by its speed; kept only when the simulator finds them faster.
 6. The baselines' plans (:mod:`~hapt_hf.planner.search.baselines`) are candidates too, so the
    planner never returns a slower plan.
+7. Tensor parallelism (:mod:`~hapt_hf.planner.search.tensor_parallel`): the steps above run
+   again with each group's replicas of ``t`` GPUs of one node seen as one GPU, for a few
+   assignments of degrees per group; a degree above 1 is kept where the simulator finds it
+   faster, or where nothing fits without.
 
 Every step takes one :class:`~hapt_hf.planner.search.problem.SearchProblem`: the cost model
 (model and cluster), the global batch size and the options, derived on a set of groups or on
@@ -42,6 +46,7 @@ another layer sequence where the driver needs one. The modules:
 * ``infeasible``: the message when nothing fits, with what would fit;
 * ``plans``: layouts to plans and back, and the physical limit;
 * ``subsets``: which groups to use (sets of groups with the others idle);
+* ``tensor_parallel``: each group's tensor-parallel degree (the screen of assignments);
 * ``driver``: :func:`plan_job`, the whole search.
 
 The exhaustive yardstick (``benchmarks/exhaustive.py``, a test yardstick) builds on the public
