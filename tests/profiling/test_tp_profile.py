@@ -8,6 +8,7 @@ import torch
 from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 from hapt_hf.planner.cluster import Cluster
+from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.profile import LinkMeasurement, Profile, ProfileKey, cluster_with_links
 from hapt_hf.profiling import ProfilerError, ProfilerOptions, ProfileStore, cli_main, links
@@ -128,9 +129,11 @@ def test_the_tp_allreduce_fit_recovers_the_link_and_is_stored(monkeypatch, tmp_p
     clock = [0.0]
     bw, lat = 40.0, 12.0
 
+    def ring_s(nbytes: float) -> float:
+        return 2 * (t - 1) / t * nbytes * 8 / (bw * 1e9) + 2 * (t - 1) * lat * 1e-6
+
     def all_reduce(buf, group=None):
-        nbytes = buf.numel() * buf.element_size()
-        clock[0] += 2 * (t - 1) / t * nbytes * 8 / (bw * 1e9) + 2 * (t - 1) * lat * 1e-6
+        clock[0] += ring_s(buf.numel() * buf.element_size())
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
@@ -153,6 +156,13 @@ def test_the_tp_allreduce_fit_recovers_the_link_and_is_stored(monkeypatch, tmp_p
         {"name": "g", "gpu": "cpu", "nodes": 1, "gpus_per_node": 8}]})
     inside = cluster_with_links(cluster, back).groups[0].intra_node
     assert (inside.bandwidth_gbps, inside.latency_us) == (99.0, 1.0)
+    # the planner prices a t-way block's two all-reduces of 2 samples' activation at the time
+    # the all-reduce took here
+    spec = ModelSpec.from_config(LlamaConfig(**SIZES), SEQ, "bf16")
+    cost = CostModel(spec, cluster_with_links(cluster, back), back)
+    block = next(l for l in spec.layers if l.kind == "block")
+    assert cost.tp_allreduce_s(cost.group("g"), 2, t, block.index) == \
+        pytest.approx(2 * ring_s(2 * SEQ * 64 * 2), rel=1e-9)
 
 
 def test_profile_prints_the_tensor_parallel_figures(tmp_path, capsys):
