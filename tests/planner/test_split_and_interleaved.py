@@ -297,7 +297,7 @@ def test_simulate_plan_replays_both_kinds_on_an_unlike_pipeline():
 # -- refusals and the planner's default --------------------------------------------------
 
 def test_the_runtime_refuses_the_kinds_it_does_not_run_in_one_sentence():
-    assert set(RUNTIME_KINDS) == {"gpipe", "1f1b", "h1f1b"}
+    assert {"gpipe", "1f1b", "h1f1b"} <= set(RUNTIME_KINDS) < set(SCHEDULES)
     for kind in SCHEDULES:
         why = runtime_refusal(kind)
         if kind in RUNTIME_KINDS:
