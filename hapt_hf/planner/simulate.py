@@ -134,11 +134,13 @@ def simulate_schedule(schedule: Schedule, costs: StageCosts,
 
 
 def replay(lists, placement: Sequence[int], costs: StageCosts,
-           record_events: bool = True, weight_share: float = WEIGHT_GRADIENT_SHARE) -> SimResult:
+           record_events: bool = True,
+           weight_share: float | Sequence[float] = WEIGHT_GRADIENT_SHARE) -> SimResult:
     """The event loop over encoded per-rank lists of ``(code, stage, micro-batch)`` (see
     :func:`encode_schedule`), ``placement[stage]`` the pipeline rank holding each stage: one
     clock per pipeline rank; arrivals, links, memory and the all-reduce per stage.
-    ``weight_share``: how a split backward divides (:func:`backward_split`)."""
+    ``weight_share``: how a split backward divides (:func:`backward_split`), one share for
+    every stage or one per stage (e.g. measured)."""
     ranks = len(lists)
     st = costs.stages
     n = len(st)
@@ -162,7 +164,11 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
     sf_lat = [c.send_forward_latency_s for c in st]
     sb_s = [c.send_backward_s for c in st]
     sb_lat = [c.send_backward_latency_s for c in st]
-    split = [backward_split(c, weight_share) for c in st]
+    shares = [weight_share] * n if isinstance(weight_share, (int, float)) else list(weight_share)
+    if len(shares) != n:
+        raise ValueError(f"{len(shares)} weight shares given for {n} stages; give one, or one "
+                         "per stage")
+    split = [backward_split(c, w) for c, w in zip(st, shares)]
     in_s = [x[0] for x in split]
     wgt_s = [x[1] for x in split]
     # a rank holding several stages: the activations of all of them at once

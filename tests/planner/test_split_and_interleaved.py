@@ -193,6 +193,14 @@ def test_the_split_gives_a_recomputed_forward_to_i():
     assert backward_split(c, 0.25) == (2.5, 0.5)
     with pytest.raises(ValueError, match="weight_share"):
         backward_split(c, 1.5)
+    # a share per stage: all of the last stage's backward in I makes its W free
+    sched = build_schedule("zero_bubble", 2, 3)
+    r = replay(*encode_schedule("zero_bubble", 2, 3, sched.warmups), _costs(2),
+               weight_share=[0.5, 0.0])
+    assert {e.end - e.start for e in r.events if e.kind == "W" and e.stage == 1} == {0.0}
+    with pytest.raises(ValueError, match="one per stage"):
+        replay(*encode_schedule("zero_bubble", 2, 3, sched.warmups), _costs(2),
+               weight_share=[0.5])
 
 
 @pytest.mark.parametrize("p,v,m", [(2, 2, 4), (2, 3, 8), (4, 2, 8), (4, 3, 16), (3, 2, 9)])
