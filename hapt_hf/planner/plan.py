@@ -436,7 +436,8 @@ class Plan:
             for k, base in enumerate(self.stages):
                 end = start + chunks[k][c]
                 stages.append(replace(base, index=c * p + k, layers=(start, end),
-                                      warmup=int(warmups[k]), predicted=StagePrediction()))
+                                      warmup=int(warmups[k]), predicted=StagePrediction(),
+                                      deferral=None))
                 start = end
         return replace(self, schedule=ScheduleKind.INTERLEAVED.value, stages=tuple(stages),
                        predicted=PlanPrediction())

@@ -400,6 +400,7 @@ def test_a_plan_may_set_each_stages_deferral_within_its_memory():
     assert again == plan and again.deferrals() == (None, 0)
     assert "deferral" not in plan.to_dict()["stages"][0]
     assert plan.with_schedule("h1f1b").deferrals() is None
+    assert plan.interleave(2).validate().deferrals() is None
     with pytest.raises(PlanError, match="only schedule 'zero_bubble' runs"):
         replace(plan, schedule="h1f1b").validate()
     with pytest.raises(PlanError, match="must be >= 0"):
