@@ -7,7 +7,9 @@ writes, or to identify a storage; the model reader runs a layer on fake tensors 
 dtypes, no memory) through torch's ``FakeTensorMode``. The pipeline's failure records
 (:mod:`hapt_hf.pipeline.failure`) live in the rendezvous store the launcher set up, which torch
 hands out only through a private accessor. A sharded optimizer that steps in place of the
-user's tells the user's LR scheduler so, as the scheduler's own step hook would.
+user's tells the user's LR scheduler so, as the scheduler's own step hook would. A backward split
+into its input and weight gradients (the ``zero_bubble`` schedule) runs as torch's pipelining
+runs it, through its private helpers.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "fake_tensors",
-           "is_fake", "outside_fake_tensors", "default_store", "mark_stepped_for_schedulers"]
+           "is_fake", "outside_fake_tensors", "default_store", "mark_stepped_for_schedulers",
+           "backward_input", "backward_weight"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -107,3 +110,30 @@ def mark_stepped_for_schedulers(optimizer: Any) -> None:
     Tested on torch 2.13 (``LRScheduler`` checks ``optimizer._opt_called``, since torch 1.1).
     """
     optimizer._opt_called = True
+
+
+def backward_input(outputs: list[Tensor], output_grads: list[Tensor] | None, inputs: list[Tensor],
+                   weights: Any) -> tuple[tuple[Tensor | None, ...], Any]:
+    """The input gradients of a stage's backward only (written to each input's ``.grad`` and
+    returned), and what :func:`backward_weight` needs to finish it: the gradients reaching the
+    graph nodes that lead to ``weights``, kept by hooks while the input gradients ran (the
+    graph is retained). ``output_grads`` None: ``outputs`` is the loss. The outputs are
+    detached in place. The stage's inputs must require gradients.
+
+    Tested on torch 2.13 (``torch.distributed.pipelining._backward.stage_backward_input``,
+    since torch 2.5).
+    """
+    from torch.distributed.pipelining._backward import stage_backward_input
+    return stage_backward_input(outputs, output_grads, inputs, weights)
+
+
+def backward_weight(weights: Any, state: Any) -> None:
+    """The weight gradients of a backward that :func:`backward_input` began, added to each
+    weight's ``.grad`` (set where None) as the whole backward adds them; ``weights`` as given
+    there.
+
+    Tested on torch 2.13 (``torch.distributed.pipelining._backward.stage_backward_weight``,
+    since torch 2.5).
+    """
+    from torch.distributed.pipelining._backward import stage_backward_weight
+    stage_backward_weight(weights, state)

@@ -89,15 +89,26 @@ class GradSync:
         self.buckets = GradBuckets(params, self.dp_pg, self.bucket_bytes, self.overlap)
 
     @contextlib.contextmanager
-    def last_backward(self) -> Iterator[None]:
-        """Around the iteration's last backward, which makes every gradient final: the bucket
-        hooks launch buckets during it."""
+    def last_backward(self, params: list[torch.nn.Parameter] | None = None) -> Iterator[None]:
+        """Around the iteration's last backward of ``params`` (None: every parameter), which
+        makes their gradients final: the bucket hooks launch buckets during it. A rank holding
+        several stages (interleaved) makes each stage's final in its own last backward; a split
+        backward makes them final in its last ``W``."""
         if self.buckets is None:
             yield
             return
-        self.buckets.arm()
+        self.buckets.arm(None if params is None else {id(p) for p in params})
         yield
         self.buckets.backward_done()
+
+    def accumulated(self, params: list[torch.nn.Parameter]) -> None:
+        """Tell the bucket hooks that ``params``' gradients were added to outside the
+        autograd engine's accumulation (a split backward's weight gradients), which fires no
+        hook of its own."""
+        if self.buckets is not None:
+            for p in reversed(params):
+                if p.grad is not None:
+                    self.buckets.on_grad(p)
 
     def launch_s(self) -> list[float]:
         return [] if self.buckets is None else self.buckets.launch_s()
@@ -195,8 +206,9 @@ class GradBuckets:
         self.armed = False
         self._reset()
         self._times: tuple[list[float], float] = ([], 0.0)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(self.on_grad)
                        for p in params] if overlap else []
+        self.overlap = overlap
 
     def close(self) -> None:
         for h in self._hooks:
@@ -204,6 +216,8 @@ class GradBuckets:
         self._hooks = []
 
     def _reset(self) -> None:
+        self._started = False
+        self._armed: set[int] = set()
         self._missing = [len(b) for b in self.buckets]
         self._seen: set[int] = set()
         self._next = 0
@@ -211,18 +225,24 @@ class GradBuckets:
         self._launched: list[float] = []
         self._backward_end = None
 
-    def arm(self) -> None:
-        """Count the gradients of the backward that starts now (the iteration's last)."""
-        self._reset()
+    def arm(self, ids: set[int] | None = None) -> None:
+        """Count the gradients of the backward that starts now (the last of the parameters of
+        ``ids``; None: of every parameter); the first arm of an iteration starts its count."""
+        if not self._started:
+            self._reset()
+            self._started = True
+        self._armed = set(self.ids) if ids is None else ids
         self.armed = True
 
     def backward_done(self) -> None:
         self.armed = False
+        self._armed = set()
         self._backward_end = time.perf_counter()
 
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
+    def on_grad(self, p: torch.nn.Parameter) -> None:
+        """A gradient of ``p`` was accumulated (its hook; or :meth:`GradSync.accumulated`)."""
         # fires once per backward for each parameter whose gradient it accumulated
-        if not self.armed:
+        if not self.armed or not self.overlap or id(p) not in self._armed:
             return
         i = self._bucket_of[id(p)]
         if id(p) in self._seen:

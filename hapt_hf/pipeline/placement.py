@@ -29,8 +29,8 @@ from hapt_hf.planner.plan import Plan, Stage
 from hapt_hf.core.schedules import ActionKind
 from hapt_hf.planner.schedule import Action, Schedule, build_schedule
 
-__all__ = ["Piece", "RankWork", "replica_slice", "pieces_between", "rank_work", "max_in_flight",
-           "replica_of_rank"]
+__all__ = ["Piece", "RankWork", "replica_slice", "pieces_between", "rank_work", "rank_works",
+           "runtime_schedule", "max_in_flight", "replica_of_rank"]
 
 
 @dataclass(frozen=True)
@@ -130,18 +130,27 @@ def replica_of_rank(stage: Stage, rank: int) -> int:
     raise ValueError(f"rank {rank} holds no replica of stage {stage.index}")
 
 
-def rank_work(plan: Plan, rank: int, schedule: Schedule | None = None) -> RankWork:
+def runtime_schedule(plan: Plan) -> Schedule:
+    """The lists the runtime runs for ``plan``: its kind, warm-ups, deferrals and pipeline
+    ranks, each receive posted as soon as its sender may send."""
+    return build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.warmups(),
+                          early_receives=True, num_ranks=plan.num_pipeline_ranks,
+                          deferrals=plan.deferrals())
+
+
+def rank_work(plan: Plan, rank: int, schedule: Schedule | None = None,
+              stage: int | None = None) -> RankWork:
     """This rank's stage, slice, neighbours and action list under ``plan``: by default the
-    list the runtime runs, each receive posted as soon as its sender may send."""
+    list the runtime runs (:func:`runtime_schedule`). ``stage``: which of the rank's stages
+    (an interleaved rank holds several; None: its only one)."""
     if schedule is None:
-        schedule = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches,
-                                  plan.warmups(), early_receives=True)
-    stage = plan.stage_of_rank(rank)
-    replica = replica_of_rank(stage, rank)
-    tp_ranks = stage.replicas[replica].ranks
+        schedule = runtime_schedule(plan)
+    st = plan.stage_of_rank(rank) if stage is None else plan.stages[stage]
+    replica = replica_of_rank(st, rank)
+    tp_ranks = st.replicas[replica].ranks
     mbs = plan.micro_batch_size
-    mine = replica_slice(mbs, stage, replica)
-    s = stage.index
+    mine = replica_slice(mbs, st, replica)
+    s = st.index
     me = {"tp_rank": tp_ranks.index(rank), "tp": len(tp_ranks)}
     up = up_grads = down = down_grads = ()
     if s > 0:
@@ -151,17 +160,27 @@ def rank_work(plan: Plan, rank: int, schedule: Schedule | None = None) -> RankWo
         down = pieces_between(mbs, mine, plan.stages[s + 1], incoming=False, **me)
         down_grads = pieces_between(mbs, mine, plan.stages[s + 1], incoming=True, **me)
     tied = tuple(sorted(set(plan.stages[0].ranks) | set(plan.stages[-1].ranks)))
-    return RankWork(rank, stage, plan.num_stages, replica, mine, up, down,
+    return RankWork(rank, st, plan.num_stages, replica, mine, up, down,
                     schedule.actions[schedule.rank_of(s)], tied, up_grads, down_grads, tp_ranks)
 
 
+def rank_works(plan: Plan, rank: int, schedule: Schedule | None = None) -> tuple[RankWork, ...]:
+    """A :class:`RankWork` for each stage ``rank`` holds, in pipeline order (one but under an
+    interleaved schedule); every one carries the rank's whole list."""
+    if schedule is None:
+        schedule = runtime_schedule(plan)
+    return tuple(rank_work(plan, rank, schedule, st.index) for st in plan.stages_of_rank(rank))
+
+
 def max_in_flight(actions: tuple[Action, ...] | list[Action]) -> int:
-    """Most forwards whose backward has not run yet, at any point of an action list."""
+    """Most forwards whose backward has not ended yet (``B``, or ``W`` of a split backward: a
+    deferred weight gradient keeps its micro-batch's activations), at any point of an action
+    list, over all the stages it names."""
     live = peak = 0
     for a in actions:
         if a.kind is ActionKind.F:
             live += 1
             peak = max(peak, live)
-        elif a.kind is ActionKind.B:
+        elif a.kind in (ActionKind.B, ActionKind.W):
             live -= 1
     return peak

@@ -94,12 +94,17 @@ def stage_groups(plan: Plan, rank: int, tied_ranks: Sequence[int],
 
     ``new_group`` is collective over the default group: every rank creates every group, in the
     same order (stage by stage: each replica's group, then each tensor-parallel position's
-    group across the replicas; the tied group last), and keeps the ones it belongs to. The tied
+    group across the replicas; the tied group last), and keeps the ones it belongs to. The
+    stages of an interleaved rank share their replicas, and so these groups. The tied
     group (the first and the last stage's ranks) exists when the model ties its embeddings and
     they sit on different stages.
     """
     tp = dp = None
+    seen: set[tuple] = set()
     for st in plan.stages:
+        if st.replicas in seen:  # an interleaved rank's later stages: the same replicas
+            continue
+        seen.add(st.replicas)
         if st.tp > 1:
             for rep in st.replicas:
                 g = dist.new_group(list(rep.ranks))
@@ -119,7 +124,7 @@ def stage_groups(plan: Plan, rank: int, tied_ranks: Sequence[int],
     return StageGroups(tp, dp, tied)
 
 
-def transfer_groups(plan: Plan, work: RankWork,
+def transfer_groups(plan: Plan, works: Sequence[RankWork],
                     device: torch.device) -> dict[tuple[int, bool], Any]:
     """The groups this rank's transfers go over, their communicators made: one per stage
     boundary and direction, ``(b, True)`` for the activations from stage ``b`` to ``b + 1``,
@@ -134,17 +139,18 @@ def transfer_groups(plan: Plan, work: RankWork,
     Every rank creates every group, in the same order (``new_group`` is collective); then
     :func:`_open_pairs` makes the communicators."""
     mine: dict[tuple[int, bool], Any] = {}
+    me = works[0].rank
     for b in range(plan.num_stages - 1):
         ranks = sorted(set(plan.stages[b].ranks) | set(plan.stages[b + 1].ranks))
         for forward in (True, False):
             g = dist.new_group(ranks)
-            if work.rank in ranks:
+            if me in ranks:
                 mine[(b, forward)] = g
-    _open_pairs(work, mine, device)
+    _open_pairs(works, mine, device)
     return mine
 
 
-def _open_pairs(work: RankWork, groups: dict[tuple[int, bool], Any],
+def _open_pairs(works: Sequence[RankWork], groups: dict[tuple[int, bool], Any],
                 device: torch.device) -> None:
     """Send one element over every pair of ranks and direction the lists will use, in one
     order all ranks share (boundary, direction, sender, receiver).
@@ -154,12 +160,15 @@ def _open_pairs(work: RankWork, groups: dict[tuple[int, bool], Any],
     before sending on (GPipe's lists, 1F1B's with one micro-batch) would wait for a gradient
     that needs that send. Made here, in one global order, no rank waits for one that waits
     for it."""
-    s, me = work.stage.index, work.rank
     events = []  # (order, send?, peer, group key); the two directions may pair other ranks
-    events += [((s - 1, 0, p.peer, me), False, p.peer, (s - 1, True)) for p in work.upstream]
-    events += [((s - 1, 1, me, p.peer), True, p.peer, (s - 1, False)) for p in work.upstream_grads]
-    events += [((s, 0, me, p.peer), True, p.peer, (s, True)) for p in work.downstream]
-    events += [((s, 1, p.peer, me), False, p.peer, (s, False)) for p in work.downstream_grads]
+    for work in works:
+        s, me = work.stage.index, work.rank
+        events += [((s - 1, 0, p.peer, me), False, p.peer, (s - 1, True)) for p in work.upstream]
+        events += [((s - 1, 1, me, p.peer), True, p.peer, (s - 1, False))
+                   for p in work.upstream_grads]
+        events += [((s, 0, me, p.peer), True, p.peer, (s, True)) for p in work.downstream]
+        events += [((s, 1, p.peer, me), False, p.peer, (s, False))
+                   for p in work.downstream_grads]
     one = torch.zeros(1, device=device)
     for _, send, peer, key in sorted(events):
         (dist.send if send else dist.recv)(one, peer, group=groups[key])

@@ -35,12 +35,14 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from hapt_hf.compat.torch_api import backward_input, backward_weight
+from hapt_hf.core.schedules import runtime_refusal
 from hapt_hf.pipeline.exit_guard import close_at_exit
 from hapt_hf.pipeline.failure import FailureChannel, PipelineFailure, failed_during
 from hapt_hf.pipeline.gather import gather_logits, gather_state_dict
 from hapt_hf.pipeline.grad_sync import GradSync
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
-from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_work
+from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_works
 from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, inference_context, torch_dtype
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups, transfer_groups
 from hapt_hf.pipeline.tensor_parallel import TensorParallelShards, full_state_dict, shard_stage, tp_plan_refusal
@@ -60,12 +62,33 @@ _runtime_ids = itertools.count()
 
 @dataclass
 class _MicroBatch:
-    """State of one micro-batch on this rank between its forward and its backward."""
+    """State of one micro-batch of one stage on this rank between its forward and the end of
+    its backward."""
 
     recv: list[Transfer]
     inputs: Tensor | None = None
     output: Tensor | None = None
     grad_recv: list[Transfer] | None = None
+    weight_state: Any = None
+    """After a split backward's ``I``: what its ``W`` needs (the gradients kept at the graph
+    nodes leading to the weights)."""
+    root: tuple[Tensor, Tensor | None] | None = None
+    """After ``I`` on the first stage (whose input, token ids, has no gradient): the output
+    and its gradient, from which ``W`` runs the whole backward."""
+
+
+def _several_stages_refusal(plan: Plan) -> str | None:
+    """Why this runtime cannot hold the stages an interleaved plan gives one rank (one
+    sentence), or None: a rank's stages are one module to the optimizer, so they share its
+    setting."""
+    for st in plan.stages:
+        first = next(f for f in plan.stages if set(f.ranks) & set(st.ranks))
+        if st.optimizer != first.optimizer:
+            return (f"stages {first.index} and {st.index} sit on the same ranks "
+                    f"{list(st.ranks)} but set optimizer {first.optimizer!r} and "
+                    f"{st.optimizer!r}; a rank's stages step as one optimizer: give them one "
+                    "setting")
+    return None
 
 
 class PipelineRuntime:
@@ -79,6 +102,9 @@ class PipelineRuntime:
             raise RuntimeSetupError("torch.distributed is not initialised; call "
                                     "hapt_hf.pipeline.init_distributed() first")
         plan.validate(world_size=dist.get_world_size())
+        problem = runtime_refusal(plan.schedule)
+        if problem is not None:
+            raise RuntimeSetupError(problem)
         mismatch = autocast_mismatch(plan.dtype, config.autocast_dtype)
         if mismatch:
             raise RuntimeSetupError(mismatch)
@@ -86,14 +112,22 @@ class PipelineRuntime:
             problem = tp_plan_refusal(model_config, st.tp)
             if problem is not None:
                 raise RuntimeSetupError(f"stage {st.index}: {problem}")
+        problem = _several_stages_refusal(plan)
+        if problem is not None:
+            raise RuntimeSetupError(problem)
         self.plan, self.config = plan, config
         self.loss_scaler: DynamicLossScaler | None = config.loss_scaler(plan)
         """The job's loss scale (fp16 plans); its state goes into checkpoints."""
         self.wire_dtype = torch_dtype(plan.dtype)
         """Activations and their gradients cross stage boundaries in the compute dtype."""
         self.rank = dist.get_rank()
-        self.work: RankWork = rank_work(plan, self.rank)
+        self.works: dict[int, RankWork] = {w.stage.index: w for w in rank_works(plan, self.rank)}
+        """One per stage this rank holds, by stage index (several under an interleaved
+        schedule); each carries the rank's whole list."""
+        self.work: RankWork = next(iter(self.works.values()))
+        """The rank's first stage's (its replica, slice and list are every one's)."""
         self.stage_plan: Stage = self.work.stage
+        self._holds_last = any(w.is_last for w in self.works.values())
         self.device = torch.device(config.device or local_device())
         self._all_ranks = tuple(range(plan.world_size))
         # The channel comes first: a rank that fails while building its stage (a damaged
@@ -109,30 +143,40 @@ class PipelineRuntime:
         self._grad_peers = tuple(sorted(set(self.stage_plan.ranks) | (
             set(self.work.tied_ranks) if self._grads.tied_pg is not None else set())))
         self.in_flight_limit = max_in_flight(self.work.actions)
-        """Forwards the schedule lets this stage hold before their backward (its warm-up)."""
+        """Forwards the schedule lets this rank hold before their backward ends (its warm-up;
+        a split backward's deferral too)."""
         self.max_live_activations = 0
         """Most micro-batches whose forward state this rank kept at once (measured)."""
         self._live = 0
 
     def _set_up(self, model_config: PretrainedConfig) -> None:
-        """Build this rank's stage (every rank refuses if one cannot) and the process groups."""
-        from hapt_hf.pipeline.stage import build_stage
+        """Build this rank's stages (every rank refuses if one cannot) and the process groups."""
+        from hapt_hf.pipeline.stage import RankStages, build_stage
         s = self.stage_plan.index
         # a tensor-parallel stage is held whole in host memory only; sharding then moves each
         # rank's slices to its device, so the device never holds the whole stage
         build_device = torch.device("cpu") if self.work.tp > 1 else self.device
-        self.stage = self.channel.agree("the stage build", s, lambda: build_stage(
-            model_config, self.stage_plan.layers, seed=self.config.seed,
-            checkpoint_dir=self.config.checkpoint_dir, device=build_device,
-            recompute=self.stage_plan.recompute, layer_unit=self.plan.layer_unit,
-            attn_implementation=self.plan.attn_implementation))
+
+        def build() -> dict[int, Any]:
+            return {i: build_stage(
+                model_config, w.stage.layers, seed=self.config.seed,
+                checkpoint_dir=self.config.checkpoint_dir, device=build_device,
+                recompute=w.stage.recompute, layer_unit=self.plan.layer_unit,
+                attn_implementation=self.plan.attn_implementation) for i, w in self.works.items()}
+        self.stages = self.channel.agree("the stage build", s, build)
+        """This rank's stage modules by stage index (the chunks of an interleaved rank)."""
+        self.stage = (next(iter(self.stages.values())) if len(self.stages) == 1
+                      else RankStages(self.stages))
+        """The rank's part of the model as one module: its stage, or (interleaved) its chunks
+        under the full model's paths (:class:`~hapt_hf.pipeline.stage.RankStages`)."""
         self.hidden_size = int(model_config.hidden_size)
         # what a stage's input and output are under autocast: the fp32 residual stream
         self._stream_dtype = next(self.stage.parameters()).dtype
         with self.channel.collective("the process-group set-up", s, self._all_ranks):
             groups = stage_groups(self.plan, self.rank, self.work.tied_ranks,
                                   bool(getattr(model_config, "tie_word_embeddings", False)))
-            self._transfer_pgs = transfer_groups(self.plan, self.work, self.device)
+            self._transfer_pgs = transfer_groups(self.plan, tuple(self.works.values()),
+                                                 self.device)
         self.tp: TensorParallelShards | None = None
         """This replica's tensor-parallel sharding (None: the replica is this rank alone)."""
         if groups.tp is not None:
@@ -214,7 +258,7 @@ class PipelineRuntime:
         gradient (False unless ``check``): the job's one overflow decision."""
         # replicas hold the same gradients after the sum: replica 0 counts them
         stats = self._grads.local_stats(norm and self.work.replica == 0, check,
-                                        skip_tied=self.work.is_last, device=self.device)
+                                        skip_tied=self._holds_last, device=self.device)
         what = "the gradient-norm all-reduce" if not check else "the overflow check"
         with self.channel.collective(what, self.stage_plan.index, self._all_ranks):
             dist.all_reduce(stats)
@@ -294,62 +338,76 @@ class PipelineRuntime:
              keep_logits: bool = False) -> tuple[Tensor, dict[int, Tensor]]:
         """Execute ``actions``; (this rank's loss sum, zero off the last stage; the last
         stage's logits by micro-batch when ``keep_logits``, else {})."""
-        # keyed by (the action's stage, micro-batch): a rank holds one stage today
-        mbs: dict[tuple[int, int], _MicroBatch] = {}
+        mbs: dict[tuple[int, int], _MicroBatch] = {}  # by (the action's stage, micro-batch)
         sends: list[Transfer] = []
         loss_sum = torch.zeros((), dtype=torch.float64)
         logits: dict[int, Tensor] = {}
         seq = ids.shape[1]
-        s = self.stage_plan.index
-        last_b = max((i for i, a in enumerate(actions) if a.kind is ActionKind.B), default=-1)
+        # each stage's last backward (B, or W of a split one) makes its gradients final: the
+        # bucket hooks launch the replicas' all-reduce during it
+        finals = {a.stage: i for i, a in enumerate(actions)
+                  if a.kind in (ActionKind.B, ActionKind.W)}
+        final_at = {i: s for s, i in finals.items()}
         for i, a in enumerate(actions):
-            k = a.microbatch
-            key = (a.stage, k)
+            k, s = a.microbatch, a.stage
+            key, work = (s, k), self.works[s]
             try:
                 if a.kind is ActionKind.RECV_F:
-                    mbs[key] = _MicroBatch(self._post_recv(self.work.upstream, k, seq, "RECV_F"))
+                    mbs[key] = _MicroBatch(self._post_recv(work.upstream, s, k, seq, "RECV_F"))
                 elif a.kind is ActionKind.F:
                     m = mbs.setdefault(key, _MicroBatch([]))
                     # keeping logits: the stage returns them, and the loss is taken from them
-                    out = self._forward(m, k, ids, None if keep_logits else labels, mask,
+                    out = self._forward(m, s, k, ids, None if keep_logits else labels, mask,
                                         tokens, backward)
-                    if self.work.is_last and keep_logits:
+                    if work.is_last and keep_logits:
                         logits[k] = out
-                        out = self.stage.loss_sum(out, labels[self._rows(k)].to(self.device))
-                    if self.work.is_last and self.work.tp_rank == 0:  # once per replica
+                        out = self.stages[s].loss_sum(out, labels[self._rows(k)].to(self.device))
+                    if work.is_last and work.tp_rank == 0:  # once per replica
                         loss_sum += out.detach().double().cpu()
                 elif a.kind is ActionKind.SEND_F:
-                    sends += self._post_send(self.work.downstream, k, mbs[key].output, "SEND_F")
+                    sends += self._post_send(work.downstream, s, k, mbs[key].output, "SEND_F")
                     if not backward:
                         mbs[key].output = None
                 elif a.kind is ActionKind.RECV_B:  # before F(k) on a stage one micro-batch deep
                     mbs.setdefault(key, _MicroBatch([])).grad_recv = self._post_recv(
-                        self.work.downstream_grads, k, seq, "RECV_B")
-                elif a.kind is ActionKind.B:
-                    # the iteration's last backward makes every gradient final: the bucket
-                    # hooks launch the replicas' all-reduce during it
-                    with self._grads.last_backward() if i == last_b else contextlib.nullcontext():
-                        self._backward(mbs[key], k)
+                        work.downstream_grads, s, k, seq, "RECV_B")
+                elif a.kind in (ActionKind.B, ActionKind.I, ActionKind.W):
+                    final = self._grads.last_backward(list(self.stages[s].parameters())) \
+                        if i in final_at else contextlib.nullcontext()
+                    with final:
+                        if a.kind is ActionKind.B:
+                            self._backward(mbs[key], s, k)
+                        elif a.kind is ActionKind.I:
+                            self._backward_input(mbs[key], s, k)
+                        else:
+                            self._backward_weight(mbs.pop(key), s, k)
+                    if a.kind is ActionKind.B and work.is_first:
+                        mbs.pop(key, None)
                 elif a.kind is ActionKind.SEND_B:
-                    m = mbs.pop(key)
-                    sends += self._post_send(self.work.upstream_grads, k, m.inputs.grad, "SEND_B")
+                    m = mbs[key] if self.plan_splits else mbs.pop(key)
+                    sends += self._post_send(work.upstream_grads, s, k, m.inputs.grad, "SEND_B")
+                    m.inputs = None
             except PipelineFailure:
                 raise
             except Exception as e:  # noqa: BLE001 - recorded for every rank, then re-raised
                 msg = failed_during(self.rank, f"{a.kind.value} (stage {s}, micro-batch {k})", e)
                 raise PipelineFailure(self.channel.record(msg)) from e
-            if a.kind is ActionKind.B and self.work.is_first:
-                mbs.pop(key, None)
-        self.channel.wait(sends, s)
+        self.channel.wait(sends, self.stage_plan.index)
         return loss_sum, logits
 
-    def _forward(self, m: _MicroBatch, k: int, ids: Tensor, labels: Tensor | None,
+    @property
+    def plan_splits(self) -> bool:
+        """Whether the plan's schedule splits each backward into ``I`` and ``W``."""
+        return any(a.kind is ActionKind.W for a in self.work.actions)
+
+    def _forward(self, m: _MicroBatch, s: int, k: int, ids: Tensor, labels: Tensor | None,
                  mask: Tensor | None, tokens: int, backward: bool) -> Tensor:
         rows = self._rows(k)
-        if self.work.is_first:
+        work = self.works[s]
+        if work.is_first:
             x = ids[rows].to(self.device)
         else:
-            self.channel.wait(m.recv, self.stage_plan.index)
+            self.channel.wait(m.recv, s)
             x = torch.cat([t.buffer for t in m.recv]) if len(m.recv) > 1 else m.recv[0].buffer
             x = x.to(self._stream_dtype)  # from the wire's compute dtype
             x.requires_grad_(backward)
@@ -357,68 +415,99 @@ class PipelineRuntime:
         kwargs: dict[str, Any] = {}
         if mask is not None:
             kwargs["attention_mask"] = mask[rows].to(self.device)
-        if self.work.is_last and labels is not None:
+        if work.is_last and labels is not None:
             kwargs["labels"] = labels[rows].to(self.device)
-        with self._tp_compute("F", k), compute_context(self.plan.dtype, self.device):
-            out = self.stage(x, **kwargs)
+        with self._tp_compute("F", s, k), compute_context(self.plan.dtype, self.device):
+            out = self.stages[s](x, **kwargs)
         kept = out
-        if self.work.is_last and labels is not None:
+        if work.is_last and labels is not None:
             kept = out / tokens  # the global mean: micro-batch and replica gradients just add
         if backward:
-            m.inputs, m.output = (None if self.work.is_first else x), kept
+            m.inputs, m.output = (None if work.is_first else x), kept
             self._live += 1
             self.max_live_activations = max(self.max_live_activations, self._live)
         else:
             m.output = kept
         return out
 
-    def _backward(self, m: _MicroBatch, k: int) -> None:
-        if self.work.is_last:
+    def _backward_root(self, m: _MicroBatch, s: int) -> tuple[Tensor, Tensor | None]:
+        """Where micro-batch ``m``'s backward on stage ``s`` starts: the (scaled) loss on the
+        last stage, else the output and the gradient received for it."""
+        if self.works[s].is_last:
             scaler = self.loss_scaler
-            with self._tp_compute("B", k):
-                (m.output if scaler is None else m.output * scaler.scale).backward()
-        else:
-            self.channel.wait(m.grad_recv, self.stage_plan.index)
-            bufs = [t.buffer for t in m.grad_recv]
-            grad = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
-            with self._tp_compute("B", k):
-                torch.autograd.backward(m.output, grad.to(m.output.dtype))
+            return (m.output if scaler is None else m.output * scaler.scale), None
+        self.channel.wait(m.grad_recv, s)
+        bufs = [t.buffer for t in m.grad_recv]
+        grad = torch.cat(bufs) if len(bufs) > 1 else bufs[0]
+        return m.output, grad.to(m.output.dtype)
+
+    def _backward(self, m: _MicroBatch, s: int, k: int) -> None:
+        root, grad = self._backward_root(m, s)
+        with self._tp_compute("B", s, k):
+            torch.autograd.backward(root, grad)
         m.output, m.grad_recv = None, None
         self._live -= 1
 
-    def _tp_compute(self, kind: str, k: int) -> Any:
+    def _backward_input(self, m: _MicroBatch, s: int, k: int) -> None:
+        """``I``: the gradient of the stage's input only (left in ``m.inputs.grad`` for
+        ``SEND_B``), the graph kept for ``W``, as torch's pipelining splits a backward. The
+        first stage's input (token ids) has none: its ``W`` runs the whole backward."""
+        root, grad = self._backward_root(m, s)
+        if self.works[s].is_first:
+            m.root = (root, grad)
+        else:
+            with self._tp_compute("I", s, k):
+                _, m.weight_state = backward_input(
+                    [root], None if grad is None else [grad], [m.inputs],
+                    self.stages[s].parameters())
+        m.output, m.grad_recv = None, None
+
+    def _backward_weight(self, m: _MicroBatch, s: int, k: int) -> None:
+        """``W``: the weight gradients of the backward ``I`` began, added to ``.grad`` as the
+        whole backward adds them."""
+        with self._tp_compute("W", s, k):
+            if m.root is not None:
+                torch.autograd.backward(*m.root)
+            else:
+                params = list(self.stages[s].parameters())
+                backward_weight(params, m.weight_state)
+                self._grads.accumulated(params)
+        m.root = m.weight_state = None
+        self._live -= 1
+
+    def _tp_compute(self, kind: str, s: int, k: int) -> Any:
         """Around a compute of a tensor-parallel replica, whose all-reduces wait for its other
         ranks: a rank of the replica that stops is named (``FailureChannel.computing_with``)."""
         if self.tp is None:
             return contextlib.nullcontext()
-        s = self.stage_plan.index
         return self.channel.computing_with(
             f"{kind} (stage {s}, micro-batch {k}) with its tensor-parallel ranks "
             f"{list(self.work.tp_ranks)}", s, self.work.tp_ranks)
 
-    def _transfer_pg(self, kind: str) -> Any:  # the boundary's process group for the direction
-        s = self.stage_plan.index
+    def _transfer_pg(self, s: int, kind: str) -> Any:  # the boundary's group for the direction
         return self._transfer_pgs[(s - (kind in ("RECV_F", "SEND_B")), kind[-1] == "F")]
 
-    def _post_recv(self, pieces: tuple[Piece, ...], k: int, seq: int, kind: str) -> list[Transfer]:
-        out, pg = [], self._transfer_pg(kind)
+    def _post_recv(self, pieces: tuple[Piece, ...], s: int, k: int, seq: int,
+                   kind: str) -> list[Transfer]:
+        out, pg = [], self._transfer_pg(s, kind)
+        src = s - 1 if kind == "RECV_F" else s + 1
         for p in pieces:
             buf = torch.empty((p.size, seq, self.hidden_size), dtype=self.wire_dtype,
                               device=self.device)
-            what = (f"{kind} of micro-batch {k} from rank {p.peer} "
-                    f"(stage {self.plan.stage_of_rank(p.peer).index})")
+            what = f"{kind} of micro-batch {k} from rank {p.peer} (stage {src})"
             out.append(self.channel.start(lambda b=buf, q=p.peer: dist.irecv(b, q, pg, tag=k), p.peer,
-                                          what, buf, self.stage_plan.index))
+                                          what, buf, s))
         return out
 
-    def _post_send(self, pieces: tuple[Piece, ...], k: int, t: Tensor, kind: str) -> list[Transfer]:
+    def _post_send(self, pieces: tuple[Piece, ...], s: int, k: int, t: Tensor,
+                   kind: str) -> list[Transfer]:
         t = t.detach().to(self.wire_dtype)
-        out, pg = [], self._transfer_pg(kind)
+        out, pg = [], self._transfer_pg(s, kind)
         for p in pieces:
             buf = t[p.start:p.stop].contiguous()
             what = f"{kind} of micro-batch {k} to rank {p.peer}"
             out.append(self.channel.start(lambda b=buf, q=p.peer: dist.isend(b, q, pg, tag=k), p.peer,
-                                          what, buf, self.stage_plan.index))
+                                          what, buf, s))
         return out
 
     def _inputs(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor | None, int]:

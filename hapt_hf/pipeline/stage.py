@@ -31,8 +31,8 @@ from hapt_hf.pipeline.config_checks import refusal
 from hapt_hf.pipeline.generic import GenericAdapter, bind_shells, fill_module_buffers, generic_adapter
 from hapt_hf.pipeline.families import FamilyAdapter, adapter_for, num_blocks, supported_families
 
-__all__ = ["BlockPart", "PipelineStage", "StageBuildError", "StageInputError", "build_stage",
-           "supported_families"]
+__all__ = ["BlockPart", "PipelineStage", "RankStages", "StageBuildError", "StageInputError",
+           "build_stage", "supported_families"]
 
 class StageInputError(HaptError):
     """A forward call whose inputs do not fit the stage (token ids vs hidden states)."""
@@ -141,6 +141,81 @@ class PipelineStage(nn.Module):
                 f"stage {self.layer_range} is not the first stage: x must be hidden states, a float "
                 f"tensor [batch, seq, hidden]; got dtype {x.dtype} with shape {tuple(x.shape)}"
             )
+
+
+class RankStages(nn.Module):
+    """The stages one rank holds under an interleaved schedule, presented as one module: every
+    chunk's modules under the full model's paths (its ``state_dict()`` keys and parameters are
+    the union of the chunks', each once), so what treats a rank's stage as one module (the
+    optimizer, the gradient sums, checkpoints, the gathered state dict) sees the rank's part
+    of the model. The chunks themselves run the forwards (:attr:`chunks`, by stage index).
+
+    A module two chunks both hold (LLaMA's rotary embedding: buffers computed from the config,
+    the same in each) is attached once; one holding parameters cannot be held twice."""
+
+    def __init__(self, chunks: dict[int, PipelineStage]) -> None:
+        super().__init__()
+        first = next(iter(chunks.values()))
+        self.config, self.adapter = first.config, first.adapter
+        self.__dict__["chunks"] = dict(chunks)  # not submodules: their modules are attached below
+        for chunk in chunks.values():
+            for path, module in chunk.named_children():
+                for sub_path, sub in _leaves(path, module):
+                    _attach_once(self, sub_path, sub)
+        self.is_first = any(c.is_first for c in chunks.values())
+        self.is_last = any(c.is_last for c in chunks.values())
+
+    @property
+    def recompute(self) -> bool:
+        return all(c.recompute for c in self.chunks.values())
+
+    @recompute.setter
+    def recompute(self, value: bool) -> None:
+        for c in self.chunks.values():
+            c.recompute = value
+
+    @property
+    def layer_range(self) -> tuple[tuple[int, int], ...]:
+        """Each chunk's layer range, in pipeline order."""
+        return tuple(c.layer_range for c in self.chunks.values())
+
+    @property
+    def block_indices(self) -> tuple[int, ...]:
+        """The blocks any chunk runs all or half of, in order."""
+        return tuple(sorted({i for c in self.chunks.values() for i in c.block_indices}))
+
+    def forward(self, *args, **kwargs):  # noqa: D102 - the chunks run, each on its own
+        raise TypeError("a rank's interleaved stages run chunk by chunk (RankStages.chunks), "
+                        "not as one module")
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        return [p for c in self.chunks.values() for p in c.tied_parameters()]
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        return dict(self.state_dict())
+
+    def loss_sum(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return causal_lm_loss_sum(logits, labels, self.config.vocab_size)
+
+
+def _leaves(path: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a chunk placed at ``path`` (through its ModuleDict containers): the
+    containers of ``_attach`` are walked, a model's own module is a leaf."""
+    if type(module) is not nn.ModuleDict:
+        return [(path, module)]
+    return [leaf for name, child in module.named_children()
+            for leaf in _leaves(f"{path}.{name}", child)]
+
+
+def _attach_once(root: nn.Module, path: str, module: nn.Module) -> None:
+    try:
+        held = root.get_submodule(path)
+    except AttributeError:
+        _attach(root, path, module)
+        return
+    if held is not module and any(True for _ in module.parameters()):
+        raise StageBuildError(f"two stages of one rank both hold module {path!r} with "
+                              "parameters; an interleaved plan gives each layer to one stage")
 
 
 def build_stage(
