@@ -113,10 +113,14 @@ def test_run_clm_no_trainer_on_a_tensor_parallel_plan_matches_one_process(tmp_pa
     # gradient is ~2e-9, below Adam's eps 1e-8 (a residue of cancelling sums, which the
     # row-wise all-reduce adds in another order), takes a step g / (|g| + eps) that its last
     # bits move by ~1e-4 (measured: one element of the 65k; every other within 1.1e-6; on the
-    # same plan without tensor parallelism every weight is within 1e-6).
+    # same plan without tensor parallelism every weight is within 1e-6). Every other element
+    # stays within the usual rtol 1e-5 / atol 4e-5: at most 2 of them may leave it.
+    outside = 0
     for k, v in ref["weights"].items():
-        torch.testing.assert_close(torch.from_numpy(got["weights"][k]), torch.from_numpy(v),
-                                   rtol=RTOL, atol=2e-4, msg=k)
+        a, b = torch.from_numpy(got["weights"][k]), torch.from_numpy(v)
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=2e-4, msg=k)
+        outside += int(((a - b).abs() > ATOL + RTOL * b.abs()).sum())
+    assert outside <= 2, outside
     # save_pretrained(save_function=accelerator.save) wrote the gathered, whole weights
     from transformers import AutoModelForCausalLM
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "out")).state_dict()
