@@ -71,8 +71,10 @@ SCHEDULES = tuple(k.value for k in ScheduleKind)
 """The schedule names a plan, a hapt config or the CLI may give."""
 
 RUNTIME_KINDS = (ScheduleKind.GPIPE.value, ScheduleKind.ONE_F_ONE_B.value,
-                 ScheduleKind.H1F1B.value, ScheduleKind.ZERO_BUBBLE.value)
-"""The kinds the runtime runs; the others are planned, validated, replayed and drawn only."""
+                 ScheduleKind.H1F1B.value, ScheduleKind.ZERO_BUBBLE.value,
+                 ScheduleKind.INTERLEAVED.value)
+"""The kinds the runtime runs (every kind of the registry today); a kind left out is planned,
+validated, replayed and drawn only."""
 
 
 def runtime_refusal(kind: str) -> str | None:
