@@ -11,14 +11,17 @@ process (the harness of ``test_runtime_zero_bubble``; rtol 1e-5, atol 4e-5 in fp
 of unequal sizes throughout: v = 2 and 3 on 2 ranks; on 4 ranks v = 3 over two pipeline ranks
 of two uneven replicas each (one sharding its optimizer state), v = 2 over four pipeline
 ranks with activation checkpointing on some chunks, and v = 2 with a tensor-parallel
-pipeline rank.
+pipeline rank. The replicas' bucket all-reduce overlaps each chunk's last backward, and a run
+saved (gathered model, per-rank optimizer state) resumes in fresh processes bit for bit.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks.ranks import run_ranks
-from tests.pipeline.test_runtime_zero_bubble import M, Case, build_plan, train_and_compare
+from tests.pipeline.test_runtime_equivalence import STEPS, make_batches
+from tests.pipeline.test_runtime_zero_bubble import M, Case, build_plan, runtime, train_and_compare
 
 pytestmark = pytest.mark.multiproc
 
@@ -33,13 +36,67 @@ CASES = {
 }
 
 
-def run_all(rank: int, world_size: int) -> dict:
-    return {c.name: train_and_compare(rank, c) for c in CASES[world_size]}
+RESUMED = CASES[4][0]  # two replicas per pipeline rank, one rank's optimizer state sharded
+
+
+def _params(rt) -> dict:
+    # numpy copies: tensors would cross back to the parent through shared memory
+    return {n: p.detach().numpy().copy() for n, p in rt.stage.named_parameters()}
+
+
+def resume_part_one(rank: int, root: str) -> dict:
+    """An uninterrupted run of STEPS steps, and one that saves the gathered model and this
+    rank's optimizer state (its shard where sharded) after STEPS - 1."""
+    from pathlib import Path
+
+    from hapt_hf.integration import trainer_checkpoint as ckpt_io
+    out = {}
+    for saves in (False, True):
+        rt = runtime(RESUMED)
+        opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+        batches = make_batches(97, seed=5, rows=rt.plan.global_batch_size)
+        for b in batches[:STEPS - 1] if saves else batches:
+            rt.train_step(b, opt, max_grad_norm=0.5)
+        if saves:
+            ckpt_io.write_gathered_model(rt, Path(root))
+            ckpt_io.save_rank_state(Path(root), rt.rank, opt, None)
+            ckpt_io.barrier()
+        else:
+            out["full"] = _params(rt)
+        rt.shutdown()
+    return out
+
+
+def resume_part_two(rank: int, world_size: int, root: str) -> dict:
+    """Fresh processes: every chunk's weights and the rank's optimizer state from the files,
+    then the last step."""
+    from pathlib import Path
+
+    from hapt_hf.integration import trainer_checkpoint as ckpt_io
+    rt = runtime(RESUMED, checkpoint_dir=root)
+    opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    ckpt_io.load_rank_state(Path(root), rank, opt, None)
+    loaded = len(getattr(opt, "optim", opt).state)
+    rt.train_step(make_batches(97, seed=5, rows=rt.plan.global_batch_size)[-1], opt,
+                  max_grad_norm=0.5)
+    out = {"resumed": _params(rt), "loaded_state": loaded}
+    rt.shutdown()
+    return out
+
+
+def run_all(rank: int, world_size: int, root: str) -> dict:
+    out = {c.name: train_and_compare(rank, c) for c in CASES[world_size]}
+    if world_size == 4:
+        out["resume"] = resume_part_one(rank, root)
+    return out
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return {w: [o.value for o in run_ranks(run_all, w, timeout_s=240)] for w in CASES}
+def results(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("interleaved-resume"))
+    out = {w: [o.value for o in run_ranks(run_all, w, root, timeout_s=240)] for w in CASES}
+    out["resumed"] = [o.value for o in run_ranks(resume_part_two, 4, root, timeout_s=240)]
+    return out
 
 
 ALL = [(w, c) for w, cases in CASES.items() for c in cases]
@@ -76,3 +133,25 @@ def test_the_lists_wrap_from_the_last_rank_to_the_first(results):
     acts = results[2][0]["gpt2-v2"]["actions"]
     assert all(f"2RECV_F{k}" in acts for k in range(M))
     assert all(f"1SEND_F{k}" in results[2][1]["gpt2-v2"]["actions"] for k in range(M))
+
+
+def test_each_chunks_buckets_launch_in_its_last_backward(results):
+    """Pipeline rank 0 of the replicated case (ranks 0 and 1) holds three chunks: with tiny
+    buckets, some go on the wire before the rank's last backward ends."""
+    for rank in (0, 1):
+        launches = results[4][rank]["gpt2-v3-replicas"]["launches"]
+        assert all(len(x) > 2 for x in launches), launches
+        assert all(min(x) < 0 for x in launches), launches
+
+
+def test_resumes_exactly_in_fresh_processes(results):
+    """The rank's chunks rebuilt from the gathered checkpoint and its optimizer state (a
+    shard on pipeline rank 0) from its file: the last step lands where the uninterrupted run
+    did, bit for bit."""
+    for rank in range(4):
+        full = results[4][rank]["resume"]["full"]
+        resumed = results["resumed"][rank]
+        assert resumed["loaded_state"] > 0
+        assert set(resumed["resumed"]) == set(full)
+        for n, p in full.items():
+            assert (resumed["resumed"][n] == p).all(), (rank, n)
