@@ -118,6 +118,8 @@ def tp_unfit(model: ModelSpec, t: int) -> str | None:
         return None
     if t not in TP_DEGREES:
         return f"tensor-parallel degree {t} is not one of {TP_DEGREES}"
+    if model.tp_plan_refusal:
+        return model.tp_plan_refusal
     if not model.num_heads or not model.intermediate_size:
         return (f"model {model.name!r} gives no attention heads or MLP width, so no "
                 "tensor-parallel degree above 1 can be checked against them")

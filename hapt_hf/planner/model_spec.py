@@ -254,6 +254,10 @@ class ModelSpec:
     attn_reason: str = ""
     """Why ``attn_implementation``: 'as asked', or the model's best with why (e.g. 'gemma2 does
     not support sdpa; the model's best'); '' for a spec put together by hand."""
+    tp_plan_refusal: str = ""
+    """Why the model's blocks cannot be sharded among a replica's ranks whatever the degree
+    (its config has no tensor-parallel plan the runtime runs); '' where they can, or for a
+    spec put together by hand (the head counts and MLP width still decide)."""
 
     @property
     def num_layers(self) -> int:
@@ -338,7 +342,19 @@ class ModelSpec:
         :func:`hapt_hf.model_spec`, which reads it. With a ``reader`` every accepted type's
         figures are read off the model (under the formulas' signatures for those five).
         ``attn_implementation`` None: the model's best (the reader's choice; sdpa without one).
+        Whether its blocks can be sharded among a replica's ranks is read off the config's
+        tensor-parallel plan (``tp_plan_refusal``).
         """
+        config, name = _config_and_name(config, name)
+        spec = cls._from_config(config, seq_len, dtype, name, profile_name, attn_implementation,
+                                reader)
+        return replace(spec, tp_plan_refusal=_tp_plan_refusal(config))
+
+    @classmethod
+    def _from_config(cls, config, seq_len: int, dtype: str, name: str | None,
+                     profile_name: str | None, attn_implementation: str | None,
+                     reader: ModelReader | None) -> "ModelSpec":
+        """:meth:`from_config` without the config's tensor-parallel plan read."""
         config, name = _config_and_name(config, name)
         dtype = _check_dtype(dtype)
         if attn_implementation is not None:
@@ -389,8 +405,9 @@ class ModelSpec:
         layers = _layers(shape, int(seq_len), dtype, eager_attention)
         halves = _half_layers(layers, shape, int(seq_len), dtype, eager_attention) \
             if shape.attn_params else ()
-        return cls._of_shape(shape, int(seq_len), dtype, layers, halves, name, profile_name,
-                             attn_implementation)
+        return replace(cls._of_shape(shape, int(seq_len), dtype, layers, halves, name,
+                                     profile_name, attn_implementation),
+                       tp_plan_refusal=_tp_plan_refusal(config))
 
     @classmethod
     def _of_shape(cls, shape: "_Shape", seq_len: int, dtype: str, layers, halves,
@@ -459,6 +476,30 @@ class ModelSpec:
             return cls.from_name_or_path(str(model), seq_len, dtype, attn_implementation, reader)
         raise ModelSpecError(f"job.model must be a model name, a path or a mapping, "
                              f"got {type(model).__name__}")
+
+
+_TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+"""The styles of ``config.base_model_tp_plan`` the runtime shards a block by (the rule of
+``hapt_hf.pipeline.tensor_parallel.tp_plan_refusal``, which the planner cannot import)."""
+
+
+def _tp_plan_refusal(config) -> str:
+    """Why no replica of several ranks can hold this model's blocks ('' where one can, the
+    degree aside): no tensor-parallel plan, none inside the blocks, or a style not run."""
+    plan = getattr(config, "base_model_tp_plan", None)
+    kind = getattr(config, "model_type", "?")
+    if not plan:
+        return (f"config.model_type {kind!r} has no tensor-parallel plan "
+                "(config.base_model_tp_plan is empty), so its blocks cannot be sharded")
+    blocks = {k: v for k, v in plan.items() if k.split(".")[1:2] == ["*"]}
+    if not blocks:
+        return (f"config.model_type {kind!r}'s tensor-parallel plan shards nothing inside the "
+                "blocks")
+    bad = sorted({v for v in blocks.values() if v not in _TP_STYLES})
+    if bad:
+        return (f"config.model_type {kind!r}'s tensor-parallel plan uses the style(s) "
+                f"{', '.join(map(repr, bad))}, which hapt_hf does not run")
+    return ""
 
 
 def _config_and_name(config, name: str | None) -> tuple[Any, str | None]:

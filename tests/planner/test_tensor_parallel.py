@@ -228,3 +228,12 @@ def test_the_layout_bound_prices_a_replica_at_its_degree_and_no_replay_beats_it(
     one_lay = Layout.build((one.slice_replicas(g, 1, 0, 2), one.slice_replicas(g, 1, 2, 2)),
                            lay.bounds, (False, False), 2, (2, 1), "1f1b")
     assert bound < lower_bound_s(one, one_lay.stages, 2, 4)
+
+
+def test_a_model_without_a_tensor_parallel_plan_keeps_one_gpu_a_replica():
+    gpt2 = ModelSpec.from_config("gpt2-tiny", 128)
+    assert "no tensor-parallel plan" in gpt2.tp_plan_refusal
+    assert tp_unfit(gpt2, 2) == gpt2.tp_plan_refusal
+    with pytest.raises(CostModelError, match="no tensor-parallel plan"):
+        CostModel(gpt2, one_group(), tp={"a": 2})
+    assert llama().tp_plan_refusal == ""
