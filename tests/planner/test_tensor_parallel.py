@@ -237,3 +237,42 @@ def test_a_model_without_a_tensor_parallel_plan_keeps_one_gpu_a_replica():
     with pytest.raises(CostModelError, match="no tensor-parallel plan"):
         CostModel(gpt2, one_group(), tp={"a": 2})
     assert llama().tp_plan_refusal == ""
+
+
+def _two_groups() -> Cluster:
+    from hapt_hf.planner.cluster import GroupLink
+
+    g = [GpuGroup(n, GpuType(f"G-{n}", 100.0, 16.0), 1, 8, LinkSpec(200, 10), LinkSpec(50, 20))
+         for n in ("a", "b")]
+    return Cluster("two", tuple(g), (GroupLink("a", "b", LinkSpec(100, 10)),))
+
+
+def test_the_screen_weighs_uniform_degrees_then_moves_one_group_from_the_winner():
+    from hapt_hf.planner.search.tensor_parallel import choose_degrees
+
+    problem = SearchProblem(CostModel(llama(hidden=4096, inter=11008, heads=32, kv=8),
+                                      _two_groups()), 64, PlannerOptions(tp_screens=10))
+    times = {(2, 2): 9.0, (4, 4): 8.0, (8, 8): 8.5, (2, 4): 8.2, (8, 4): 7.5, (4, 2): 9.9,
+             (4, 8): 7.9, (8, 2): 9.9}
+    asked = []
+
+    def weigh(p):
+        key = (p.tp["a"], p.tp["b"])
+        asked.append(key)
+        return times[key], key
+
+    tp, kept, choices = choose_degrees(problem, weigh, base_s=10.0)
+    assert asked[:3] == [(2, 2), (4, 4), (8, 8)]  # every group at one degree first
+    assert tp == {"a": 8, "b": 4} and kept == (8, 4)  # then one group moved at a time
+    assert len(asked) == len(set(asked)) == len(choices)
+    # no degree above 1 beats the plan without: no descent, nothing kept
+    asked.clear()
+    assert choose_degrees(problem, weigh, base_s=7.0)[0] is None and len(asked) == 3
+    # an assignment whose own limit is no faster than the plan without is not searched
+    asked.clear()
+    assert choose_degrees(problem, weigh, base_s=tp_limit_s(problem))[0] is None
+    assert asked == []
+    # at most tp_screens assignments are searched
+    asked.clear()
+    choose_degrees(problem.with_options(tp_screens=2), weigh, base_s=10.0)
+    assert len(asked) == 2
