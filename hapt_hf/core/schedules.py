@@ -258,7 +258,9 @@ _AS_IS = {k: k for k in ActionKind}
 def _rank_list(order: Sequence[tuple[ActionKind, int, int]], num_stages: int,
                receives: bool = True, tokens: dict | None = None,
                neighbour_warmups: tuple[int, int] | None = None,
-               num_microbatches: int = 0) -> list[tuple[object, int, int]]:
+               num_microbatches: int = 0,
+               earliest: dict[tuple[bool, int, int], int] | None = None
+               ) -> list[tuple[object, int, int]]:
     """A pipeline rank's whole list of ``(kind, stage, micro-batch)`` from its compute
     ``order`` of ``(kind, stage, micro-batch)``: each compute followed by the send of what it
     produced, and (``receives``) each receive posted ahead of its consumer, so the transfer
@@ -276,7 +278,9 @@ def _rank_list(order: Sequence[tuple[ActionKind, int, int]], num_stages: int,
     on the testbed: the activations reached a slow stage later and later, 0.49 s into a step
     the schedule had them in at 0.36 s). On NCCL, which pairs transfers in posting order on
     one stream per communicator, they are safe as the runtime posts them, each boundary's
-    each direction on a group of its own (`benchmarks/stream_order.py` replays them)."""
+    each direction on a group of its own (`benchmarks/stream_order.py` replays them).
+    ``earliest`` gives the same for any lists: (forward?, stage, micro-batch) of a receive ->
+    the body index it may be posted before (:func:`_earliest_receives`)."""
     t = _AS_IS if tokens is None else tokens
     last = num_stages - 1
     body: list[tuple[object, int, int]] = []  # (kind, stage, mb) of computes and sends
@@ -320,6 +324,8 @@ def _rank_list(order: Sequence[tuple[ActionKind, int, int]], num_stages: int,
             else:    # the stage after sends B(mb) after its F(mb + after - 1)
                 dep = after_send.get((True, min(mb + after - 1, m - 1)), where)
             where = min(where, dep)
+        if earliest is not None:
+            where = min(where, earliest.get((kind is _F, s, mb), where))
         posts.append((where, i, r, s, mb))
     posts.sort()
     out: list[tuple[object, int, int]] = []
@@ -435,8 +441,8 @@ def _interleaved(num_stages: int, num_microbatches: int, warmups: Sequence[int],
     """Interleaved 1F1B: rank ``k`` of ``p`` holds stages ``k, k + p, ...``; its forwards in
     rounds (chunk by chunk within each), its backwards in the same rounds with the chunks
     reversed; the rank's warm-up (every stage of the rank carries it) clamped to
-    :func:`interleaved_bounds`. Receives are posted one compute action ahead
-    (``early_receives`` asks nothing more here)."""
+    :func:`interleaved_bounds`. Receives are posted one compute action ahead, or
+    (``early_receives``) as soon as their sender may send (:func:`_earliest_receives`)."""
     if deferrals is not None:
         raise ScheduleError("deferrals of weight gradients apply to schedule 'zero_bubble' "
                             "only; leave them out")
@@ -446,7 +452,7 @@ def _interleaved(num_stages: int, num_microbatches: int, warmups: Sequence[int],
     v = n // p
     lo, hi = interleaved_bounds(p, v, m)
     rounds = interleaved_rounds(p, m)
-    lists = []
+    orders = []
     for r in range(p):
         mine = [int(warmups[c * p + r]) for c in range(v)]
         if len(set(mine)) > 1:
@@ -463,8 +469,56 @@ def _interleaved(num_stages: int, num_microbatches: int, warmups: Sequence[int],
             if nxt < len(fwd):
                 order.append((_F, *fwd[nxt]))
                 nxt += 1
-        lists.append(tuple(_rank_list(order, n, receives, tokens, None, m)))
-    return tuple(lists), placement
+        orders.append(order)
+    early = _earliest_receives(orders, n, placement) if receives and early_receives \
+        else [None] * p
+    lists = tuple(tuple(_rank_list(order, n, receives, tokens, None, m, early[r]))
+                  for r, order in enumerate(orders))
+    return lists, placement
+
+
+def _earliest_receives(orders: Sequence[Sequence[tuple[ActionKind, int, int]]],
+                       num_stages: int, placement: Sequence[int]
+                       ) -> list[dict[tuple[bool, int, int], int] | None]:
+    """For each rank, where each of its receives may be posted at the earliest: right after
+    the last of its own actions that the matching send depends on (through every rank's
+    list order and the transfers between them; vector clocks over a replay of the lists).
+    Posting earlier could hold a buffer for nothing; posting later holds up a Gloo transfer,
+    which moves only once its receive is posted. None for every rank where the lists
+    deadlock (the validator then says where)."""
+    bodies = [_rank_list(o, num_stages, receives=False) for o in orders]
+    p, last = len(bodies), num_stages - 1
+    pos = [0] * p
+    clock = [[-1] * p for _ in range(p)]  # clock[r][q]: q's last action r's point depends on
+    sent: dict[tuple[bool, int, int], list[int]] = {}  # (forward?, stage, mb) -> its clock
+    remaining = sum(len(b) for b in bodies)
+    while remaining:
+        moved = False
+        for r in range(p):
+            body = bodies[r]
+            while pos[r] < len(body):
+                kind, s, mb = body[pos[r]]
+                need = (True, s - 1, mb) if kind is _F and s > 0 else \
+                    (False, s + 1, mb) if kind in BACKWARDS and s < last else None
+                if need is not None:
+                    got = sent.get(need)
+                    if got is None:
+                        break
+                    clock[r] = [max(a, b) for a, b in zip(clock[r], got)]
+                clock[r][r] = pos[r]
+                if kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
+                    sent[(kind is ActionKind.SEND_F, s, mb)] = list(clock[r])
+                pos[r] += 1
+                remaining -= 1
+                moved = True
+        if not moved:
+            return [None] * p
+    out: list[dict[tuple[bool, int, int], int] | None] = [{} for _ in range(p)]
+    for (fwd, s, mb), c in sent.items():
+        to = s + 1 if fwd else s - 1  # the receiving stage
+        q = placement[to]
+        out[q][(fwd, to, mb)] = c[q] + 1  # type: ignore[index]
+    return out
 
 
 def peak_held(kind: str, num_stages: int, num_microbatches: int, warmups: Sequence[int],

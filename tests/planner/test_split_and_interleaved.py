@@ -117,10 +117,12 @@ def _interleaved_case(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(case=_interleaved_case(), default=st.booleans(), streams=st.sampled_from(["pair", "group"]))
-def test_every_interleaved_list_is_valid_and_finishes_on_nccl(case, default, streams):
+@given(case=_interleaved_case(), default=st.booleans(), streams=st.sampled_from(["pair", "group"]),
+       early=st.booleans())
+def test_every_interleaved_list_is_valid_and_finishes_on_nccl(case, default, streams, early):
     p, v, m, warm = case
-    sched = build_schedule("interleaved", p * v, m, None if default else warm, num_ranks=p)
+    sched = build_schedule("interleaved", p * v, m, None if default else warm, num_ranks=p,
+                           early_receives=early)
     assert sched.placement == tuple(s % p for s in range(p * v))
     for s in range(p * v):
         kinds = [(a.kind.value, a.microbatch) for a in sched.stage_actions(s) if a.is_compute]
@@ -304,15 +306,12 @@ def test_simulate_plan_replays_both_kinds_on_an_unlike_pipeline():
 
 # -- refusals and the planner's default --------------------------------------------------
 
-def test_the_runtime_refuses_the_kinds_it_does_not_run_in_one_sentence():
-    assert {"gpipe", "1f1b", "h1f1b"} <= set(RUNTIME_KINDS) < set(SCHEDULES)
-    for kind in SCHEDULES:
-        why = runtime_refusal(kind)
-        if kind in RUNTIME_KINDS:
-            assert why is None
-        else:
-            assert why is not None and f"'{kind}'" in why and why.count(". ") == 0
-            assert "h1f1b" in why
+def test_the_runtime_refuses_a_kind_it_does_not_run_in_one_sentence():
+    assert {"gpipe", "1f1b", "h1f1b"} <= set(RUNTIME_KINDS) <= set(SCHEDULES)
+    assert all(runtime_refusal(kind) is None for kind in RUNTIME_KINDS)
+    why = runtime_refusal("looped_bfs")  # a kind the registry might hold before the runtime
+    assert why is not None and "'looped_bfs'" in why and why.count(". ") == 0
+    assert all(kind in why for kind in RUNTIME_KINDS)
     assert PlannerOptions().schedule in RUNTIME_KINDS  # the search's default runs
 
 
@@ -407,3 +406,29 @@ def test_a_plan_may_set_each_stages_deferral_within_its_memory():
         replace(plan, stages=(plan.stages[0], replace(plan.stages[1], deferral=-1))).validate()
     r = simulate_plan(plan, _model(), _cluster())
     assert r.feasible and r.peak_in_flight == (2, 1)  # the last stage defers none
+
+
+def test_early_receives_of_interleaved_lists_move_only_the_receives_and_only_earlier():
+    """As soon as the sender may send: each receive right after the last of its rank's own
+    actions the matching send depends on, never later than one compute ahead; everything
+    else in place."""
+    for p, v, m in [(2, 2, 4), (3, 2, 6), (4, 3, 8), (2, 3, 5)]:
+        late = build_schedule("interleaved", p * v, m, num_ranks=p)
+        early = build_schedule("interleaved", p * v, m, num_ranks=p, early_receives=True)
+        moved = 0
+        for r in range(p):
+            def computes_before(lst):
+                out, seen = {}, 0
+                for a in lst:
+                    if a.kind.value.startswith("RECV"):
+                        out[str(a)] = seen
+                    elif a.is_compute:
+                        seen += 1
+                return out
+            keep = [a for a in late.actions[r] if not a.kind.value.startswith("RECV")]
+            assert keep == [a for a in early.actions[r] if not a.kind.value.startswith("RECV")]
+            before, after = computes_before(late.actions[r]), computes_before(early.actions[r])
+            assert before.keys() == after.keys()
+            assert all(after[k] <= before[k] for k in before)
+            moved += sum(after[k] < before[k] for k in before)
+        assert moved > 0
