@@ -79,22 +79,25 @@ def in_order_hazard(sched: Schedule, *, groups: str = "boundary", streams: str =
 def plan_in_order_hazard(plan: Plan, *, groups: str = "boundary", streams: str = "pair",
                          made_at_setup: bool = True) -> str | None:
     """:func:`in_order_hazard` over a plan's global ranks: every rank of every replica runs its
-    stage's list, and each of its transfers goes to the ranks the runtime pairs it with
-    (:func:`hapt_hf.pipeline.placement.rank_work`: the pieces each replica trades with the
-    neighbouring stage's replicas, and under tensor parallelism the TP rank each pairs with),
-    one transfer per piece, posted in piece order as the runtime posts them. The ranks of a
-    tensor-parallel replica run each compute together (its all-reduces join them): each of
-    their computes is one node, ready when every one of them could start it."""
-    from hapt_hf.pipeline.placement import rank_work
-    works = {r: rank_work(plan, r) for s in plan.stages for r in s.ranks}
+    pipeline rank's list, and each of its transfers goes to the ranks the runtime pairs it with
+    (:func:`hapt_hf.pipeline.placement.rank_works`, one per stage the rank holds: the pieces
+    each replica trades with the neighbouring stage's replicas, and under tensor parallelism
+    the TP rank each pairs with), one transfer per piece, posted in piece order as the runtime
+    posts them. The ranks of a tensor-parallel replica run each compute together (its
+    all-reduces join them): each of their computes is one node, ready when every one of them
+    could start it."""
+    from hapt_hf.pipeline.placement import rank_works
+    works = {(r, w.stage.index): w for r in range(plan.world_size)
+             for w in rank_works(plan, r)}  # an interleaved rank: one per stage it holds
     pieces = {ActionKind.RECV_F: "upstream", ActionKind.SEND_B: "upstream_grads",
               ActionKind.SEND_F: "downstream", ActionKind.RECV_B: "downstream_grads"}
 
     def peers(r: int, a: Action) -> list[int]:
-        return [p.peer for p in getattr(works[r], pieces[a.kind])]
-    joint = [rep.ranks for s in plan.stages for rep in s.replicas if len(rep.ranks) > 1]
-    return _hazard({r: w.actions for r, w in works.items()}, peers, plan.num_stages, groups,
-                   streams, made_at_setup, joint)
+        return [p.peer for p in getattr(works[(r, a.stage)], pieces[a.kind])]
+    joint = list(dict.fromkeys(rep.ranks for s in plan.stages for rep in s.replicas
+                               if len(rep.ranks) > 1))
+    lists = {r: w.actions for (r, _), w in works.items()}  # a rank's whole list, on each work
+    return _hazard(lists, peers, plan.num_stages, groups, streams, made_at_setup, joint)
 
 
 def _hazard(lists: dict[int, tuple[Action, ...]], peers, n: int, groups: str, streams: str,

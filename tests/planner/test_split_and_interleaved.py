@@ -432,3 +432,27 @@ def test_early_receives_of_interleaved_lists_move_only_the_receives_and_only_ear
             assert all(after[k] <= before[k] for k in before)
             moved += sum(after[k] < before[k] for k in before)
         assert moved > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(1, 3), min_size=2, max_size=3), v=st.integers(2, 3),
+       m=st.integers(1, 6), data=st.data())
+def test_interleaved_plans_with_uneven_replicas_finish_on_nccl(widths, v, m, data):
+    """Every global rank runs its pipeline rank's list over all its stages, trading each
+    virtual boundary's pieces with the replicas of the neighbouring stage (the last pipeline
+    rank's back to the first's included): nothing hangs."""
+    from benchmarks.stream_order import plan_in_order_hazard
+    from hapt_hf.planner.plan import Replica
+    p, mbs = len(widths), 6
+    reps, rank = [], 0
+    for w in widths:
+        cuts = sorted(data.draw(st.lists(st.integers(1, mbs - 1), min_size=w - 1,
+                                         max_size=w - 1, unique=True)))
+        shares = [b - a for a, b in zip([0, *cuts], [*cuts, mbs])]
+        reps.append(tuple(Replica("g", "G", s, (rank + j,)) for j, s in enumerate(shares)))
+        rank += w
+    flat = Plan("m", p * v, 64, mbs * m, mbs, m, "h1f1b",
+                tuple(Stage(i, (i * v, (i + 1) * v), reps[i], 1) for i in range(p)))
+    plan = flat.interleave(v).validate()
+    assert plan.num_pipeline_ranks == p and plan.virtual_stages == v
+    assert plan_in_order_hazard(plan) is None
