@@ -4,7 +4,9 @@ Rules of the replay (the same ones the runtime follows), one clock per pipeline 
 
 * each pipeline rank runs its compute actions (``F``, ``B``, or a split backward's ``I`` and
   ``W``) one after another in list order, each priced by the stage it names; a split backward
-  is priced from the stage's backward by :func:`backward_split`;
+  is priced from the stage's backward by :func:`backward_split`, but for the first stage of
+  several, which has no input gradient to send: its ``I`` is empty and its ``W`` its whole
+  backward (as the runtime runs it);
 * a forward waits for its activation to arrive from the previous stage, a backward (``B`` or
   ``I``) for its gradient from the next stage; ``W`` waits only for its rank;
 * a ``SEND`` starts when the stage reaches it in its list and the link direction is free: sends
@@ -169,6 +171,8 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
         raise ValueError(f"{len(shares)} weight shares given for {n} stages; give one, or one "
                          "per stage")
     split = [backward_split(c, w) for c, w in zip(st, shares)]
+    if n > 1:  # the first stage has no input gradient to send: its W is its whole backward
+        split[0] = (0.0, st[0].backward_s)
     in_s = [x[0] for x in split]
     wgt_s = [x[1] for x in split]
     # a rank holding several stages: the activations of all of them at once

@@ -456,3 +456,12 @@ def test_interleaved_plans_with_uneven_replicas_finish_on_nccl(widths, v, m, dat
     plan = flat.interleave(v).validate()
     assert plan.num_pipeline_ranks == p and plan.virtual_stages == v
     assert plan_in_order_hazard(plan) is None
+
+
+def test_the_first_stage_runs_its_whole_backward_as_w():
+    """It has no input gradient to send (the runtime's first stage runs its whole backward in
+    W): its I costs nothing, the other stages' split by the share."""
+    r = simulate_schedule(build_schedule("zero_bubble", 3, 4), _costs(3))
+    dur = {(e.stage, e.kind): e.end - e.start for e in r.events if e.kind in ("I", "W")}
+    assert dur[(0, "I")] == 0.0 and dur[(0, "W")] == 2.0
+    assert dur[(1, "I")] == dur[(1, "W")] == 1.0
