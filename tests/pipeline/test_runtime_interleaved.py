@@ -84,10 +84,25 @@ def resume_part_two(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+def mixed_optimizer_refusal(rank: int) -> str | None:
+    """Stages 0 and 2 share pipeline rank 0; the plan shards only stage 0's optimizer."""
+    from dataclasses import replace
+
+    from hapt_hf.pipeline.runtime import RuntimeSetupError
+    plan = build_plan(RESUMED)
+    stages = tuple(replace(s, optimizer="replicated") if s.index == 2 else s for s in plan.stages)
+    try:
+        runtime(RESUMED, replace(plan, stages=stages).validate(RESUMED.world)).shutdown()
+    except RuntimeSetupError as e:
+        return str(e)
+    return None
+
+
 def run_all(rank: int, world_size: int, root: str) -> dict:
     out = {c.name: train_and_compare(rank, c) for c in CASES[world_size]}
     if world_size == 4:
         out["resume"] = resume_part_one(rank, root)
+        out["refusal"] = mixed_optimizer_refusal(rank)
     return out
 
 
@@ -155,3 +170,10 @@ def test_resumes_exactly_in_fresh_processes(results):
         assert set(resumed["resumed"]) == set(full)
         for n, p in full.items():
             assert (resumed["resumed"][n] == p).all(), (rank, n)
+
+
+def test_a_ranks_stages_of_unlike_optimizers_are_refused_naming_them(results):
+    for rank in range(4):
+        msg = results[4][rank]["refusal"]
+        assert msg is not None and "stages 0 and 2" in msg and "'sharded'" in msg, msg
+        assert "give them one setting" in msg, msg
