@@ -242,7 +242,8 @@ class GradBuckets:
     def on_grad(self, p: torch.nn.Parameter) -> None:
         """A gradient of ``p`` was accumulated (its hook; or :meth:`GradSync.accumulated`)."""
         # fires once per backward for each parameter whose gradient it accumulated
-        if not self.armed or not self.overlap or id(p) not in self._armed:
+        if not self.armed or not self.overlap or id(p) not in self._armed \
+                or id(p) not in self._bucket_of:  # a tied or frozen one: in no bucket
             return
         i = self._bucket_of[id(p)]
         if id(p) in self._seen:

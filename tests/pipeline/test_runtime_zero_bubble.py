@@ -9,7 +9,8 @@ logits and state dict with one process training the whole model on the same glob
 overlaps the last ``W`` in several buckets. Cases: 2 ranks (GPT-2 with the rule's deferrals;
 LLaMA with activation checkpointing on every stage and deferrals set per stage); 4 ranks
 (mixed widths with uneven replicas and sharded optimizer state; a tensor-parallel stage
-beside uneven sharded replicas). fp16 with dynamic loss scaling skips the same steps and ends
+beside uneven sharded replicas; one rank feeding three uneven replicas of the last stage,
+which holds GPT-2's tied head). fp16 with dynamic loss scaling skips the same steps and ends
 at the same parameters as H-1F1B on the same plan, bit for bit. The harness (:func:`build_plan`,
 :func:`train_and_compare`) serves the interleaved tests too.
 """
@@ -200,7 +201,9 @@ CASES = {
     4: [Case("gpt2-3:1-sharded|1|1", "gpt2", "zero_bubble", (1, 2, 1), ((3, 1), (4,), (4,)),
              sharded=(0,), recompute=(1,)),
         Case("llama-tp2|1:3-sharded", "llama", "zero_bubble", (2, 1), ((4,), (1, 3)),
-             tp=(2, 1), sharded=(1,))],
+             tp=(2, 1), sharded=(1,)),
+        # a replicated last stage holding the tied head: its W's additions reach the buckets
+        Case("gpt2-1|2:1:1", "gpt2", "zero_bubble", (1, 1), ((4,), (2, 1, 1)))],
 }
 FP16 = Case("llama-fp16", "llama", "zero_bubble", (1, 1), ((1,), (1,)), dtype="fp16")
 
