@@ -127,13 +127,24 @@ def backward_input(outputs: list[Tensor], output_grads: list[Tensor] | None, inp
     return stage_backward_input(outputs, output_grads, inputs, weights)
 
 
-def backward_weight(weights: Any, state: Any) -> None:
+def backward_weight(weights: Any, state: Any,
+                    after_group: Callable[[list[Any]], None] | None = None) -> None:
     """The weight gradients of a backward that :func:`backward_input` began, added to each
     weight's ``.grad`` (set where None) as the whole backward adds them; ``weights`` as given
-    there.
+    there. ``after_group``: called with the weights of each group of them as soon as their
+    gradients are in (a bucket all-reduce may start on them while the others run).
 
     Tested on torch 2.13 (``torch.distributed.pipelining._backward.stage_backward_weight``,
-    since torch 2.5).
+    since torch 2.5: its weight groups, ``params`` the weights' gradient accumulators, are
+    run one by one here as it runs them).
     """
     from torch.distributed.pipelining._backward import stage_backward_weight
-    stage_backward_weight(weights, state)
+    if after_group is None:
+        stage_backward_weight(weights, state)
+        return
+    # a weight's gradient accumulator, found as torch's helpers find it
+    owner = {w.view_as(w).grad_fn.next_functions[0][0]: w for w in weights if w.requires_grad}
+    for group in state:
+        members = [owner[acc] for acc in group["params"]]
+        stage_backward_weight(members, [group])
+        after_group(members)

@@ -469,9 +469,9 @@ class PipelineRuntime:
             if m.root is not None:
                 torch.autograd.backward(*m.root)
             else:
-                params = list(self.stages[s].parameters())
-                backward_weight(params, m.weight_state)
-                self._grads.accumulated(params)
+                # each group of weights goes to its buckets as soon as its gradients are in
+                backward_weight(list(self.stages[s].parameters()), m.weight_state,
+                                self._grads.accumulated)
         m.root = m.weight_state = None
         self._live -= 1
 
