@@ -104,6 +104,9 @@ class PlanReport:
     attention: str = ""
     """The attention the plan was budgeted for (and the runtime builds), with why where the
     caller said, e.g. ``eager (gemma2 does not support sdpa; the model's best)``."""
+    tensor_parallel: tuple[str, ...] = ()
+    """One line per run of consecutive stages of one group whose replicas are several GPUs
+    (tensor parallelism): the degree and what the GPUs of a replica split."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -210,7 +213,7 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
         all_groups_s=all_groups_s, sharding=_sharding_lines(plan, sharding or {}),
         data_parallel=_data_parallel(plan, sim if feasible else None),
-        mixed_stages=_mixed_lines(plan),
+        mixed_stages=_mixed_lines(plan), tensor_parallel=_tp_lines(plan),
         attention=plan.attn_implementation + (f" ({attention_reason})" if attention_reason
                                               else ""))
 
@@ -275,6 +278,22 @@ def _mixed_lines(plan: Plan) -> tuple[str, ...]:
                  for s in plan.stages if s.uneven)
 
 
+def _tp_lines(plan: Plan) -> tuple[str, ...]:
+    """Runs of consecutive stages of one group at one tensor-parallel degree above 1."""
+    runs: list[list] = []  # [first, last, groups, degree]
+    for s in plan.stages:
+        if s.tp == 1:
+            continue
+        if runs and runs[-1][1] == s.index - 1 and runs[-1][2:] == [s.groups, s.tp]:
+            runs[-1][1] = s.index
+        else:
+            runs.append([s.index, s.index, s.groups, s.tp])
+    return tuple(f"{f'stage {a}' if a == b else f'stages {a}-{b}'} ({'+'.join(g)}): "
+                 f"replicas of {t} GPUs of one node, each GPU holding 1/{t} of every block's "
+                 "projections; the embedding, norms and head whole on each"
+                 for a, b, g, t in runs)
+
+
 # -- text ----------------------------------------------------------------------------------
 
 _HEADERS = ("stage", "group", "device", "GPUs (ranks)", "tp", "layers", "fwd ms", "bwd ms",
@@ -330,6 +349,8 @@ def format_report(rep: PlanReport) -> str:
         out.append(f"data parallel    {rep.data_parallel}")
     for i, line in enumerate(rep.mixed_stages):
         out.append(f"{'mixed stages' if i == 0 else '':<17}{line}")
+    for i, line in enumerate(rep.tensor_parallel):
+        out.append(f"{'tensor parallel' if i == 0 else '':<17}{line}")
     over = [r for r in rep.stages if not r.fits]
     if not rep.feasible or over:
         why = rep.reason or ", ".join(f"stage {r.index} needs {r.peak_memory_gb:.1f} GB of "

@@ -276,3 +276,19 @@ def test_the_screen_weighs_uniform_degrees_then_moves_one_group_from_the_winner(
     asked.clear()
     choose_degrees(problem.with_options(tp_screens=2), weigh, base_s=10.0)
     assert len(asked) == 2
+
+
+def test_the_report_names_each_run_of_tensor_parallel_stages():
+    from hapt_hf.planner.report import build_report, format_report
+
+    m, cl = llama(), one_group(mem_gb=0.25, gpus=4, gpn=4)
+    res = plan_job(m, cl, 8)
+    text = format_report(build_report(res.plan, res.sim))
+    first = res.plan.stages[0].index
+    last = res.plan.stages[-1].index
+    span = f"stage {first}" if first == last else f"stages {first}-{last}"
+    assert (f"tensor parallel  {span} (a): replicas of 2 GPUs of one node, each GPU holding "
+            "1/2 of every block's projections") in text
+    one = plan_job(m, one_group(mem_gb=16.0, gpus=4, gpn=4), 8,
+                   options=PlannerOptions(max_tp=1))
+    assert "tensor parallel" not in format_report(build_report(one.plan, one.sim))
