@@ -11,7 +11,8 @@ process (the harness of ``test_runtime_zero_bubble``; rtol 1e-5, atol 4e-5 in fp
 of unequal sizes throughout: v = 2 and 3 on 2 ranks; on 4 ranks v = 3 over two pipeline ranks
 of two uneven replicas each (one sharding its optimizer state), v = 2 over four pipeline
 ranks with activation checkpointing on some chunks, and v = 2 with a tensor-parallel
-pipeline rank. The replicas' bucket all-reduce overlaps each chunk's last backward, and a run
+pipeline rank, and v = 2 over one rank then three uneven replicas (mixed widths, on both
+sides of the wrap). The replicas' bucket all-reduce overlaps each chunk's last backward, and a run
 saved (gathered model, per-rank optimizer state) resumes in fresh processes bit for bit.
 """
 from __future__ import annotations
@@ -32,7 +33,9 @@ CASES = {
     4: [Case("gpt2-v3-replicas", "gpt2", IL, (1, 2, 1, 1, 1, 2), ((3, 1), (2, 2)), sharded=(0,)),
         Case("llama-v2-p4", "llama", IL, (1, 1, 2, 1, 1, 2, 1, 1), ((1,),) * 4,
              recompute=(2, 5)),
-        Case("llama-v2-tp2", "llama", IL, (1, 2, 2, 1), ((2,), (1, 1)), tp=(2, 1))],
+        Case("llama-v2-tp2", "llama", IL, (1, 2, 2, 1), ((2,), (1, 1)), tp=(2, 1)),
+        # mixed widths: one rank, then three uneven replicas, and back across the wrap
+        Case("gpt2-v2-1|1:2:1", "gpt2", IL, (2, 1, 1, 1), ((4,), (1, 2, 1)))],
 }
 
 
