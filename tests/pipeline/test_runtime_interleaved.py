@@ -10,10 +10,10 @@ parameter after the steps, ``evaluate``, the logits and the gathered state dict 
 process (the harness of ``test_runtime_zero_bubble``; rtol 1e-5, atol 4e-5 in fp32). Chunks
 of unequal sizes throughout: v = 2 and 3 on 2 ranks; on 4 ranks v = 3 over two pipeline ranks
 of two uneven replicas each (one sharding its optimizer state), v = 2 over four pipeline
-ranks with activation checkpointing on some chunks, and v = 2 with a tensor-parallel
-pipeline rank, and v = 2 over one rank then three uneven replicas (mixed widths, on both
-sides of the wrap). The replicas' bucket all-reduce overlaps each chunk's last backward, and a run
-saved (gathered model, per-rank optimizer state) resumes in fresh processes bit for bit.
+ranks with activation checkpointing on some chunks, v = 2 with a tensor-parallel pipeline
+rank, and v = 2 over one rank then three uneven replicas (mixed widths, on both sides of the
+wrap). The replicas' bucket all-reduce overlaps each chunk's last backward, and a run saved
+(gathered model, per-rank optimizer state) resumes in fresh processes bit for bit.
 """
 from __future__ import annotations
 
