@@ -80,8 +80,12 @@ def test_recorded_plans_cover_every_scenario():
 
 @pytest.mark.parametrize("name", sorted(TP_FASTER))
 def test_tensor_parallelism_beats_the_recorded_plan(name):
+    # the default search's winner is the second assignment it weighs (every group at 4) and
+    # the descent from it finds nothing faster (benchmarks/planner.py runs the default): two
+    # screens give the same plan in half the time
     job = load_job(scenario_path(name))
-    res = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile)
+    res = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
+                   options=PlannerOptions(tp_screens=2))
     recorded, now = TP_FASTER[name]
     assert res.sim.feasible and any(s.tp > 1 for s in res.plan.stages)
     assert res.sim.iteration_s == pytest.approx(now, rel=1e-4)
