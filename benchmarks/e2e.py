@@ -5,25 +5,38 @@ capped at the same CPU share) with a slow link between the two groups (benchmark
 Inside the same processes, iterations of the contenders alternate, so that a busy phase of the
 machine hits them alike:
 
-  (a) hapt_hf: profile (one block per group, the link), plan, run the plan with H-1F1B;
+  (a) hapt_hf: profile (one block per group, the link), plan with ``plan_job`` as a user would
+      (the planner may leave a group idle), run the plan it returns;
   (b) torch.distributed.pipelining Schedule1F1B over the uniform split;
-  (c) hapt_hf's plan (same split) with plain 1F1B warm-ups;
+  (c) hapt_hf's plan (same split, same groups) with plain 1F1B warm-ups;
   (d) the uniform split on hapt_hf's runtime (1F1B);
   (e) DDP of the whole model on the same four ranks, every rank the same share of the batch
-      (what ``accelerate launch`` runs).
+      (what ``accelerate launch`` runs);
+  (f) torch's ScheduleInterleaved1F1B over the uniform split into 2 chunks per rank;
+  (g) torch's ScheduleInterleavedZeroBubble over the same chunks;
+  (h) the planner's best plan on every group, raced where its choice (a) leaves a group idle.
+
+(f) and (g) run where the model has at least 2 blocks per rank. Where the planner leaves a
+group idle, (a) and (c) run on the kept groups' ranks alone: each kept rank starts one child
+process, in its own cgroup, namespace and slow-down, and the children form a process group of
+their own (the plan's world, as a user would launch it); the idle ranks wait at the barrier that
+ends the step, as every contender's step ends.
 
 The planner is not told the testbed's settings: it sees groups of equal nominal speed and a
 nominal link, and learns both through the profiler. Every contender runs a full training step
-(forward, backward, AdamW); the embeddings are untied because torch's schedule does not sum tied
+(forward, backward, AdamW); the embeddings are untied because torch's schedules do not sum tied
 gradients across stages.
 
-    python3 benchmarks/e2e.py --quick            # < 5 minutes; JSON on the last line
+    python3 benchmarks/e2e.py --quick            # < 6 minutes; JSON on the last line
+    python3 benchmarks/e2e.py --quick --slowdown 4 --link-mbps 8 --link-latency-ms 40
     python3 benchmarks/e2e.py --plot docs/e2e_throughput.png
     python3 benchmarks/e2e.py --quick --unshaped # the link left at the machine's speed
 
-The last line is JSON with speedup_vs_torch_1f1b_uniform ((a)/(b)), speedup_vs_plain_1f1b
-((a)/(c)), speedup_vs_ddp_equal_share ((e)/(a), where (e) ran) and prediction_error
-(|predicted - measured| / measured for (a)).
+The last line is JSON with speedup_vs_torch_1f1b_uniform ((a)/(b)), speedup_vs_torch_best
+((a) over the fastest of (b), (f), (g)), speedup_vs_plain_1f1b ((a)/(c)),
+speedup_vs_all_groups ((a)/(h), where (h) ran), speedup_vs_ddp_equal_share ((e)/(a), where (e)
+ran) and prediction_error (|predicted - measured| / measured for (a)); every contender's median
+under ``contenders``.
 
 ``--unshaped`` leaves the link between the groups at the machine's own speed (the compute gap
 stays): a model that fits every rank and a fast link, where data parallelism with shares by
@@ -36,7 +49,9 @@ import argparse
 import functools
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -47,8 +62,15 @@ sys.path.insert(0, str(ROOT))
 
 from hapt_hf.core.schedules import ScheduleKind, default_warmups  # noqa: E402
 
-CONTENDERS = {"a": "hapt_hf plan + H-1F1B", "b": "torch Schedule1F1B, uniform",
-              "c": "hapt_hf plan + 1F1B", "d": "uniform on hapt_hf runtime", "e": "DDP"}
+CONTENDERS = {"a": "hapt_hf's chosen plan", "b": "torch Schedule1F1B, uniform",
+              "c": "hapt_hf plan + 1F1B", "d": "uniform on hapt_hf runtime", "e": "DDP",
+              "f": "torch Interleaved1F1B, uniform x2", "g": "torch InterleavedZB, uniform x2",
+              "h": "hapt_hf plan on every group"}
+TORCH = ("b", "f", "g")
+"""torch's schedules among the contenders."""
+TORCH_INTERLEAVED = {"f": "ScheduleInterleaved1F1B", "g": "ScheduleInterleavedZeroBubble"}
+VIRTUAL = 2
+"""Chunks per rank of torch's interleaved contenders."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,11 @@ class RaceConfig:
     """Leave the link between the groups unshaped (loopback speed); the compute gap stays."""
     pin_cpus: bool = True
     """Pin every capped rank to one core (see TestbedSpec.pin_cpus)."""
+    idle_ranks_busy: bool = True
+    """Where the chosen plan leaves a group idle, its ranks compute (to no purpose) during the
+    plan's steps: this machine's cores, caches and memory bandwidth are shared, so two ranks
+    alone run faster than the four the profile timed and every other contender runs; an idle
+    GPU gives its neighbours nothing. ``--idle-ranks-rest`` lets them sleep instead."""
 
     def testbed(self) -> dict:
         links = [] if self.unshaped else [
@@ -149,22 +176,37 @@ def _nominal_cluster(cfg: RaceConfig):
                    for g, r in _groups(cfg).items()]})
 
 
-def uniform_plan(cfg: RaceConfig):
-    """One stage per rank, blocks split evenly, embedding first, head last (the default)."""
+def uniform_plan(cfg: RaceConfig, virtual: int = 1):
+    """Blocks split evenly over ``virtual`` stages per rank (stage ``s`` on rank ``s mod n``),
+    embedding first, head last: one stage per rank under 1F1B (the default), ``virtual`` under
+    torch's interleaved order and warm-ups."""
     from hapt_hf.planner.plan import Plan, Stage
     n = cfg.fast_ranks + cfg.slow_ranks
-    per = [cfg.blocks // n + (i < cfg.blocks % n) for i in range(n)]
+    k = n * virtual
+    per = [cfg.blocks // k + (i < cfg.blocks % k) for i in range(k)]
     m = cfg.global_batch // cfg.micro_batch
-    warm = default_warmups(ScheduleKind.ONE_F_ONE_B, n, m)
+    kind = ScheduleKind.ONE_F_ONE_B if virtual == 1 else ScheduleKind.INTERLEAVED
+    warm = default_warmups(kind, k, m, n)
     stages, start = [], 0
     for i, b in enumerate(per):
-        end = start + b + (i == 0) + (i == n - 1)
-        group = "fast" if i < cfg.fast_ranks else "slow"
-        stages.append(Stage.even(i, (start, end), group, f"cpu-{group}", (i,), warmup=warm[i],
-                                 micro_batch_size=cfg.micro_batch))
+        end = start + b + (i == 0) + (i == k - 1)
+        group = "fast" if i % n < cfg.fast_ranks else "slow"
+        stages.append(Stage.even(i, (start, end), group, f"cpu-{group}", (i % n,),
+                                 warmup=warm[i], micro_batch_size=cfg.micro_batch))
         start = end
     return Plan("gpt2-race", start, cfg.seq, cfg.global_batch, cfg.micro_batch, m,
-                ScheduleKind.ONE_F_ONE_B, tuple(stages)).validate()
+                kind, tuple(stages)).validate()
+
+
+def interleaves(cfg: RaceConfig) -> bool:
+    """Whether the model splits into VIRTUAL chunks of at least one block per rank."""
+    return cfg.blocks >= (cfg.fast_ranks + cfg.slow_ranks) * VIRTUAL
+
+
+def kept_ranks(cfg: RaceConfig, idle: list[str]) -> list[int]:
+    """The global ranks of the groups a plan keeps, in file order: plan rank j runs on the
+    j-th of them."""
+    return [r for g, ranks in _groups(cfg).items() if g not in idle for r in ranks]
 
 
 def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
@@ -186,15 +228,19 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
     if dist.get_rank() == 0:
         spec = ModelSpec.from_config(config, cfg.seq, "fp32", name="gpt2-race")
         cluster = cluster_with_links(_nominal_cluster(cfg), profile)
-        options = PlannerOptions(schedule=ScheduleKind.H1F1B,
-                                 micro_batch_sizes=cfg.micro_batch_sizes(), all_groups=True)
-        result = plan_job(spec, cluster, cfg.global_batch, profile=profile, options=options)
-        # The race runs on every rank; whether the planner would leave a group idle is recorded
-        free = plan_job(spec, cluster, cfg.global_batch, profile=profile,
-                        options=replace(options, all_groups=False))
-        box[0] = {"plan": result.plan.to_dict(), "links": [asdict(m) for m in profile.links],
-                  "group_choice": {"idle": list(free.plan.idle_groups),
-                                   "predicted_s": free.plan.predicted.iteration_s},
+        options = PlannerOptions(micro_batch_sizes=cfg.micro_batch_sizes())
+        chosen = plan_job(spec, cluster, cfg.global_batch, profile=profile, options=options)
+        idle = list(chosen.plan.idle_groups)
+        # where the choice leaves a group idle, the best plan on every group races beside it
+        every = (plan_job(spec, cluster, cfg.global_batch, profile=profile,
+                          options=replace(options, all_groups=True)) if idle else None)
+        box[0] = {"plan": chosen.plan.to_dict(), "links": [asdict(m) for m in profile.links],
+                  "all_groups_plan": every.plan.to_dict() if every else None,
+                  "group_choice": {"idle": idle,
+                                   "predicted_s": chosen.plan.predicted.iteration_s,
+                                   "all_groups_predicted_s": (every or chosen).plan.predicted
+                                   .iteration_s,
+                                   "weighed": [asdict(c) for c in chosen.group_choices]},
                   "profile": {f"{k.device} {k.layer_signature.split(':')[0]} mb{k.micro_batch}":
                               [t.forward_s, t.backward_s] for k, t in profile.timings.items()}}
     dist.broadcast_object_list(box, src=0)
@@ -205,33 +251,169 @@ def _train_step(rt, opt, batch):
     return rt.train_step(batch, opt)
 
 
-def _contenders(cfg: RaceConfig, config, plan_a, rank: int, links: list[dict]) -> dict:
-    """name -> step(batch) callable running one full training step of that contender."""
+def _runtime_steps(config, plans: dict) -> dict:
+    """name -> step(batch) of hapt_hf's runtime on each plan (this rank in every plan)."""
     import torch
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
-    from hapt_hf.pipeline.stage import build_stage
-    from hapt_hf.pipeline.torch_pipelining import build_torch_pipeline
-
-    uniform = uniform_plan(cfg)
     rc = RuntimeConfig(timeout_s=600, seed=0)
     steps = {}
-    plan_c = plan_a.with_schedule(ScheduleKind.ONE_F_ONE_B)
-    for name, plan in (("a", plan_a), ("c", plan_c), ("d", uniform)):
+    for name, plan in plans.items():
         rt = PipelineRuntime(plan, config, rc)
         opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-4)
         steps[name] = functools.partial(_train_step, rt, opt)
-    stage = build_stage(config, uniform.stage_of_rank(rank).layers, seed=0)
-    torch_pp = build_torch_pipeline(uniform, rank, stage, cfg.vocab)
-    opt_b = torch.optim.AdamW(stage.parameters(), lr=1e-4)
-
-    def step_b(batch):
-        opt_b.zero_grad(set_to_none=True)
-        torch_pp.forward_backward(batch.input_ids, batch.labels)
-        opt_b.step()
-    steps["b"] = step_b
-    if _ddp_estimate_s(cfg, config, links) <= cfg.ddp_max_s:
-        steps["e"] = _ddp_step(cfg, config, rank)
     return steps
+
+
+def _burn() -> None:
+    """About a millisecond of one core's arithmetic."""
+    import torch
+    a = torch.ones(96, 96)
+    for _ in range(4):
+        a = a @ a * 1e-2
+
+
+def _chosen_plans(plan_a) -> dict:
+    """(a) and, on a plan of one stage per rank, (c): the same plan with 1F1B's warm-ups."""
+    plans = {"a": plan_a}
+    if plan_a.virtual_stages == 1:
+        plans["c"] = plan_a.with_schedule(ScheduleKind.ONE_F_ONE_B)
+    return plans
+
+
+def _torch_step(cfg: RaceConfig, config, plan, rank: int, schedule: str):
+    """One step of torch's ``schedule`` over ``plan`` (uniform) on this rank, AdamW after."""
+    import torch
+    from hapt_hf.pipeline.stage import build_stage
+    from hapt_hf.pipeline.torch_pipelining import build_torch_pipeline
+    modules = {s.index: build_stage(config, s.layers, seed=0) for s in plan.stages_of_rank(rank)}
+    torch_pp = build_torch_pipeline(plan, rank, modules, cfg.vocab, schedule=schedule)
+    opt = torch.optim.AdamW([q for m in modules.values() for q in m.parameters()], lr=1e-4)
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        torch_pp.forward_backward(batch.input_ids, batch.labels)
+        opt.step()
+    return step
+
+
+def _contenders(cfg: RaceConfig, config, planned: dict, rank: int) -> tuple[dict, list]:
+    """name -> step(batch) callable running one full training step of that contender, and
+    what to close after the race."""
+    from hapt_hf.planner.plan import Plan
+    plan_a = Plan.from_dict(planned["plan"])
+    idle = planned["group_choice"]["idle"]
+    uniform = uniform_plan(cfg)
+    plans = {"d": uniform}
+    if idle:
+        plans["h"] = Plan.from_dict(planned["all_groups_plan"])
+    else:
+        plans.update(_chosen_plans(plan_a))
+    steps, closing = _runtime_steps(config, plans), []
+    if idle:
+        sub = _SubWorld(cfg, planned, rank)
+        steps.update(sub.steps())
+        closing.append(sub)
+    steps["b"] = _torch_step(cfg, config, uniform, rank, "Schedule1F1B")
+    if interleaves(cfg):
+        chunks = uniform_plan(cfg, VIRTUAL)
+        for name, schedule in TORCH_INTERLEAVED.items():
+            steps[name] = _torch_step(cfg, config, chunks, rank, schedule)
+    if _ddp_estimate_s(cfg, config, planned["links"]) <= cfg.ddp_max_s:
+        steps["e"] = _ddp_step(cfg, config, rank)
+    return steps, closing
+
+
+class _SubWorld:
+    """The chosen plan on the kept groups' ranks alone: each kept rank starts one child
+    process (same cgroup, CPU, namespace and slow-down: it inherits them), and the children
+    form the plan's world over a prefix of the race's own store. A step is a line to the
+    child and its answer; an idle rank has no child and its step does nothing."""
+
+    def __init__(self, cfg: RaceConfig, planned: dict, rank: int) -> None:
+        import torch.distributed as dist
+        kept = kept_ranks(cfg, planned["group_choice"]["idle"])
+        self.proc = None
+        self.busy = cfg.idle_ranks_busy
+        if rank in kept:
+            env = dict(os.environ, RANK=str(kept.index(rank)), LOCAL_RANK=str(kept.index(rank)),
+                       WORLD_SIZE=str(len(kept)))
+            if "HAPT_TESTBED_SHIM" in env:  # the shim's groups by the child world's ranks
+                shim = json.loads(env["HAPT_TESTBED_SHIM"])
+                shim["group_of_rank"] = [shim["group_of_rank"][r] for r in kept]
+                env["HAPT_TESTBED_SHIM"] = json.dumps(shim)
+            arg = json.dumps({"cfg": asdict(cfg), "plan": planned["plan"]})
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()),
+                                          "--sub-worker", arg], env=env, cwd=ROOT,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            self._expect("ready")
+        from hapt_hf.planner.plan import Plan
+        self.names = list(_chosen_plans(Plan.from_dict(planned["plan"])))
+        dist.barrier()  # every child world is up before the race starts
+
+    def _expect(self, word: str) -> None:
+        line = self.proc.stdout.readline().strip()
+        if line != word:
+            self.proc.kill()
+            raise RuntimeError(f"the sub-world child answered {line!r}, not {word!r} (its "
+                               "output is above)")
+
+    def _step(self, name: str, batch) -> None:
+        import torch.distributed as dist
+        if self.proc is None:  # idle: keep this rank's CPU share busy until the step ends
+            done = dist.barrier(async_op=True)
+            while not done.is_completed():
+                if self.busy:
+                    _burn()
+                else:
+                    time.sleep(0.001)
+            return
+        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.flush()
+        self._expect("done")
+        dist.barrier()
+
+    def steps(self) -> dict:
+        return {n: functools.partial(self._step, n) for n in self.names}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=120)
+
+
+def sub_worker(arg: dict) -> None:
+    """A child of a kept rank: join the plan's world, build (a) and (c), run steps on demand."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    from hapt_hf.pipeline import Batch
+    from hapt_hf.planner.plan import Plan
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else printed goes to stderr, the answers alone to the parent
+    cfg = RaceConfig(**arg["cfg"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", store=dist.PrefixStore("race-sub-world/", store),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    config = _model_config(cfg)
+    steps = _runtime_steps(config, _chosen_plans(Plan.from_dict(arg["plan"])))
+    gc.collect()
+    gc.freeze()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab, (cfg.global_batch, cfg.seq), generator=g)
+    batch = Batch(ids, ids.clone())
+    print("ready", file=out, flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        if name == "quit":
+            break
+        steps[name](batch)
+        print("done", file=out, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 def _ddp_estimate_s(cfg: RaceConfig, config, links: list[dict]) -> float:
@@ -267,14 +449,12 @@ def worker(cfg: RaceConfig) -> None:
     import torch
     import torch.distributed as dist
     from hapt_hf.pipeline import Batch, init_distributed
-    from hapt_hf.planner.plan import Plan
 
     rank, _ = init_distributed(timeout_s=600)
     config = _model_config(cfg)
     planned, profile_s, plan_s = _plan(cfg, config)
-    plan_a = Plan.from_dict(planned["plan"])
-    steps = _contenders(cfg, config, plan_a, rank, planned["links"])
-    # Five contenders' models live in every rank, where a training job holds one: the
+    steps, closing = _contenders(cfg, config, planned, rank)
+    # Several contenders' models live in every rank, where a training job holds one: the
     # collector's full passes over them (about 1 s a rank over a run) would land in random
     # steps. Everything made so far is frozen out of the collector's passes, as it would be
     # in a process holding only one of them.
@@ -283,7 +463,7 @@ def worker(cfg: RaceConfig) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab, (cfg.global_batch, cfg.seq), generator=g)
     batch = Batch(ids, ids.clone())
-    order = list(steps)
+    order = sorted(steps)
     times: dict[str, list[float]] = {k: [] for k in order}
     for r in range(cfg.warmup_reps + cfg.reps):
         rotated = order[r % len(order):] + order[:r % len(order)]
@@ -296,6 +476,8 @@ def worker(cfg: RaceConfig) -> None:
             dist.barrier()
             if r >= cfg.warmup_reps:
                 times[name].append(time.perf_counter() - t0)
+    for c in closing:
+        c.close()
     if rank == 0:
         print("RACE " + json.dumps({"times": times, "profile_s": profile_s, "plan_s": plan_s,
                                     "ddp_estimate_s": _ddp_estimate_s(cfg, config,
@@ -335,10 +517,16 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
     predicted = race["plan"]["predicted"]["iteration_s"]
     measured = rows["a"]["median_s"]
     plan = race["plan"]
+    best = min((k for k in TORCH if k in rows), key=lambda k: rows[k]["median_s"])
     return {
         "speedup_vs_torch_1f1b_uniform": rows["a"]["vs_b"],
-        "speedup_vs_plain_1f1b": round(rows["c"]["median_s"] / measured, 3),
+        "speedup_vs_torch_best": round(rows[best]["median_s"] / measured, 3),
+        "torch_best": CONTENDERS[best],
+        **({"speedup_vs_plain_1f1b": round(rows["c"]["median_s"] / measured, 3)}
+           if "c" in rows else {}),
         "speedup_vs_uniform_hapt_runtime": round(rows["d"]["median_s"] / measured, 3),
+        **({"speedup_vs_all_groups": round(rows["h"]["median_s"] / measured, 3)}
+           if "h" in rows else {}),
         **ddp,
         "prediction_error": round(abs(predicted - measured) / measured, 3),
         "predicted_iteration_s": round(predicted, 4), "measured_iteration_s": measured,
@@ -348,6 +536,7 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
                              "warmup": s["warmup"], "optimizer": s.get("optimizer", "replicated"),
                              **({"samples": [r["samples"] for r in s["replicas"]]}
                                 if _uneven(s) else {})} for s in plan["stages"]],
+                 "schedule": plan["schedule"], "idle_groups": plan.get("idle_groups", []),
                  "micro_batch_size": plan["micro_batch_size"],
                  "num_microbatches": plan["num_microbatches"]},
         "group_choice": race["group_choice"],
@@ -363,7 +552,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = result["contenders"]
-    keys = [k for k in "abcde" if k in rows]
+    keys = [k for k in CONTENDERS if k in rows]
     fig, ax = plt.subplots(figsize=(8, 3.4))
     vals = [rows[k]["tokens_per_s"] for k in keys]
     errs = [rows[k]["tokens_per_s"] * rows[k]["spread"] / 2 for k in keys]
@@ -402,9 +591,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="leave the link between the groups at the machine's speed")
     ap.add_argument("--no-pin-cpus", action="store_true",
                     help="leave the capped ranks free to run on any core")
+    ap.add_argument("--idle-ranks-rest", action="store_true",
+                    help="let the ranks of a group the plan leaves idle sleep during its steps")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--sub-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.sub_worker:
+        sub_worker(json.loads(args.sub_worker))
+        return {}
     if args.worker:
         worker(RaceConfig(**json.loads(args.worker)))
         return {}
@@ -419,7 +614,8 @@ def main(argv: list[str] | None = None) -> dict:
             "profile_budget_s": args.profile_budget_s,
             "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap,
             "unshaped": True if args.unshaped else None,
-            "pin_cpus": False if args.no_pin_cpus else None}
+            "pin_cpus": False if args.no_pin_cpus else None,
+            "idle_ranks_busy": False if args.idle_ranks_rest else None}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
     if cfg.cpu_cap is not None and cfg.cpu_cap <= 0:
         cfg = RaceConfig(**{**asdict(cfg), "cpu_cap": None})

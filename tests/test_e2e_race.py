@@ -1,0 +1,59 @@
+"""The end-to-end race's own logic, without processes: the uniform splits its torch contenders
+run, the ranks a chosen plan keeps, and what the last line reports."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.e2e import (CONTENDERS, RaceConfig, interleaves, kept_ranks, summarize,
+                            uniform_plan)
+from hapt_hf.core.schedules import default_warmups
+from hapt_hf.pipeline.torch_pipelining import torch_supports
+
+
+def test_uniform_split_and_its_interleaved_chunks_run_under_torch():
+    cfg = RaceConfig()
+    one = uniform_plan(cfg)
+    assert [s.layers for s in one.stages] == [(0, 3), (3, 5), (5, 7), (7, 10)]
+    assert torch_supports(one) is None
+    two = uniform_plan(cfg, 2)
+    assert interleaves(cfg) and two.schedule == "interleaved" and two.num_pipeline_ranks == 4
+    # one block per chunk, the embedding with the first, the head with the last
+    assert [s.layers for s in two.stages] == [(0, 2)] + [(i, i + 1) for i in range(2, 8)] + \
+        [(8, 10)]
+    assert [s.ranks for s in two.stages] == [(i % 4,) for i in range(8)]
+    assert two.warmups() == default_warmups("interleaved", 8, 8, 4)
+    for schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        assert torch_supports(two, schedule) is None
+    assert not interleaves(RaceConfig(blocks=6))
+
+
+def test_a_plan_that_leaves_a_group_idle_runs_on_the_kept_ranks_in_file_order():
+    cfg = RaceConfig()
+    assert kept_ranks(cfg, []) == [0, 1, 2, 3]
+    assert kept_ranks(cfg, ["slow"]) == [0, 1]
+    assert kept_ranks(cfg, ["fast"]) == [2, 3]
+
+
+def _race(times: dict[str, list[float]], idle: list[str]) -> dict:
+    plan = uniform_plan(RaceConfig()).to_dict()
+    plan["predicted"] = {"iteration_s": 1.1}
+    return {"times": times, "plan": plan, "group_choice": {"idle": idle}, "links": [],
+            "profile": {}, "profile_s": 1.0, "plan_s": 0.1, "ddp_estimate_s": 50.0}
+
+
+def test_last_line_reports_the_speedup_over_torchs_best_and_every_median():
+    times = {"a": [1.0, 1.0, 1.2], "b": [3.0, 3.0, 3.0], "d": [2.5] * 3, "f": [2.0, 2.2, 2.4],
+             "g": [2.6] * 3, "h": [1.5] * 3}
+    mech = SimpleNamespace(slowdown="hook", network="netns", notes=())
+    out = summarize(RaceConfig(), _race(times, ["slow"]), mech, 10.0)
+    assert out["speedup_vs_torch_1f1b_uniform"] == pytest.approx(3.0)
+    assert out["speedup_vs_torch_best"] == pytest.approx(2.2)
+    assert out["torch_best"] == CONTENDERS["f"]
+    assert out["speedup_vs_all_groups"] == pytest.approx(1.5)
+    assert "speedup_vs_plain_1f1b" not in out and "ddp_skipped" in out
+    assert out["prediction_error"] == pytest.approx(0.1)
+    assert {k: r["median_s"] for k, r in out["contenders"].items()} == \
+        {"a": 1.0, "b": 3.0, "d": 2.5, "f": 2.2, "g": 2.6, "h": 1.5}
+    assert out["group_choice"]["idle"] == ["slow"]
