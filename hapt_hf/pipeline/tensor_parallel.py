@@ -32,13 +32,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from transformers import PretrainedConfig
 
+from hapt_hf.core.tp import TP_STYLES, block_entries, tp_plan_problem
 from hapt_hf.pipeline.config_checks import tp_size_refusal
 
 __all__ = ["SUPPORTED_STYLES", "TensorParallelShards", "tp_plan_refusal", "stage_tp_plan", "shard_stage",
            "local_tensor", "is_sharded", "full_state_dict"]
 
-COLWISE, ROWWISE, REPLICATED_GRAD_SUM = "colwise", "rowwise", "replicated_with_grad_allreduce"
-SUPPORTED_STYLES = (COLWISE, ROWWISE, REPLICATED_GRAD_SUM)
+COLWISE, ROWWISE, REPLICATED_GRAD_SUM = TP_STYLES
+SUPPORTED_STYLES = TP_STYLES
 """The styles of ``config.base_model_tp_plan`` a replica can run."""
 
 
@@ -48,24 +49,11 @@ def tp_plan_refusal(config: PretrainedConfig, t: int) -> str | None:
     here, or ``t`` does not divide the heads, key/value heads or MLP width."""
     if t == 1:
         return None
-    plan = getattr(config, "base_model_tp_plan", None)
-    model_type = getattr(config, "model_type", "?")
-    if not plan:
-        return (f"config.model_type {model_type!r} has no tensor-parallel plan "
-                "(config.base_model_tp_plan is empty): its blocks cannot be sharded, so every "
-                f"replica must be one rank; the plan gives a replica {t} ranks: re-plan without "
-                "tensor parallelism (one rank per replica)")
-    if not _block_entries(plan):
-        return (f"config.model_type {model_type!r}'s tensor-parallel plan "
-                f"(config.base_model_tp_plan: {sorted(plan)}) shards nothing inside the blocks, "
-                f"so a replica of {t} ranks would only repeat the work; re-plan with one rank per "
-                "replica")
-    bad = sorted(f"{v!r} ({k})" for k, v in _block_entries(plan).items()
-                 if v not in SUPPORTED_STYLES)
-    if bad:
-        return (f"config.model_type {model_type!r}'s tensor-parallel plan uses the style(s) "
-                f"{', '.join(bad)}, which hapt_hf does not run (it runs "
-                f"{', '.join(SUPPORTED_STYLES)}); re-plan with one rank per replica")
+    problem = tp_plan_problem(str(getattr(config, "model_type", "?")),
+                              getattr(config, "base_model_tp_plan", None))
+    if problem is not None:
+        return (f"{problem}; the plan gives a replica {t} ranks: re-plan with one rank per "
+                "replica (no tensor parallelism)")
     return tp_size_refusal(config, t)
 
 
@@ -97,7 +85,7 @@ def stage_tp_plan(stage: nn.Module, config: PretrainedConfig) -> dict[str, str]:
     blocks = stage.adapter.blocks_path  # e.g. "model.layers"
     stack = blocks.rpartition(".")[2]
     out: dict[str, str] = {}
-    for pattern, style in _block_entries(config.base_model_tp_plan or {}).items():
+    for pattern, style in block_entries(config.base_model_tp_plan).items():
         head, _, rest = pattern.partition(".")
         if head != stack:
             raise ValueError(f"tensor-parallel plan entry {pattern!r} names blocks other than "
@@ -107,11 +95,6 @@ def stage_tp_plan(stage: nn.Module, config: PretrainedConfig) -> dict[str, str]:
             if _holds(stage, path):
                 out[path] = style
     return out
-
-
-def _block_entries(plan: dict[str, str]) -> dict[str, str]:
-    """The entries of a tensor-parallel plan inside the blocks (``<blocks>.*.<module>``)."""
-    return {k: v for k, v in plan.items() if k.split(".")[1:2] == ["*"]}
 
 
 def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,

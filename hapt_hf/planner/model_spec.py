@@ -69,6 +69,7 @@ from typing import Any, Protocol
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.core.families import SUPPORTED_MODEL_TYPES, accepted_model_types, generic_refusal
 from hapt_hf.core.layers import BLOCK, HALF, num_layers
+from hapt_hf.core.tp import tp_plan_problem
 from hapt_hf.core.precision import DTYPE_BYTES, DTYPES, MASTER_BYTES, canonical_dtype
 from hapt_hf.errors import ModelSpecError, UnsupportedModel
 
@@ -478,28 +479,11 @@ class ModelSpec:
                              f"got {type(model).__name__}")
 
 
-_TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
-"""The styles of ``config.base_model_tp_plan`` the runtime shards a block by (the rule of
-``hapt_hf.pipeline.tensor_parallel.tp_plan_refusal``, which the planner cannot import)."""
-
-
 def _tp_plan_refusal(config) -> str:
     """Why no replica of several ranks can hold this model's blocks ('' where one can, the
-    degree aside): no tensor-parallel plan, none inside the blocks, or a style not run."""
-    plan = getattr(config, "base_model_tp_plan", None)
-    kind = getattr(config, "model_type", "?")
-    if not plan:
-        return (f"config.model_type {kind!r} has no tensor-parallel plan "
-                "(config.base_model_tp_plan is empty), so its blocks cannot be sharded")
-    blocks = {k: v for k, v in plan.items() if k.split(".")[1:2] == ["*"]}
-    if not blocks:
-        return (f"config.model_type {kind!r}'s tensor-parallel plan shards nothing inside the "
-                "blocks")
-    bad = sorted({v for v in blocks.values() if v not in _TP_STYLES})
-    if bad:
-        return (f"config.model_type {kind!r}'s tensor-parallel plan uses the style(s) "
-                f"{', '.join(map(repr, bad))}, which hapt_hf does not run")
-    return ""
+    degree aside): :func:`hapt_hf.core.tp.tp_plan_problem`, the runtime's rule."""
+    return tp_plan_problem(str(getattr(config, "model_type", "?")),
+                           getattr(config, "base_model_tp_plan", None)) or ""
 
 
 def _config_and_name(config, name: str | None) -> tuple[Any, str | None]:
