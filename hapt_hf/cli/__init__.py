@@ -78,7 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model supports it, else eager)")
     p.add_argument("--schedule", choices=SCHEDULES, default=ScheduleKind.H1F1B.value,
                    help=f"pipeline schedule (default {ScheduleKind.H1F1B}: 1F1B with per-stage "
-                        "warm-ups)")
+                        "warm-ups, and the search also weighs zero_bubble and interleaved on "
+                        "its best pipeline, keeping the fastest that fits; zero_bubble or "
+                        "interleaved: that kind on the pipeline searched under h1f1b)")
+    p.add_argument("--only-schedule", action="store_true",
+                   help="keep the --schedule given; by default h1f1b may give way to "
+                        "zero_bubble or interleaved where the simulator finds them faster")
+    p.add_argument("--virtual-stages", type=int, metavar="V",
+                   help="chunks per pipeline rank of an interleaved plan (>= 2); default: "
+                        "weigh 2 and 3")
+    p.add_argument("--max-tp", type=int, metavar="N", default=8,
+                   help="largest tensor-parallel degree of a stage's replicas (1, 2, 4 or 8; "
+                        "1: no tensor parallelism); default 8")
     p.add_argument("--micro-batch", type=int, metavar="N",
                    help="fix the micro-batch size instead of searching it")
     p.add_argument("--all-groups", action="store_true",

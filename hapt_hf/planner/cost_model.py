@@ -301,6 +301,19 @@ class StageCost:
                  m.capacity_bytes) for m in self.replica_memory]
         return min(uses, key=lambda u: u[1] - u[0])
 
+    def most_held(self, num_microbatches: int) -> int:
+        """The most micro-batches' activations the stage's GPU holds within its usable memory
+        (``num_microbatches`` where the cost model knows no capacity): the bound a schedule
+        kind that holds more than its warm-up (``zero_bubble``'s deferred weight gradients)
+        is cut to."""
+        k = 0
+        while k < num_microbatches:
+            use, usable = self.memory_use(k + 1)
+            if usable > 0 and use > usable:
+                break
+            k += 1
+        return k
+
 
 @dataclass(frozen=True)
 class ReplicaMemory:

@@ -154,8 +154,11 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
     act_arr: list[dict[int, float]] = [{} for _ in range(n)]   # activation arrived at stage s
     grad_arr: list[dict[int, float]] = [{} for _ in range(n)]  # gradient arrived at stage s
     last_b = [0.0] * n     # end of the stage's last backward so far
-    fwd_free = [0.0] * n   # link direction s -> s+1 free from
-    bwd_free = [0.0] * n   # link direction s -> s-1 free from
+    # each link direction between two pipeline ranks is one queue: an interleaved rank's
+    # chunks send over the same link (v stage boundaries per pair of ranks), one at a time
+    fl, bl = _link_ids(placement, n)
+    fwd_free = [0.0] * (max(fl) + 1)   # link direction rank(s) -> rank(s+1) free from
+    bwd_free = [0.0] * (max(bl) + 1)   # link direction rank(s) -> rank(s-1) free from
     events: list[SimEvent] = []
     remaining = sum(len(l) for l in lists)
     last = n - 1
@@ -219,16 +222,18 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
                     if record_events:
                         events.append(SimEvent(s, _NAME[code], mb, start, t, r))
                 elif code == _SF:
-                    start = t if t > fwd_free[s] else fwd_free[s]
+                    link = fl[s]
+                    start = t if t > fwd_free[link] else fwd_free[link]
                     end = start + sf_s[s]
-                    fwd_free[s] = end - sf_lat[s]
+                    fwd_free[link] = end - sf_lat[s]
                     act_arr[s + 1][mb] = end
                     if record_events:
                         events.append(SimEvent(s, "SEND_F", mb, start, end, r))
                 elif code == _SB:
-                    start = t if t > bwd_free[s] else bwd_free[s]
+                    link = bl[s]
+                    start = t if t > bwd_free[link] else bwd_free[link]
                     end = start + sb_s[s]
-                    bwd_free[s] = end - sb_lat[s]
+                    bwd_free[link] = end - sb_lat[s]
                     grad_arr[s - 1][mb] = end
                     if record_events:
                         events.append(SimEvent(s, "SEND_B", mb, start, end, r))
@@ -263,7 +268,7 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
                 events.append(SimEvent(s, "ALLGATHER", -1, t2, t2 + c.allgather_s, r))
             t2 += c.allgather_s
         free[r] = t2
-        ends.append(max(t2, fwd_free[s], bwd_free[s]))
+        ends.append(max(t2, fwd_free[fl[s]], bwd_free[bl[s]]))
     iteration = max(ends)
     bubble = 1.0 - (sum(busy) / ranks) / iteration if iteration > 0 else 0.0
     if multi:
@@ -273,6 +278,20 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
         reason = _memory_reason(st, peaks, peak)
     return SimResult(iteration, bubble, tuple(busy), peaks, tuple(events), not reason, reason,
                      tuple(peak))
+
+
+def _link_ids(placement: Sequence[int], n: int) -> tuple[list[int], list[int]]:
+    """Each stage's forward and backward link as an index into one queue per direction of a
+    pair of pipeline ranks (one stage per rank: stage ``s``'s own links, numbered ``s``)."""
+    if len(set(placement)) == n:
+        return list(range(n)), list(range(n))
+    ids: dict[tuple[int, int], int] = {}
+    fl = [ids.setdefault((placement[s], placement[s + 1]), len(ids)) if s + 1 < n else -1
+          for s in range(n)]
+    bl = [ids.setdefault((placement[s], placement[s - 1]), len(ids)) if s > 0 else -1
+          for s in range(n)]
+    spare = len(ids)  # the first stage's backward and the last's forward link: never used
+    return [spare if x < 0 else x for x in fl], [spare if x < 0 else x for x in bl]
 
 
 def _peaks(st, peak: list[int], placement: Sequence[int]) -> tuple[float, ...]:

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from hapt_hf.core.layers import BLOCK, HALF, block_boundary_in_halves
 from hapt_hf.core.precision import REPLICATED, SHARDED
+from hapt_hf.core.schedules import ScheduleKind
 from hapt_hf.errors import PlanningError
 
 from ..cluster import Cluster
@@ -18,6 +19,7 @@ from .baselines import baseline_plans
 from .candidates import search_layouts
 from .data_parallel import data_parallel
 from .infeasible import does_not_fit
+from .kinds import best_kind
 from .mixed import mixed_candidate
 from .options import BaselineResult, Layout, PlannerOptions, PlanResult
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
@@ -92,6 +94,9 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
     candidates, then tensor-parallel degrees per group where they are faster (or where only
     they fit)."""
     t0 = time.perf_counter()
+    asked = problem.options.schedule
+    if asked in _AFTER_SEARCH:  # the pipeline is searched under H-1F1B, the kind set on it
+        problem = problem.with_options(schedule=ScheduleKind.H1F1B.value)
     options = problem.options
     baselines: dict[str, BaselineResult] = {}
     if options.include_baselines:
@@ -108,12 +113,22 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
     if best is None:
         raise failure
     final, unit, lay, tried = best
+    weighed: tuple = ()
+    if asked in _AFTER_SEARCH or (asked == ScheduleKind.H1F1B and options.weigh_kinds):
+        lay, final, weighed = best_kind(unit.cost_model, lay, final,
+                                        unit.num_microbatches(lay.micro_batch_size), asked,
+                                        options.virtual_stages)
     base_times = {k: b.sim.iteration_s for k, b in baselines.items()
                   if b.sim is not None and b.sim.feasible}
     plan = layout_to_plan(unit, lay, final, base_times).validate()
     return PlanResult(plan, final, baselines, time.perf_counter() - t0,
                       physical_limit_s(problem), tried,
-                      sharding=sharding_reasons(unit.cost_model, plan, final.peak_in_flight))
+                      sharding=sharding_reasons(unit.cost_model, plan, final.peak_in_flight),
+                      schedule_kinds=weighed)
+
+
+_AFTER_SEARCH = (ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED)
+"""Kinds set on the pipeline the search finds under H-1F1B (:mod:`.kinds`)."""
 
 
 _SCREEN = dict(simulate_top=2, simulate_top_cheap=2, max_refine_simulations=16, patience=100,

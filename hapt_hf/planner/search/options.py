@@ -88,6 +88,14 @@ class PlannerOptions:
     (each a shortened search of its own; :mod:`~hapt_hf.planner.search.tensor_parallel`):
     every group at 2, 4 and 8 first, then one group at a time moved to a neighbouring
     degree."""
+    weigh_kinds: bool = True
+    """Under ``schedule`` 'h1f1b', also replay the search's best pipeline under
+    ``zero_bubble`` (deferrals cut to each stage's memory) and ``interleaved`` (``v`` chunks
+    per rank, :data:`~hapt_hf.planner.search.kinds.VIRTUAL_STAGES` or ``virtual_stages``) and
+    keep the fastest that fits (:mod:`~hapt_hf.planner.search.kinds`). False: the plan keeps
+    the schedule asked for."""
+    virtual_stages: int | None = None
+    """Chunks per pipeline rank of an ``interleaved`` plan (None: weigh 2 and 3)."""
     layer_unit: str = LAYER_UNIT_OPTIONS[0]
     """What the planner cuts between: 'block' (whole transformer blocks), 'half' (HAPT's
     fine-grained layers: attention and MLP halves of each block) or 'auto' (search both, keep
@@ -114,6 +122,9 @@ class PlannerOptions:
         if self.tp_screens < 0:
             raise PlanningError(f"tp_screens {self.tp_screens} must be >= 0 (0: never weigh "
                                 "tensor parallelism, like max_tp 1)")
+        if self.virtual_stages is not None and self.virtual_stages < 2:
+            raise PlanningError(f"virtual_stages {self.virtual_stages} must be >= 2 (chunks per "
+                                "pipeline rank of an interleaved plan), or None to weigh 2 and 3")
         if self.layer_unit not in LAYER_UNIT_OPTIONS:
             raise PlanningError(f"layer_unit {self.layer_unit!r} is unknown; use one of "
                                 f"{LAYER_UNIT_OPTIONS}")
@@ -216,6 +227,10 @@ class PlanResult:
     """Every set of groups weighed (the whole cluster first); empty with one group."""
     sharding: dict[int, str] = field(default_factory=dict)
     """Stage index -> why that stage shards its optimizer state (sharded stages only)."""
+    schedule_kinds: tuple[tuple[str, float | None], ...] = ()
+    """The schedule kinds replayed on the best pipeline (name: 'h1f1b' for the search's own,
+    'zero_bubble', 'interleaved v=2'...; its iteration seconds, None where it does not fit or
+    cannot be built); empty where none was weighed."""
 
     @property
     def all_groups_s(self) -> float | None:
