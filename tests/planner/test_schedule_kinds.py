@@ -1,0 +1,116 @@
+"""The search weighs zero_bubble and interleaved on its best pipeline (search/kinds.py), the
+replay prices an interleaved plan's extra transfers on each link, and the CLI's flags."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.inputs import scenario_path
+from hapt_hf.cli import main
+from hapt_hf.planner.job import load_job
+from hapt_hf.planner.search import PlannerOptions, PlanningError, plan_job
+from hapt_hf.planner.cost_model import CostModel, StageCost
+from hapt_hf.planner.search import kinds
+from hapt_hf.planner.search.kinds import (best_kind, interleaved_layout, replay_kind,
+                                          zero_bubble_layout)
+from hapt_hf.planner.search.plans import layout_of_plan
+
+SCENARIO = "harp_3groups_1p3b"
+
+
+@pytest.fixture(scope="module")
+def job():
+    return load_job(scenario_path(SCENARIO))
+
+
+def _plan(job, **options):
+    # 16 micro-batches of one sample over about 12 stages: the fill is most of the iteration
+    return plan_job(job.model, job.cluster, 16, profile=job.profile,
+                    options=PlannerOptions(micro_batch_sizes=(1,), **options))
+
+
+def test_zero_bubble_where_the_bubble_is_large_and_memory_allows(job):
+    res = _plan(job)
+    kinds = dict(res.schedule_kinds)
+    assert res.plan.schedule == "zero_bubble"
+    assert res.sim.feasible and res.sim.iteration_s == kinds["zero_bubble"]
+    assert kinds["zero_bubble"] < kinds["h1f1b"] * 0.9
+    assert any(d > 0 for d in res.plan.deferrals())
+    # faster than the search under h1f1b alone (which may keep other groups)
+    alone = _plan(job, weigh_kinds=False)
+    assert alone.plan.schedule == "h1f1b" and alone.sim.iteration_s > res.sim.iteration_s
+
+
+def test_h1f1b_where_no_deferral_fits(job, monkeypatch):
+    res = _plan(job, weigh_kinds=False)
+    cm = CostModel(job.model.split_blocks() if res.plan.layer_unit == "half" else job.model,
+                   job.cluster, job.profile)
+    lay = layout_of_plan(cm, res.plan)
+    m = res.plan.num_microbatches
+    sim = replay_kind(cm, lay, m)
+    got, _, weighed = best_kind(cm, lay, sim, m, "h1f1b")
+    assert got.schedule == "zero_bubble"  # where memory allows
+    # GPUs that hold no more than their warm-ups: no stage may defer a weight gradient
+    ruled = res_zb_s(cm, lay, m)
+    monkeypatch.setattr(StageCost, "most_held", lambda self, m: 0)
+    zb = zero_bubble_layout(cm, lay, m)
+    assert all(s.deferral == 0 for s in zb.stages)
+    got, r, weighed = best_kind(cm, lay, sim, m, "h1f1b")
+    # without deferrals zero_bubble gains only its input gradients sent a W earlier (less
+    # than with the rule's); where that is under the bar, h1f1b stays
+    gain = 1 - dict(weighed)["zero_bubble"] / sim.iteration_s
+    assert gain < 1 - ruled / sim.iteration_s
+    monkeypatch.setattr(kinds, "MIN_GAIN", gain + 0.01)
+    got, r, weighed = best_kind(cm, lay, sim, m, "h1f1b")
+    assert got is lay and r is sim and got.schedule == "h1f1b"
+
+
+def res_zb_s(cm, lay, m) -> float:
+    """zero_bubble's time with the rule's deferrals (memory as the cost model prices it)."""
+    return replay_kind(cm, type(lay)(tuple(s for s in lay.stages), lay.micro_batch_size,
+                                     "zero_bubble"), m).iteration_s
+
+
+def test_interleaved_is_priced_with_its_extra_transfers():
+    job = load_job(scenario_path("harp_v100x2_a100x1"))
+    plan = plan_job(job.model, job.cluster, 16, profile=job.profile,
+                    options=PlannerOptions(micro_batch_sizes=(1,), weigh_kinds=False)).plan
+    cm = CostModel(job.model.split_blocks() if plan.layer_unit == "half" else job.model,
+                   job.cluster, job.profile)
+    lay = layout_of_plan(cm, plan)
+    m = plan.num_microbatches
+    inter = interleaved_layout(lay, m, 2)
+    assert inter is not None and inter.num_stages == 2 * lay.num_stages
+    r = replay_kind(cm, inter, m, record_events=True)
+    p = lay.num_stages
+    # every chunk boundary is a transfer: v times the sends of the one-stage-per-rank plan
+    sends = [e for e in r.events if e.kind == "SEND_F"]
+    assert len(sends) == (2 * p - 1) * m
+    # the sends of rank 0 to rank 1 (chunk 0's and chunk 1's) share one link: their busy
+    # times never overlap
+    costs = cm.stage_costs(inter.stages, inter.micro_batch_size).stages
+    link = sorted((e.start, e.end - costs[e.stage].send_forward_latency_s) for e in sends
+                  if e.stage in (0, p))
+    assert len(link) == 2 * m
+    assert all(b[0] >= a[1] - 1e-12 for a, b in zip(link, link[1:]))
+
+
+def test_a_kind_asked_for_is_set_or_refused(job):
+    res = _plan(job, schedule="interleaved", virtual_stages=2)
+    assert res.plan.schedule == "interleaved" and res.plan.virtual_stages == 2 \
+        or res.plan.num_stages < 2
+    with pytest.raises(PlanningError, match="virtual_stages"):
+        PlannerOptions(virtual_stages=1)
+
+
+def test_cli_flags(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", str(scenario_path("harp_v100x2_a100x1")),
+                 "--schedule", "zero_bubble", "--max-tp", "1", "-o", str(out)]) == 0
+    assert '"schedule": "zero_bubble"' in out.read_text()
+    capsys.readouterr()
+    assert main(["plan", "--cluster", str(scenario_path("harp_v100x2_a100x1")),
+                 "--schedule", "gpipe", "--virtual-stages", "2"]) == 2
+    assert "--virtual-stages" in capsys.readouterr().err
+    assert main(["plan", "--cluster", str(scenario_path("harp_v100x2_a100x1")),
+                 "--max-tp", "3"]) == 2
+    assert "max_tp 3" in capsys.readouterr().err
