@@ -23,14 +23,13 @@ from hapt_hf.core.families import (SUPPORTED_MODEL_TYPES, accepted_model_types, 
                                    verified_generic_types)
 from hapt_hf.core.layers import layer_name, num_layers
 from hapt_hf.core.precision import SHARDED
-from hapt_hf.core.tp import TP_DEGREES
 from hapt_hf.errors import HaptError, LaunchError
 from hapt_hf.integration.config import HaptConfig
 from hapt_hf.integration.launch import LaunchEnv
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["resolve_plan", "check_model_family", "check_model_matches_plan", "format_plan",
-           "write_plan", "runnable_max_tp", "SUPPORTED_MODEL_TYPES"]
+           "write_plan", "SUPPORTED_MODEL_TYPES"]
 
 
 def check_model_family(model_config: Any) -> None:
@@ -89,15 +88,6 @@ def _check_plan_against_settings(plan: Plan, plugin: HaptConfig) -> None:
                         f"{plan.attn_implementation!r}; remove it or re-plan")
 
 
-def runnable_max_tp(model_config: Any, max_tp: int) -> int:
-    """The largest tensor-parallel degree up to ``max_tp`` the runtime can shard this model's
-    blocks at (:func:`~hapt_hf.pipeline.tensor_parallel.tp_plan_refusal`: a model without a
-    tensor-parallel plan, GPT-2's, runs at 1 only), so that the planner never picks one the
-    runtime refuses. The planner's own divisibility checks stay as they are."""
-    from hapt_hf.pipeline.tensor_parallel import tp_plan_refusal
-    return max(t for t in TP_DEGREES if t <= max_tp and tp_plan_refusal(model_config, t) is None)
-
-
 def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
                        world_size: int) -> Plan:
     """Rank 0's plan for the ``world_size`` processes launched. Where the best plan leaves
@@ -119,12 +109,12 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
                                  attn_implementation=plugin.attn_implementation,
                                  reader=MeasuringReader())
     # plugin.planner was checked when the config was read, with plugin.schedule in it
-    options = replace(plugin.planner, max_tp=runnable_max_tp(model_config, plugin.planner.max_tp))
-    best = plan_job(spec, cluster, plugin.global_batch_size, profile=None, options=options).plan
+    best = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
+                    options=plugin.planner).plan
     if not best.idle_groups or best.world_size == world_size:
         return best
     every = plan_job(spec, cluster, plugin.global_batch_size, profile=None,
-                     options=replace(options, all_groups=True)).plan
+                     options=replace(plugin.planner, all_groups=True)).plan
     kept = sorted({g for s in best.stages for g in s.groups if g})
     print(f"hapt_hf: leaving group(s) {', '.join(best.idle_groups)} idle would be faster "
           f"({best.predicted.iteration_s:.3f} s per iteration against "
