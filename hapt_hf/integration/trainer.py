@@ -358,6 +358,7 @@ class HaptTrainer(TrainerHooks, Trainer):
         self._write_model(tmp)
         ckpt_io.save_rank_state(tmp, rank, self.optimizer, self.lr_scheduler,
                                 self.runtime.loss_scaler)
+        ckpt_io.save_portable_state(tmp, self.runtime, self.optimizer, self.lr_scheduler)
         self._track_best_checkpoint(run_dir)
         if rank == 0:
             self.plan.save(tmp / "plan.json")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.pipeline import checkpoint_io, portable
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
 from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer, load_portable_state, portable_state
 from hapt_hf.planner.plan import Plan, PlanError
@@ -44,9 +44,13 @@ __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_mod
            "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
            "load_trainer_state", "resolve_resume", "load_checkpoint", "check_resumable", "check_optimizer_states",
            "placements", "describe_placements",
-           "barrier", "fsync_path", "fsync_tree"]
+           "barrier", "fsync_path", "fsync_tree", "save_portable_state", "same_placement"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
+PORTABLE_DIR = "portable"
+"""The subdirectory of the checkpoint any plan resumes from (:mod:`hapt_hf.pipeline.portable`)."""
+PORTABLE_STATE = "hapt_portable.pt"
+"""Beside it (rank 0's): LR scheduler, optimizer hyperparameters, RNG and loss scale."""
 TRAINER_STATE = "trainer_state.json"
 TMP_PREFIX = ".tmp-"
 
@@ -150,6 +154,37 @@ def save_rank_state(tmp: Path, rank: int, optimizer, scheduler, loss_scaler=None
     fsync_path(path)
 
 
+def save_portable_state(tmp: Path, runtime, optimizer, scheduler) -> None:
+    """The part of the checkpoint any plan resumes from (collective): every rank's model and
+    optimizer tensors under their parameter names (``portable/``), and on rank 0 what is not a
+    parameter's tensor (``hapt_portable.pt``). The step and the data position are the trainer
+    state's ``global_step``."""
+    portable.save_portable(Path(tmp) / PORTABLE_DIR, runtime.stage, optimizer)
+    if runtime.rank == 0:
+        path = Path(tmp) / PORTABLE_STATE
+        scaler = runtime.loss_scaler
+        torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "groups": portable.group_settings(optimizer), "rng": _rng_state(),
+                    "loss_scale": scaler.state_dict() if scaler is not None else None}, path)
+        fsync_path(path)
+
+
+def _load_portable_rest(ckpt: Path, optimizer, scheduler, loss_scaler) -> None:
+    """What :func:`save_portable_state` wrote beside the tensors, on any rank."""
+    path = Path(ckpt) / PORTABLE_STATE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)  # our own file
+        parts = state["groups"], state["scheduler"], state["rng"], state["loss_scale"]
+    except Exception as e:  # noqa: BLE001 - one message naming the file
+        raise damaged_file(path, e) from None
+    if scheduler is not None and parts[1] is not None:
+        scheduler.load_state_dict(parts[1])
+    portable.apply_group_settings(optimizer, parts[0])
+    if loss_scaler is not None and parts[3] is not None:
+        loss_scaler.load_state_dict(parts[3])
+    _set_rng_state(parts[2])
+
+
 def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler, loss_scaler=None) -> None:
     path = rank_state_file(ckpt, rank)
     try:
@@ -203,13 +238,66 @@ def resolve_resume(resume: str | bool | None, output_dir: str) -> Path | None:
     return Path(resume)
 
 
+def same_placement(ckpt: Path, plan: Plan) -> bool:
+    """Whether ``ckpt`` was written under ``plan``'s stages, replicas and optimizer settings
+    (its own files resume it bit for bit), or holds no portable part to resume another plan
+    from (then :func:`check_resumable` names what differs)."""
+    ckpt = Path(ckpt)
+    if not portable.is_portable(ckpt / PORTABLE_DIR) or not (ckpt / "plan.json").is_file():
+        return True
+    try:
+        saved = Plan.load(ckpt / "plan.json")
+    except PlanError as e:
+        raise damaged_file(ckpt / "plan.json", e) from None
+    return (placements(saved) == placements(plan)
+            and [s.optimizer for s in saved.stages] == [s.optimizer for s in plan.stages])
+
+
+def check_portable(ckpt: Path, plan: Plan) -> None:
+    """Refuse resuming ``ckpt`` under another plan where the run it continues would differ:
+    another number of layers, global batch, sequence length or precision (a tensor of another
+    name or shape is named when it is read)."""
+    saved = Plan.load(Path(ckpt) / "plan.json")
+    for what, old, new, fix in (
+            ("layers", saved.num_layers, plan.num_layers, "resume with the model it was written for"),
+            ("global batch", saved.global_batch_size, plan.global_batch_size,
+             "set per_device_train_batch_size x gradient_accumulation_steps x processes to it"),
+            ("sequence length", saved.seq_len, plan.seq_len, "resume with the same sequence length"),
+            ("precision", saved.precision.describe(), plan.precision.describe(),
+             "resume with the checkpoint's precision")):
+        if old != new:
+            raise CheckpointError(f"checkpoint {str(ckpt)!r} was written with {what} {old}, this "
+                                  f"run's plan has {new}; a checkpoint resumes on another plan "
+                                  f"only for the same run: {fix}")
+    missing = [n for n in (TRAINER_STATE, PORTABLE_STATE) if not (Path(ckpt) / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {missing}; it is damaged")
+
+
 def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):
     """Resume every rank from ``ckpt``; returns the checkpoint's ``TrainerState``.
 
-    Each rank reads its own part (stage tensors, its ``hapt_rank{r}.pt``); the ranks then agree
-    on the outcome (``FailureChannel.agree``), so a file that is damaged or missing on any rank
-    ends every rank with the same CheckpointError naming it, before training writes anything.
+    Under the plan it was written under, each rank reads its own part (stage tensors, its
+    ``hapt_rank{r}.pt``): bit for bit. Under another plan (other ranks, stages, replicas or
+    optimizer settings), each rank reads its stage's tensors and its optimizer's state by
+    parameter name from the portable part. The ranks agree on the checks' outcome
+    (``FailureChannel.agree``), so a file that is damaged or missing on any rank ends every
+    rank with the same CheckpointError naming it, before training writes anything.
     """
+    if Path(ckpt).is_dir() and not same_placement(ckpt, runtime.plan):
+        def check():
+            check_portable(ckpt, runtime.plan)
+            return load_trainer_state(ckpt)
+        state = runtime.channel.agree("checking the checkpoint", runtime.stage_plan.index, check,
+                                      refusals=(CheckpointError,))
+
+        def rest():
+            _load_portable_rest(ckpt, optimizer, scheduler, runtime.loss_scaler)
+        portable.load_portable(Path(ckpt) / PORTABLE_DIR, runtime.stage, optimizer)  # collective
+        runtime.channel.agree("loading the checkpoint", runtime.stage_plan.index, rest,
+                              refusals=(CheckpointError,))
+        return state
+
     def load():
         check_resumable(ckpt, runtime.plan, runtime.plan.world_size)
         state = load_trainer_state(ckpt)

@@ -68,7 +68,8 @@ def portable_state_dict(stage: torch.nn.Module,
     for name, t in stage.state_dict(keep_vars=True).items():
         out[MODEL_PREFIX + name] = t.detach()
     state = _state_of(optimizer)
-    for name, p in stage.named_parameters():
+    # a tied parameter's state under each of its names: another plan may hold them apart
+    for name, p in stage.named_parameters(remove_duplicate=False):
         for key, value in state.get(p, {}).items():
             if not isinstance(value, Tensor):  # a float step (capturable=False on old torch)
                 value = torch.tensor(float(value), dtype=torch.float32)
