@@ -116,7 +116,8 @@ def best_kind(cm: CostModel, layout: Layout, sim: SimResult, num_microbatches: i
     weighed: list[tuple[str, float | None]] = [("h1f1b", sim.iteration_s)] if own else []
     best: tuple[Layout, SimResult] | None = (layout, sim) if own else None
     for name, lay in cands:
-        r = replay_kind(cm, lay, m) if lay is not None else None
+        # with events: the winner's replay is the plan's (a second replay costs as much)
+        r = replay_kind(cm, lay, m, record_events=True) if lay is not None else None
         ok = r is not None and r.feasible
         weighed.append((name, r.iteration_s if ok else None))
         if not ok:
@@ -129,6 +130,4 @@ def best_kind(cm: CostModel, layout: Layout, sim: SimResult, num_microbatches: i
         raise PlanningError(f"schedule {schedule!r} does not fit the search's best pipeline of "
                             f"{layout.num_stages} stages ({', '.join(n for n, _ in weighed)} "
                             "weighed); plan with schedule 'h1f1b', or more memory headroom")
-    if best[0] is layout:
-        return layout, sim, tuple(weighed)
-    return best[0], replay_kind(cm, best[0], m, record_events=True), tuple(weighed)
+    return best[0], best[1], tuple(weighed)
