@@ -2,7 +2,8 @@
 
     python3 benchmarks/zero_bubble_gain.py [--only NAME ...]
 
-For each scenario the planner plans as it does by default (H-1F1B), and the same partition,
+For each scenario the planner plans under H-1F1B alone (``weigh_kinds=False``; by default
+the search weighs zero_bubble on its pipeline itself, search/kinds.py), and the same partition,
 replicas and warm-ups are replayed under ``zero_bubble``: once with the schedule's own
 deferrals (every stage holding the first stage's warm-up of micro-batches) and once with
 ``fitting_deferrals`` (each stage deferring no more weight gradients than its GPU's memory
@@ -51,8 +52,9 @@ def zero_bubble_rows(path: Path) -> str:
     """The scenario's markdown row: stages, micro-batches, H-1F1B's iteration and zero-bubble's
     with each kind of deferrals."""
     job = load_job(path)
+    # the search's pipeline under H-1F1B (by default the search itself may keep zero_bubble)
     plan = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
-                    PlannerOptions()).plan
+                    PlannerOptions(weigh_kinds=False)).plan
     model = job.model.split_blocks() if plan.layer_unit == "half" else job.model
     tp = {rep.group: rep.tp for s in plan.stages for rep in s.replicas}
     cm = CostModel(model, job.cluster, job.profile, tp=tp)
