@@ -107,6 +107,9 @@ class PlanReport:
     tensor_parallel: tuple[str, ...] = ()
     """One line per run of consecutive stages of one group whose replicas are several GPUs
     (tensor parallelism): the degree and what the GPUs of a replica split."""
+    schedule_detail: str = ""
+    """The kind's own settings: ``v=2`` (interleaved: chunks per pipeline rank) or
+    ``deferrals 0,1,4`` (zero_bubble: each stage's, where the plan sets them)."""
 
     @property
     def limit_distance(self) -> float | None:
@@ -205,7 +208,8 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
     tokens = plan.global_batch_size * plan.seq_len / iteration if iteration > 0 else 0.0
     return PlanReport(
         title=title or f"{plan.model_name} on {plan.cluster_name or 'cluster'}",
-        schedule=plan.schedule, micro_batch_size=plan.micro_batch_size,
+        schedule=plan.schedule, schedule_detail=_schedule_detail(plan),
+        micro_batch_size=plan.micro_batch_size,
         num_microbatches=plan.num_microbatches,
         stages=_stage_rows(plan, sim, capacity_gb), iteration_s=iteration,
         tokens_per_s=tokens, bubble_fraction=bubble, feasible=feasible, reason=reason,
@@ -327,9 +331,19 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.3f} s"
 
 
+def _schedule_detail(plan: Plan) -> str:
+    if plan.virtual_stages > 1:
+        return f"v={plan.virtual_stages}"
+    d = plan.deferrals()
+    if d is None:
+        return ""
+    return "deferrals " + ",".join("rule" if x is None else str(x) for x in d)
+
+
 def format_report(rep: PlanReport) -> str:
     """The table and the figures under it, as printed by the CLI."""
-    out = [f"{rep.title}: {len(rep.stages)} stages, schedule {rep.schedule}, micro-batch "
+    kind = rep.schedule + (f" ({rep.schedule_detail})" if rep.schedule_detail else "")
+    out = [f"{rep.title}: {len(rep.stages)} stages, schedule {kind}, micro-batch "
            f"{rep.micro_batch_size} x {rep.num_microbatches}", ""]
     out += _table(_HEADERS, [_cells(r) for r in rep.stages])
     out.append("")

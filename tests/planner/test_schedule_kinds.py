@@ -107,7 +107,7 @@ def test_cli_flags(tmp_path, capsys):
     assert main(["plan", "--cluster", str(scenario_path("harp_v100x2_a100x1")),
                  "--schedule", "zero_bubble", "--max-tp", "1", "-o", str(out)]) == 0
     assert '"schedule": "zero_bubble"' in out.read_text()
-    capsys.readouterr()
+    assert "schedule zero_bubble (deferrals " in capsys.readouterr().out
     assert main(["plan", "--cluster", str(scenario_path("harp_v100x2_a100x1")),
                  "--schedule", "gpipe", "--virtual-stages", "2"]) == 2
     assert "--virtual-stages" in capsys.readouterr().err
