@@ -11,7 +11,8 @@ Rules of the replay (the same ones the runtime follows), one clock per pipeline 
   ``I``) for its gradient from the next stage; ``W`` waits only for its rank;
 * a ``SEND`` starts when the stage reaches it in its list and the link direction is free: sends
   are eager (the receiver buffers), they overlap compute, and the transfers of one direction of
-  one cut go one at a time, in the order they were posted. A transfer holds the link for its
+  one link between two pipeline ranks go one at a time, in the order they were posted (an
+  interleaved rank pair's chunk boundaries share their link). A transfer holds the link for its
   bytes over the bandwidth and arrives the link's latency later: the next transfer goes on the
   link while the last one is in flight. ``RECV`` actions only post buffers and cost nothing;
 * a stage all-reduces its gradients among its replicas in buckets that start during its last
