@@ -14,9 +14,13 @@ hyperparameters and the data position; the run goes on to STEPS. Resumed in fres
 * plan B, 3 ranks: [0, 3) on rank 0, [3, 5) on ranks 1 and 2 sharded (another partition of
   the Adam state among other replicas);
 * plan C, 2 ranks: [0, 1) on rank 0, [1, 5) on rank 1;
+* plan T, 3 ranks: [0, 2) on rank 0, [2, 5) on one tensor-parallel replica of ranks 1 and 2
+  (each reads its slice of every sharded projection and of its Adam state);
 * one process (the whole model on rank 0): the reference.
 
-B and C give the reference's losses and final parameters (rtol 1e-5); every resumed run
+B, C and T give the reference's losses (rtol 1e-5) and final parameters (rtol 1e-5, atol 1e-6:
+another reduction order moves a parameter by a few 1e-7 where Adam divides a tiny gradient by
+its tiny norm, against ~1e-4 for a step of lost or mis-sliced Adam state); every resumed run
 takes the batches from the saved position and steps with the saved schedule's LR.
 """
 from __future__ import annotations
@@ -28,7 +32,7 @@ import pytest
 import torch
 
 from benchmarks.ranks import run_ranks
-from hapt_hf.planner.plan import Plan, Stage
+from hapt_hf.planner.plan import Plan, Replica, Stage
 
 pytestmark = pytest.mark.multiproc
 
@@ -39,16 +43,19 @@ STEPS, K = 5, 2
 LAYERS = 5  # embedding, three blocks, head
 
 
-def _stage(i: int, n: int, layers: tuple[int, int], ranks: tuple[int, ...], sharded: bool) -> Stage:
-    kw = {"optimizer": "sharded"} if sharded else {}
+def _stage(i: int, n: int, layers: tuple[int, int], ranks: tuple[int, ...], how: str) -> Stage:
+    if how == "tp":  # one replica, its blocks' projections sharded among the ranks
+        return Stage(i, layers, (Replica("cpu", "cpu", MBS, ranks),), n - i)
+    kw = {"optimizer": "sharded"} if how == "sharded" else {}
     return Stage.even(i, layers, "cpu", "cpu", ranks, n - i, micro_batch_size=MBS, **kw)
 
 
 PLANS = {
-    "A": [((0, 2), (0, 1), True), ((2, 3), (2,), False), ((3, 5), (3,), False)],
-    "B": [((0, 3), (0,), False), ((3, 5), (1, 2), True)],
-    "C": [((0, 1), (0,), False), ((1, 5), (1,), False)],
-    "one": [((0, 5), (0,), False)],
+    "A": [((0, 2), (0, 1), "sharded"), ((2, 3), (2,), ""), ((3, 5), (3,), "")],
+    "B": [((0, 3), (0,), ""), ((3, 5), (1, 2), "sharded")],
+    "C": [((0, 1), (0,), ""), ((1, 5), (1,), "")],
+    "T": [((0, 2), (0,), ""), ((2, 5), (1, 2), "tp")],
+    "one": [((0, 5), (0,), "")],
 }
 
 
@@ -84,9 +91,14 @@ def _start(plan: str):
 
 def _end(rt, opt, losses: list[float], lrs: list[float]) -> dict:
     out = {"losses": losses, "lrs": lrs, "optimizer": type(opt).__name__,
-           "params": {n: p.detach().numpy().copy() for n, p in rt.stage.named_parameters()}}
+           "params": {n: _whole(p).numpy().copy() for n, p in rt.stage.named_parameters()}}
     rt.shutdown()
     return out
+
+
+def _whole(p):
+    from hapt_hf.pipeline.tensor_parallel import is_sharded
+    return (p.full_tensor() if is_sharded(p) else p).detach()
 
 
 def _train(rt, opt, sched, batches) -> tuple[list[float], list[float]]:
@@ -132,12 +144,12 @@ def _merged(outs: list[dict]) -> dict:
     return params
 
 
-def test_checkpoint_of_4_ranks_resumes_on_3_2_and_1(tmp_path):
+def test_checkpoint_of_4_ranks_resumes_on_3_2_tensor_parallel_and_1(tmp_path):
     root = str(tmp_path)
     full = [o.value for o in run_ranks(write, 4, root, timeout_s=120)]
     assert [o["optimizer"] for o in full] == ["ShardedOptimizer"] * 2 + ["AdamW"] * 2
     runs = {p: [o.value for o in run_ranks(resume, n, root, p, timeout_s=120)]
-            for p, n in (("A", 4), ("B", 3), ("C", 2), ("one", 1))}
+            for p, n in (("A", 4), ("B", 3), ("C", 2), ("T", 3), ("one", 1))}
     assert [o["optimizer"] for o in runs["B"]] == ["AdamW"] + ["ShardedOptimizer"] * 2
     # the same plan: bit for bit
     for a, b in zip(full, runs["A"]):
@@ -150,7 +162,7 @@ def test_checkpoint_of_4_ranks_resumes_on_3_2_and_1(tmp_path):
     assert ref["lrs"] == full[0]["lrs"]
     assert ref["lrs"][0] < full[0]["before"][1][-1]
     want = ref["params"]
-    for plan in ("B", "C"):
+    for plan in ("B", "C", "T"):
         outs = runs[plan]
         assert all(o["loaded_state"] > 0 for o in outs), plan
         for o in outs:
@@ -161,4 +173,4 @@ def test_checkpoint_of_4_ranks_resumes_on_3_2_and_1(tmp_path):
         assert got.keys() == want.keys(), plan
         for n, p in want.items():
             torch.testing.assert_close(torch.from_numpy(got[n]), torch.from_numpy(p),
-                                       rtol=1e-5, atol=1e-7, msg=lambda m, n=n, plan=plan: f"{plan} {n}: {m}")
+                                       rtol=1e-5, atol=1e-6, msg=lambda m, n=n, plan=plan: f"{plan} {n}: {m}")
