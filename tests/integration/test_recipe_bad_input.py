@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -241,8 +242,10 @@ def test_resume_last_without_a_checkpoint(capsys, tmp_path):
 
 
 def test_resume_under_another_plan_leaves_no_output_directory(tmp_path):
-    """The checkpoint exists but another plan wrote it: refused after the trainer is built (its
-    Trainer made the output directory), and the directory this run made is gone again."""
+    """The checkpoint exists but another plan wrote it, and it lacks the part another plan
+    resumes from (``portable/``, as before that part was written): refused after the trainer
+    is built (its Trainer made the output directory), and the directory this run made is gone
+    again."""
     first = tmp_path / "first"
     common = ["--seq_len", str(SEQ), "--disable_tqdm"]
     outs = run_ranks(recipe_rank, 2, "finetune_gpt2",
@@ -250,6 +253,7 @@ def test_resume_under_another_plan_leaves_no_output_directory(tmp_path):
                       "--max_steps", "1", "--save_steps", "1", *common],
                      init_process_group=False, timeout_s=240, check=False)
     assert [o.value for o in outs] == [0, 0], [(o.error, o.stderr_tail) for o in outs]
+    shutil.rmtree(first / "checkpoint-1" / "portable")
     before = _snapshot(first)
     other = str(_two_rank_hapt(tmp_path, 5, "other.yaml"))
     msg = _ranks("finetune_gpt2", tmp_path / "second", "--hapt_config", other,
