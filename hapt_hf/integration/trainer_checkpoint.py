@@ -287,13 +287,14 @@ def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):
     if Path(ckpt).is_dir() and not same_placement(ckpt, runtime.plan):
         def check():
             check_portable(ckpt, runtime.plan)
-            return load_trainer_state(ckpt)
-        state = runtime.channel.agree("checking the checkpoint", runtime.stage_plan.index, check,
-                                      refusals=(CheckpointError,))
+            reads = portable.prepare_load(Path(ckpt) / PORTABLE_DIR, runtime.stage, optimizer)
+            return load_trainer_state(ckpt), reads
+        state, reads = runtime.channel.agree("checking the checkpoint", runtime.stage_plan.index,
+                                             check, refusals=(CheckpointError,))
 
         def rest():
             _load_portable_rest(ckpt, optimizer, scheduler, runtime.loss_scaler)
-        portable.load_portable(Path(ckpt) / PORTABLE_DIR, runtime.stage, optimizer)  # collective
+        reads.read()  # collective: every rank has passed the checks
         runtime.channel.agree("loading the checkpoint", runtime.stage_plan.index, rest,
                               refusals=(CheckpointError,))
         return state

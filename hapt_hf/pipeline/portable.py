@@ -20,6 +20,7 @@ parameter: the caller keeps them beside the checkpoint (:func:`group_settings`,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,11 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from hapt_hf.errors import CheckpointError
-from hapt_hf.pipeline.tensor_parallel import is_sharded
 from hapt_hf.pipeline.zero import ShardedOptimizer
 
-__all__ = ["MODEL_PREFIX", "OPTIM_PREFIX", "METADATA_FILE", "is_portable", "portable_state_dict",
-           "save_portable", "load_portable", "group_settings", "apply_group_settings"]
+__all__ = ["MODEL_PREFIX", "OPTIM_PREFIX", "METADATA_FILE", "PortableLoad", "is_portable",
+           "portable_state_dict", "save_portable", "prepare_load", "load_portable", "group_settings",
+           "apply_group_settings"]
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -93,12 +94,35 @@ def _metadata(path: Path) -> dict[str, Any]:
                               "or write this one again") from None
 
 
-def load_portable(path: str | Path, stage: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None) -> None:
-    """Read this stage's tensors (and its optimizer's state) from ``path``, whatever plan wrote
-    it (collective: every rank calls it). The optimizer must not have stepped: its state is
-    replaced by the saved state of the parameters it keeps. Refused, naming the tensor, where
-    the checkpoint lacks one of the stage's tensors or holds it in another shape."""
+@dataclass
+class PortableLoad:
+    """What one rank reads from a portable checkpoint (:func:`prepare_load`): its tensors under
+    their names, and the optimizer state they become."""
+
+    path: Path
+    wanted: dict[str, Tensor]
+    """Name to the tensor it is read into (the stage's own, or a new buffer of state)."""
+    optimizer: torch.optim.Optimizer | None
+    new_state: dict[Any, dict[str, Tensor]]
+    """Parameter to its optimizer state, once read."""
+
+    def read(self) -> None:
+        """Read every wanted tensor (collective: every rank calls it), then make the buffers
+        the optimizer's state of their parameters (replacing what it held)."""
+        with torch.no_grad():
+            dcp.load(self.wanted, checkpoint_id=str(self.path))
+        state = _state_of(self.optimizer)
+        for p, entry in self.new_state.items():
+            state[p] = dict(entry)
+
+
+def prepare_load(path: str | Path, stage: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> PortableLoad:
+    """What this rank reads from ``path`` (local: no collective, so that a refusal can be
+    agreed on before any rank reads): its stage's tensors and, for each parameter its optimizer
+    keeps, that parameter's saved state (a tensor-parallel parameter's as a DTensor of its
+    placements, so each rank reads its own slice). Refused, naming the tensor, where the
+    checkpoint lacks one of the stage's tensors or holds it in another shape."""
     path = Path(path)
     if not is_portable(path):
         raise CheckpointError(f"{str(path)!r} holds no {METADATA_FILE}: it is not a checkpoint "
@@ -115,7 +139,7 @@ def load_portable(path: str | Path, stage: torch.nn.Module,
             size, dtype = tuple(meta[key].size), meta[key].properties.dtype
             if size == tuple(p.shape):
                 buf = torch.zeros_like(p, dtype=dtype).detach()  # a DTensor like a TP parameter
-            else:
+            else:  # Adam's step: a scalar on the CPU
                 buf = torch.zeros(size, dtype=dtype, device="cpu" if not size else p.device)
             new_state.setdefault(p, {})[key[len(prefix):]] = buf
             wanted[key] = buf
@@ -128,11 +152,16 @@ def load_portable(path: str | Path, stage: torch.nn.Module,
             raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(saved.size)} but "
                                   f"this run's is {tuple(t.shape)}; the checkpoint's config does "
                                   "not match the one given")
-    with torch.no_grad():
-        dcp.load(wanted, checkpoint_id=str(path))
-    state = _state_of(optimizer)
-    for p, entry in new_state.items():
-        state[p] = {k: v if is_sharded(v) or k != "step" else v.cpu() for k, v in entry.items()}
+    return PortableLoad(path, wanted, optimizer, new_state)
+
+
+def load_portable(path: str | Path, stage: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None) -> None:
+    """Read this stage's tensors (and its optimizer's state) from ``path``, whatever plan wrote
+    it (collective: every rank calls it): :func:`prepare_load`, then :meth:`PortableLoad.read`.
+    The optimizer must not have stepped: its state is replaced by the saved state of the
+    parameters it keeps."""
+    prepare_load(path, stage, optimizer).read()
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
