@@ -12,13 +12,20 @@ A checkpoint directory ``checkpoint-N`` holds:
   stage that owns the parameters; on a stage whose plan shards it, each replica's file holds
   its own shard, see :class:`~hapt_hf.pipeline.zero.ShardedOptimizer`; the scale is the same
   on every rank);
-* ``plan.json``, ``trainer_state.json``, ``training_args.bin``.
+* ``plan.json``, ``trainer_state.json``, ``training_args.bin``;
+* ``portable/`` and ``hapt_portable.pt``: the part any plan resumes from. Every rank's model
+  and optimizer tensors keyed by parameter name, written with ``torch.distributed.checkpoint``
+  (:mod:`hapt_hf.pipeline.portable`), and rank 0's LR scheduler state, optimizer
+  hyperparameters, RNG states and loss scale beside them.
 
 Atomicity: every rank writes into ``.tmp-checkpoint-N`` and fsyncs its files; after a barrier
 rank 0 renames the directory to ``checkpoint-N`` and fsyncs the parent. A rename is atomic, and
 only names matching ``checkpoint-N`` are ever resumed from, so a crash mid-save leaves at most a
-``.tmp-`` directory, which the next save removes. On resume each rank reads only its own
-tensors from ``model.safetensors`` (the stage's layer range) and its own ``hapt_rank{r}.pt``.
+``.tmp-`` directory, which the next save removes. On resume under the same plan each rank
+reads only its own tensors from ``model.safetensors`` (the stage's layer range) and its own
+``hapt_rank{r}.pt``; under another plan (other ranks, stages, replicas or optimizer settings;
+the same global batch, sequence length, layers and precision) each reads its stage's tensors
+and its optimizer's state by name from ``portable/`` (:func:`load_checkpoint`).
 This assumes the output directory is one filesystem every rank sees (one machine, or a shared
 mount across machines).
 """
