@@ -31,7 +31,7 @@ import yaml
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_TIMEOUT_S
 from hapt_hf.core.precision import DTYPES, PRECISIONS, canonical_precision
-from hapt_hf.core.schedules import SCHEDULES, ScheduleKind
+from hapt_hf.core.schedules import SCHEDULES
 from hapt_hf.errors import ConfigError, HaptError
 from hapt_hf.planner.cluster import Cluster
 from hapt_hf.planner.search import PlannerOptions
@@ -55,7 +55,11 @@ class HaptConfig:
             plans from it.
         plan: A ready ``plan.json``. With ``cluster`` too, the two must describe the same
             world size and the plan must name the cluster's groups.
-        schedule: Pipeline schedule: ``gpipe``, ``1f1b`` or ``h1f1b``.
+        schedule: Pipeline schedule, one of ``SCHEDULES`` (``gpipe``, ``1f1b``, ``h1f1b``,
+            ``zero_bubble``, ``interleaved``); given, it is kept (a ready plan is re-derived
+            for it, the planner searches under it alone). None (left out): a ready plan keeps
+            its own, and the planner chooses: H-1F1B, or zero_bubble / interleaved where its
+            simulator finds them faster and they fit (``planner.weigh_kinds``).
         global_batch_size: Samples per optimizer step (the whole pipeline's batch). Optional:
             ``HaptTrainer`` and ``HaptAccelerator`` derive it from their arguments as
             ``Trainer`` / ``Accelerator`` define it; given, it must agree with theirs.
@@ -70,7 +74,8 @@ class HaptConfig:
             are built with it; one the model cannot run is refused.
         planner: Search options (:class:`~hapt_hf.planner.search.PlannerOptions`, every field
             documented there); a mapping is read into one and checked key by key on every
-            rank. Its ``schedule`` is this config's ``schedule``.
+            rank. Its ``schedule`` is this config's ``schedule`` (H-1F1B when left out), and a
+            schedule given here turns ``weigh_kinds`` off unless the mapping sets it.
         timeout_s: How long a rank waits for the others before the job ends with a message.
         source: Where this config was read from (for messages); not a YAML key.
     """
@@ -78,8 +83,8 @@ class HaptConfig:
     cluster: Path | Cluster | None = field(default=None,
                                           metadata={"help": "Cluster YAML file to plan on."})
     plan: Path | None = field(default=None, metadata={"help": "Ready plan.json to run as is."})
-    schedule: str = field(default=ScheduleKind.H1F1B.value,
-                          metadata={"help": f"One of {SCHEDULES}."})
+    schedule: str | None = field(default=None, metadata={
+        "help": f"One of {SCHEDULES}; default: a plan's own, or the planner's choice."})
     global_batch_size: int | None = field(
         default=None, metadata={"help": "Samples per optimizer step (default: derived)."})
     seq_len: int | None = field(default=None, metadata={"help": "Tokens per sample."})
@@ -107,7 +112,7 @@ class HaptConfig:
                 raise HaptConfigError(f"{where}: '{name}' names {str(path)!r}, which does not "
                                       "exist; fix the path (relative paths are read from the "
                                       "hapt config's directory)")
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise HaptConfigError(f"{where}: 'schedule' is {self.schedule!r}; use one of "
                                   f"{', '.join(SCHEDULES)}")
         if self.global_batch_size is not None and (not isinstance(self.global_batch_size, int)
@@ -227,18 +232,24 @@ def _accepts(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-def planner_options(given: Any, schedule: str, where: str) -> PlannerOptions:
+def planner_options(given: Any, schedule: str | None, where: str) -> PlannerOptions:
     """The ``planner:`` options as the search's ``PlannerOptions``, with ``schedule`` set.
+
+    ``schedule`` None: the planner's choice (its default schedule, other kinds weighed as the
+    options say); given: the search keeps it (``weigh_kinds`` false unless the mapping sets
+    it), so a schedule the user named is the schedule the plan runs.
 
     A mapping is checked key by key (unknown key, wrong type, out-of-range value: one message
     naming the key, and the valid keys); lists become tuples (the options are frozen).
     """
     if isinstance(given, PlannerOptions):
+        if schedule is None:
+            return given
         if given.schedule not in (schedule, PlannerOptions().schedule):
             raise HaptConfigError(f"{where}: the planner options say schedule "
                                   f"{given.schedule!r} but 'schedule' is {schedule!r}; set "
                                   "'schedule' alone")
-        return replace(given, schedule=schedule)
+        return replace(given, schedule=schedule, weigh_kinds=False)
     if given is None:
         given = {}
     if not isinstance(given, dict):
@@ -257,8 +268,10 @@ def planner_options(given: Any, schedule: str, where: str) -> PlannerOptions:
             raise HaptConfigError(f"{where}: 'planner.{key}' is {value!r}; it must be "
                                   f"{hints[key]}".replace("typing.", ""))
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    if schedule is not None:
+        values = {"weigh_kinds": False, **values, "schedule": schedule}
     try:
-        return PlannerOptions(**values, schedule=schedule)
+        return PlannerOptions(**values)
     except HaptError as e:  # a value out of range (PlanningError names the option)
         raise HaptConfigError(f"{where}: 'planner': {e}") from None
 

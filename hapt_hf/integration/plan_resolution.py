@@ -165,7 +165,8 @@ def resolve_plan(plugin: HaptConfig, model_config: Any, seq_len: int,
     if "error" in data:
         raise PlanError(data["error"])
     plan = Plan.from_dict(data)
-    if plugin.plan is not None and plan.schedule != plugin.schedule:
+    if plugin.plan is not None and plugin.schedule is not None and \
+            plan.schedule != plugin.schedule:
         # The plan's warm-ups were chosen for its own schedule; a different one is re-derived.
         plan = plan.with_schedule(plugin.schedule)
     check_model_matches_plan(plan, model_config, seq_len)

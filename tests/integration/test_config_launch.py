@@ -42,6 +42,17 @@ def test_demo_configs_load_and_resolve_paths():
         plugin = HaptPlugin.from_yaml(RECIPES / "configs" / name)
         assert plugin.cluster is not None and plugin.cluster.resolve() == CLUSTER.resolve()
         assert plugin.plan is None and plugin.schedule == "h1f1b"
+        # a schedule the config names is the one the search keeps
+        assert plugin.planner.schedule == "h1f1b" and not plugin.planner.weigh_kinds
+
+
+def test_a_schedule_left_out_is_the_planners_choice_and_a_named_one_is_kept():
+    chosen = HaptPlugin(cluster=CLUSTER)
+    assert chosen.schedule is None and chosen.planner.weigh_kinds
+    named = HaptPlugin(cluster=CLUSTER, schedule="zero_bubble")
+    assert named.planner.schedule == "zero_bubble" and not named.planner.weigh_kinds
+    asked = HaptPlugin(cluster=CLUSTER, schedule="h1f1b", planner={"weigh_kinds": True})
+    assert asked.planner.weigh_kinds
 
 
 @pytest.mark.parametrize("text, field", [
@@ -93,11 +104,12 @@ def test_planner_options_are_typed_and_carry_the_schedule(tmp_path):
     path = _write(tmp_path / "hapt.yaml", f"cluster: {CLUSTER}\nschedule: 1f1b\n"
                   "planner: {micro_batch_sizes: [1, 2], max_stages: 3}\n")
     config = HaptConfig.from_yaml(path)
+    # a schedule the config names is kept: the search weighs no other kind
     assert config.planner == PlannerOptions(schedule="1f1b", micro_batch_sizes=(1, 2),
-                                            max_stages=3)
+                                            max_stages=3, weigh_kinds=False)
     assert HaptConfig(cluster=CLUSTER).planner == PlannerOptions()
     made = HaptConfig(cluster=CLUSTER, schedule="gpipe", planner={"max_stages": 2})
-    assert made.planner == PlannerOptions(schedule="gpipe", max_stages=2)
+    assert made.planner == PlannerOptions(schedule="gpipe", max_stages=2, weigh_kinds=False)
 
 
 def test_user_errors_share_the_one_root():
