@@ -76,14 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention the runtime builds (eager keeps the s x s probabilities); "
                         "default job.attn_implementation, else the model's best (sdpa where "
                         "the model supports it, else eager)")
-    p.add_argument("--schedule", choices=SCHEDULES, default=ScheduleKind.H1F1B.value,
-                   help=f"pipeline schedule (default {ScheduleKind.H1F1B}: 1F1B with per-stage "
-                        "warm-ups, and the search also weighs zero_bubble and interleaved on "
-                        "its best pipeline, keeping the fastest that fits; zero_bubble or "
-                        "interleaved: that kind on the pipeline searched under h1f1b)")
-    p.add_argument("--only-schedule", action="store_true",
-                   help="keep the --schedule given; by default h1f1b may give way to "
-                        "zero_bubble or interleaved where the simulator finds them faster")
+    p.add_argument("--schedule", choices=SCHEDULES,
+                   help=f"pipeline schedule, kept as given; default: the planner's choice "
+                        f"({ScheduleKind.H1F1B}, 1F1B with per-stage warm-ups, or zero_bubble / "
+                        "interleaved where they replay faster on its best pipeline and fit)")
     p.add_argument("--virtual-stages", type=int, metavar="V",
                    help="chunks per pipeline rank of an interleaved plan (>= 2); default: "
                         "weigh 2 and 3")

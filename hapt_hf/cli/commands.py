@@ -55,13 +55,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "cluster", file=note)
     if args.micro_batch is not None and args.micro_batch < 1:
         raise UsageError(f"--micro-batch must be a positive integer, got {args.micro_batch}")
-    if args.virtual_stages is not None and args.schedule not in ("h1f1b", "interleaved"):
+    if args.virtual_stages is not None and args.schedule not in (None, "interleaved"):
         raise UsageError(f"--virtual-stages sets the chunks of an interleaved plan, but "
                          f"--schedule is {args.schedule}; drop it or use --schedule "
                          "interleaved")
     options = PlannerOptions(
-        schedule=args.schedule, all_groups=args.all_groups, max_tp=args.max_tp,
-        weigh_kinds=not args.only_schedule, virtual_stages=args.virtual_stages,
+        # a schedule the user names is the one the plan runs; none: the planner's choice
+        schedule=args.schedule or PlannerOptions().schedule, all_groups=args.all_groups,
+        max_tp=args.max_tp, weigh_kinds=args.schedule is None,
+        virtual_stages=args.virtual_stages,
         allow_sharded_optimizer=not args.no_sharded_optimizer,
         allow_mixed_stages=not args.no_mixed_stages,
         micro_batch_sizes=None if args.micro_batch is None else (args.micro_batch,))

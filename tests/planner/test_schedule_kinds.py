@@ -114,3 +114,13 @@ def test_cli_flags(tmp_path, capsys):
     assert main(["plan", "--cluster", str(scenario_path("harp_v100x2_a100x1")),
                  "--max-tp", "3"]) == 2
     assert "max_tp 3" in capsys.readouterr().err
+
+
+def test_cli_keeps_a_schedule_named_and_chooses_one_left_out(tmp_path, capsys):
+    # the fill is most of harp_3groups_1p3b's iteration at 16 micro-batches of one sample
+    base = ["plan", "--cluster", str(scenario_path(SCENARIO)), "--global-batch", "16",
+            "--micro-batch", "1", "--json"]
+    assert main(base) == 0
+    assert '"schedule": "zero_bubble"' in capsys.readouterr().out
+    assert main(base + ["--schedule", "h1f1b"]) == 0
+    assert '"schedule": "h1f1b"' in capsys.readouterr().out
