@@ -27,7 +27,7 @@ nominal link, and learns both through the profiler. Every contender runs a full 
 (forward, backward, AdamW); the embeddings are untied because torch's schedules do not sum tied
 gradients across stages.
 
-    python3 benchmarks/e2e.py --quick            # < 6 minutes; JSON on the last line
+    python3 benchmarks/e2e.py --quick            # 4-7 minutes; JSON on the last line
     python3 benchmarks/e2e.py --quick --slowdown 4 --link-mbps 8 --link-latency-ms 40
     python3 benchmarks/e2e.py --plot docs/e2e_throughput.png
     python3 benchmarks/e2e.py --quick --unshaped # the link left at the machine's speed
@@ -572,7 +572,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="(e) DDP timed once over the shaped link (about 4 minutes)")
+                    help="(e) DDP timed once over the shaped link (4 to 7 minutes)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--slowdown", type=float, default=None)
     ap.add_argument("--link-mbps", type=float, default=None)
