@@ -6,7 +6,8 @@ Inside the same processes, iterations of the contenders alternate, so that a bus
 machine hits them alike:
 
   (a) hapt_hf: profile (one block per group, the link), plan with ``plan_job`` as a user would
-      (the planner may leave a group idle), run the plan it returns;
+      (the planner may leave a group idle and chooses the schedule kind), run the plan it
+      returns;
   (b) torch.distributed.pipelining Schedule1F1B over the uniform split;
   (c) hapt_hf's plan (same split, same groups) with plain 1F1B warm-ups;
   (d) the uniform split on hapt_hf's runtime (1F1B);
