@@ -188,7 +188,7 @@ def test_every_scenario_gets_a_valid_plan(path):
     model = ModelSpec.from_job_model(job.model, job.seq_len, job.dtype)
     # a lean search keeps the suite fast; the benchmark runs the full one
     opts = PlannerOptions(simulate_top=1, max_expansions=60, patience=30,
-                          max_refine_simulations=4, include_baselines=False)
+                          max_refine_simulations=4, include_baselines=False, tp_screens=2)
     res = plan_job(model, cluster, job.global_batch_size, options=opts)
     res.plan.validate(world_size=sum(g.size for g in cluster.groups
                                      if g.name not in res.plan.idle_groups))
