@@ -22,26 +22,14 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from benchmarks.inputs import scenario_path, scenario_paths  # noqa: E402
 from hapt_hf.core.schedules import fitting_deferrals  # noqa: E402
-from hapt_hf.planner.cost_model import CostModel, StageCost  # noqa: E402
+from hapt_hf.planner.cost_model import CostModel  # noqa: E402
 from hapt_hf.planner.job import load_job  # noqa: E402
 from hapt_hf.planner.plan import Plan  # noqa: E402
 from hapt_hf.planner.search.driver import plan_job  # noqa: E402
 from hapt_hf.planner.search.options import PlannerOptions  # noqa: E402
 from hapt_hf.planner.simulate import SimResult, simulate_plan  # noqa: E402
 
-__all__ = ["most_held", "zero_bubble_rows", "main"]
-
-
-def most_held(cost: StageCost, num_microbatches: int) -> int:
-    """The most micro-batches' activations the stage's GPU holds within its usable memory
-    (all of them where the cost model knows no capacity)."""
-    k = 0
-    while k < num_microbatches:
-        use, usable = cost.memory_use(k + 1)
-        if usable > 0 and use > usable:
-            break
-        k += 1
-    return k
+__all__ = ["zero_bubble_rows", "main"]
 
 
 def _cell(r: SimResult) -> str:
@@ -64,7 +52,7 @@ def zero_bubble_rows(path: Path) -> str:
                              cost_model=cm)
 
     m = plan.num_microbatches
-    held = [most_held(c, m) for c in cm.plan_costs(plan).stages]
+    held = [c.most_held(m) for c in cm.plan_costs(plan).stages]
     zb = plan.with_schedule("zero_bubble", plan.warmups())
     fit = fitting_deferrals(plan.warmups(), m, held)
     fitted = replace(zb, stages=tuple(replace(s, deferral=d) for s, d in zip(zb.stages, fit)))

@@ -24,7 +24,8 @@ import torch
 from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
 from hapt_hf.planner.plan import Plan, Replica, Stage
 from benchmarks.ranks import run_ranks
-from tests.pipeline.test_runtime_equivalence import SEQ, STEPS, _compare, make_batches
+from tests.pipeline.test_runtime_equivalence import (SEQ, STEPS, _check_forward_only, _compare,
+                                                     make_batches)
 
 pytestmark = pytest.mark.multiproc
 
@@ -151,18 +152,7 @@ def train_and_compare(rank: int, case: Case) -> dict:
     for n, p in rt.stage.named_parameters():
         _compare(f"param {n} after {STEPS} steps", whole(p.detach()),
                  ref.get_parameter(n).detach(), errors)
-    with torch.no_grad():
-        ref_out = ref(b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
-    _compare("evaluate", torch.tensor(rt.evaluate(b), dtype=torch.float64),
-             ref_out.loss.double(), errors)
-    logits, state = rt.predict_logits(b), rt.gather_state_dict()
-    if rank == 0:
-        _compare("logits", logits, ref_out.logits, errors)
-        ref_state = ref.state_dict()
-        if set(state) != set(ref_state):
-            errors.append(f"state dict keys differ: {sorted(set(state) ^ set(ref_state))}")
-        for k in set(state) & set(ref_state):
-            _compare(f"state {k}", state[k], ref_state[k], errors)
+    _check_forward_only(rank, rt, ref, b, errors)
     out = {"errors": errors, "stages": sorted(rt.works), "norms": norms, "launches": launches,
            "actions": [str(a) for a in rt.work.actions], "max_live": rt.max_live_activations,
            "in_flight": rt.in_flight_limit, "optimizer": type(opt).__name__,
