@@ -35,12 +35,10 @@ from transformers import PretrainedConfig
 from hapt_hf.core.tp import TP_STYLES, block_entries, tp_plan_problem
 from hapt_hf.pipeline.config_checks import tp_size_refusal
 
-__all__ = ["SUPPORTED_STYLES", "TensorParallelShards", "tp_plan_refusal", "stage_tp_plan", "shard_stage",
+__all__ = ["TensorParallelShards", "tp_plan_refusal", "stage_tp_plan", "shard_stage",
            "local_tensor", "is_sharded", "full_state_dict"]
 
-COLWISE, ROWWISE, REPLICATED_GRAD_SUM = TP_STYLES
-SUPPORTED_STYLES = TP_STYLES
-"""The styles of ``config.base_model_tp_plan`` a replica can run."""
+COLWISE, ROWWISE, REPLICATED_GRAD_SUM = TP_STYLES  # the styles a replica runs (core/tp)
 
 
 def tp_plan_refusal(config: PretrainedConfig, t: int) -> str | None:
