@@ -50,6 +50,7 @@ __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_mod
            "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
            "load_trainer_state", "resolve_resume", "load_checkpoint", "check_resumable", "check_optimizer_states",
+           "check_same_run", "check_portable", "PORTABLE_DIR",
            "placements", "describe_placements",
            "barrier", "fsync_path", "fsync_tree", "save_portable_state", "same_placement"]
 
@@ -260,22 +261,27 @@ def same_placement(ckpt: Path, plan: Plan) -> bool:
             and [s.optimizer for s in saved.stages] == [s.optimizer for s in plan.stages])
 
 
-def check_portable(ckpt: Path, plan: Plan) -> None:
-    """Refuse resuming ``ckpt`` under another plan where the run it continues would differ:
-    another number of layers, global batch, sequence length or precision (a tensor of another
-    name or shape is named when it is read)."""
-    saved = Plan.load(Path(ckpt) / "plan.json")
+def check_same_run(saved: Plan, plan: Plan, what_ckpt: str, batch_fix: str) -> None:
+    """Refuse state saved under ``saved`` for a run on ``plan`` that would differ: another
+    number of layers, global batch, sequence length or precision (a tensor of another name or
+    shape is named when it is read). ``batch_fix``: how this run's global batch is set."""
     for what, old, new, fix in (
             ("layers", saved.num_layers, plan.num_layers, "resume with the model it was written for"),
-            ("global batch", saved.global_batch_size, plan.global_batch_size,
-             "set per_device_train_batch_size x gradient_accumulation_steps x processes to it"),
+            ("global batch", saved.global_batch_size, plan.global_batch_size, batch_fix),
             ("sequence length", saved.seq_len, plan.seq_len, "resume with the same sequence length"),
             ("precision", saved.precision.describe(), plan.precision.describe(),
              "resume with the checkpoint's precision")):
         if old != new:
-            raise CheckpointError(f"checkpoint {str(ckpt)!r} was written with {what} {old}, this "
+            raise CheckpointError(f"{what_ckpt} was written with {what} {old}, this "
                                   f"run's plan has {new}; a checkpoint resumes on another plan "
                                   f"only for the same run: {fix}")
+
+
+def check_portable(ckpt: Path, plan: Plan) -> None:
+    """Refuse resuming ``ckpt`` under another plan where the run it continues would differ
+    (:func:`check_same_run`)."""
+    check_same_run(Plan.load(Path(ckpt) / "plan.json"), plan, f"checkpoint {str(ckpt)!r}",
+                   "set per_device_train_batch_size x gradient_accumulation_steps x processes to it")
     missing = [n for n in (TRAINER_STATE, PORTABLE_STATE) if not (Path(ckpt) / n).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {missing}; it is damaged")
