@@ -166,3 +166,23 @@ def test_tp_refusal_names_each_size_the_degree_does_not_divide():
     why = tp_refusal(8, 12, 12, 100)
     assert "attention heads 12" in why and "key/value heads 12" in why and "MLP width 100" in why
     assert "must be >= 1" in tp_refusal(0, 4, 4, 4)
+
+
+def test_sp_refusal_names_what_keeps_a_stage_from_sequence_parallelism():
+    from hapt_hf.core.tp import sp_refusal
+    from transformers import GPT2Config, LlamaConfig, Qwen3Config
+    llama, qwen3 = LlamaConfig().base_model_tp_plan, Qwen3Config().base_model_tp_plan
+    assert sp_refusal("llama", llama, 2) is None and sp_refusal("qwen3", qwen3, 4) is None
+    assert "'gpt2' is not among" in sp_refusal("gpt2", GPT2Config().base_model_tp_plan, 2)
+    assert "has 1" in sp_refusal("llama", llama, 1)
+    assert "layer_unit is 'half'" in sp_refusal("llama", llama, 2, "half")
+    no_down = {k: v for k, v in llama.items() if "down_proj" not in k}
+    assert "mlp.down_proj: rowwise" in sp_refusal("llama", no_down, 2)
+
+
+def test_head_sharded_only_where_the_class_plan_names_it_and_it_is_untied():
+    from hapt_hf.core.tp import head_refusal, head_sharded
+    plan = {"lm_head": "colwise_gather_output"}  # LlamaForCausalLM._tp_plan
+    assert head_sharded(2, plan, tied=False) and not head_sharded(1, plan, tied=False)
+    assert not head_sharded(4, plan, tied=True) and "tied" in head_refusal(plan, True)
+    assert not head_sharded(4, None, tied=False) and "None" in head_refusal(None, False)

@@ -7,10 +7,17 @@ in, row-wise out); the embedding, the final norm and the LM head stay whole on e
 So ``t`` must divide the attention heads, the key/value heads and the MLP width. The planner
 (which reads sizes from its model description) and the runtime (which reads the transformers
 config) both ask :func:`tp_refusal`.
+
+Two levers beside it, asked by both sides too: sequence parallelism inside a replica's blocks
+(:func:`sp_refusal`, plan.json's per-stage ``"sp"``) and the LM head split by vocabulary rows
+over the last stage's ranks (:func:`head_sharded`).
 """
 from __future__ import annotations
 
-__all__ = ["TP_DEGREES", "TP_STYLES", "tp_refusal", "block_entries", "tp_plan_problem"]
+from hapt_hf.core.layers import BLOCK
+
+__all__ = ["TP_DEGREES", "TP_STYLES", "SP_MODEL_TYPES", "SP_PROJECTIONS", "HEAD_MODULE", "HEAD_STYLE", "tp_refusal",
+           "block_entries", "tp_plan_problem", "sp_refusal", "head_refusal", "head_sharded"]
 
 TP_DEGREES = (1, 2, 4, 8)
 """The tensor-parallel degrees the planner searches (a replica's ranks inside one node)."""
@@ -67,3 +74,109 @@ def tp_refusal(t: int, num_heads: int, num_kv_heads: int | None,
                 "use a degree that divides the attention heads, the key/value heads and the "
                 "MLP width")
     return None
+
+
+SP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""The ``config.model_type`` values whose blocks run sequence parallel: pre-norm decoder layers
+``x + self_attn(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``, each
+sub-layer's output made by a row-wise ``self_attn.o_proj`` / ``mlp.down_proj``, with per-token
+(RMS) norms and nothing else on the residual stream (checked against one process for each)."""
+
+SP_PROJECTIONS = {"self_attn.o_proj": "rowwise", "mlp.down_proj": "rowwise"}
+"""The block entries a sequence-parallel block's tensor-parallel plan must hold as written: the
+projections whose partial outputs are reduce-scattered onto the sequence instead of
+all-reduced."""
+
+HEAD_MODULE = "lm_head"
+"""The LM head's entry in a causal-LM class's own tensor-parallel plan (transformers'
+``LlamaForCausalLM._tp_plan == {"lm_head": "colwise_gather_output"}``)."""
+
+HEAD_STYLE = "colwise_gather_output"
+"""The head style hapt_hf runs: the weight split by vocabulary rows, the logits gathered."""
+
+
+def sp_refusal(model_type: str, tp_plan: dict[str, str] | None, t: int = 2,
+               layer_unit: str = BLOCK) -> str | None:
+    """Why a stage of this model held by ``t`` ranks cannot run its blocks sequence parallel
+    (None where it can). ``tp_plan`` is ``config.base_model_tp_plan``.
+
+    Sequence parallelism (Korthikanti et al., 2022; torch's ``SequenceParallel`` and
+    ``PrepareModuleInput`` as torchtitan's llama plan uses them) keeps the residual stream of
+    the stage's blocks split on the sequence over the replica's ``t`` ranks: the norms, the
+    residual adds and dropout run on ``s/t`` tokens each, so a rank holds ``34/t`` of the 34
+    parts of a block's activations (Korthikanti's units, per token: ``34·h`` bytes at 2-byte
+    activations, attention scores aside) instead of ``10 + 24/t``. Sequence parallelism
+    changes no FLOP of the block and the bytes it moves stay those of tensor parallelism, in
+    other collectives. Per block and micro-batch of ``b`` samples, ``s`` tokens each, hidden
+    ``h``, in the compute dtype (``e`` bytes an element):
+
+    * forward: an all-gather of the attention's input and one of the MLP's input
+      (``b·s·h·e`` bytes gathered, each rank contributing ``1/t``), and a reduce-scatter of the
+      ``o_proj`` and ``down_proj`` outputs (``b·s·h·e`` bytes reduced, ``1/t`` kept) where plain
+      tensor parallelism all-reduces them: the same bytes on the wire as the two all-reduces
+      (an all-reduce is a reduce-scatter then an all-gather);
+    * backward: the same two pairs reversed (each all-gather's backward is a reduce-scatter,
+      and each reduce-scatter's an all-gather);
+    * at the stage's edges (transfers between stages stay whole activations): the first block's
+      input is sliced (no communication, backward one all-gather of ``b·s·h·e``), and the last
+      block's output is all-gathered on the sequence (``b·s·h·e``, backward a slice), so a
+      stage pays one extra all-gather forward and one backward;
+    * the block norms' weight gradients are summed over the ``t`` ranks once per iteration
+      (``2·h`` elements per block, fp32);
+    * under activation recomputation the forward's two all-gathers run again in the backward.
+
+    ``t`` must divide the sequence length at run time (checked by the runtime per batch).
+    Refused: a ``model_type`` not in :data:`SP_MODEL_TYPES`, a tensor-parallel plan without
+    both rows of :data:`SP_PROJECTIONS`, ``t`` of 1 (nothing to split), and ``layer_unit``
+    ``half`` (a stage may then begin or end inside a block)."""
+    if model_type not in SP_MODEL_TYPES:
+        return (f"config.model_type {model_type!r} is not among the models whose blocks run "
+                f"sequence parallel ({', '.join(SP_MODEL_TYPES)}: pre-norm decoder layers); "
+                "set the stage's \"sp\" to false")
+    if t < 2:
+        return ("sequence parallelism splits a stage's sequence over its tensor-parallel ranks, "
+                f"and the stage has {t}; set its \"sp\" to false or give it tp > 1")
+    if layer_unit != BLOCK:
+        return (f"sequence parallelism runs whole blocks only, and the plan's layer_unit is "
+                f"{layer_unit!r}; use layer_unit 'block' or set \"sp\" to false")
+    entries = {k.partition(".*.")[2]: v for k, v in block_entries(tp_plan).items()}
+    missing = [f"{k}: {v}" for k, v in SP_PROJECTIONS.items() if entries.get(k) != v]
+    if missing:
+        return (f"config.model_type {model_type!r}'s tensor-parallel plan lacks "
+                f"{', '.join(missing)}, which sequence parallelism reduce-scatters onto the "
+                "sequence; set the stage's \"sp\" to false")
+    return None
+
+
+def head_refusal(head_tp_plan: dict[str, str] | None, tied: bool) -> str | None:
+    """Why the LM head stays whole on each rank of a tensor-parallel last stage (None where it
+    is split). ``head_tp_plan`` is the causal-LM class's own tensor-parallel plan (transformers'
+    ``LlamaForCausalLM._tp_plan``, read through :mod:`hapt_hf.compat`); ``tied``:
+    ``config.tie_word_embeddings``. A tied head shares its weight with the embedding, which
+    stays whole (the first stage's ranks sum its gradient with the last stage's), so it stays
+    whole too."""
+    if tied:
+        return ("the LM head is tied to the input embedding (tie_word_embeddings), which stays "
+                "whole on every rank, so the head does too")
+    style = (head_tp_plan or {}).get(HEAD_MODULE)
+    if style != HEAD_STYLE:
+        return (f"the model class's tensor-parallel plan gives {HEAD_MODULE!r} "
+                f"{style!r}, not {HEAD_STYLE!r}, so the head stays whole")
+    return None
+
+
+def head_sharded(t: int, head_tp_plan: dict[str, str] | None, tied: bool) -> bool:
+    """Whether the LM head of a last stage held by ``t`` ranks is split by vocabulary rows over
+    them: ``t`` > 1 and :func:`head_refusal` has nothing against it.
+
+    What to price (``V`` vocabulary rows, hidden ``h``, ``b·s`` tokens a micro-batch of the
+    replica, ``e`` bytes an element of the compute dtype): the head's weight, gradient and
+    optimizer state are ``V/t·h`` per rank (``V`` a multiple of ``t``; else torch's uneven
+    chunks: ``ceil(V/t)`` rows on the first ranks), its matmul ``2·b·s·h·V/t`` FLOPs forward
+    (twice that backward). Forward: the logits are all-gathered on the vocabulary
+    (``b·s·V·e`` bytes gathered, each rank contributing ``1/t``) and every rank then holds the
+    whole logits and computes the loss on them as before (the loss's memory and time are
+    unchanged). Backward: no all-gather (each rank slices its vocabulary columns of the logits'
+    gradient) and one all-reduce of the head input's gradient (``b·s·h·e`` bytes) over the
+    ``t`` ranks. The final norm stays whole on each rank."""
+    return t > 1 and head_refusal(head_tp_plan, tied) is None

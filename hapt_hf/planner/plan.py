@@ -134,6 +134,11 @@ class Stage:
     (None: the first stage's warm-up less its own; see
     :func:`hapt_hf.core.schedules.zero_bubble_deferrals`). Each deferred one keeps its
     micro-batch's activations."""
+    sequence_parallel: bool = False
+    """Sequence parallelism inside each replica (plan.json ``"sp"``; only where ``tp`` > 1):
+    the blocks' residual stream split on the sequence over the replica's ranks, its input and
+    output whole activations as without it (see :func:`hapt_hf.core.tp.sp_refusal` for what it
+    moves and which models run it)."""
 
     @classmethod
     def even(cls, index: int, layers: tuple[int, int], group: str, device_type: str,
@@ -209,6 +214,7 @@ class Stage:
             d["deferral"] = self.deferral
         d["dp"] = self.width  # written for readers; checked on load
         d["tp"] = self.tp  # likewise
+        d["sp"] = self.sequence_parallel  # absent in older files: False
         return d
 
     @classmethod
@@ -239,6 +245,7 @@ class Stage:
                 optimizer=str(d.get("optimizer", REPLICATED)),
                 predicted=StagePrediction(**d.get("predicted", {})),
                 deferral=None if d.get("deferral") is None else int(d["deferral"]),
+                sequence_parallel=_flag(d.get("sp", False), f"{where}: sp"),
             )
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; every stage needs "
@@ -277,11 +284,23 @@ class Stage:
                             f"({[list(r.ranks) for r in self.replicas]}); every replica of a "
                             "stage has the same tensor-parallel degree: give each the same "
                             "number of ranks")
+        if self.sequence_parallel and self.tp < 2:
+            raise PlanError(f"stage {i} sets sp (sequence parallelism) but its replicas hold "
+                            f"{self.tp} rank each; sequence parallelism splits the sequence over "
+                            "a replica's tensor-parallel ranks: set \"sp\" to false or give the "
+                            "stage's replicas several ranks (tp > 1)")
         shares = self.shares()
         if min(shares) < 1:
             raise PlanError(f"stage {i}: replica samples {list(shares)} include a replica with "
                             "none; leave that GPU out of the stage instead")
         self.shares(micro_batch_size)
+
+
+def _flag(value: Any, where: str) -> bool:
+    """A plan.json boolean (true/false), PlanError for anything else."""
+    if not isinstance(value, bool):
+        raise PlanError(f"{where} is {value!r}; it must be true or false")
+    return value
 
 
 def _check_listed(d: dict[str, Any], replicas: tuple[Replica, ...], where: str) -> None:

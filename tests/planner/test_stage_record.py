@@ -26,7 +26,8 @@ UNEVEN = Stage(0, (0, 3), (Replica("a100", "A100-40", 5, (0,)),
 
 def test_an_even_stage_is_written_as_replicas_of_equal_samples():
     d = EVEN.to_dict()
-    assert list(d) == ["index", "layers", "replicas", "warmup", "recompute", "predicted", "dp", "tp"]
+    assert list(d) == ["index", "layers", "replicas", "warmup", "recompute", "predicted", "dp", "tp",
+                       "sp"]
     assert d["replicas"] == [{"group": "v100", "device_type": "V100-32", "samples": 4,
                               "ranks": [r]} for r in (2, 3)]
     assert d["dp"] == 2 and _load(d) == EVEN
@@ -38,7 +39,7 @@ def test_an_even_stage_is_written_as_replicas_of_equal_samples():
 def test_uneven_replicas_are_written_in_the_same_form():
     d = UNEVEN.to_dict()
     assert list(d) == ["index", "layers", "replicas", "warmup", "recompute", "optimizer",
-                       "predicted", "dp", "tp"]
+                       "predicted", "dp", "tp", "sp"]
     assert [r["samples"] for r in d["replicas"]] == [5, 3] and d["optimizer"] == "sharded"
     assert _load(d) == UNEVEN
     assert UNEVEN.uneven and UNEVEN.groups == ("a100", "v100") and UNEVEN.shares(8) == (5, 3)
@@ -82,6 +83,20 @@ def test_a_replica_of_several_ranks_is_a_tensor_parallel_group():
                 (tp, Stage.even(1, (3, 6), "v100", "V100-32", (4,), micro_batch_size=MBS)))
     assert plan.validate().world_size == 5
     assert plan.stage_of_rank(3) == tp and EVEN.tp == 1
+
+
+def test_sequence_parallelism_is_written_per_stage_and_only_where_tp_is_above_one():
+    sp = Stage(0, (0, 3), (Replica("a100", "A100-40", MBS, (0, 1)),), 2, sequence_parallel=True)
+    d = sp.to_dict()
+    assert d["sp"] is True and _load(d) == sp
+    sp.validate(MBS)
+    del d["sp"]  # older files: no sequence parallelism
+    assert _load(d).sequence_parallel is False and EVEN.to_dict()["sp"] is False
+    with pytest.raises(PlanError, match=r"stage 1 sets sp .*\(tp > 1\)"):
+        Stage.even(1, (3, 6), "v100", "V100-32", (2, 3), micro_batch_size=MBS,
+                   sequence_parallel=True).validate(MBS)
+    with pytest.raises(PlanError, match="sp is 'yes'; it must be true or false"):
+        _load(dict(d, sp="yes"))
 
 
 def test_replicas_of_unequal_tensor_parallel_degrees_are_refused():
