@@ -13,8 +13,8 @@ from torch import Tensor
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-__all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum", "init_module_buffers",
-           "supports_sdpa"]
+__all__ = ["SLIDING_ATTENTION", "attention_mask", "causal_lm_loss_sum", "causal_lm_tp_plan",
+           "init_module_buffers", "supports_sdpa"]
 
 SLIDING_ATTENTION = "sliding_attention"
 """The attention kind (``config.layer_types`` entry) masked by a sliding window."""
@@ -79,13 +79,29 @@ def supports_sdpa(config: Any) -> bool:
     takes gives False. Tested on transformers 5.24 (every accepted model type: the flag agrees
     with building the model with sdpa).
     """
+    cls = _causal_lm_class(config)
+    return bool(getattr(cls, "_supports_sdpa", False))
+
+
+def causal_lm_tp_plan(config: Any) -> dict[str, str] | None:
+    """The tensor-parallel plan of the causal-LM class transformers builds for ``config``
+    beyond its base model (``LlamaForCausalLM._tp_plan == {"lm_head":
+    "colwise_gather_output"}``); None where the class has none or no class takes the config.
+    Tested on transformers 5.24."""
+    plan = getattr(_causal_lm_class(config), "_tp_plan", None)
+    return dict(plan) if plan else None
+
+
+def _causal_lm_class(config: Any) -> Any:
+    """The class ``MODEL_FOR_CAUSAL_LM_MAPPING`` gives for the config's class (the one named in
+    ``config.architectures`` where the mapping offers several), None where it gives none."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         classes = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
-        return False
+        return None
     if isinstance(classes, (list, tuple)):
         named = set(getattr(config, "architectures", None) or ())
         classes = next((c for c in classes if c.__name__ in named), classes[0])
-    return bool(getattr(classes, "_supports_sdpa", False))
+    return classes
