@@ -213,7 +213,9 @@ prof = profile_group_leaders(config, groups={"a": [0], "b": [1]},
                              options=ProfilerOptions(micro_batches=(1,), warmup=1, repeats=3,
                                                      min_window_s=0.01, budget_s=0.1),
                              link_sizes=(1 << 12, 1 << 14), busy_peers=True)
-print(json.dumps({"devices": sorted(prof.devices()), "links": len(prof.links)}))
+print(json.dumps({"devices": sorted(prof.devices()), "links": len(prof.links),
+                  "overheads": sorted(d for d, o in prof.overheads.items() if o.split_measured),
+                  "transfer": prof.links[0].overhead_us >= 0}))
 """
 
 
@@ -231,7 +233,9 @@ def test_group_leaders_profile_with_busy_peers_and_all_get_the_merged_profile(tm
     assert all(r.returncode == 0 for r in results), [r.output[-2000:] for r in results]
     outs = [json.loads(r.output.strip().splitlines()[-1]) for r in results]
     # the leader done first kept computing until the other finished, then both timed the link
-    assert outs == [{"devices": ["cpu-a", "cpu-b"], "links": 1}] * 2
+    # each device's step overheads and the link's per-transfer cost came with them
+    assert outs == [{"devices": ["cpu-a", "cpu-b"], "links": 1,
+                     "overheads": ["cpu-a", "cpu-b"], "transfer": True}] * 2
 
 
 INSIDE_SCRIPT = """
@@ -249,7 +253,8 @@ prof = profile_group_leaders(config, groups={"a": [0, 1], "b": [2]},
                              link_sizes=(1 << 12, 1 << 14), allreduce_sizes=(1 << 16, 1 << 20))
 links = sorted([m.a, m.b] for m in prof.links)
 inside = next(m for m in prof.links if m.a == m.b)
-print(json.dumps({"links": links, "inside": [inside.bandwidth_gbps, inside.latency_us]}))
+print(json.dumps({"links": links, "inside": [inside.bandwidth_gbps, inside.latency_us,
+                                             inside.overhead_us]}))
 """
 
 
@@ -271,6 +276,7 @@ def test_each_group_of_several_ranks_times_its_allreduce(tmp_path):
     assert [o["links"] for o in outs] == [[["a", "a"], ["a", "b"]]] * 3
     assert outs[0]["inside"] == outs[1]["inside"] == outs[2]["inside"]
     assert outs[0]["inside"][0] > 0 and outs[0]["inside"][1] >= 0
+    assert outs[0]["inside"][2] >= 0  # a transfer's cost beyond the fit, between a's two ranks
 
 
 @pytest.mark.parametrize("width", [2, 3, 8])

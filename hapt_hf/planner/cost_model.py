@@ -275,6 +275,10 @@ class StageCost:
     the link is free for the next one (sends of one direction pipeline their latencies)."""
     send_backward_latency_s: float = 0.0
     """The same for ``send_backward_s``."""
+    split_ratios: tuple[float, float] | None = None
+    """(``I / B``, ``W / B``): the split backward's parts over the fused backward, measured on
+    the stage's device (``Profile.step_overheads``); None where not measured (the replay then
+    divides ``backward_s`` by a share, ``I + W = B``)."""
 
     @property
     def send_forward_busy_s(self) -> float:
@@ -861,8 +865,10 @@ class CostModel:
         if got is None:
             nbytes = lambda n: self.model.boundary_bytes(last_layer, n)  # noqa: E731
             routes = self._cut_routes(left, right, mbs)
+            over = self.transfer_overhead_s(left, right)
             got = self._cuts[key] = (
-                max(sum(link.transfer_s(nbytes(n)) for link, n in route) for route in routes),
+                max(sum(link.transfer_s(nbytes(n)) + over for link, n in route)
+                    for route in routes),
                 min(link.latency_us for route in routes for link, _ in route) * 1e-6)
         return got
 
@@ -960,8 +966,9 @@ class CostModel:
         f, bw, slow = self._slowest(p, a, b, rc)
         ar = self._window(p, slow, a, b, rc)
         first_samples = p.replicas[0].samples
+        action = self.action_overhead_s(p)
         return StageCost(
-            forward_s=f, backward_s=bw,
+            forward_s=f + action, backward_s=bw + action, split_ratios=self.split_ratios(p),
             send_forward_s=send_f[0], send_backward_s=send_b[0],
             send_forward_latency_s=send_f[1], send_backward_latency_s=send_b[1],
             allreduce_s=ar.link_s,
@@ -976,6 +983,35 @@ class CostModel:
                 ReplicaMemory(self.activation_bytes(s, a, b, rc, p.tp),
                               self.working_bytes(s, a, b, p.tp),
                               self.capacity_bytes(g)) for g, s in p.kinds))
+
+    # -- the runtime's overheads, measured by the profiler ----------------------------------
+    def action_overhead_s(self, p: Placement) -> float:
+        """Fixed seconds of one compute action on the stage beyond its layers' times: the
+        largest the profile measured on its GPUs' device types (0 where none was)."""
+        if self.profile is None:
+            return 0.0
+        found = [o.action_s for g in p.groups
+                 if (o := self.profile.step_overheads(g.gpu.name)) is not None]
+        return max(found, default=0.0)
+
+    def split_ratios(self, p: Placement) -> tuple[float, float] | None:
+        """(``I / B``, ``W / B``) of the split backward on the stage's GPUs (the costliest
+        split where its device types differ), or None where the profile measured none."""
+        if self.profile is None:
+            return None
+        found = [(o.input_grad_ratio, o.weight_grad_ratio) for g in p.groups
+                 if (o := self.profile.step_overheads(g.gpu.name)) is not None
+                 and o.split_measured]
+        return max(found, key=sum, default=None)
+
+    def transfer_overhead_s(self, left: Placement, right: Placement) -> float:
+        """Fixed seconds of one transfer across the cut between two stages beyond the link's
+        ``latency + bytes / bandwidth``: the largest the profile measured on the links the cut
+        takes (a group to itself: inside it); 0 where none was."""
+        if self.profile is None:
+            return 0.0
+        return max((self.profile.transfer_overhead_s(x.name, y.name)
+                    for x in left.groups for y in right.groups), default=0.0)
 
     def plan_costs(self, plan: Plan) -> StageCosts:
         stages = self.stages_of(plan)

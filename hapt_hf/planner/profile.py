@@ -18,7 +18,8 @@ from .catalogue import device_names
 from .cluster import Cluster, GpuGroup, GroupLink, LinkSpec
 from .model_spec import ModelSpec
 
-__all__ = ["ProfileKey", "LayerTiming", "LinkMeasurement", "Profile", "ProfileError",
+__all__ = ["ProfileKey", "LayerTiming", "LinkMeasurement", "StepOverheads", "Profile",
+           "ProfileError",
            "load_sailor_profiles", "link_pair", "cluster_with_links"]
 
 PROFILE_VERSION = 1
@@ -71,6 +72,38 @@ class LinkMeasurement:
     all-reducing one block activation at a time, on the link inside the group), the figure a
     ``tp``-way stage's all-reduces are priced on; 1: a link between two groups, or a group's
     gradient all-reduce among its ranks."""
+    overhead_us: float = 0.0
+    """Fixed cost of one point-to-point transfer beyond ``latency + bytes / bandwidth``: a
+    tiny tensor sent and waited for as the runtime does it (``isend``/``irecv``), less what
+    the fitted link gives for its bytes (0: not measured, or nothing beyond the fit). On a
+    link from a group to itself, measured between the group's first two ranks. The cost model
+    adds it to every stage-boundary transfer on the link, as time the link is busy."""
+
+
+@dataclass(frozen=True)
+class StepOverheads:
+    """What a device's pipeline steps cost beyond the sum of their layers' profiled times,
+    measured by the profiler on a stage of blocks as the runtime runs it
+    (:mod:`hapt_hf.profiling.overheads`). A profile written before these were measured has
+    none for its devices: the defaults (no overhead, the split backward priced as the fused
+    one by :data:`hapt_hf.planner.simulate.WEIGHT_GRADIENT_SHARE`) apply."""
+
+    action_s: float = 0.0
+    """Fixed seconds of one compute action of a stage (``F``, ``B``, ``I`` or ``W``) beyond
+    its layers' profiled times: the intercept, over micro-batch sizes, of the measured action
+    less the layers' sum (the action loop, the input's copy and ``requires_grad``, the
+    autograd engine's start). May be below 0 where the layers timed alone each pay a cost the
+    stage pays once."""
+    input_grad_ratio: float = 0.0
+    """The split backward's input-gradient part ``I`` over the fused backward ``B`` of the same
+    stage and micro-batch (0: not measured)."""
+    weight_grad_ratio: float = 0.0
+    """The weight-gradient part ``W`` over ``B`` (0: not measured). ``I + W`` can exceed ``B``:
+    the split walks the graph twice and keeps it alive between."""
+
+    @property
+    def split_measured(self) -> bool:
+        return self.input_grad_ratio > 0 and self.weight_grad_ratio > 0
 
 
 @dataclass
@@ -78,6 +111,22 @@ class Profile:
     timings: dict[ProfileKey, LayerTiming] = field(default_factory=dict)
     links: list[LinkMeasurement] = field(default_factory=list)
     source: str = ""
+    overheads: dict[str, StepOverheads] = field(default_factory=dict)
+    """Device type name -> its measured step overheads (absent: none measured)."""
+
+    def step_overheads(self, device: str) -> StepOverheads | None:
+        """The overheads measured on ``device`` under any of its names, or None."""
+        for name in device_names(device):
+            if name in self.overheads:
+                return self.overheads[name]
+        return None
+
+    def transfer_overhead_s(self, a: str, b: str) -> float:
+        """Seconds one transfer on the link between groups ``a`` and ``b`` (``a == b``: inside
+        the group) costs beyond the link's fit: its measured ``overhead_us``, 0 if none."""
+        pair = link_pair(a, b)
+        return next((l.overhead_us * 1e-6 for l in self.links
+                     if l.tp == 1 and link_pair(l.a, l.b) == pair), 0.0)
 
     def lookup(self, device: str, layer_signature: str, micro_batch: int, seq_len: int,
                dtype: str, tp: int = 1) -> LayerTiming | None:
@@ -117,12 +166,15 @@ class Profile:
         links = {(l.a, l.b, l.tp): l for l in self.links}
         links.update({(l.a, l.b, l.tp): l for l in other.links})
         source = " + ".join(s for s in (self.source, other.source) if s)
-        return Profile({**self.timings, **other.timings}, list(links.values()), source)
+        return Profile({**self.timings, **other.timings}, list(links.values()), source,
+                       {**self.overheads, **other.overheads})
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "source": self.source,
                 "timings": [_as_record(k, t) for k, t in sorted(self.timings.items())],
-                "links": [_link_record(l) for l in self.links]}
+                "links": [_link_record(l) for l in self.links],
+                **({"overheads": {d: asdict(o) for d, o in sorted(self.overheads.items())}}
+                   if self.overheads else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
@@ -137,16 +189,18 @@ class Profile:
             timings[key] = timing
         try:
             links = [LinkMeasurement(str(l["a"]), str(l["b"]), float(l["bandwidth_gbps"]),
-                                     float(l["latency_us"]), int(l.get("tp", 1)))
+                                     float(l["latency_us"]), int(l.get("tp", 1)),
+                                     float(l.get("overhead_us", 0.0)))
                      for l in d.get("links", [])]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProfileError(f"links: each entry needs a, b, bandwidth_gbps, latency_us "
-                               f"(and tp, 1 when left out) ({e!r})") from None
+                               f"(and tp, 1 when left out; overhead_us, 0 when left out) "
+                               f"({e!r})") from None
         bad = next((l for l in links if l.tp < 1 or (l.tp > 1 and l.a != l.b)), None)
         if bad is not None:
             raise ProfileError(f"links: the entry {bad.a}-{bad.b} has tp {bad.tp}; tp is 1, or "
                                "the degree of an all-reduce inside one group (a == b)")
-        return cls(timings, links, str(d.get("source", "")))
+        return cls(timings, links, str(d.get("source", "")), _overheads(d.get("overheads", {})))
 
     def save(self, path) -> None:
         write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
@@ -186,10 +240,35 @@ def _record(rec: dict, where: str) -> tuple[ProfileKey, LayerTiming]:
     return key, timing
 
 
+def _overheads(d: Any) -> dict[str, StepOverheads]:
+    names = tuple(f.name for f in fields(StepOverheads))
+    if not isinstance(d, dict) or not all(isinstance(o, dict) for o in d.values()):
+        raise ProfileError("overheads must map each device name to a mapping of "
+                           f"{', '.join(names)}")
+    out = {}
+    for device, rec in d.items():
+        unknown = sorted(set(rec) - set(names))
+        if unknown:
+            raise ProfileError(f"overheads[{device!r}] has unknown fields {unknown}; it takes "
+                               f"{', '.join(names)}")
+        try:
+            o = StepOverheads(**{k: float(v) for k, v in rec.items()})
+        except (TypeError, ValueError) as e:
+            raise ProfileError(f"overheads[{device!r}] has a value of the wrong type "
+                               f"({e})") from None
+        if o.input_grad_ratio < 0 or o.weight_grad_ratio < 0:
+            raise ProfileError(f"overheads[{device!r}]: the split ratios must be >= 0 (0: not "
+                               "measured)")
+        out[str(device)] = o
+    return out
+
+
 def _link_record(link: LinkMeasurement) -> dict[str, Any]:
     rec = asdict(link)
     if link.tp == 1:  # written as before tensor parallelism existed
         del rec["tp"]
+    if not link.overhead_us:  # as before the per-transfer overhead was measured
+        del rec["overhead_us"]
     return rec
 
 

@@ -55,15 +55,23 @@ size); the rest (``I``) carries the norms, activations and attention core, which
 weights, so the true share is a little under one half."""
 
 
-def backward_split(cost: StageCost, weight_share: float = WEIGHT_GRADIENT_SHARE
+def backward_split(cost: StageCost, weight_share: float | None = None
                    ) -> tuple[float, float]:
     """(input-gradient ``I``, weight-gradient ``W``) seconds of one micro-batch's backward on
-    a stage: ``weight_share`` of the backward, less the recomputed forward of an activation-
-    checkpointed stage (which runs before ``I``), is ``W``; the rest is ``I``."""
-    if not 0.0 <= weight_share <= 1.0:
-        raise ValueError(f"weight_share must lie in [0, 1], got {weight_share}")
+    a stage. Of the backward less the recomputed forward of an activation-checkpointed stage
+    (which runs before ``I``): with ``weight_share`` given, that share is ``W`` and the rest
+    ``I`` (``I + W = B``); left None, the stage's measured split where it has one
+    (``StageCost.split_ratios``: ``I`` and ``W`` each its ratio of it, which may sum above
+    ``B``), else :data:`WEIGHT_GRADIENT_SHARE`."""
     recomputed = cost.forward_s if cost.recompute else 0.0
-    w = max(cost.backward_s - recomputed, 0.0) * weight_share
+    rest = max(cost.backward_s - recomputed, 0.0)
+    if weight_share is None and cost.split_ratios is not None:
+        ri, rw = cost.split_ratios
+        return recomputed + ri * rest, rw * rest
+    share = WEIGHT_GRADIENT_SHARE if weight_share is None else weight_share
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"weight_share must lie in [0, 1], got {share}")
+    w = rest * share
     return cost.backward_s - w, w
 
 
@@ -138,12 +146,13 @@ def simulate_schedule(schedule: Schedule, costs: StageCosts,
 
 def replay(lists, placement: Sequence[int], costs: StageCosts,
            record_events: bool = True,
-           weight_share: float | Sequence[float] = WEIGHT_GRADIENT_SHARE) -> SimResult:
+           weight_share: float | Sequence[float | None] | None = None) -> SimResult:
     """The event loop over encoded per-rank lists of ``(code, stage, micro-batch)`` (see
     :func:`encode_schedule`), ``placement[stage]`` the pipeline rank holding each stage: one
     clock per pipeline rank; arrivals, links, memory and the all-reduce per stage.
     ``weight_share``: how a split backward divides (:func:`backward_split`), one share for
-    every stage or one per stage (e.g. measured)."""
+    every stage or one per stage; None: each stage's measured split where the cost model has
+    one, else :data:`WEIGHT_GRADIENT_SHARE`."""
     ranks = len(lists)
     st = costs.stages
     n = len(st)
@@ -170,7 +179,8 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
     sf_lat = [c.send_forward_latency_s for c in st]
     sb_s = [c.send_backward_s for c in st]
     sb_lat = [c.send_backward_latency_s for c in st]
-    shares = [weight_share] * n if isinstance(weight_share, (int, float)) else list(weight_share)
+    shares = [weight_share] * n if weight_share is None or isinstance(weight_share, (int, float)) \
+        else list(weight_share)
     if len(shares) != n:
         raise ValueError(f"{len(shares)} weight shares given for {n} stages; give one, or one "
                          "per stage")

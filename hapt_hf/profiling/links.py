@@ -10,11 +10,13 @@ again by the planner, are the times measured here.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.core.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
 from hapt_hf.planner.profile import LinkMeasurement
 
+from .overheads import TINY_BYTES, time_tiny_transfer, transfer_overhead_us
 from .store import ProfilerError
 
 __all__ = ["fit_link", "measure_link", "measure_group_allreduce", "time_inside_groups",
@@ -40,7 +42,9 @@ def measure_link(peer: int, sender: bool, a: str, b: str,
     """Time one-way transfers to ``peer`` (both ranks call it, one with ``sender=True``).
 
     Each transfer is a send of the message and a one-element reply, so the receiver's clock is
-    never needed; the reply's own latency is removed by halving the fitted intercept.
+    never needed; the reply's own latency is removed by halving the fitted intercept. Then a
+    tiny tensor sent as the runtime sends (:func:`~.overheads.time_tiny_transfer`) gives the
+    fixed cost per transfer beyond the fit (``overhead_us``, the sender's figure).
     """
     import torch
     import torch.distributed as dist
@@ -59,7 +63,9 @@ def measure_link(peer: int, sender: bool, a: str, b: str,
                 xs.append(buf.numel() * 4)
                 ys.append(time.perf_counter() - t0)
     bw, lat_both = fit_link(xs, ys)
-    return LinkMeasurement(a, b, bw, lat_both / 2)
+    tiny = time_tiny_transfer(peer, sender)
+    over = transfer_overhead_us(TINY_BYTES, tiny, bw, lat_both / 2) if tiny else 0.0
+    return LinkMeasurement(a, b, bw, lat_both / 2, overhead_us=over)
 
 
 _GRADS_PER_BUCKET = 8
@@ -104,7 +110,10 @@ def time_inside_groups(groups: dict[str, list[int]], rank: int,
                         sizes_bytes: tuple[int, ...]) -> list[LinkMeasurement]:
     """Collective: every group of two or more ranks times its all-reduce, one group after
     another (every rank takes part in making each group's process group; the others wait at
-    the barrier). Returns what this rank's group measured if this rank leads it, else nothing."""
+    the barrier). Returns what this rank's group measured if this rank leads it, else nothing.
+    The group's first two ranks then time a tiny point-to-point transfer
+    (:func:`~.overheads.time_tiny_transfer`): what it takes beyond the all-reduce's fit of the
+    link is the group's ``overhead_us``, the fixed cost of a stage-boundary transfer inside it."""
     import torch.distributed as dist
     out = []
     for name in sorted(groups):
@@ -114,6 +123,11 @@ def time_inside_groups(groups: dict[str, list[int]], rank: int,
         sub = dist.new_group(ranks)  # every rank takes part in making every group
         if rank in ranks:
             m = measure_group_allreduce(name, sub, len(ranks), sizes_bytes)
+            if rank in ranks[:2]:
+                tiny = time_tiny_transfer(ranks[1 - ranks.index(rank)], rank == ranks[0])
+                if tiny:
+                    m = replace(m, overhead_us=transfer_overhead_us(
+                        TINY_BYTES, tiny, m.bandwidth_gbps, m.latency_us))
             if rank == ranks[0]:
                 out.append(m)
         dist.barrier()

@@ -41,6 +41,7 @@ from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, Profi
 
 from .links import activation_sizes, measure_link, time_inside_groups, time_tp_inside_groups
 from .model_figures import choose_attention
+from .overheads import measure_step_overheads, pool_overheads
 from .store import ProfilerOptions, ProfileStore
 from .tp_split import split_block, tp_degrees
 
@@ -276,10 +277,31 @@ def profile_model(config, *, device_name: str, seq_len: int, dtype: str = "fp32"
                     if log:
                         log(_entry_line(layer.kind, key, hit, timings.get(replace(key, tp=1))))
                 timings[key] = hit
+    overheads = {}
+    if options.step_overheads:
+        overheads[device_name] = _step_overheads(config, spec, device_name, device, options,
+                                                 store, log)
     if store is not None and save:
         store.save()
     return Profile(timings=timings, links=store.all_links() if store else [],
-                   source=str(store.path) if store else "")
+                   source=str(store.path) if store else "", overheads=overheads)
+
+
+def _step_overheads(config, spec: ModelSpec, device_name: str, device: str,
+                    options: ProfilerOptions, store: ProfileStore | None,
+                    log: Callable[[str], None] | None):
+    """The device's step overheads, from the store or measured on a stage of blocks."""
+    hit = store.overheads.get(device_name) if store is not None else None
+    if hit is not None:
+        return hit
+    got = measure_step_overheads(config, options.micro_batches, spec.seq_len, spec.dtype,
+                                 device, options.attn_implementation)
+    if store is not None:
+        store.overheads[device_name] = got
+    if log:
+        log(f"{device_name} step overheads: {got.action_s * 1e3:.2f} ms per action; split "
+            f"backward I {got.input_grad_ratio:.2f} + W {got.weight_grad_ratio:.2f} of B")
+    return got
 
 
 def _entry_line(kind: str, key: ProfileKey, hit: LayerTiming, whole: LayerTiming | None) -> str:
@@ -435,10 +457,11 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     tp_links = _time_tp_allreduces(config, groups, rank, seq_len, dtype, options)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine.timings, [m for m in links if rank == leaders[m.a]],
-                                      tp_links))
+                                      tp_links, mine.overheads))
     merged = ProfileStore(Path(store_path or ""))
     merged.timings.update(pool_timings([g[0] for g in gathered]))
-    for _, measured, tp_measured in gathered:
+    merged.overheads.update(pool_overheads([g[3] for g in gathered]))
+    for _, measured, tp_measured, _ in gathered:
         for m in (*measured, *tp_measured):
             merged.put_link(m)
     if rank == 0 and store is not None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS
 from hapt_hf.errors import ProfileError
-from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey, link_pair
+from hapt_hf.planner.profile import (LayerTiming, LinkMeasurement, Profile, ProfileKey,
+                                    StepOverheads, link_pair)
 
 __all__ = ["ProfilerError", "ProfilerOptions", "ProfileStore"]
 
@@ -48,6 +49,9 @@ class ProfilerOptions:
     budget_s: float = 4.0
     """Timed seconds one entry aims at: slow layers get fewer windows (never under 3)."""
     tp_degrees: tuple[int, ...] = ()
+    step_overheads: bool = True
+    """Also measure the device's step overheads on a stage of blocks: the fixed cost per
+    action and the split backward's parts (:mod:`hapt_hf.profiling.overheads`)."""
 
     def __post_init__(self) -> None:
         if not self.micro_batches or any(not isinstance(b, int) or b < 1
@@ -80,6 +84,8 @@ class ProfileStore:
     timings: dict[ProfileKey, LayerTiming] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkMeasurement] = field(default_factory=dict)
     tp_links: dict[tuple[str, int], LinkMeasurement] = field(default_factory=dict)
+    overheads: dict[str, StepOverheads] = field(default_factory=dict)
+    """Device name -> its measured step overheads."""
 
     @classmethod
     def open(cls, path: str | Path) -> "ProfileStore":
@@ -95,6 +101,7 @@ class ProfileStore:
             raise ProfilerError(f"profile store {self.path}: {e}; delete it or pass another "
                                 "--store") from None
         self.timings.update(profile.timings)
+        self.overheads.update(profile.overheads)
         for m in profile.links:
             self.put_link(m)
 
@@ -117,6 +124,7 @@ class ProfileStore:
         self.timings.update(other.timings)
         self.links.update(other.links)
         self.tp_links.update(other.tp_links)
+        self.overheads.update(other.overheads)
 
     def save(self) -> None:
         """Write atomically (a reader never sees half a file), sorted so diffs stay readable."""
@@ -129,4 +137,4 @@ class ProfileStore:
 
     def to_profile(self) -> Profile:
         return Profile(timings=dict(sorted(self.timings.items())), links=self.all_links(),
-                       source=str(self.path))
+                       source=str(self.path), overheads=dict(sorted(self.overheads.items())))

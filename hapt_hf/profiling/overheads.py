@@ -1,0 +1,214 @@
+"""What a pipeline step costs beyond its layers' profiled times, measured on the device.
+
+The cost model prices a stage's action as the sum of its layers' times, each layer timed alone
+(:func:`~hapt_hf.profiling.profiler.time_layer`), and a transfer as ``latency + bytes /
+bandwidth`` of the fitted link. Three things the runtime does are not in those figures:
+
+* **a fixed cost per action** (``StepOverheads.action_s``): a stage of blocks is run as the
+  runtime runs it (the received input made a leaf that needs its gradient, the stage's
+  forward, ``torch.autograd.backward`` from the output and the gradient received) at each
+  profiled micro-batch size; what each action takes beyond its layers' profiled times is
+  fitted against the micro-batch size, and the intercept is the cost every action pays
+  whatever its size (:func:`fit_action_overhead`);
+* **the split backward** (``StepOverheads.input_grad_ratio``, ``weight_grad_ratio``): on the
+  same stage, ``I`` then ``W`` (``hapt_hf.compat.torch_api.backward_input`` /
+  ``backward_weight``, as the runtime runs ``zero_bubble``) alternated with the fused ``B``, each
+  over the fused one (:func:`split_ratios`);
+* **a fixed cost per transfer** (``LinkMeasurement.overhead_us``): a tiny tensor sent with
+  ``isend`` and waited for, as the runtime does, less what the fitted link gives for its bytes
+  (:func:`transfer_overhead_us`).
+
+The fits are plain functions of the timings (unit-tested on synthetic ones); the measuring
+functions import torch inside.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Sequence
+
+from hapt_hf.planner.profile import StepOverheads
+
+from .store import ProfilerError
+
+__all__ = ["fit_action_overhead", "split_ratios", "transfer_overhead_us", "pool_overheads",
+           "measure_step_overheads", "time_tiny_transfer", "OVERHEAD_BLOCKS", "TINY_BYTES"]
+
+OVERHEAD_BLOCKS = 2
+"""Blocks of the stage the per-action overhead and the split are measured on: a stage of the
+runtime's, not one layer, so that what the stage pays once (one autograd call) and what each
+layer pays are told apart from the layers' own timings."""
+
+TINY_BYTES = 4
+"""The tensor sent to time a transfer's fixed cost: one fp32 element."""
+
+
+def fit_action_overhead(sizes: Sequence[int], measured_s: Sequence[float],
+                        priced_s: Sequence[float]) -> float:
+    """The fixed seconds per action: least-squares intercept, over micro-batch ``sizes``, of
+    each measured action less its layers' priced time (one entry per action timed: several may
+    share a size). With one distinct size, the mean of the differences."""
+    if not sizes or not len(sizes) == len(measured_s) == len(priced_s):
+        raise ProfilerError("fit_action_overhead needs one size, measured and priced time per "
+                            f"action (got {len(sizes)}, {len(measured_s)}, {len(priced_s)})")
+    extra = [m - p for m, p in zip(measured_s, priced_s)]
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(extra) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    if sxx == 0:
+        return my
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, extra)) / sxx
+    return my - slope * mx
+
+
+def split_ratios(fused_s: Sequence[float], input_s: Sequence[float],
+                 weight_s: Sequence[float]) -> tuple[float, float]:
+    """(``I / B``, ``W / B``): the medians of the split backward's parts over the fused one's."""
+    if not fused_s or not input_s or not weight_s:
+        raise ProfilerError("split_ratios needs at least one timing of B, I and W")
+    b = statistics.median(fused_s)
+    if b <= 0:
+        raise ProfilerError(f"the fused backward's median time is {b}; it must be > 0")
+    return statistics.median(input_s) / b, statistics.median(weight_s) / b
+
+
+def transfer_overhead_us(nbytes: int, one_way_s: Sequence[float], bandwidth_gbps: float,
+                         latency_us: float) -> float:
+    """Microseconds a transfer of ``nbytes`` took (the median of ``one_way_s``) beyond what the
+    fitted link gives for it, ``latency + bytes / bandwidth``; never below 0."""
+    if not one_way_s or bandwidth_gbps <= 0:
+        raise ProfilerError("transfer_overhead_us needs timings and a positive bandwidth")
+    model = latency_us * 1e-6 + nbytes * 8 / (bandwidth_gbps * 1e9)
+    return max(statistics.median(one_way_s) - model, 0.0) * 1e6
+
+
+def pool_overheads(measured: Sequence[dict[str, StepOverheads]]) -> dict[str, StepOverheads]:
+    """Every device any rank measured, each figure the median over the ranks that measured it
+    (as :func:`~hapt_hf.profiling.profiler.pool_timings` pools the layer timings)."""
+    by_device: dict[str, list[StepOverheads]] = {}
+    for per_rank in measured:
+        for d, o in per_rank.items():
+            by_device.setdefault(d, []).append(o)
+    return {d: StepOverheads(statistics.median(o.action_s for o in os_),
+                             statistics.median(o.input_grad_ratio for o in os_),
+                             statistics.median(o.weight_grad_ratio for o in os_))
+            for d, os_ in by_device.items()}
+
+
+# -- measuring (torch inside) ----------------------------------------------------------------
+
+def _stage_of_blocks(config, blocks: int, device: str, attn_implementation: str | None):
+    """A middle stage of ``blocks`` blocks as the runtime builds it (seed 0's weights)."""
+    import torch
+
+    from hapt_hf.pipeline.stage import build_stage
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = blocks
+    if isinstance(getattr(small, "layer_types", None), list):
+        small.layer_types = small.layer_types[:blocks]
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(0)
+        stage = build_stage(small, (1, blocks + 1), seed=None, device=device,
+                            attn_implementation=attn_implementation)
+    return stage.train()
+
+
+def measure_step_overheads(config, sizes: Sequence[int], seq_len: int, dtype: str,
+                           device: str, attn_implementation: str | None,
+                           repeats: int = 12, blocks: int = OVERHEAD_BLOCKS) -> StepOverheads:
+    """Run a stage of ``blocks`` blocks as the runtime runs its actions (its input a fresh leaf
+    that needs its gradient, its output and input gradient copied out as a send copies them),
+    beside one block timed as the profiler times a layer, at each micro-batch size of
+    ``sizes``; fit the per-action overhead against ``blocks`` times the block's; time ``I``
+    and ``W`` beside ``B`` for the split's ratios. Each repetition runs all of them in turn,
+    so that a busy machine slows them alike."""
+    import torch
+    stage = _stage_of_blocks(config, blocks, device, attn_implementation)
+    one = _stage_of_blocks(config, 1, device, attn_implementation)
+    xs, measured, priced = [], [], []
+    fused, inp, wgt = [], [], []
+    for mb in sorted(set(sizes)):
+        gen = torch.Generator().manual_seed(0)
+        x0 = torch.randn(mb, seq_len, config.hidden_size, generator=gen).to(device)
+        grad = torch.randn(x0.shape, generator=gen).to(device)
+        for r in range(repeats + 2):  # the first two warm the allocator: not counted
+            lf, lb, _, _ = _one_round(one, x0, grad, dtype, split=False)
+            tf, tb, ti, tw = _one_round(stage, x0, grad, dtype)
+            if r < 2:
+                continue
+            xs += [mb, mb]
+            measured += [tf, tb]
+            priced += [blocks * lf, blocks * lb]
+            fused.append(tb)
+            inp.append(ti)
+            wgt.append(tw)
+    ri, rw = split_ratios(fused, inp, wgt)
+    return StepOverheads(fit_action_overhead(xs, measured, priced), ri, rw)
+
+
+def _one_round(stage, x0, grad, dtype: str, split: bool = True
+               ) -> tuple[float, float, float, float]:
+    """Seconds of F and B (fused) on ``stage``, then (``split``) of I and W of a second
+    forward; 0 for those not run."""
+    import torch
+
+    from hapt_hf.compat.torch_api import backward_input, backward_weight
+
+    from .memory import compute_context
+    cuda = x0.is_cuda
+    params = list(stage.parameters())
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize(x0.device)
+        return time.perf_counter()
+
+    def forward():
+        x = x0.detach().clone().requires_grad_(True)  # as a received activation
+        with compute_context(dtype, x.device):
+            out = stage(x)
+        out.detach().contiguous().clone()  # the send's copy
+        return x, out
+
+    t0 = now()
+    x, out = forward()
+    t1 = now()
+    torch.autograd.backward(out, grad)
+    x.grad.detach().clone()  # the gradient's send copy
+    t2 = now()
+    ti = tw = 0.0
+    if split:
+        x, out = forward()
+        t3 = now()
+        _, state = backward_input([out], [grad], [x], stage.parameters())
+        x.grad.detach().clone()  # the gradient's send copy, after I as the runtime sends it
+        t4 = now()
+        backward_weight(params, state)
+        t5 = now()
+        ti, tw = t4 - t3, t5 - t4
+    for p in params:
+        p.grad = None
+    return t1 - t0, t2 - t1, ti, tw
+
+
+def time_tiny_transfer(peer: int, sender: bool, repeats: int = 20) -> list[float]:
+    """One-way seconds of a :data:`TINY_BYTES` tensor sent with ``isend`` and waited for, as
+    the runtime posts its transfers, to ``peer`` (both ranks call it, one with ``sender``):
+    each is half of a round trip of the tensor and as small a reply. Returns the sender's
+    timings ([] on the receiver)."""
+    import torch
+    import torch.distributed as dist
+    buf = torch.zeros(TINY_BYTES // 4)
+    out = []
+    for i in range(repeats + 2):  # the first two also warm the connection: not counted
+        t0 = time.perf_counter()
+        if sender:
+            dist.isend(buf, peer).wait()
+            dist.irecv(buf, peer).wait()
+        else:
+            dist.irecv(buf, peer).wait()
+            dist.isend(buf, peer).wait()
+        if sender and i >= 2:
+            out.append((time.perf_counter() - t0) / 2)
+    return out

@@ -1,0 +1,100 @@
+"""The cost model prices the profile's step overheads: a fixed cost per action and per transfer,
+and the split backward's measured parts; the planner's choice of kind follows them."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.inputs import scenario_path
+from hapt_hf.planner.cost_model import CostModel
+from hapt_hf.planner.job import load_job
+from hapt_hf.planner.plan import Plan, Stage
+from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey, StepOverheads
+from hapt_hf.planner.search import PlannerOptions, plan_job
+from hapt_hf.planner.search.kinds import best_kind, replay_kind
+from hapt_hf.planner.search.plans import layout_of_plan
+from hapt_hf.planner.simulate import backward_split, simulate_plan
+
+from .test_cost_model import toy_model, two_groups
+
+ACTION, TRANSFER = 0.004, 0.0003
+
+
+def _profile(**overheads) -> Profile:
+    m = toy_model()
+    timings = {ProfileKey(dev, sig, 2, m.seq_len, m.dtype): LayerTiming(0.01, 0.02, 0.001)
+               for dev in ("T-a", "T-b") for sig in ("emb", "blk", "head")}
+    # the stages' cut is inside group a: the overhead measured between two of its ranks
+    return Profile(timings, [LinkMeasurement("a", "a", 8.0, 1000.0,
+                                             overhead_us=overheads.pop("transfer_us", 0.0))],
+                   overheads=overheads)
+
+
+def _plan(schedule: str, stages: int = 2, m: int = 4) -> Plan:
+    cut = [(0, 3), (3, 6)] if stages == 2 else [(0, 6)]
+    return Plan("toy", 6, 64, 2 * m, 2, m, schedule, tuple(
+        Stage.even(i, layers, "a", "T-a", (i,),
+                   warmup=stages - i, micro_batch_size=2)
+        for i, layers in enumerate(cut))).validate()
+
+
+def _sim(plan: Plan, prof: Profile):
+    return simulate_plan(plan, toy_model(), two_groups(), prof, record_events=False)
+
+
+def test_every_action_and_transfer_pays_its_measured_overhead():
+    plain = CostModel(toy_model(), two_groups(), _profile()).plan_costs(_plan("1f1b"))
+    over = CostModel(toy_model(), two_groups(), _profile(
+        transfer_us=TRANSFER * 1e6, **{"T-a": StepOverheads(ACTION), "T-b": StepOverheads(
+            ACTION / 2)})).plan_costs(_plan("1f1b"))
+    for p, o in zip(plain.stages, over.stages):
+        assert o.forward_s == pytest.approx(p.forward_s + ACTION)
+        assert o.backward_s == pytest.approx(p.backward_s + ACTION)
+        assert o.split_ratios is None  # not measured: the replay's default share
+    # the one cut pays the transfer's fixed cost both ways, its latency unchanged
+    assert over.stages[0].send_forward_s == pytest.approx(plain.stages[0].send_forward_s + TRANSFER)
+    assert over.stages[1].send_backward_s == pytest.approx(plain.stages[1].send_backward_s
+                                                           + TRANSFER)
+    assert over.stages[0].send_forward_latency_s == plain.stages[0].send_forward_latency_s
+
+
+def test_a_plan_of_one_stage_moves_by_exactly_two_actions_a_micro_batch():
+    m = 4
+    base = _sim(_plan("1f1b", stages=1, m=m), _profile())
+    over = _sim(_plan("1f1b", stages=1, m=m), _profile(**{"T-a": StepOverheads(ACTION)}))
+    assert over.iteration_s - base.iteration_s == pytest.approx(2 * m * ACTION)
+
+
+def test_the_split_backward_is_priced_from_its_measured_parts():
+    prof = _profile(**{"T-a": StepOverheads(0.0, 0.8, 0.7)})
+    cost = CostModel(toy_model(), two_groups(), prof).plan_costs(_plan("1f1b")).stages[1]
+    assert cost.split_ratios == (0.8, 0.7)
+    assert backward_split(cost) == (pytest.approx(0.8 * cost.backward_s),
+                                    pytest.approx(0.7 * cost.backward_s))
+    assert backward_split(cost, 0.5) == (cost.backward_s / 2, cost.backward_s / 2)  # given: kept
+    # the measured split lengthens a zero_bubble plan by what I + W add over B on its rank
+    zb = _plan("zero_bubble")
+    plain, split = _sim(zb, _profile()), _sim(zb, prof)
+    assert split.iteration_s > plain.iteration_s
+    # with I + W = B measured in halves, the replay is the default one exactly
+    halves = _profile(**{"T-a": StepOverheads(0.0, 0.5, 0.5)})
+    assert _sim(zb, halves).iteration_s == pytest.approx(plain.iteration_s)
+
+
+def test_the_planner_drops_zero_bubble_where_the_split_costs_more_than_it_gains():
+    job = load_job(scenario_path("harp_3groups_1p3b"))
+    res = plan_job(job.model, job.cluster, 16, profile=job.profile,
+                   options=PlannerOptions(micro_batch_sizes=(1,), weigh_kinds=False))
+    model = job.model.split_blocks() if res.plan.layer_unit == "half" else job.model
+    m = res.plan.num_microbatches
+
+    def chosen(prof):
+        cm = CostModel(model, job.cluster, prof)
+        lay = layout_of_plan(cm, res.plan)
+        return best_kind(cm, lay, replay_kind(cm, lay, m), m, "h1f1b")[0].schedule
+
+    assert job.profile is None  # the catalogue's figures
+    assert chosen(None) == "zero_bubble"
+    # the same figures, the split backward measured at twice the fused one on every device
+    costly = Profile(overheads={g.gpu.name: StepOverheads(0.0, 1.0, 1.0)
+                                for g in job.cluster.groups})
+    assert chosen(costly) != "zero_bubble"

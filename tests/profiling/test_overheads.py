@@ -1,0 +1,88 @@
+"""The step overheads' fits recover what synthetic timings hold; the profile keeps them."""
+from __future__ import annotations
+
+import pytest
+
+from hapt_hf.errors import ProfileError
+from hapt_hf.planner.profile import LinkMeasurement, Profile, StepOverheads
+from hapt_hf.profiling import overheads
+from hapt_hf.profiling.overheads import (fit_action_overhead, pool_overheads, split_ratios,
+                                         transfer_overhead_us)
+from hapt_hf.profiling.store import ProfilerError, ProfileStore
+
+
+def test_the_action_overhead_is_the_intercept_over_micro_batch_sizes():
+    # each action takes its layers' time, plus 3 ms whatever its size, plus 0.5 ms a sample
+    sizes = [1, 1, 2, 2, 4, 4]
+    priced = [0.010, 0.020, 0.018, 0.036, 0.035, 0.070]
+    measured = [p + 0.003 + 0.0005 * s for p, s in zip(priced, sizes)]
+    assert fit_action_overhead(sizes, measured, priced) == pytest.approx(0.003)
+    # one size: the mean difference; an overhead below 0 is kept as it is
+    assert fit_action_overhead([2, 2], [0.010, 0.030], [0.012, 0.030]) == pytest.approx(-0.001)
+    with pytest.raises(ProfilerError, match="one size, measured and priced"):
+        fit_action_overhead([1, 2], [0.1], [0.1, 0.2])
+
+
+def test_the_split_ratios_are_the_medians_over_the_fused_backward():
+    fused = [0.010, 0.011, 0.012]
+    assert split_ratios(fused, [0.007, 0.0077, 0.0084], [0.006, 0.0066, 0.0072]) == \
+        (pytest.approx(0.7), pytest.approx(0.6))
+    with pytest.raises(ProfilerError, match="> 0"):
+        split_ratios([0.0], [1.0], [1.0])
+
+
+def test_the_transfer_overhead_is_what_the_link_fit_leaves_out():
+    # 1 Gbit/s and 40 us fitted; a 4-byte send took 40 us + 32 ns + 250 us
+    one_way = [40e-6 + 32e-9 + 250e-6] * 5
+    assert transfer_overhead_us(4, one_way, 1.0, 40.0) == pytest.approx(250.0)
+    assert transfer_overhead_us(4, [10e-6], 1.0, 40.0) == 0.0  # faster than the fit: none
+
+
+def test_the_ranks_of_a_device_pool_their_overheads_by_median():
+    got = pool_overheads([{"x": StepOverheads(0.001, 0.6, 0.7)}, {"x": StepOverheads(0.003, 0.8, 0.9)},
+                          {"x": StepOverheads(0.002, 0.7, 0.8), "y": StepOverheads(0.0, 0.5, 0.5)}])
+    assert got == {"x": StepOverheads(0.002, 0.7, 0.8), "y": StepOverheads(0.0, 0.5, 0.5)}
+
+
+def test_measure_step_overheads_fits_the_stage_against_its_blocks(monkeypatch):
+    # a 2-block stage: each action 4 ms over twice the one block's, I 0.7 and W 0.6 of B
+    def one_round(stage, x0, grad, dtype, split=True):
+        mb = x0.shape[0]
+        f, b = 0.002 * mb, 0.004 * mb
+        if not split:
+            return f, b, 0.0, 0.0
+        return 2 * f + 0.004, 2 * b + 0.004, 0.7 * (2 * b + 0.004), 0.6 * (2 * b + 0.004)
+
+    monkeypatch.setattr(overheads, "_one_round", one_round)
+    monkeypatch.setattr(overheads, "_stage_of_blocks", lambda *a: None)
+    from transformers import GPT2Config
+    got = overheads.measure_step_overheads(GPT2Config(n_embd=8), (1, 2, 4), 4, "fp32", "cpu",
+                                           "eager", repeats=3)
+    assert got.action_s == pytest.approx(0.004)
+    assert (got.input_grad_ratio, got.weight_grad_ratio) == (pytest.approx(0.7),
+                                                             pytest.approx(0.6))
+
+
+def test_the_profile_keeps_the_overheads_and_old_profiles_load_without(tmp_path):
+    prof = Profile(links=[LinkMeasurement("a", "b", 0.01, 40000.0, overhead_us=300.0),
+                          LinkMeasurement("a", "a", 2.0, 50.0)],
+                   overheads={"cpu-a": StepOverheads(0.001, 0.7, 0.6)})
+    path = tmp_path / "p.json"
+    prof.save(path)
+    back = Profile.load(path)
+    assert back.overheads == prof.overheads and back.links == prof.links
+    assert back.step_overheads("cpu-a") == StepOverheads(0.001, 0.7, 0.6)
+    assert back.step_overheads("cpu-b") is None
+    assert back.transfer_overhead_s("b", "a") == pytest.approx(300e-6)
+    assert back.transfer_overhead_s("a", "a") == 0.0
+    store = ProfileStore.open(path)  # the store reads and writes the same figures
+    assert store.to_profile().overheads == prof.overheads
+    # a profile written before the overheads were measured: none, and links without them
+    old = Profile.from_dict({"timings": [], "links": [{"a": "a", "b": "b", "bandwidth_gbps": 1,
+                                                        "latency_us": 5}]})
+    assert old.overheads == {} and old.links[0].overhead_us == 0.0
+    assert "overheads" not in old.to_dict() and "overhead_us" not in old.to_dict()["links"][0]
+    with pytest.raises(ProfileError, match="unknown fields"):
+        Profile.from_dict({"timings": [], "overheads": {"x": {"action": 1}}})
+    with pytest.raises(ProfileError, match="split ratios"):
+        Profile.from_dict({"timings": [], "overheads": {"x": {"input_grad_ratio": -1}}})
