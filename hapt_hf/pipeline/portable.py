@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import StorageReader
 
 from hapt_hf.errors import CheckpointError
 from hapt_hf.pipeline.zero import ShardedOptimizer
@@ -81,13 +82,15 @@ def portable_state_dict(stage: torch.nn.Module,
 def save_portable(path: str | Path, stage: torch.nn.Module,
                   optimizer: torch.optim.Optimizer | None) -> None:
     """Write this rank's model and optimizer tensors into ``path`` (collective: every rank of
-    the default process group calls it, each writing its own files)."""
+    the default process group calls it, each writing its own files). To keep them on local
+    disk with a copy on shared or remote storage, save :func:`portable_state_dict` with
+    :meth:`hapt_hf.pipeline.checkpoint_store.CheckpointStore.save` instead."""
     dcp.save(portable_state_dict(stage, optimizer), checkpoint_id=str(path))
 
 
-def _metadata(path: Path) -> dict[str, Any]:
+def _metadata(path: Path, reader: StorageReader | None) -> dict[str, Any]:
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return (reader or dcp.FileSystemReader(str(path))).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - one message naming the file
         raise CheckpointError(f"{str(path / METADATA_FILE)!r} cannot be read ({type(e).__name__}: "
                               f"{(str(e).splitlines() or [''])[0][:200]}); use another checkpoint "
@@ -105,29 +108,37 @@ class PortableLoad:
     optimizer: torch.optim.Optimizer | None
     new_state: dict[Any, dict[str, Tensor]]
     """Parameter to its optimizer state, once read."""
+    reader: StorageReader | None = None
+    """Where the tensors come from (None: DCP's file reader of ``path``)."""
 
     def read(self) -> None:
         """Read every wanted tensor (collective: every rank calls it), then make the buffers
         the optimizer's state of their parameters (replacing what it held)."""
         with torch.no_grad():
-            dcp.load(self.wanted, checkpoint_id=str(self.path))
+            if self.reader is not None:
+                dcp.load(self.wanted, storage_reader=self.reader)
+            else:
+                dcp.load(self.wanted, checkpoint_id=str(self.path))
         state = _state_of(self.optimizer)
         for p, entry in self.new_state.items():
             state[p] = dict(entry)
 
 
-def prepare_load(path: str | Path, stage: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None) -> PortableLoad:
+def prepare_load(path: str | Path, stage: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 reader: StorageReader | None = None) -> PortableLoad:
     """What this rank reads from ``path`` (local: no collective, so that a refusal can be
     agreed on before any rank reads): its stage's tensors and, for each parameter its optimizer
     keeps, that parameter's saved state (a tensor-parallel parameter's as a DTensor of its
     placements, so each rank reads its own slice). Refused, naming the tensor, where the
-    checkpoint lacks one of the stage's tensors or holds it in another shape."""
+    checkpoint lacks one of the stage's tensors or holds it in another shape. ``reader``: a DCP
+    storage reader to read through instead of the files under ``path`` (e.g.
+    :meth:`hapt_hf.pipeline.checkpoint_store.CheckpointStore.reader`: local copy first, the rest
+    fetched from the remote); ``path`` then only names the checkpoint in messages."""
     path = Path(path)
-    if not is_portable(path):
+    if reader is None and not is_portable(path):
         raise CheckpointError(f"{str(path)!r} holds no {METADATA_FILE}: it is not a checkpoint "
                               "written by save_portable (or its save did not finish)")
-    meta = _metadata(path)
+    meta = _metadata(path, reader)
     wanted = {MODEL_PREFIX + n: t.detach() for n, t in stage.state_dict(keep_vars=True).items()}
     owned = _owned(optimizer)
     new_state: dict[Any, dict[str, Tensor]] = {}
@@ -152,16 +163,16 @@ def prepare_load(path: str | Path, stage: torch.nn.Module,
             raise CheckpointError(f"checkpoint tensor {key!r} has shape {tuple(saved.size)} but "
                                   f"this run's is {tuple(t.shape)}; the checkpoint's config does "
                                   "not match the one given")
-    return PortableLoad(path, wanted, optimizer, new_state)
+    return PortableLoad(path, wanted, optimizer, new_state, reader)
 
 
-def load_portable(path: str | Path, stage: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None) -> None:
+def load_portable(path: str | Path, stage: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  reader: StorageReader | None = None) -> None:
     """Read this stage's tensors (and its optimizer's state) from ``path``, whatever plan wrote
     it (collective: every rank calls it): :func:`prepare_load`, then :meth:`PortableLoad.read`.
     The optimizer must not have stepped: its state is replaced by the saved state of the
     parameters it keeps."""
-    prepare_load(path, stage, optimizer).read()
+    prepare_load(path, stage, optimizer, reader).read()
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:

@@ -1,0 +1,74 @@
+"""A local directory seen through fsspec as an object store would serve it: ``throttled://``.
+
+Reads go through fsspec's ``AbstractBufferedFile`` as s3fs's and gcsfs's do: a read outside the
+file's read-ahead buffer is one ranged GET (``_fetch_range``) of at least ``block_size`` bytes,
+which here costs ``latency_s`` plus its bytes at ``bandwidth_mb_s`` (per process: each rank
+reads at that rate, as each node's stream from an object store does). Writes are the local
+filesystem's, unthrottled. Every fetch is logged in :data:`FETCHES` (path, start, end) so tests
+can count what a rank took from the remote.
+
+    from benchmarks import slow_store  # registers the protocol
+    slow_store.configure(bandwidth_mb_s=100, latency_s=0.03)
+    fs, root = fsspec.core.url_to_fs("throttled:///tmp/remote")
+"""
+from __future__ import annotations
+
+import time
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+__all__ = ["ThrottledFileSystem", "FETCHES", "configure", "fetched_files", "reset"]
+
+FETCHES: list[tuple[str, int, int]] = []
+"""Every ranged GET of this process: (path, start, end)."""
+_SETTINGS = {"bandwidth_mb_s": float("inf"), "latency_s": 0.0, "block_size": 8 << 20}
+
+
+def configure(bandwidth_mb_s: float = float("inf"), latency_s: float = 0.0,
+              block_size: int = 8 << 20) -> None:
+    """Set this process's throttle (MB = 10**6 bytes)."""
+    _SETTINGS.update(bandwidth_mb_s=bandwidth_mb_s, latency_s=latency_s, block_size=block_size)
+
+
+def reset() -> None:
+    FETCHES.clear()
+
+
+def fetched_files() -> list[str]:
+    """The base names of the files fetched from, each once, in order."""
+    seen: dict[str, None] = {}
+    for path, _, _ in FETCHES:
+        seen.setdefault(path.rsplit("/", 1)[-1], None)
+    return list(seen)
+
+
+class _ThrottledFile(AbstractBufferedFile):
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        time.sleep(_SETTINGS["latency_s"] + len(data) / (_SETTINGS["bandwidth_mb_s"] * 1e6))
+        FETCHES.append((self.path, start, start + len(data)))
+        return data
+
+
+class ThrottledFileSystem(LocalFileSystem):
+    protocol = "throttled"
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        if path.startswith("throttled://"):
+            path = path[len("throttled://"):]
+        return LocalFileSystem._strip_protocol(path)
+
+    def _open(self, path, mode="rb", block_size=None, **kwargs):
+        if mode != "rb":
+            return super()._open(path, mode=mode, block_size=block_size, **kwargs)
+        return _ThrottledFile(self, self._strip_protocol(path), mode,
+                              block_size=block_size or _SETTINGS["block_size"], cache_type="readahead")
+
+
+fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)

@@ -1,0 +1,342 @@
+"""Local-first checkpoints: each rank's shards on its node's disk, a copy on shared or remote storage.
+
+A :class:`CheckpointStore` names two places for a run's checkpoints: ``local_dir``, a directory
+on the node's own disk (every rank of a node may share it), and ``remote``, any fsspec URL every
+node can reach (a shared directory, ``s3://bucket/run`` where s3fs is installed, ...).
+
+:meth:`CheckpointStore.save` writes with ``torch.distributed.checkpoint`` (DCP): each rank's
+``FileSystemWriter`` puts the rank's own files (``__{rank}_{i}.distcp``) into
+``local_dir/<name>`` and rank 0 the ``.metadata`` that names every tensor's file, offset and
+length. The call returns once the local write is done; a thread per rank then copies the
+rank's files to ``remote/<name>`` (:class:`Upload`) while training goes on, and writes
+``.uploaded-{rank}`` when they are all there. Rank 0's thread, after its own files and the
+metadata, waits for every rank's ``.uploaded-{rank}`` and writes ``.complete`` last: a remote
+checkpoint without it (a rank died mid-upload, the job was killed) is never taken as complete
+(:meth:`CheckpointStore.require_complete`, :meth:`CheckpointStore.latest_complete`).
+
+On recovery, :meth:`CheckpointStore.reader` gives a DCP ``StorageReader``
+(:class:`LocalFirstReader`): the remote copy's layout, each file opened from ``local_dir`` where
+this node holds it whole, else from the remote through fsspec, reading only the byte ranges of
+the items this rank asks for. After a load, :attr:`LocalFirstReader.stats` says what came from
+where; the reader logs one line of it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from hapt_hf.errors import CheckpointError
+
+__all__ = ["CheckpointStore", "Upload", "LocalFirstReader", "ReadStats", "METADATA_FILE",
+           "COMPLETE_MARKER"]
+
+logger = logging.getLogger("hapt_hf.checkpoint")
+
+METADATA_FILE = ".metadata"
+"""DCP's file naming every tensor of a checkpoint (written by rank 0)."""
+COMPLETE_MARKER = ".complete"
+"""Written last into the remote copy, once every rank's files and the metadata are there."""
+UPLOADED = ".uploaded-{rank}"
+"""Written into the remote copy by each rank once its own files are there."""
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name
+
+
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's own file writer that remembers the files this rank wrote (and, on the
+    coordinator, the metadata), so that exactly those are copied."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, overwrite=True)
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        self.written = sorted({r.storage_data.relative_path for r in fut.wait()})
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self.written.append(METADATA_FILE)
+
+
+class Upload:
+    """The background copy of one rank's files of one checkpoint to the remote.
+
+    Started by :meth:`CheckpointStore.save`; :meth:`wait` joins it and raises what went wrong
+    as a :class:`~hapt_hf.errors.CheckpointError`. On rank 0 it ends after writing the
+    checkpoint's ``.complete`` marker, having waited for every rank's upload."""
+
+    def __init__(self, store: CheckpointStore, name: str, files: list[str], rank: int,
+                 world_size: int) -> None:
+        self.store, self.name, self.files = store, name, files
+        self.rank, self.world_size = rank, world_size
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        """How long the copy took (set when it ends)."""
+        self._thread = threading.Thread(target=self._run, name=f"hapt-upload-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until this rank's part is uploaded (on rank 0: until the marker is written)."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise CheckpointError(f"the upload of {self.name!r} to {self.store.remote!r} did not "
+                                  f"finish within {timeout_s} s; check that the remote is reachable")
+        if self.error is not None:
+            raise CheckpointError(f"the upload of {self.name!r} to {self.store.remote!r} failed "
+                                  f"on rank {self.rank} ({type(self.error).__name__}: "
+                                  f"{self.error}); the local copy in {str(self.store.local_dir)!r} "
+                                  "is intact, the remote copy is incomplete") from None
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        try:
+            fs, root = self.store.remote_fs()
+            remote = _join(root, self.name)
+            fs.makedirs(remote, exist_ok=True)
+            local = self.store.local_path(self.name)
+            sizes = {}
+            for f in self.files:
+                fs.put_file(str(local / f), _join(remote, f))
+                sizes[f] = (local / f).stat().st_size
+            fs.pipe_file(_join(remote, UPLOADED.format(rank=self.rank)),
+                         json.dumps(sizes).encode())
+            if self.rank == 0:
+                self._mark_complete(fs, remote)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self.error = e
+        self.seconds = time.monotonic() - start
+
+    def _mark_complete(self, fs, remote: str) -> None:
+        deadline = time.monotonic() + self.store.upload_timeout_s
+        wanted = [_join(remote, UPLOADED.format(rank=r)) for r in range(self.world_size)]
+        while missing := [w for w in wanted if not fs.exists(w)]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(missing)} rank(s) never finished uploading "
+                                   f"(no {', '.join(m.rsplit('/', 1)[1] for m in missing)})")
+            time.sleep(self.store.poll_s)
+        fs.pipe_file(_join(remote, COMPLETE_MARKER),
+                     json.dumps({"world_size": self.world_size}).encode())
+
+
+@dataclass
+class ReadStats:
+    """What one rank's load read, and from where (bytes of the items it asked for)."""
+
+    local_bytes: int = 0
+    fetched_bytes: int = 0
+    local_files: list[str] = field(default_factory=list)
+    fetched_files: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        mb = 1 << 20
+        return (f"read {self.local_bytes / mb:.1f} MiB from {len(self.local_files)} local "
+                f"file(s), fetched {self.fetched_bytes / mb:.1f} MiB from "
+                f"{len(self.fetched_files)} remote file(s)")
+
+
+class _LocalFirstFileSystem(FileSystemBase):
+    """The remote copy's paths, each opened from the local directory where it holds the file
+    (at least as long as the reads need), else from the remote through fsspec."""
+
+    def __init__(self, local: Path | None, remote_fs, remote_root: str) -> None:
+        self.local, self.remote_fs, self.root = local, remote_fs, remote_root
+        self.needed: dict[str, int] = {}
+        """Relative path to the end of the last byte a read of it asks for."""
+
+    def relative(self, path: str | os.PathLike) -> str:
+        path = os.fspath(path)
+        return path[len(self.root):].lstrip("/") if path.startswith(self.root) else path
+
+    def is_local(self, rel: str) -> bool:
+        if self.local is None:
+            return False
+        candidate = self.local / rel
+        return candidate.is_file() and candidate.stat().st_size >= self.needed.get(rel, 1)
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if mode != "rb":
+            raise ValueError(f"a local-first reader only reads (mode {mode!r})")
+        rel = self.relative(path)
+        if self.is_local(rel):
+            with open(self.local / rel, "rb") as f:  # type: ignore[operator]
+                yield f
+        else:
+            with self.remote_fs.open(_join(self.root, rel), "rb") as f:
+                yield f
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return _join(os.fspath(path), suffix)
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return os.fspath(path)
+
+    def rename(self, path, new_path) -> None:
+        raise ValueError("a local-first reader does not write")
+
+    def mkdir(self, path) -> None:
+        raise ValueError("a local-first reader does not write")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+    def exists(self, path) -> bool:
+        rel = self.relative(path)
+        return self.is_local(rel) or self.remote_fs.exists(_join(self.root, rel))
+
+    def rm_file(self, path) -> None:
+        raise ValueError("a local-first reader does not write")
+
+
+class LocalFirstReader(dcp.FileSystemReader):
+    """DCP's file reader over the remote copy of a checkpoint, each file taken from this node's
+    local copy where it holds it (:class:`ReadStats` in :attr:`stats`)."""
+
+    def __init__(self, remote_fs, remote_path: str, local: Path | None) -> None:
+        super().__init__(remote_path)
+        self.fs = _LocalFirstFileSystem(local, remote_fs, remote_path)
+        self.path = remote_path
+        self.stats = ReadStats()
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError("a LocalFirstReader reads the checkpoint it was made for")
+        super().reset()
+
+    def read_data(self, plan, planner):
+        per_file: dict[str, list[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+        for rel, spans in sorted(per_file.items()):
+            self.fs.needed[rel] = max(o + n for o, n in spans)
+            size = sum(n for _, n in spans)
+            if self.fs.is_local(rel):
+                self.stats.local_bytes += size
+                self.stats.local_files.append(rel)
+            else:
+                self.stats.fetched_bytes += size
+                self.stats.fetched_files.append(rel)
+        fut = super().read_data(plan, planner)
+        rank = f"rank {self.rank}: " if self.rank is not None else ""
+        logger.info("%s%s of %s", rank, self.stats.describe(), self.path)
+        return fut
+
+
+@dataclass(frozen=True)
+class CheckpointStore:
+    """Where a run's checkpoints go: ``local_dir`` (this node's disk) and ``remote`` (an fsspec
+    URL every node reaches). A checkpoint is a subdirectory ``<name>`` of each."""
+
+    local_dir: Path
+    remote: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec for the remote (credentials, endpoint, ...)."""
+    upload_timeout_s: float = 3600.0
+    """How long rank 0's upload waits for the other ranks' before giving up on the marker."""
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "local_dir", Path(self.local_dir))
+        if not isinstance(self.remote, str) or not self.remote:
+            raise CheckpointError(f"the remote copy's location must be a path or fsspec URL "
+                                  f"(e.g. /shared/run or s3://bucket/run), not {self.remote!r}")
+        if "://" not in self.remote and Path(self.remote).resolve() == self.local_dir.resolve():
+            raise CheckpointError(f"the remote copy {self.remote!r} is the local directory "
+                                  "itself; give a directory on shared storage or a remote URL")
+
+    def remote_fs(self) -> tuple[Any, str]:
+        """The remote's fsspec filesystem and root path (its protocol-specific form)."""
+        try:
+            fs, root = fsspec.core.url_to_fs(self.remote, **self.storage_options)
+        except (ImportError, ValueError) as e:
+            raise CheckpointError(f"the remote copy {self.remote!r} cannot be opened ({e}); "
+                                  "install the fsspec backend its protocol needs (s3fs for s3://, "
+                                  "gcsfs for gs://, ...) or give a shared directory") from None
+        return fs, root
+
+    def local_path(self, name: str) -> Path:
+        return self.local_dir / name
+
+    def remote_url(self, name: str) -> str:
+        return _join(self.remote, name)
+
+    def save(self, name: str, state_dict: dict[str, Any]) -> Upload:
+        """Write this rank's tensors of ``state_dict`` into ``local_dir/<name>`` (collective:
+        every rank of the default process group calls it) and start copying them to the remote
+        in the background; returns the copy (wait on it before the process exits)."""
+        rank, world = _rank_world()
+        if rank == 0:  # a marker left by an earlier save of the same name must not count
+            fs, root = self.remote_fs()
+            remote = _join(root, name)
+            for stale in [COMPLETE_MARKER] + [UPLOADED.format(rank=r) for r in range(world)]:
+                if fs.exists(_join(remote, stale)):
+                    fs.rm_file(_join(remote, stale))
+        writer = _RecordingWriter(self.local_path(name))
+        dcp.save(state_dict, storage_writer=writer)
+        return Upload(self, name, list(writer.written), rank, world)
+
+    def is_complete(self, name: str) -> bool:
+        """Whether the remote copy of ``name`` holds every rank's files and the metadata."""
+        fs, root = self.remote_fs()
+        return fs.exists(_join(_join(root, name), COMPLETE_MARKER))
+
+    def require_complete(self, name: str) -> None:
+        if not self.is_complete(name):
+            latest = self.latest_complete()
+            hint = f"resume from {latest!r}, the latest complete one" if latest else \
+                "no checkpoint of this store is complete"
+            raise CheckpointError(f"the remote copy {self.remote_url(name)!r} has no "
+                                  f"{COMPLETE_MARKER} marker: its upload did not finish, so it may "
+                                  f"lack a rank's files; {hint}")
+
+    def latest_complete(self, prefix: str = "checkpoint-") -> str | None:
+        """The name of the newest complete remote checkpoint ``<prefix>N`` (highest N)."""
+        fs, root = self.remote_fs()
+        if not fs.exists(root):
+            return None
+        steps = []
+        for entry in fs.ls(root, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                steps.append((int(name[len(prefix):]), name))
+        for _, name in sorted(steps, reverse=True):
+            if fs.exists(_join(_join(root, name), COMPLETE_MARKER)):
+                return name
+        return None
+
+    def reader(self, name: str, local: bool = True) -> LocalFirstReader:
+        """A DCP reader of checkpoint ``name`` (refused unless its remote copy is complete):
+        each file from this node's local copy where it holds it (``local=False``: every file
+        from the remote), the rest fetched."""
+        self.require_complete(name)
+        fs, root = self.remote_fs()
+        return LocalFirstReader(fs, _join(root, name), self.local_path(name) if local else None)
