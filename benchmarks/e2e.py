@@ -123,6 +123,9 @@ class RaceConfig:
     """Leave the link between the groups unshaped (loopback speed); the compute gap stays."""
     pin_cpus: bool = True
     """Pin every capped rank to one core (see TestbedSpec.pin_cpus)."""
+    contenders: str = "abcdefgh"
+    """Which contenders race (letters of :data:`CONTENDERS`; (a) always): ``--contenders ab``
+    races hapt_hf's plan against torch's Schedule1F1B alone, in a third of the time."""
     idle_ranks_busy: bool = True
     """Where the chosen plan leaves a group idle, its ranks compute (to no purpose) during the
     plan's steps: this machine's cores, caches and memory bandwidth are shared, so two ranks
@@ -236,6 +239,8 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
         every = (plan_job(spec, cluster, cfg.global_batch, profile=profile,
                           options=replace(options, all_groups=True)) if idle else None)
         box[0] = {"plan": chosen.plan.to_dict(), "links": [asdict(m) for m in profile.links],
+                  "overheads": {d: asdict(o) for d, o in profile.overheads.items()},
+                  "predicted": _predictions(spec, cluster, profile, chosen.plan, every),
                   "all_groups_plan": every.plan.to_dict() if every else None,
                   "group_choice": {"idle": idle,
                                    "predicted_s": chosen.plan.predicted.iteration_s,
@@ -246,6 +251,20 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
                               [t.forward_s, t.backward_s] for k, t in profile.timings.items()}}
     dist.broadcast_object_list(box, src=0)
     return box[0], t1 - t0, time.perf_counter() - t1
+
+
+def _predictions(spec, cluster, profile, plan, every) -> dict[str, float]:
+    """The cost model's iteration time of each plan the race runs: (a), (c) (its pipeline
+    under 1F1B), (h) (the best on every group, where (a) leaves one idle)."""
+    from hapt_hf.planner.simulate import simulate_plan
+    out = {"a": plan.predicted.iteration_s}
+    if plan.virtual_stages == 1:
+        model = spec.split_blocks() if plan.layer_unit == "half" else spec
+        out["c"] = simulate_plan(plan.with_schedule(ScheduleKind.ONE_F_ONE_B), model, cluster,
+                                 profile, record_events=False).iteration_s
+    if every is not None:
+        out["h"] = every.plan.predicted.iteration_s
+    return out
 
 
 def _train_step(rt, opt, batch):
@@ -273,10 +292,11 @@ def _burn() -> None:
         a = a @ a * 1e-2
 
 
-def _chosen_plans(plan_a) -> dict:
-    """(a) and, on a plan of one stage per rank, (c): the same plan with 1F1B's warm-ups."""
+def _chosen_plans(plan_a, cfg: RaceConfig) -> dict:
+    """(a) and, on a plan of one stage per rank, (c): the same plan with 1F1B's warm-ups
+    (where the race runs (c))."""
     plans = {"a": plan_a}
-    if plan_a.virtual_stages == 1:
+    if plan_a.virtual_stages == 1 and "c" in cfg.contenders:
         plans["c"] = plan_a.with_schedule(ScheduleKind.ONE_F_ONE_B)
     return plans
 
@@ -304,22 +324,26 @@ def _contenders(cfg: RaceConfig, config, planned: dict, rank: int) -> tuple[dict
     plan_a = Plan.from_dict(planned["plan"])
     idle = planned["group_choice"]["idle"]
     uniform = uniform_plan(cfg)
-    plans = {"d": uniform}
+    plans = {"d": uniform} if "d" in cfg.contenders else {}
     if idle:
-        plans["h"] = Plan.from_dict(planned["all_groups_plan"])
+        if "h" in cfg.contenders:
+            plans["h"] = Plan.from_dict(planned["all_groups_plan"])
     else:
-        plans.update(_chosen_plans(plan_a))
+        plans.update(_chosen_plans(plan_a, cfg))
     steps, closing = _runtime_steps(config, plans), []
     if idle:
         sub = _SubWorld(cfg, planned, rank)
         steps.update(sub.steps())
         closing.append(sub)
-    steps["b"] = _torch_step(cfg, config, uniform, rank, "Schedule1F1B")
+    if "b" in cfg.contenders:
+        steps["b"] = _torch_step(cfg, config, uniform, rank, "Schedule1F1B")
     if interleaves(cfg):
         chunks = uniform_plan(cfg, VIRTUAL)
         for name, schedule in TORCH_INTERLEAVED.items():
-            steps[name] = _torch_step(cfg, config, chunks, rank, schedule)
-    if _ddp_estimate_s(cfg, config, planned["links"]) <= cfg.ddp_max_s:
+            if name in cfg.contenders:
+                steps[name] = _torch_step(cfg, config, chunks, rank, schedule)
+    if "e" in cfg.contenders and \
+            _ddp_estimate_s(cfg, config, planned["links"]) <= cfg.ddp_max_s:
         steps["e"] = _ddp_step(cfg, config, rank)
     return steps, closing
 
@@ -348,7 +372,7 @@ class _SubWorld:
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self._expect("ready")
         from hapt_hf.planner.plan import Plan
-        self.names = list(_chosen_plans(Plan.from_dict(planned["plan"])))
+        self.names = list(_chosen_plans(Plan.from_dict(planned["plan"]), cfg))
         dist.barrier()  # every child world is up before the race starts
 
     def _expect(self, word: str) -> None:
@@ -399,7 +423,7 @@ def sub_worker(arg: dict) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("race-sub-world/", store),
                             rank=rank, world_size=world, timeout=timedelta(seconds=600))
     config = _model_config(cfg)
-    steps = _runtime_steps(config, _chosen_plans(Plan.from_dict(arg["plan"])))
+    steps = _runtime_steps(config, _chosen_plans(Plan.from_dict(arg["plan"]), cfg))
     gc.collect()
     gc.freeze()
     g = torch.Generator().manual_seed(0)
@@ -510,7 +534,8 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
         rows[k] = {"name": CONTENDERS[k], "median_s": round(med, 4), "spread": round(spread, 3),
                    "tokens_per_s": round(tokens / med, 1), "n": len(xs)}
     for k in rows:
-        rows[k]["vs_b"] = round(rows["b"]["median_s"] / rows[k]["median_s"], 3)
+        if "b" in rows:
+            rows[k]["vs_b"] = round(rows["b"]["median_s"] / rows[k]["median_s"], 3)
     ddp = ({"speedup_vs_ddp_equal_share": round(rows["e"]["median_s"] / rows["a"]["median_s"], 3)}
            if "e" in rows else
            {"ddp_skipped": f"all-reduce over the measured link estimated at "
@@ -518,20 +543,24 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
     predicted = race["plan"]["predicted"]["iteration_s"]
     measured = rows["a"]["median_s"]
     plan = race["plan"]
-    best = min((k for k in TORCH if k in rows), key=lambda k: rows[k]["median_s"])
+    best = min((k for k in TORCH if k in rows), key=lambda k: rows[k]["median_s"], default=None)
+    predictions = {k: {"predicted_s": round(p, 4), "measured_s": rows[k]["median_s"],
+                       "error": round(abs(p - rows[k]["median_s"]) / rows[k]["median_s"], 3)}
+                   for k, p in race.get("predicted", {}).items() if k in rows}
     return {
-        "speedup_vs_torch_1f1b_uniform": rows["a"]["vs_b"],
-        "speedup_vs_torch_best": round(rows[best]["median_s"] / measured, 3),
-        "torch_best": CONTENDERS[best],
+        **({"speedup_vs_torch_1f1b_uniform": rows["a"]["vs_b"]} if "b" in rows else {}),
+        **({"speedup_vs_torch_best": round(rows[best]["median_s"] / measured, 3),
+            "torch_best": CONTENDERS[best]} if best else {}),
         **({"speedup_vs_plain_1f1b": round(rows["c"]["median_s"] / measured, 3)}
            if "c" in rows else {}),
-        "speedup_vs_uniform_hapt_runtime": round(rows["d"]["median_s"] / measured, 3),
+        **({"speedup_vs_uniform_hapt_runtime": round(rows["d"]["median_s"] / measured, 3)}
+           if "d" in rows else {}),
         **({"speedup_vs_all_groups": round(rows["h"]["median_s"] / measured, 3)}
            if "h" in rows else {}),
         **ddp,
         "prediction_error": round(abs(predicted - measured) / measured, 3),
         "predicted_iteration_s": round(predicted, 4), "measured_iteration_s": measured,
-        "contenders": rows,
+        "predictions": predictions, "contenders": rows,
         "plan": {"stages": [{"layers": s["layers"], "group": s["replicas"][0]["group"],
                              "ranks": [r for rep in s["replicas"] for r in rep["ranks"]],
                              "warmup": s["warmup"], "optimizer": s.get("optimizer", "replicated"),
@@ -542,6 +571,7 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
                  "num_microbatches": plan["num_microbatches"]},
         "group_choice": race["group_choice"],
         "measured_links": race["links"], "profile": race["profile"],
+        "step_overheads": race.get("overheads", {}),
         "profile_s": round(race["profile_s"], 1), "plan_s": round(race["plan_s"], 2),
         "testbed": {"slowdown": mechanisms.slowdown, "network": mechanisms.network,
                     "notes": list(mechanisms.notes)},
@@ -592,6 +622,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="leave the link between the groups at the machine's speed")
     ap.add_argument("--no-pin-cpus", action="store_true",
                     help="leave the capped ranks free to run on any core")
+    ap.add_argument("--contenders", default=None,
+                    help="letters of the contenders to race, (a) always (default: abcdefgh)")
     ap.add_argument("--idle-ranks-rest", action="store_true",
                     help="let the ranks of a group the plan leaves idle sleep during its steps")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
@@ -616,7 +648,8 @@ def main(argv: list[str] | None = None) -> dict:
             "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap,
             "unshaped": True if args.unshaped else None,
             "pin_cpus": False if args.no_pin_cpus else None,
-            "idle_ranks_busy": False if args.idle_ranks_rest else None}
+            "idle_ranks_busy": False if args.idle_ranks_rest else None,
+            "contenders": "a" + args.contenders if args.contenders else None}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
     if cfg.cpu_cap is not None and cfg.cpu_cap <= 0:
         cfg = RaceConfig(**{**asdict(cfg), "cpu_cap": None})
@@ -640,7 +673,7 @@ def main(argv: list[str] | None = None) -> dict:
     for k, row in result["contenders"].items():
         print(f"({k}) {row['name']:30s} {row['median_s'] * 1e3:9.1f} ms  "
               f"spread {row['spread']:.2f}  {row['tokens_per_s']:8.1f} tok/s  "
-              f"x{row['vs_b']:.2f} vs (b)")
+              + (f"x{row['vs_b']:.2f} vs (b)" if "vs_b" in row else ""))
     print(f"plan: {result['plan']}; predicted {result['predicted_iteration_s']} s, "
           f"measured {result['measured_iteration_s']} s")
     if args.plot:

@@ -57,3 +57,14 @@ def test_last_line_reports_the_speedup_over_torchs_best_and_every_median():
     assert {k: r["median_s"] for k, r in out["contenders"].items()} == \
         {"a": 1.0, "b": 3.0, "d": 2.5, "f": 2.2, "g": 2.6, "h": 1.5}
     assert out["group_choice"]["idle"] == ["slow"]
+
+
+def test_a_race_of_some_contenders_reports_each_plans_prediction():
+    race = _race({"a": [1.0], "b": [3.0], "c": [1.25]}, [])
+    race["predicted"] = {"a": 1.1, "c": 1.0, "h": 2.0}  # (h) did not race: left out
+    out = summarize(RaceConfig(contenders="abc"), race,
+                    SimpleNamespace(slowdown="hook", network="netns", notes=()), 10.0)
+    assert out["predictions"] == {"a": {"predicted_s": 1.1, "measured_s": 1.0, "error": 0.1},
+                                  "c": {"predicted_s": 1.0, "measured_s": 1.25, "error": 0.2}}
+    assert out["speedup_vs_torch_best"] == pytest.approx(3.0)
+    assert "speedup_vs_uniform_hapt_runtime" not in out
