@@ -2,34 +2,64 @@
 (atomically, as the Trainer's checkpoints), what each rank's files hold, the checks a directory
 must pass before it is loaded, and Accelerate's automatic ``checkpoint_<n>`` naming.
 
-A directory holds the gathered model (``model.safetensors`` with ``config.json``), the plan
-(``plan.json``) and, per rank, the optimizer, scheduler, RNG and loss-scaler state
-(``trainer_checkpoint``'s rank file) and the loop's own state (:data:`STATE_FILE`: the loaders'
-positions, the registered objects, ``accelerator.step``).
+A directory holds the model as ``from_pretrained`` loads it (``config.json`` with the weights,
+each stage's written by that stage), the plan (``plan.json``) and two forms of the rest:
+
+* per rank, the optimizer, scheduler, RNG and loss-scaler state (``trainer_checkpoint``'s rank
+  file) and the loop's own state (:data:`STATE_FILE`: the loaders' positions, the registered
+  objects, ``accelerator.step``): what a run on the same plan reads back bit for bit;
+* the portable form any plan reads: every rank's model and optimizer tensors keyed by parameter
+  name (``portable/``, :mod:`hapt_hf.pipeline.portable`) and, on rank 0, :data:`PORTABLE_FILE`
+  (the LR scheduler, the optimizer's hyperparameters, RNG, loss scale, the loop's state and the
+  shape of the run that wrote it: processes, rows per micro-step, accumulation steps).
+  :func:`read_portable` reads it under another plan (other processes, stages, replicas or
+  optimizer sharding; the same layers, global batch, sequence length and precision), turning
+  the loaders' positions and the scheduler's step count into this run's.
 """
 from __future__ import annotations
 
 import contextlib
+import random
 import re
 import shutil
 from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from hapt_hf.errors import CheckpointError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.accelerate_data import AccelerateSettingError
-from hapt_hf.pipeline import checkpoint_io
+from hapt_hf.pipeline import checkpoint_io, portable
+from hapt_hf.pipeline.export import has_weights, write_stage_shards
 from hapt_hf.pipeline.runtime import PipelineRuntime
 from hapt_hf.planner.plan import Plan
 
-__all__ = ["STATE_FILE", "SavedState", "writing_state", "write_rank_state", "read_rank_state",
-           "check_state_dir", "next_numbered_dir", "latest_numbered_dir"]
+__all__ = ["STATE_FILE", "PORTABLE_FILE", "RunShape", "SavedState", "writing_state",
+           "write_rank_state", "read_rank_state", "write_portable", "read_portable",
+           "check_state_dir", "rescaled_scheduler", "next_numbered_dir", "latest_numbered_dir"]
 
 STATE_FILE = "hapt_accelerate_rank{rank}.pt"
 """Each rank's loop state: ``{"loaders": [...], "custom": [...], "step": int}``."""
+PORTABLE_FILE = "hapt_accelerate_portable.pt"
+"""Rank 0's part of the portable form besides the tensors (see the module's docstring)."""
 _AUTO_NAME = re.compile(r"checkpoint_(\d+)$")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a loop's saved counters are counted in: they turn into another run's units when the
+    state is read under another plan."""
+
+    num_processes: int
+    scheduler_per_process: bool
+    """Accelerate steps the LR scheduler ``num_processes`` times per optimizer step
+    (``step_scheduler_with_optimizer`` without ``split_batches``)."""
+    gradient_accumulation_steps: int
+    rows: tuple[int, ...]
+    """Each prepared loader's rows per micro-step, every process's together."""
 
 
 class SavedState:
@@ -46,14 +76,16 @@ class SavedState:
 
 @contextlib.contextmanager
 def writing_state(out: Path, runtime: PipelineRuntime, plan: Plan) -> Iterator[Path]:
-    """A temporary directory beside ``out`` holding the gathered model and ``plan.json``, for
+    """A temporary directory beside ``out`` holding the model (each stage's file written by
+    that stage) and ``plan.json``, for
     the block to write this rank's files into; committed as ``out`` when the block ends without
     an exception (collective: every rank enters it)."""
     rank = runtime.rank
     if rank == 0:
         shutil.rmtree(out.parent / f"{ckpt_io.TMP_PREFIX}{out.name}", ignore_errors=True)
     tmp = ckpt_io.begin_checkpoint(out.parent, out.name, rank)
-    if ckpt_io.write_gathered_model(runtime, tmp):
+    write_stage_shards(runtime, tmp)
+    if rank == 0:
         plan.save(tmp / "plan.json")
     yield tmp
     ckpt_io.commit_checkpoint(tmp, out, rank)
@@ -66,6 +98,42 @@ def write_rank_state(tmp: Path, runtime: PipelineRuntime, optimizer: Any, schedu
     with _torch_rng(rng):
         ckpt_io.save_rank_state(tmp, runtime.rank, optimizer, scheduler, runtime.loss_scaler)
     torch.save(loop, tmp / STATE_FILE.format(rank=runtime.rank))
+
+
+def write_portable(tmp: Path, runtime: PipelineRuntime, optimizer: Any, scheduler: Any,
+                   rng: tuple[torch.Tensor, Any] | None, loop: dict[str, Any],
+                   shape: RunShape) -> None:
+    """The portable form (collective): every rank's model and optimizer tensors by parameter
+    name, and on rank 0 :data:`PORTABLE_FILE` (the LR scheduler, the optimizer's
+    hyperparameters, RNG as :func:`write_rank_state` takes it, the loss scale, ``loop`` and
+    ``shape``). Rank 0's loop state and RNG stand for every rank's: every rank draws the data
+    order from rank 0's RNG state."""
+    portable.save_portable(tmp / ckpt_io.PORTABLE_DIR, runtime.stage, optimizer)
+    if runtime.rank != 0:
+        return
+    scaler = runtime.loss_scaler
+    with _torch_rng(rng):
+        state = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                 "groups": portable.group_settings(optimizer), "rng": _rng_states(),
+                 "loss_scale": scaler.state_dict() if scaler is not None else None,
+                 "loop": loop, "shape": asdict(shape)}
+    path = tmp / PORTABLE_FILE
+    torch.save(state, path)
+    ckpt_io.fsync_path(path)
+
+
+def _rng_states() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_states(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    _set_torch_rng((state["torch"], state.get("cuda") if torch.cuda.is_available() else None))
 
 
 @contextlib.contextmanager
@@ -93,14 +161,16 @@ def _set_torch_rng(states: tuple[torch.Tensor, Any]) -> None:
 
 def check_state_dir(ckpt: Path, plan: Plan) -> None:
     """Refuse a state directory that is incomplete or was saved under another plan."""
-    needed = ["plan.json", "model.safetensors"] + [
-        n.format(rank=r) for r in range(plan.world_size)
-        for n in (ckpt_io.RANK_STATE, STATE_FILE)]
+    needed = ["plan.json"] + [n.format(rank=r) for r in range(plan.world_size)
+                              for n in (ckpt_io.RANK_STATE, STATE_FILE)]
     missing = [n for n in needed if not (ckpt / n).is_file()]
+    if not has_weights(ckpt):
+        missing.insert(1, "the model's weights (model.safetensors or its index)")
     if missing:
         raise CheckpointError(f"load_state: {str(ckpt)!r} lacks {missing}; give a directory "
                               f"written by save_state of a {plan.world_size}-rank hapt run")
-    saved = Plan.load(ckpt / "plan.json")
+    saved = _saved_plan(ckpt)
+    ckpt_io.check_same_run(saved, plan, f"load_state: {str(ckpt)!r}", _BATCH_FIX)
     if ckpt_io.placements(saved) != ckpt_io.placements(plan):
         raise CheckpointError(f"load_state: {str(ckpt)!r} was saved under another plan (stages "
                               f"{ckpt_io.describe_placements(saved)}, this run's "
@@ -119,6 +189,117 @@ def read_rank_state(ckpt: Path, runtime: PipelineRuntime, optimizer: Any,
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - one message naming the file
         raise checkpoint_io.damaged_file(path, e) from None
+
+
+_BATCH_FIX = ("make the training DataLoader's batch_size x num_processes x "
+              "gradient_accumulation_steps (batch_size x gradient_accumulation_steps with "
+              "split_batches) equal to it")
+
+
+def _saved_plan(ckpt: Path) -> Plan:
+    try:
+        return Plan.load(ckpt / "plan.json")
+    except (ValueError, OSError) as e:  # a PlanError, or no such file
+        raise checkpoint_io.damaged_file(ckpt / "plan.json", e) from None
+
+
+def read_portable(ckpt: Path, runtime: PipelineRuntime, optimizer: Any, scheduler: Any,
+                  shape: RunShape) -> dict[str, Any]:
+    """Load the portable form of a directory written under another plan into this rank: its
+    stage's tensors and its optimizer's state by parameter name, then the scheduler (its step
+    count in this run's units: :func:`rescaled_scheduler`), hyperparameters, loss scale and RNG;
+    return the loop's state with the loaders' positions and ``accelerator.step`` in this run's
+    units. The ranks agree on every check before any of them reads (collective)."""
+    channel, index = runtime.channel, runtime.stage_plan.index
+
+    def check() -> tuple[portable.PortableLoad, dict[str, Any]]:
+        ckpt_io.check_same_run(_saved_plan(ckpt), runtime.plan, f"load_state: {str(ckpt)!r}",
+                               _BATCH_FIX)
+        path = ckpt / PORTABLE_FILE
+        if not path.is_file():
+            raise CheckpointError(f"load_state: {str(ckpt)!r} lacks {PORTABLE_FILE}; it was "
+                                  "not written by save_state of a hapt run (or is damaged)")
+        reads = portable.prepare_load(ckpt / ckpt_io.PORTABLE_DIR, runtime.stage, optimizer)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)  # our own file
+            saved = RunShape(**{**state["shape"], "rows": tuple(state["shape"]["rows"])})
+        except Exception as e:  # noqa: BLE001 - one message naming the file
+            raise checkpoint_io.damaged_file(path, e) from None
+        state["loop"] = _loop_in(state["loop"], saved, shape, ckpt)
+        if scheduler is not None and state["scheduler"] is not None:
+            state["scheduler"] = rescaled_scheduler(state["scheduler"], scheduler.state_dict(),
+                                                    saved, shape)
+        return reads, state
+
+    reads, state = channel.agree("checking the state", index, check,
+                                 refusals=(CheckpointError,))
+    reads.read()  # every rank has passed the checks
+
+    def apply() -> None:
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        portable.apply_group_settings(optimizer, state["groups"])
+        if runtime.loss_scaler is not None and state["loss_scale"] is not None:
+            runtime.loss_scaler.load_state_dict(state["loss_scale"])
+        _set_rng_states(state["rng"])
+    channel.agree("loading the state", index, apply, refusals=(CheckpointError,))
+    return state["loop"]
+
+
+def _loop_in(loop: dict[str, Any], saved: RunShape, now: RunShape, ckpt: Path) -> dict[str, Any]:
+    """The loop's state counted in this run's units: a loader's position (micro-steps handed
+    out) by the rows they held, ``accelerator.step`` by optimizer steps."""
+    where = f"load_state: {str(ckpt)!r}"
+    if len(saved.rows) != len(now.rows):
+        raise CheckpointError(f"{where} holds the positions of {len(saved.rows)} prepared "
+                              f"DataLoader(s), this run prepared {len(now.rows)}; prepare the "
+                              "same DataLoaders as the run that saved it")
+    loaders = []
+    for i, (state, old, new) in enumerate(zip(loop["loaders"], saved.rows, now.rows)):
+        rows = state["position"] * old
+        if rows % new:
+            raise CheckpointError(f"{where}: DataLoader {i} had handed out {rows} rows "
+                                  f"({state['position']} micro-steps of {old}), not a whole "
+                                  f"number of this run's micro-steps of {new} rows; give it "
+                                  f"a batch_size that makes its micro-steps divide {rows}")
+        loaders.append({**state, "position": rows // new})
+    step = loop["step"]
+    old_ga, new_ga = saved.gradient_accumulation_steps, now.gradient_accumulation_steps
+    if old_ga != new_ga:
+        if step % old_ga:
+            raise CheckpointError(f"{where} was saved at micro-step {step}, inside an "
+                                  f"accumulation window of {old_ga}; load it with "
+                                  f"gradient_accumulation_steps={old_ga}")
+        step = step // old_ga * new_ga
+    return {**loop, "loaders": loaders, "step": step}
+
+
+def rescaled_scheduler(saved: dict[str, Any], fresh: dict[str, Any], old: RunShape,
+                       new: RunShape) -> dict[str, Any]:
+    """The saved LR scheduler state for this run. Where Accelerate steps the scheduler once per
+    process per optimizer step, a run of another number of processes counts
+    ``num_processes`` steps per update, and its scheduler is built for that count (as
+    Accelerate asks: warm-up and total steps times ``num_processes``); then the position
+    (``last_epoch``, ``_step_count``) is moved into this run's count and the rest is the
+    scheduler as this run built it (``fresh``). Otherwise the saved state as it is."""
+    p_old = old.num_processes if old.scheduler_per_process else 1
+    p_new = new.num_processes if new.scheduler_per_process else 1
+    if p_old == p_new:
+        return saved
+    if "_schedulers" in saved or "last_epoch" not in saved:
+        raise CheckpointError(f"load_state: the LR scheduler steps {p_old} times per optimizer "
+                              f"step in the saved run and {p_new} times in this one, and its "
+                              "state (a scheduler of schedulers, or not an LRScheduler) cannot "
+                              f"be moved between the two; load it on {old.num_processes} "
+                              "processes, or prepare with split_batches=True")
+    updates, rest = divmod(saved["last_epoch"], p_old)
+    if rest:
+        raise CheckpointError(f"load_state: the saved LR scheduler stands at step "
+                              f"{saved['last_epoch']}, not a whole number of optimizer steps "
+                              f"of {p_old} scheduler steps each (capped at its total_steps?); "
+                              f"load it on {old.num_processes} processes")
+    return {**fresh, "last_epoch": updates * p_new, "_last_lr": saved.get("_last_lr", fresh.get("_last_lr")),
+            "_step_count": saved["_step_count"] + updates * (p_new - p_old)}
 
 
 # -- automatic checkpoint naming ------------------------------------------------------------

@@ -32,6 +32,7 @@ from hapt_hf.errors import DataError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.accelerate_data import (BATCH_KEYS, AccelerateSettingError, Cursor, Fed,
                                                  PipelineDataLoader)
+from hapt_hf.integration.model_export import export_model
 from hapt_hf.integration.trainer_data import fill_rows
 from hapt_hf.pipeline.process_group import world_size
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
@@ -349,7 +350,7 @@ class PipelineOptimizer(torch.optim.Optimizer):
 
 class PipelineModelView:
     """What ``unwrap_model`` returns: the model's config and a ``save_pretrained`` that writes
-    the full Hugging Face checkpoint gathered from every stage."""
+    the full Hugging Face checkpoint, each stage its own file (``model_export``)."""
 
     def __init__(self, engine: PipelineEngine, accelerator_save: Callable | None = None) -> None:
         self.engine = engine
@@ -360,21 +361,22 @@ class PipelineModelView:
                         state_dict: Mapping[str, Tensor] | None = None,
                         is_main_process: bool = True, save_function: Callable | None = None,
                         safe_serialization: bool = True, **kwargs: Any) -> None:
-        """With ``state_dict=None`` it gathers (collective: every rank calls it); with
-        ``accelerator.get_state_dict(model)`` rank 0 writes what it holds. ``save_function``
+        """With ``state_dict=None`` every stage writes its own weights file and rank 0 the
+        index and config (collective: every rank calls it); with
+        ``accelerator.get_state_dict(model)`` rank 0 writes what it holds (one file). ``save_function``
         may be ``accelerator.save`` (it writes on the main process, as this does)."""
         if kwargs or not safe_serialization:
             given = sorted(kwargs) or ["safe_serialization=False"]
             raise AccelerateSettingError(f"save_pretrained({given[0]}...) cannot be honoured "
-                                         "for a pipeline model: it writes one model.safetensors"
-                                         " with config.json; leave it out")
+                                         "for a pipeline model: it writes safetensors files "
+                                         "with config.json; leave it out")
         if save_function is not None and save_function != self._accelerator_save:
             raise AccelerateSettingError("save_pretrained(save_function=...) takes only "
-                                         "accelerator.save with a hapt plan (the main process "
-                                         "writes model.safetensors and config.json)")
-        if state_dict is None:
-            state_dict = self.engine.runtime.gather_state_dict(dst=0)
-        if is_main_process and state_dict:
+                                         "accelerator.save with a hapt plan (the stages write "
+                                         "the weights, the main process config.json)")
+        if state_dict is None:  # each stage writes its own file, no rank gathers the model
+            export_model(self.engine.runtime, Path(save_directory))
+        elif is_main_process and state_dict:
             save_gathered_model(self.engine.runtime, Path(save_directory), dict(state_dict))
 
 

@@ -45,9 +45,10 @@ from torch import nn
 
 from hapt_hf.errors import CheckpointError, DataError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
-from hapt_hf.integration.accelerate_checkpoint import (SavedState, check_state_dir,
+from hapt_hf.integration.accelerate_checkpoint import (RunShape, SavedState, check_state_dir,
                                                        latest_numbered_dir, next_numbered_dir,
-                                                       read_rank_state, write_rank_state,
+                                                       read_portable, read_rank_state,
+                                                       write_portable, write_rank_state,
                                                        writing_state)
 from hapt_hf.integration.accelerate_data import AccelerateSettingError, PipelineDataLoader
 from hapt_hf.integration.accelerate_objects import (PipelineEngine, PipelineModelView,
@@ -283,9 +284,11 @@ class HaptAccelerator(Accelerator):
     # -- checkpoints --------------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
-        """Commit the state directory atomically (collective): the gathered model, each rank's
-        optimizer, scheduler, RNG and loss-scaler state, the loaders' positions, the registered
-        objects, ``accelerator.step`` and the plan. With automatic checkpoint naming, as
+        """Commit the state directory atomically (collective): the model (each stage's
+        weights written by that stage), each rank's optimizer, scheduler, RNG and loss-scaler
+        state, the loaders' positions, the registered objects, ``accelerator.step`` and the
+        plan, and the same state in the portable form any plan loads (tensors by parameter
+        name, see ``accelerate_checkpoint``). With automatic checkpoint naming, as
         Accelerate: ``project_dir/checkpoints/checkpoint_<iteration>``, the oldest removed past
         ``total_limit``. Inside an accumulation window (the pipeline has run it, its optimizer
         step is still to come) the state saved is the one before the window: resuming runs the
@@ -293,7 +296,7 @@ class HaptAccelerator(Accelerator):
         if kwargs or not safe_serialization:
             raise AccelerateSettingError("save_state's save_model_func kwargs and "
                                          "safe_serialization=False cannot be honoured with a "
-                                         "hapt plan: the model is one model.safetensors")
+                                         "hapt plan: the model is written as safetensors")
         runtime, out = self._engine().runtime, self._state_dir(output_dir)
         with writing_state(out, runtime, self.plan) as tmp:
             opt, sched = self._single_optimizer()
@@ -310,6 +313,7 @@ class HaptAccelerator(Accelerator):
             loop = {"loaders": loaders, "custom": [o.state_dict() for o in self._custom_objects],
                     "step": step}
             write_rank_state(tmp, runtime, opt, sched, rng, loop)
+            write_portable(tmp, runtime, opt, sched, rng, loop, self._run_shape())
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
         return str(out)
@@ -328,8 +332,12 @@ class HaptAccelerator(Accelerator):
         return out
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
-        """Every rank reads its own part; the ranks agree on the outcome before going on. With
-        automatic checkpoint naming and no ``input_dir``: the latest ``checkpoint_<n>``."""
+        """Under the plan that saved it, every rank reads its own files (bit for bit); under
+        another plan (other processes, cluster file, stages, replicas or optimizer sharding, the
+        same global batch and model), every rank reads its stage's tensors and optimizer state
+        by parameter name from the portable form and the loop's counters are moved into this
+        run's units. The ranks agree on the outcome before going on. With automatic
+        checkpoint naming and no ``input_dir``: the latest ``checkpoint_<n>``."""
         if kwargs:
             raise AccelerateSettingError(f"load_state({sorted(kwargs)[0]}=...) cannot be "
                                          "honoured with a hapt plan; give the directory only")
@@ -339,19 +347,30 @@ class HaptAccelerator(Accelerator):
                                              "save_state (or automatic checkpoint naming)")
             input_dir = str(latest_numbered_dir(Path(self.project_dir) / "checkpoints"))
         runtime, ckpt = self._engine().runtime, Path(input_dir)
+        opt, sched = self._single_optimizer()
+        if ckpt.is_dir() and not ckpt_io.same_placement(ckpt, self.plan):
+            self._apply_loop(read_portable(ckpt, runtime, opt, sched, self._run_shape()))
+            return
 
         def load() -> None:
             check_state_dir(ckpt, self.plan)
             ckpt_io.load_stage_weights(runtime.stage, ckpt)
-            opt, sched = self._single_optimizer()
-            extra = read_rank_state(ckpt, runtime, opt, sched)
-            for loader, state in zip(self.hapt_loaders, extra["loaders"]):
-                loader.load_state_dict(state)
-            for obj, state in zip(self._custom_objects, extra["custom"]):
-                obj.load_state_dict(state)
-            self.step = extra["step"]
+            self._apply_loop(read_rank_state(ckpt, runtime, opt, sched))
         runtime.channel.agree("loading the state", runtime.stage_plan.index, load,
                               refusals=(CheckpointError, ckpt_io.CheckpointError))
+
+    def _apply_loop(self, loop: dict[str, Any]) -> None:
+        for loader, state in zip(self.hapt_loaders, loop["loaders"]):
+            loader.load_state_dict(state)
+        for obj, state in zip(self._custom_objects, loop["custom"]):
+            obj.load_state_dict(state)
+        self.step = loop["step"]
+
+    def _run_shape(self) -> RunShape:
+        return RunShape(self.num_processes,
+                        bool(self.step_scheduler_with_optimizer and not self.split_batches),
+                        self.gradient_accumulation_steps,
+                        tuple(d.total_batch_size for d in self.hapt_loaders))
 
     def _single_optimizer(self) -> tuple[Any, Any]:
         if len(self.hapt_optimizers) > 1 or len(self.hapt_schedulers) > 1:

@@ -32,6 +32,7 @@ from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.launch import read_launch_env
 from hapt_hf.integration.plan_resolution import write_plan
 from hapt_hf.integration.lora import peft_parts, write_adapter
+from hapt_hf.integration.model_export import export_model
 from hapt_hf.integration.trainer_checks import training_args_precision_mismatch
 from hapt_hf.integration.trainer_checks import (BatchMappingError, check_batch_mapping,
                                                 check_best_metric, check_training_args_honoured,
@@ -40,6 +41,7 @@ from hapt_hf.integration.trainer_data import (as_dataset, check_first_rows, epoc
                                               step_counts, to_batch, trainer_loader)
 from hapt_hf.integration.trainer_eval import EvalPass, count_tokens, eval_pass
 from hapt_hf.integration.trainer_setup import hapt_config_of, pipeline_for_model, seq_len_of
+from hapt_hf.pipeline.export import write_stage_shards
 from hapt_hf.pipeline.process_group import world_size
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
 
@@ -326,24 +328,27 @@ class HaptTrainer(TrainerHooks, Trainer):
 
     # -- saving -------------------------------------------------------------------------------
     def _write_model(self, out_dir: Path) -> None:
-        """Gather every stage's weights (collective) and write them on rank 0."""
-        if ckpt_io.write_gathered_model(self.runtime, out_dir):
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(str(out_dir))
+        """Each stage writes its own weights file, rank 0 the index, config and tokenizer
+        (collective; ``pipeline/export.py``)."""
+        write_stage_shards(self.runtime, out_dir)
+        if self.runtime.rank == 0 and self.processing_class is not None:
+            self.processing_class.save_pretrained(str(out_dir))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A standard HF checkpoint (config.json + model.safetensors) gathered from all stages.
+        """A standard HF checkpoint (config.json and the weights, each stage's file written by
+        that stage: no rank gathers the model).
 
         Files are written into a temporary directory and moved into place one by one with
-        ``os.replace``, so a crash never leaves a truncated model.safetensors.
+        ``os.replace``, so a crash never leaves a truncated weights file.
         """
         out = Path(output_dir or self.args.output_dir)
-        rank = self.runtime.rank
+        if self._lora is None:
+            export_model(self.runtime, out, None if self.processing_class is None
+                         else lambda d: self.processing_class.save_pretrained(str(d)))
+            return
+        rank = self.runtime.rank  # saved as Trainer saves a PEFT model: the adapter
         tmp = ckpt_io.begin_model_save(out) if rank == 0 else out / f"{ckpt_io.TMP_PREFIX}save"
-        if self._lora is not None:  # saved as Trainer saves a PEFT model: the adapter
-            write_adapter(self.runtime, self._lora, tmp, self.processing_class)
-        else:
-            self._write_model(tmp)
+        write_adapter(self.runtime, self._lora, tmp, self.processing_class)
         if rank == 0:
             ckpt_io.finish_model_save(tmp, out)
         ckpt_io.barrier()

@@ -5,8 +5,10 @@ tensor files inside are read and written by :mod:`hapt_hf.pipeline.checkpoint_io
 
 A checkpoint directory ``checkpoint-N`` holds:
 
-* ``config.json`` + ``model.safetensors``: the whole model gathered from every stage, a standard
-  Hugging Face checkpoint (``from_pretrained`` loads it; a tied LM head is stored once);
+* ``config.json`` and the weights, a standard Hugging Face checkpoint (``from_pretrained``
+  loads it; a tied LM head is stored once): each stage writes its own
+  ``model-0000k-of-0000n.safetensors`` and rank 0 the index (``model.safetensors`` for one
+  stage), no rank holding the whole model (:mod:`hapt_hf.pipeline.export`);
 * ``hapt_rank{r}.pt``: rank r's optimizer and LR-scheduler state, RNG states and, with fp16's
   dynamic loss scaling, the loss scaler's state (each stage's optimizer state stays with the
   stage that owns the parameters; on a stage whose plan shards it, each replica's file holds
@@ -22,7 +24,7 @@ Atomicity: every rank writes into ``.tmp-checkpoint-N`` and fsyncs its files; af
 rank 0 renames the directory to ``checkpoint-N`` and fsyncs the parent. A rename is atomic, and
 only names matching ``checkpoint-N`` are ever resumed from, so a crash mid-save leaves at most a
 ``.tmp-`` directory, which the next save removes. On resume under the same plan each rank
-reads only its own tensors from ``model.safetensors`` (the stage's layer range) and its own
+reads only its own tensors from the weights files (the stage's layer range) and its own
 ``hapt_rank{r}.pt``; under another plan (other ranks, stages, replicas or optimizer settings;
 the same global batch, sequence length, layers and precision) each reads its stage's tensors
 and its optimizer's state by name from ``portable/`` (:func:`load_checkpoint`).
@@ -43,6 +45,7 @@ import torch.distributed as dist
 
 from hapt_hf.pipeline import checkpoint_io, portable
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
+from hapt_hf.pipeline.export import has_weights
 from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer, load_portable_state, portable_state
 from hapt_hf.planner.plan import Plan, PlanError
 
@@ -371,9 +374,11 @@ def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise CheckpointError(f"resume_from_checkpoint {str(ckpt)!r} is not a directory")
-    needed = ["trainer_state.json", "plan.json", "model.safetensors"]
+    needed = ["trainer_state.json", "plan.json"]
     needed += [RANK_STATE.format(rank=r) for r in range(world_size)]
     missing = [n for n in needed if not (ckpt / n).is_file()]
+    if not has_weights(ckpt):
+        missing.insert(2, "the model's weights (model.safetensors or its index)")
     if missing:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {missing}; it was not written "
                               f"by a {world_size}-rank HaptTrainer run (or is damaged)")

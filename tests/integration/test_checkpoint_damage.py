@@ -69,7 +69,7 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(b"{not a checkpoint" * 4)
 
 
-@pytest.mark.parametrize("name, how", [("model.safetensors", "truncate"),
+@pytest.mark.parametrize("name, how", [("model-00002-of-00002.safetensors", "truncate"),
                                        ("hapt_rank1.pt", "garbage"),
                                        ("trainer_state.json", "garbage")])
 def test_damaged_checkpoint_file_is_named_once_and_nothing_is_written(trained, tmp_path, name,

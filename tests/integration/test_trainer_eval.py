@@ -303,8 +303,8 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
     # the best checkpoint survives save_total_limit=2 beside the last one
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == sorted(
         {best.name, "checkpoint-4"})
-    saved, last = load_file(best / "model.safetensors"), load_file(
-        tmp_path / "checkpoint-4" / "model.safetensors")
+    saved, last = ({k: v for f in sorted(d.glob("model-*.safetensors")) for k, v in load_file(f).items()}
+                   for d in (best, tmp_path / "checkpoint-4"))  # each stage's file
     for v in got:
         for k, w in v["weights"].items():
             key = "transformer.wte.weight" if k == "lm_head.weight" else k  # tied: stored once

@@ -1,0 +1,136 @@
+"""HaptAccelerator state any plan loads, and the from_pretrained export written by the stages.
+
+An Accelerate loop on 4 ranks (three stages, the middle one on two replicas with its optimizer
+state sharded) saves its state after 2 of 4 optimizer steps and ends with save_model. The state
+is loaded on 2 ranks under another split, and on one process (one stage): the next steps'
+losses, the learning rate and the final weights of the two equal each other and the 4-rank
+run's (fp32, rtol 1e-5), the data order continuing from the saved position and the LR schedule
+(built per process, as Accelerate asks) from the saved step. save_state and save_model run with
+every gather disabled: each stage writes its own shard file, which holds only that stage's
+tensors, and from_pretrained of the export equals the 4-rank model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.ranks import run_ranks
+from hapt_hf.planner.plan import Plan, Stage
+from tests.integration.test_accelerate_plugin import GA, G, SEQ, _config, _np, _plan_file, _Rows
+
+RTOL, ATOL = 1e-5, 4e-5
+STEPS, SAVE_AT = 4, 2
+
+
+def _hapt_config(tmp: Path, world: int):
+    from hapt_hf.integration.config import HaptConfig
+
+    if world == 2:  # another split than the 4-rank plan's
+        stages = (Stage.even(0, (0, 2), "cpu", "cpu", (0,), 2, micro_batch_size=2),
+                  Stage.even(1, (2, 6), "cpu", "cpu", (1,), 1, micro_batch_size=2))
+        plan = Plan("tiny-gpt2", 6, SEQ, G, 2, G // 2, "h1f1b", stages).validate(world_size=2)
+        path = plan.save(tmp / "plan2.json")
+    else:
+        path = _plan_file(tmp, world, "sharded")
+    return HaptConfig(plan=path, schedule="h1f1b", seq_len=SEQ, timeout_s=60)
+
+
+def _no_gather(runtime):
+    """Within: a gather of the model's state dict onto one rank fails."""
+    from unittest import mock
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was gathered onto one rank")
+    return mock.patch.object(runtime, "gather_state_dict", refuse)
+
+
+def run(rank: int, world: int, tmp: str, resume: bool) -> dict:
+    """The loop of test_accelerate_plugin on ``world`` processes: written (4 ranks: saves its
+    state at step SAVE_AT and the model at the end) or resumed from that state."""
+    from accelerate.utils import set_seed
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+
+    root = Path(tmp)
+    set_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
+    dl = torch.utils.data.DataLoader(_Rows(7 * G // GA), batch_size=G // GA // world, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    acc = HaptAccelerator(cpu=True, gradient_accumulation_steps=GA,
+                          hapt_plugin=_hapt_config(root / f"w{world}", world))
+    scheduler = get_linear_schedule_with_warmup(optimizer, acc.num_processes,
+                                                10 * acc.num_processes)
+    model, optimizer, dl, scheduler = acc.prepare(model, optimizer, dl, scheduler)
+    runtime = model.runtime
+    model.train()
+    done, losses, micro = 0, [], []
+    if resume:
+        acc.load_state(str(root / "state"))
+        done = SAVE_AT
+    for batch in dl:
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            micro.append(loss.item())
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if acc.sync_gradients:
+            losses.append(sum(micro) / len(micro))
+            micro, done = [], done + 1
+            if done == SAVE_AT and not resume:
+                with _no_gather(runtime):
+                    acc.save_state(str(root / "state"))
+            if done == STEPS:
+                break
+    if not resume:
+        with _no_gather(runtime):
+            acc.save_model(model, str(root / "model"))
+    out = {"losses": losses, "lr": scheduler.get_last_lr(),
+           "optimizer": type(optimizer.optimizer).__name__,
+           "layers": list(runtime.stage.layer_range)}
+    state = acc.get_state_dict(model)  # the test's own look at the whole model
+    if acc.is_main_process:
+        out["weights"] = {k: _np(v) for k, v in state.items()}
+    return out
+
+
+@pytest.mark.multiproc
+def test_state_saved_on_4_ranks_loads_on_2_and_on_1_and_the_export_is_written_by_stages(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    written = [o.value for o in run_ranks(run, 4, str(tmp_path), False, timeout_s=240)]
+    assert [o["optimizer"] for o in written] == ["AdamW", "ShardedOptimizer",
+                                                 "ShardedOptimizer", "AdamW"]
+    on_two = [o.value for o in run_ranks(run, 2, str(tmp_path), True, timeout_s=240)]
+    on_one = run_ranks(run, 1, str(tmp_path), True, timeout_s=240)[0].value
+    assert len(on_one["losses"]) == STEPS - SAVE_AT
+    for got in (on_two[0], written[0]):
+        torch.testing.assert_close(torch.tensor(got["losses"][-(STEPS - SAVE_AT):]),
+                                   torch.tensor(on_one["losses"]), rtol=RTOL, atol=ATOL)
+        assert got["lr"] == pytest.approx(on_one["lr"], rel=1e-12)
+        assert got["weights"].keys() == on_one["weights"].keys()
+        for k, v in on_one["weights"].items():
+            torch.testing.assert_close(torch.from_numpy(got["weights"][k]), torch.from_numpy(v),
+                                       rtol=RTOL, atol=ATOL, msg=k)
+    # the export: one file per stage, written by it, holding its own tensors only
+    model_dir = tmp_path / "model"
+    whole = set(written[0]["weights"]) - {"lm_head.weight"}  # tied: stored once
+    files = sorted(model_dir.glob("model-*-of-00003.safetensors"))
+    assert [f.name for f in files] == [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    held = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            held.append(set(h.keys()))
+    assert set().union(*held) == whole and sum(map(len, held)) == len(whole)
+    assert all(h < whole for h in held)  # no file (no writer) held the whole model
+    assert "transformer.h.2.mlp.c_fc.weight" in held[1]  # the middle stage's block
+    loaded = AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict()
+    for k, v in written[0]["weights"].items():
+        assert torch.equal(loaded[k], torch.from_numpy(v)), k
