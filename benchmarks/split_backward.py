@@ -4,8 +4,10 @@ gradient (``I``) then the weight gradients (``W``) as the runtime runs ``zero_bu
 
 One process, one middle stage of a GPT-2-shaped model (neither end: its input needs a
 gradient), the two ways alternated micro-batch by micro-batch so that a busy machine slows
-both alike; medians printed. The simulator prices ``I + W`` as ``B``; the difference printed is
-what that leaves out on this device.
+both alike; medians printed. The profiler measures the same ratios on every device it
+profiles (``hapt_hf.profiling.overheads``, on a stage of two blocks) and the simulator prices
+``I`` and ``W`` from them; without them it prices ``I + W`` as ``B``, and the difference
+printed is what that leaves out on this device.
 
     python3 benchmarks/split_backward.py [--hidden 256] [--blocks 4] [--seq 128] [--batch 4]
 """
