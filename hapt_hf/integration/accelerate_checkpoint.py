@@ -39,7 +39,8 @@ from hapt_hf.planner.plan import Plan
 
 __all__ = ["STATE_FILE", "PORTABLE_FILE", "RunShape", "SavedState", "writing_state",
            "write_rank_state", "read_rank_state", "write_portable", "read_portable",
-           "check_state_dir", "rescaled_scheduler", "next_numbered_dir", "latest_numbered_dir"]
+           "check_state_dir", "moved_loop", "rescaled_scheduler", "next_numbered_dir",
+           "latest_numbered_dir"]
 
 STATE_FILE = "hapt_accelerate_rank{rank}.pt"
 """Each rank's loop state: ``{"loaders": [...], "custom": [...], "step": int}``."""
@@ -225,7 +226,7 @@ def read_portable(ckpt: Path, runtime: PipelineRuntime, optimizer: Any, schedule
             saved = RunShape(**{**state["shape"], "rows": tuple(state["shape"]["rows"])})
         except Exception as e:  # noqa: BLE001 - one message naming the file
             raise checkpoint_io.damaged_file(path, e) from None
-        state["loop"] = _loop_in(state["loop"], saved, shape, ckpt)
+        state["loop"] = moved_loop(state["loop"], saved, shape, ckpt)
         if scheduler is not None and state["scheduler"] is not None:
             state["scheduler"] = rescaled_scheduler(state["scheduler"], scheduler.state_dict(),
                                                     saved, shape)
@@ -246,7 +247,8 @@ def read_portable(ckpt: Path, runtime: PipelineRuntime, optimizer: Any, schedule
     return state["loop"]
 
 
-def _loop_in(loop: dict[str, Any], saved: RunShape, now: RunShape, ckpt: Path) -> dict[str, Any]:
+def moved_loop(loop: dict[str, Any], saved: RunShape, now: RunShape,
+               ckpt: Path) -> dict[str, Any]:
     """The loop's state counted in this run's units: a loader's position (micro-steps handed
     out) by the rows they held, ``accelerator.step`` by optimizer steps."""
     where = f"load_state: {str(ckpt)!r}"

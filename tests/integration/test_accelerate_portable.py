@@ -134,3 +134,69 @@ def test_state_saved_on_4_ranks_loads_on_2_and_on_1_and_the_export_is_written_by
     loaded = AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict()
     for k, v in written[0]["weights"].items():
         assert torch.equal(loaded[k], torch.from_numpy(v)), k
+
+
+# -- the counters moved into another run's units, and what is refused (no ranks) ---------------
+
+def _shape(procs: int, rows: int = 4, ga: int = GA, per_process: bool = True):
+    from hapt_hf.integration.accelerate_checkpoint import RunShape
+    return RunShape(procs, per_process, ga, (rows,))
+
+
+def _linear(procs: int, steps: int):
+    from transformers import get_linear_schedule_with_warmup
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    sched = get_linear_schedule_with_warmup(opt, 2 * procs, 10 * procs)  # as Accelerate asks
+    for _ in range(steps * procs):  # AcceleratedScheduler: one step per process per update
+        opt.step()
+        sched.step()
+    return sched
+
+
+def test_the_scheduler_count_moves_to_another_number_of_processes():
+    from hapt_hf.integration.accelerate_checkpoint import CheckpointError, rescaled_scheduler
+
+    saved = _linear(4, 3).state_dict()
+    moved = _linear(2, 0)
+    moved.load_state_dict(rescaled_scheduler(saved, moved.state_dict(), _shape(4), _shape(2)))
+    ref = _linear(2, 3)
+    for _ in range(4):  # the same LR now and after each of the next updates
+        assert moved.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12)
+        for s in (moved, ref):
+            s.optimizer.step()
+            s.step(), s.step()
+    assert rescaled_scheduler(saved, {}, _shape(4), _shape(4)) is saved
+    assert rescaled_scheduler(saved, {}, _shape(4, per_process=False),
+                              _shape(2, per_process=False)) is saved  # split_batches
+    with pytest.raises(CheckpointError, match="not a whole number of optimizer steps of 5"):
+        rescaled_scheduler(saved, {}, _shape(5), _shape(2))
+
+
+def test_loader_positions_move_by_rows_and_an_uneven_one_is_refused(tmp_path):
+    from hapt_hf.integration.accelerate_checkpoint import CheckpointError, moved_loop
+
+    loop = {"loaders": [{"epoch": 0, "position": 6, "epoch_rng": None, "finished": False}],
+            "custom": [], "step": 6}
+    moved = moved_loop(loop, _shape(4, rows=4), _shape(2, rows=8, ga=1), tmp_path)
+    assert moved["loaders"][0]["position"] == 3 and moved["step"] == 3
+    with pytest.raises(CheckpointError, match=r"handed out 24 rows \(6 micro-steps of 4\), not a "
+                                              "whole number of this run's micro-steps of 16"):
+        moved_loop(loop, _shape(4, rows=4), _shape(2, rows=16, ga=1), tmp_path)
+
+
+def test_a_state_of_another_global_batch_is_refused_naming_it(tmp_path):
+    from dataclasses import replace
+
+    from hapt_hf.integration.accelerate_checkpoint import CheckpointError, check_state_dir
+
+    plan = Plan.load(_plan_file(tmp_path, 4))
+    for r in range(4):
+        for name in (f"hapt_rank{r}.pt", f"hapt_accelerate_rank{r}.pt"):
+            (tmp_path / name).write_text("")
+    (tmp_path / "model.safetensors").write_text("")
+    check_state_dir(tmp_path, plan)  # the same plan: fine
+    other = replace(plan, global_batch_size=2 * G, num_microbatches=2 * G // 2)
+    with pytest.raises(CheckpointError, match=r"global batch 8, this run's plan has 16; .*"
+                                              "batch_size x num_processes"):
+        check_state_dir(tmp_path, other)
