@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.inputs import scenario_path
 from hapt_hf.planner.cost_model import CostModel
-from hapt_hf.planner.job import load_job
 from hapt_hf.planner.plan import Plan, Stage
 from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey, StepOverheads
-from hapt_hf.planner.search import PlannerOptions, plan_job
 from hapt_hf.planner.search.kinds import best_kind, replay_kind
 from hapt_hf.planner.search.plans import layout_of_plan
 from hapt_hf.planner.simulate import backward_split, simulate_plan
@@ -81,20 +78,16 @@ def test_the_split_backward_is_priced_from_its_measured_parts():
 
 
 def test_the_planner_drops_zero_bubble_where_the_split_costs_more_than_it_gains():
-    job = load_job(scenario_path("harp_3groups_1p3b"))
-    res = plan_job(job.model, job.cluster, 16, profile=job.profile,
-                   options=PlannerOptions(micro_batch_sizes=(1,), weigh_kinds=False))
-    model = job.model.split_blocks() if res.plan.layer_unit == "half" else job.model
-    m = res.plan.num_microbatches
+    m = 8
 
-    def chosen(prof):
-        cm = CostModel(model, job.cluster, prof)
-        lay = layout_of_plan(cm, res.plan)
-        return best_kind(cm, lay, replay_kind(cm, lay, m), m, "h1f1b")[0].schedule
+    def weighed(prof):
+        cm = CostModel(toy_model(), two_groups(), prof)
+        lay = layout_of_plan(cm, _plan("h1f1b", m=m))
+        got, _, kinds = best_kind(cm, lay, replay_kind(cm, lay, m), m, "h1f1b")
+        return got.schedule, dict(kinds)
 
-    assert job.profile is None  # the catalogue's figures
-    assert chosen(None) == "zero_bubble"
-    # the same figures, the split backward measured at twice the fused one on every device
-    costly = Profile(overheads={g.gpu.name: StepOverheads(0.0, 1.0, 1.0)
-                                for g in job.cluster.groups})
-    assert chosen(costly) != "zero_bubble"
+    chosen, plain = weighed(_profile())
+    assert chosen == "zero_bubble"
+    # the split backward measured at twice the fused one: zero_bubble replays slower than h1f1b
+    chosen, costly = weighed(_profile(**{"T-a": StepOverheads(0.0, 1.0, 1.0)}))
+    assert chosen != "zero_bubble" and costly["zero_bubble"] > costly["h1f1b"] == plain["h1f1b"]
