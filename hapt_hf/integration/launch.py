@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hapt_hf.core.defaults import DEFAULT_TIMEOUT_S
 from hapt_hf.errors import LaunchError
+from hapt_hf.integration.elastic import check_restartable, read_elastic_env
 from hapt_hf.pipeline.process_group import init_distributed
 
 __all__ = ["LaunchError", "LaunchEnv", "read_launch_env", "init_process_group"]
@@ -76,6 +77,7 @@ def init_process_group(launch: LaunchEnv, timeout_s: float = DEFAULT_TIMEOUT_S) 
     ``mpirun`` launch has been given the variables torchrun sets."""
     if dist.is_initialized():
         return
+    check_restartable(read_elastic_env())
     if launch.launcher == "mpirun" and launch.world_size > 1:
         # env:// reads these names; mpirun sets its own.
         os.environ.setdefault("RANK", str(launch.rank))

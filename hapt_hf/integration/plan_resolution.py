@@ -6,6 +6,11 @@ against the world it found. Only user errors (:class:`~hapt_hf.errors.HaptError`
 message; anything else is a bug: rank 0 raises it with its traceback and the other ranks stop
 saying rank 0 failed.
 
+Under torchrun's elastic agent the ranks present may be fewer than the cluster file's GPUs: where
+the nodes say which group they are (``HAPT_GROUP``), rank 0 plans on the groups shrunk to the
+GPUs present (:mod:`~hapt_hf.integration.elastic`), and where nothing fits them, the one
+message says what would.
+
 Also here: the model-family check, the console table of the plan (:func:`format_plan`) and the
 plan.json rank 0 writes (:func:`write_plan`). Where this process sits in the job
 (:class:`~hapt_hf.integration.launch.LaunchEnv`) is read in :mod:`~hapt_hf.integration.launch`.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +29,8 @@ from hapt_hf.core.families import (SUPPORTED_MODEL_TYPES, accepted_model_types, 
                                    verified_generic_types)
 from hapt_hf.core.layers import layer_name, num_layers
 from hapt_hf.core.precision import SHARDED
-from hapt_hf.errors import HaptError, LaunchError
+from hapt_hf.errors import HaptError, LaunchError, PlanningError
+from hapt_hf.integration import elastic
 from hapt_hf.integration.config import HaptConfig
 from hapt_hf.integration.launch import LaunchEnv
 from hapt_hf.planner.plan import Plan, PlanError
@@ -93,8 +100,6 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
     """Rank 0's plan for the ``world_size`` processes launched. Where the best plan leaves
     groups idle but processes were started for them too, those processes are used (the runtime
     has no idle ranks) and rank 0 says what launching only the kept groups would give."""
-    from dataclasses import replace
-
     from hapt_hf.planner.model_spec import ModelSpec
     from hapt_hf.planner.search import plan_job
     from hapt_hf.profiling.model_figures import MeasuringReader
@@ -124,7 +129,25 @@ def _plan_from_cluster(plugin: HaptConfig, model_config: Any, seq_len: int,
     return every
 
 
-def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int, world_size: int
+def _plan_present(plugin: HaptConfig, model_config: Any, seq_len: int, world_size: int,
+                  places: list[elastic.Place] | None) -> Plan:
+    """Rank 0's plan for the GPUs present: the cluster file's, or where the nodes say their
+    groups, the groups shrunk to the ranks present (an elastic run after losing nodes)."""
+    present = elastic.present_cluster(plugin.load_cluster(), places) if places else None
+    if present is None:
+        return _plan_from_cluster(plugin, model_config, seq_len, world_size)
+    groups = elastic.describe_places(places or [])
+    print(f"hapt_hf: planning on the {world_size} GPUs present (groups {groups})", flush=True)
+    try:
+        return _plan_from_cluster(replace(plugin, cluster=present), model_config, seq_len,
+                                  world_size)
+    except PlanningError as e:
+        raise PlanningError(f"the {world_size} GPUs present (groups {groups}) cannot hold the "
+                            f"job: {e}") from None
+
+
+def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int, world_size: int,
+                   places: list[elastic.Place] | None = None
                    ) -> tuple[dict[str, Any], BaseException | None]:
     """The payload every rank receives, and the exception rank 0 re-raises, if any.
 
@@ -139,7 +162,7 @@ def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int, world_si
             if plugin.cluster is not None:
                 _check_plan_against_cluster(plan, plugin)
         else:
-            plan = _plan_from_cluster(plugin, model_config, seq_len, world_size)
+            plan = _plan_present(plugin, model_config, seq_len, world_size, places)
         return plan.to_dict(), None
     except HaptError as e:
         return {"error": str(e)}, None
@@ -149,8 +172,10 @@ def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int, world_si
 
 def resolve_plan(plugin: HaptConfig, model_config: Any, seq_len: int,
                  launch: LaunchEnv) -> Plan:
-    """The same validated plan on every rank: rank 0 loads or plans, then broadcasts."""
-    payload, crash = _plan_on_rank0(plugin, model_config, seq_len, launch.world_size) \
+    """The same validated plan on every rank: rank 0 loads or plans (on the GPUs present,
+    where the nodes say their groups), then broadcasts."""
+    places = elastic.gather_places(launch.world_size) if plugin.plan is None else None
+    payload, crash = _plan_on_rank0(plugin, model_config, seq_len, launch.world_size, places) \
         if launch.is_main \
         else (None, None)
     box = [payload]

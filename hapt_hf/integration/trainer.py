@@ -28,6 +28,7 @@ from transformers.trainer_utils import (PREFIX_CHECKPOINT_DIR, PredictionOutput,
 from hapt_hf.compat import trainer_api
 from hapt_hf.compat.trainer_api import TrainerHooks
 from hapt_hf.errors import DataError, TrainingArgsError
+from hapt_hf.integration import elastic
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.launch import read_launch_env
 from hapt_hf.integration.plan_resolution import write_plan
@@ -170,7 +171,10 @@ class HaptTrainer(TrainerHooks, Trainer):
             if isinstance(cb, ExportableState)])
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
-        resume = ckpt_io.resolve_resume(resume_from_checkpoint, args.output_dir)
+        resume = elastic.resume_point(  # an elastic restart: the latest checkpoint
+            self.runtime.rank, world_size(), ckpt_io.resolve_resume(resume_from_checkpoint,
+                                                                    args.output_dir),
+            args.output_dir, elastic.plan_groups(self.plan))
         if resume is not None:
             self._load_checkpoint(resume)
         trainer_api.prepare_state(self, max_steps, num_epochs if steps_per_epoch else 1, trial)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hapt_hf.errors import ConfigError, TrainingArgsError
+from hapt_hf.integration import elastic
 from hapt_hf.integration.config import HAPT_CONFIG_ENV, HaptConfig
 from hapt_hf.integration.lora import apply_lora_config, check_lora_plan, peft_parts
 from hapt_hf.integration.launch import LaunchEnv, init_process_group, read_launch_env
@@ -124,6 +125,12 @@ def pipeline_for_model(model: nn.Module, args: Any, config: HaptConfig, seq_len:
                           "transformers config; give a transformers causal LM (from_pretrained "
                           "or from_config)")
     check_model_family(model_config)
+    target = elastic.run_global_batch(config.global_batch_size, args.output_dir)
+    if target is not None:  # an elastic run keeps its global batch on any world
+        changed = elastic.keep_global_batch(args, target, launch.world_size)
+        if changed and launch.is_main:
+            print(f"hapt_hf: {changed} keeps the run's global batch of {target} samples on "
+                  f"{launch.world_size} processes", flush=True)
     batch, how = global_batch_of(args, launch.world_size)
     config = _requested_precision(config.with_global_batch(batch, how), args)
     with torch.random.fork_rng(devices=[]):  # planning draws nothing from the user's RNG
