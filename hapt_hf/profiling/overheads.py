@@ -46,19 +46,25 @@ TINY_BYTES = 4
 
 def fit_action_overhead(sizes: Sequence[int], measured_s: Sequence[float],
                         priced_s: Sequence[float]) -> float:
-    """The fixed seconds per action: least-squares intercept, over micro-batch ``sizes``, of
-    each measured action less its layers' priced time (one entry per action timed: several may
-    share a size). With one distinct size, the mean of the differences."""
+    """The fixed seconds per action: the least-squares intercept, over micro-batch ``sizes``,
+    of the median at each size of what an action measured beyond its layers' priced time (one
+    entry per action timed: several share a size; the median, so that a round a busy machine
+    or a CPU quota's throttling stretched does not move it). With one distinct size, that
+    size's median."""
     if not sizes or not len(sizes) == len(measured_s) == len(priced_s):
         raise ProfilerError("fit_action_overhead needs one size, measured and priced time per "
                             f"action (got {len(sizes)}, {len(measured_s)}, {len(priced_s)})")
-    extra = [m - p for m, p in zip(measured_s, priced_s)]
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(extra) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
+    by_size: dict[int, list[float]] = {}
+    for x, m, p in zip(sizes, measured_s, priced_s):
+        by_size.setdefault(x, []).append(m - p)
+    xs = sorted(by_size)
+    ys = [statistics.median(by_size[x]) for x in xs]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
     if sxx == 0:
         return my
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, extra)) / sxx
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     return my - slope * mx
 
 
