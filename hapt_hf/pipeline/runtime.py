@@ -45,7 +45,8 @@ from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_works
 from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, inference_context, torch_dtype
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups, transfer_groups
-from hapt_hf.pipeline.tensor_parallel import TensorParallelShards, full_state_dict, shard_stage, tp_plan_refusal
+from hapt_hf.pipeline.tensor_parallel import (TensorParallelShards, full_state_dict, sequence_parallel_refusal,
+                                              shard_stage, tp_plan_refusal)
 from hapt_hf.pipeline.runtime_types import (Batch, BatchError, Prediction, RuntimeConfig, RuntimeSetupError,
                                             StepResult, batch_tokens, check_batch)
 from hapt_hf.pipeline.transfers import Transfer
@@ -79,10 +80,14 @@ class _MicroBatch:
 
 def _several_stages_refusal(plan: Plan) -> str | None:
     """Why this runtime cannot hold the stages an interleaved plan gives one rank (one
-    sentence), or None: a rank's stages are one module to the optimizer, so they share its
-    setting."""
+    sentence), or None: a rank's stages are one module to the optimizer and to the
+    tensor-parallel sharding, so they share their optimizer and sp settings."""
     for st in plan.stages:
         first = next(f for f in plan.stages if set(f.ranks) & set(st.ranks))
+        if st.sequence_parallel != first.sequence_parallel:  # one sharding of the rank's blocks
+            return (f"stages {first.index} and {st.index} sit on the same ranks "
+                    f"{list(st.ranks)} but set sp {first.sequence_parallel} and "
+                    f"{st.sequence_parallel}; give a rank's stages one setting")
         if st.optimizer != first.optimizer:
             return (f"stages {first.index} and {st.index} sit on the same ranks "
                     f"{list(st.ranks)} but set optimizer {first.optimizer!r} and "
@@ -109,7 +114,8 @@ class PipelineRuntime:
         if mismatch:
             raise RuntimeSetupError(mismatch)
         for st in plan.stages:  # every rank refuses alike, before any collective
-            problem = tp_plan_refusal(model_config, st.tp)
+            problem = tp_plan_refusal(model_config, st.tp) or (sequence_parallel_refusal(
+                model_config, st.tp, plan.layer_unit) if st.sequence_parallel else None)
             if problem is not None:
                 raise RuntimeSetupError(f"stage {st.index}: {problem}")
         problem = _several_stages_refusal(plan)
@@ -181,7 +187,8 @@ class PipelineRuntime:
         """This replica's tensor-parallel sharding (None: the replica is this rank alone)."""
         if groups.tp is not None:
             with self.channel.collective("the tensor-parallel sharding", s, self.work.tp_ranks):
-                self.tp = shard_stage(self.stage, model_config, groups.tp, self.device)
+                self.tp = shard_stage(self.stage, model_config, groups.tp, self.device,
+                                      sequence_parallel=self.stage_plan.sequence_parallel)
             self.stage.to(self.device)  # the parameters left whole, and the buffers
         self.optimizers = StageOptimizers(self.stage_plan, self.stage, groups.dp, self.channel)
         """This stage's optimizer as the plan says (a sharded one splits among the replicas'
@@ -514,6 +521,12 @@ class PipelineRuntime:
         """(input ids, labels, padding mask, tokens the loss averages over) of a batch that
         fits the plan."""
         ids, labels, mask = check_batch(batch, self.plan.global_batch_size)
+        sp = [st.tp for st in self.plan.stages if st.sequence_parallel and ids.shape[1] % st.tp]
+        if sp:
+            raise BatchError(f"the batch's sequence length {ids.shape[1]} is not a multiple of "
+                             f"{sp[0]}, the tensor-parallel degree of a sequence-parallel stage, "
+                             f"which splits the sequence evenly; pad sequences to a multiple of "
+                             f"{sp[0]}")
         return ids, labels, mask, batch.num_items or batch_tokens(labels)
 
     def _rows(self, k: int) -> slice:

@@ -17,6 +17,25 @@ other style inside the blocks is refused by name; entries outside them (an
 ``embedding_rowwise`` embedding) are left out, the embedding staying whole.
 ``benchmarks/tp_check.py`` compares every accepted type with a plan against one process.
 
+Two options on top (:mod:`hapt_hf.core.tp` holds their rules, which the planner asks too):
+
+* **Sequence parallelism** (plan.json's ``"sp"``; :func:`~hapt_hf.core.tp.sp_refusal`), as
+  torchtitan's llama plan: the blocks' residual stream is split on the sequence over the
+  replica's ranks. ``PrepareModuleInput`` all-gathers the attention's and the MLP's input
+  (``hidden_states``, a keyword of HF's attention) and ``RowwiseParallel(output_layouts=
+  Shard(1))`` reduce-scatters ``o_proj``'s and ``down_proj``'s outputs onto the sequence. The
+  block norms run on each rank's tokens only; they stay whole, plain modules (torch's
+  ``SequenceParallel`` would make their weights replicated DTensors) and their gradients join
+  :attr:`TensorParallelShards.partial`, summed over the replica. The stage's transfers stay
+  whole activations: a hook before the stage's first block keeps each rank's slice of the
+  sequence (backward: the gradient all-gathered) and one after its last block all-gathers
+  the sequence (backward: the gradient sliced), both as DTensor redistributions.
+* **A vocabulary-split LM head** (:func:`~hapt_hf.core.tp.head_sharded`: the model class's
+  own plan names ``lm_head``, untied): ``ColwiseParallel(output_layouts=Replicate())``, the
+  weight split by vocabulary rows and the logits all-gathered, so the loss is taken whole as
+  before. The weight is a DTensor like a block projection's: checkpoints, the gathered state
+  dict and ZeRO-1 treat it as they treat those.
+
 Every rank of the replica builds the same seeded (or loaded) weights, so each keeps its own
 slice locally (no scatter from one rank).
 """
@@ -28,15 +47,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 from transformers import PretrainedConfig
 
-from hapt_hf.core.tp import TP_STYLES, block_entries, tp_plan_problem
+from hapt_hf.compat.transformers_api import causal_lm_tp_plan
+from hapt_hf.core.tp import HEAD_MODULE, TP_STYLES, block_entries, head_sharded, sp_refusal, tp_plan_problem
 from hapt_hf.pipeline.config_checks import tp_size_refusal
 
-__all__ = ["TensorParallelShards", "tp_plan_refusal", "stage_tp_plan", "shard_stage",
-           "local_tensor", "is_sharded", "full_state_dict"]
+__all__ = ["TensorParallelShards", "tp_plan_refusal", "sequence_parallel_refusal", "head_is_sharded",
+           "stage_tp_plan", "shard_stage", "local_tensor", "is_sharded", "full_state_dict"]
 
 COLWISE, ROWWISE, REPLICATED_GRAD_SUM = TP_STYLES  # the styles a replica runs (core/tp)
 
@@ -55,6 +76,20 @@ def tp_plan_refusal(config: PretrainedConfig, t: int) -> str | None:
     return tp_size_refusal(config, t)
 
 
+def sequence_parallel_refusal(config: PretrainedConfig, t: int, layer_unit: str) -> str | None:
+    """Why a stage of this model on replicas of ``t`` ranks cannot run sequence parallel
+    (:func:`hapt_hf.core.tp.sp_refusal` of its config), or None if it can."""
+    return sp_refusal(str(getattr(config, "model_type", "?")),
+                      getattr(config, "base_model_tp_plan", None), t, layer_unit)
+
+
+def head_is_sharded(config: PretrainedConfig, t: int) -> bool:
+    """Whether a last stage of this model on replicas of ``t`` ranks splits its LM head by
+    vocabulary rows (:func:`hapt_hf.core.tp.head_sharded` of its class's plan)."""
+    return head_sharded(t, causal_lm_tp_plan(config),
+                        bool(getattr(config, "tie_word_embeddings", False)))
+
+
 @dataclass(frozen=True)
 class TensorParallelShards:
     """What sharding did to one stage replica."""
@@ -70,8 +105,12 @@ class TensorParallelShards:
     modules: tuple[str, ...]
     """The stage's modules parallelized, by path."""
     partial: tuple[nn.Parameter, ...]
-    """Whole parameters whose gradient each rank computes from its heads only: summed over
-    :attr:`group` after the backward."""
+    """Whole parameters whose gradient each rank computes from its heads (or, sequence
+    parallel, its tokens) only: summed over :attr:`group` after the backward."""
+    sequence_parallel: bool = False
+    """The blocks run sequence parallel (their residual stream split on the sequence)."""
+    head: bool = False
+    """The LM head is split by vocabulary rows (its logits gathered)."""
 
 
 def stage_tp_plan(stage: nn.Module, config: PretrainedConfig) -> dict[str, str]:
@@ -96,21 +135,100 @@ def stage_tp_plan(stage: nn.Module, config: PretrainedConfig) -> dict[str, str]:
 
 
 def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,
-                device: torch.device) -> TensorParallelShards:
+                device: torch.device, sequence_parallel: bool = False) -> TensorParallelShards:
     """Shard ``stage``'s blocks over ``group`` (the replica's ranks, every rank of it calls
-    this) as the model's tensor-parallel plan says; the stage is changed in place."""
+    this) as the model's tensor-parallel plan says, sequence parallel where asked, and the LM
+    head of a last stage where :func:`head_is_sharded`; the stage is changed in place."""
     import torch.distributed as dist
-    problem = tp_plan_refusal(config, dist.get_world_size(group))
+    t = dist.get_world_size(group)
+    problem = tp_plan_refusal(config, t)
+    if problem is None and sequence_parallel:
+        unit = next(iter(getattr(stage, "chunks", {0: stage}).values())).layer_unit
+        problem = sequence_parallel_refusal(config, t, unit)
     if problem is not None:
         raise ValueError(problem)
     mesh = DeviceMesh.from_group(group, device.type)
     plan = stage_tp_plan(stage, config)
     styles = {path: _style(style) for path, style in plan.items() if style != REPLICATED_GRAD_SUM}
     partial = _partial_parameters(stage, plan)
+    if sequence_parallel:
+        styles.update(_sequence_parallel_styles(stage))
+        partial += _block_norm_parameters(stage)
+    head = bool(getattr(stage, "is_last", False)) and head_is_sharded(config, t) \
+        and _holds(stage, HEAD_MODULE)
+    if head:
+        style = ColwiseParallel(output_layouts=Replicate())
+        style.src_data_rank = None  # every rank holds the same weights
+        styles[HEAD_MODULE] = style
     if styles:
         parallelize_module(stage, mesh, styles)
-    return TensorParallelShards(mesh, group, dist.get_rank(group), dist.get_world_size(group),
-                                tuple(styles), partial)
+    if sequence_parallel:
+        for chunk in getattr(stage, "chunks", {0: stage}).values():
+            _split_sequence_around_blocks(chunk, mesh)
+    return TensorParallelShards(mesh, group, dist.get_rank(group), t, tuple(styles), partial,
+                                sequence_parallel, head)
+
+
+def _sequence_parallel_styles(stage: nn.Module) -> dict[str, ParallelStyle]:
+    """What sequence parallelism adds to each block of the stage (torchtitan's llama plan
+    without ``SequenceParallel`` on the norms, which stay plain): the attention's and the
+    MLP's inputs gathered from the sequence slices, ``o_proj``'s and ``down_proj``'s outputs
+    reduce-scattered onto them."""
+    out: dict[str, ParallelStyle] = {}
+    for i in stage.block_indices:
+        b = f"{stage.adapter.blocks_path}.{i}"
+        out[f"{b}.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        out[f"{b}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                             desired_input_layouts=(Replicate(),))
+        for proj in ("self_attn.o_proj", "mlp.down_proj"):
+            style = RowwiseParallel(output_layouts=Shard(1))
+            style.src_data_rank = None
+            out[f"{b}.{proj}"] = style
+    return out
+
+
+def _block_norm_parameters(stage: nn.Module) -> tuple[nn.Parameter, ...]:
+    """The block norms' parameters: under sequence parallelism each rank's gradient comes from
+    its tokens only."""
+    out: dict[int, nn.Parameter] = {}
+    for i in stage.block_indices:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = stage.get_submodule(f"{stage.adapter.blocks_path}.{i}.{name}")
+            out.update((id(p), p) for p in norm.parameters() if p.requires_grad)
+    return tuple(out.values())
+
+
+def _split_sequence_around_blocks(stage: nn.Module, mesh: DeviceMesh) -> None:
+    """Hooks that keep this rank's slice of the sequence on entering the stage's first block
+    and gather the whole sequence on leaving its last (each the other's backward)."""
+    if not stage.block_indices:
+        return
+    t = mesh.size()
+
+    def split(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] % t:
+            raise ValueError(f"a sequence-parallel stage splits the sequence over its {t} "
+                             f"tensor-parallel ranks, and a batch's sequence length is "
+                             f"{hidden.shape[1]}; pad sequences to a multiple of {t}")
+        local = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False) \
+            .redistribute(mesh, [Shard(1)]).to_local()
+        if args:
+            return (local, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": local}
+
+    def gather(module: nn.Module, args: tuple, output: Any) -> Any:
+        hidden = output[0] if isinstance(output, tuple) else output
+        whole = DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False) \
+            .redistribute(mesh, [Replicate()]).to_local()
+        return (whole, *output[1:]) if isinstance(output, tuple) else whole
+
+    first, last = (stage.get_submodule(f"{stage.adapter.blocks_path}.{i}")
+                   for i in (stage.block_indices[0], stage.block_indices[-1]))
+    first.register_forward_pre_hook(split, with_kwargs=True)
+    last.register_forward_hook(gather)
 
 
 def _partial_parameters(stage: nn.Module, plan: dict[str, str]) -> tuple[nn.Parameter, ...]:
