@@ -38,7 +38,7 @@ from hapt_hf.errors import ConfigError, LaunchError, TrainingArgsError
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GroupLink
 
 __all__ = ["GROUP_ENV", "RUN_FILE", "ElasticEnv", "read_elastic_env", "check_restartable",
-           "Place", "this_place", "gather_places", "present_cluster", "describe_places",
+           "Place", "this_place", "gather_places", "present_cluster", "describe_places", "missing_gpus",
            "run_global_batch", "keep_global_batch",
            "plan_groups", "latest_checkpoint", "resume_point"]
 
@@ -193,6 +193,12 @@ def describe_places(places: Sequence[Place]) -> str:
     return ", ".join(f"{g} x{n}" for g, n in counts.items())
 
 
+def missing_gpus(cluster: Cluster, places: Sequence[Place]) -> str:
+    """``big x2``: the cluster file's GPUs that no rank present is, group by group."""
+    gone = {g.name: g.size - sum(p.group == g.name for p in places) for g in cluster.groups}
+    return ", ".join(f"{g} x{n}" for g, n in gone.items() if n > 0)
+
+
 def plan_groups(plan: Any) -> str:
     """The same for a plan: each group's ranks, in rank order."""
     group_of = {r: rep.group for s in plan.stages for rep in s.replicas for r in rep.ranks}
@@ -280,8 +286,8 @@ def resume_point(rank: int, world_size: int, given: Path | None, output_dir: str
     import torch.distributed as dist
 
     elastic = read_elastic_env()
-    if elastic is None:
-        return given
+    if elastic is None or (elastic.max_restarts == 0 and elastic.restart_count == 0):
+        return given  # the agent restarts nothing: every start is a first one
     box: list[Any] = [None]
     if rank == 0:
         record = _run_record(output_dir) or {}

@@ -142,8 +142,10 @@ def _plan_present(plugin: HaptConfig, model_config: Any, seq_len: int, world_siz
         return _plan_from_cluster(replace(plugin, cluster=present), model_config, seq_len,
                                   world_size)
     except PlanningError as e:
-        raise PlanningError(f"the {world_size} GPUs present (groups {groups}) cannot hold the "
-                            f"job: {e}") from None
+        missing = elastic.missing_gpus(plugin.load_cluster(), places or [])
+        raise PlanningError(f"the {world_size} GPUs present (groups {groups}; of the cluster "
+                            f"file's, {missing or 'none'} not present) cannot hold the job: "
+                            f"{e}") from None
 
 
 def _plan_on_rank0(plugin: HaptConfig, model_config: Any, seq_len: int, world_size: int,
