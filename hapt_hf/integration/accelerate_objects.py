@@ -32,6 +32,7 @@ from hapt_hf.errors import DataError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.accelerate_data import (BATCH_KEYS, AccelerateSettingError, Cursor, Fed,
                                                  PipelineDataLoader)
+from hapt_hf.integration.lora import peft_parts
 from hapt_hf.integration.model_export import export_model
 from hapt_hf.integration.trainer_data import fill_rows
 from hapt_hf.pipeline.process_group import world_size
@@ -293,9 +294,14 @@ class PipelineOptimizer(torch.optim.Optimizer):
             raise AccelerateSettingError("the optimizer has taken steps before prepare; prepare "
                                          "it before training (or load its state with load_state)")
         names: dict[int, list[str]] = {}  # a tied weight has several names
-        for n, p in model.named_parameters(remove_duplicate=False):
+        # a PEFT model's parameters by the names of the model inside, as the stage holds them
+        for n, p in peft_parts(model)[1].named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(n)
         stage = dict(runtime.stage.named_parameters(remove_duplicate=False))
+        if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+            raise AccelerateSettingError("the optimizer holds a parameter that is not one of the "
+                                         "model's; build it over model.parameters() of the model "
+                                         "prepared with it")
         for group in optimizer.param_groups:
             mine = [stage[n] for p in group["params"] for n in names.get(id(p), [])
                     if n in stage]

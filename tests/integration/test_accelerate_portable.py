@@ -136,6 +136,58 @@ def test_state_saved_on_4_ranks_loads_on_2_and_on_1_and_the_export_is_written_by
         assert torch.equal(loaded[k], torch.from_numpy(v)), k
 
 
+
+def lora_run(rank: int, world: int, tmp: str, resume: bool) -> dict:
+    """A PEFT LoRA model's loop (GA 1): on 2 ranks, 3 steps, its state saved after the first;
+    on one process, that state loaded and the last 2 steps run."""
+    from accelerate.utils import set_seed
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+    from hapt_hf.integration.config import HaptConfig
+
+    root = Path(tmp)
+    set_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.0,
+                                             fan_in_fan_out=True))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    dl = torch.utils.data.DataLoader(_Rows(3 * G), batch_size=G // world, shuffle=True)
+    plan = _hapt_config(root / f"w{world}", world).plan
+    acc = HaptAccelerator(cpu=True, hapt_plugin=HaptConfig(plan=plan, seq_len=SEQ, timeout_s=60))
+    model, optimizer, dl = acc.prepare(model, optimizer, dl)
+    model.train()
+    if resume:
+        acc.load_state(str(root / "lora_state"))
+    losses = []
+    for batch in dl:
+        loss = model(**batch).loss
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if len(losses) == 1 and not resume:
+            acc.save_state(str(root / "lora_state"))
+    state = acc.get_state_dict(model)
+    return {"losses": losses, "weights": {k: _np(v) for k, v in state.items()}}
+
+
+@pytest.mark.multiproc
+def test_lora_state_saved_on_2_ranks_loads_on_one_process(tmp_path):
+    written = run_ranks(lora_run, 2, str(tmp_path), False, timeout_s=240)[0].value
+    on_one = run_ranks(lora_run, 1, str(tmp_path), True, timeout_s=240)[0].value
+    assert len(written["losses"]) == 3 and len(on_one["losses"]) == 2
+    torch.testing.assert_close(torch.tensor(on_one["losses"]), torch.tensor(written["losses"][1:]),
+                               rtol=RTOL, atol=ATOL)
+    lora = [k for k in written["weights"] if "lora_B" in k]
+    assert len(lora) == 4  # every block's adapter, trained (lora_B starts at zero)
+    assert all(abs(written["weights"][k]).max() > 0 for k in lora)
+    assert on_one["weights"].keys() == written["weights"].keys()
+    for k, v in written["weights"].items():
+        torch.testing.assert_close(torch.from_numpy(on_one["weights"][k]), torch.from_numpy(v),
+                                   rtol=RTOL, atol=ATOL, msg=k)
+
 # -- the counters moved into another run's units, and what is refused (no ranks) ---------------
 
 def _shape(procs: int, rows: int = 4, ga: int = GA, per_process: bool = True):
