@@ -37,7 +37,7 @@ def main(out: str, hapt_config: str, pause_at: int, resume: str | None = None,
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
                 line = {"start": start, "step": state.global_step, "loss": logs["loss"],
-                        "world": torch.distributed.get_world_size()}
+                        "world": torch.distributed.get_world_size(), "t": time.time()}
                 with open(Path(out) / "losses.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")
 

@@ -88,7 +88,7 @@ def elastic_run(tmp_path_factory):
             time.sleep(0.05)
         paused = [tuple(map(int, p.read_text().split())) for p in out.glob("paused-*")]
         lost = next(g for g, a in agents.items() if a.pid == paused[0][1])
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), time.time()
         paused_s = killed_at - started
         os.killpg(agents[lost].pid, signal.SIGKILL)  # the node: its agent and its workers
         for worker, _ in paused:
@@ -102,9 +102,10 @@ def elastic_run(tmp_path_factory):
                 os.killpg(a.pid, signal.SIGKILL)
     before = time.monotonic()
     reference = run_ranks(_reference, 2, str(root), timeout_s=120)
-    print(f"paused after {paused_s:.1f} s, survivor done {finished:.1f} s after the kill, "
-          f"reference {time.monotonic() - before:.1f} s")
     lines = [json.loads(x) for x in (out / "losses.jsonl").read_text().splitlines()]
+    resumed = min(x["t"] for x in lines if x["start"] > 0) - killed_wall
+    print(f"paused after {paused_s:.1f} s; after the kill: first resumed step logged at "
+          f"{resumed:.1f} s, survivor done at {finished:.1f} s; reference {time.monotonic() - before:.1f} s")
     return {"rc": rc, "survivor": survivor, "log": (root / f"{survivor}.log").read_text(),
             "lines": lines, "reference": reference[0].value, "finished_s": finished,
             "logs": _logs(root)}
