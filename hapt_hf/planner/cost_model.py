@@ -68,10 +68,10 @@ from itertools import accumulate
 from typing import Mapping, Sequence
 
 from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM, GRAD_BUCKET_BYTES
-from hapt_hf.core.precision import (MASTER_BYTES, REPLICATED, SHARDED, STATE_BYTES_PER_PARAM,
-                                     state_bytes_per_param)
+from hapt_hf.core.precision import (DTYPE_BYTES, MASTER_BYTES, REPLICATED, SHARDED,
+                                     STATE_BYTES_PER_PARAM, state_bytes_per_param)
 from hapt_hf.core.shares import overlaps
-from hapt_hf.core.tp import TP_DEGREES, tp_refusal
+from hapt_hf.core.tp import TP_DEGREES, head_sharded, sp_refusal, tp_refusal
 from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
@@ -81,7 +81,8 @@ from .profile import LayerTiming, Profile
 
 __all__ = ["DEFAULT_EFFICIENCY", "STATE_BYTES_PER_PARAM", "GRAD_BUCKET_BYTES", "CostModelError",
            "Placement", "StageCost", "ReplicaMemory", "StageCosts", "AllReduceWindow",
-           "CostModel", "overlapped_allreduce", "tp_efficiency", "tp_unfit", "TP_ACT_KEPT"]
+           "CostModel", "overlapped_allreduce", "tp_efficiency", "tp_unfit", "TP_ACT_KEPT",
+           "sp_unfit", "head_split"]
 
 DEFAULT_EFFICIENCY = 0.4
 """Fraction of a GPU's peak dense TFLOP/s that the analytic fallback assumes layers reach."""
@@ -107,7 +108,8 @@ def tp_efficiency(t: int, hidden_size: int) -> float:
 TP_ACT_KEPT = (10, 24, 34)
 """Korthikanti et al. (2022), without sequence parallelism: of the 34 parts of ``s*b*h`` a
 block keeps, 10 (its inputs, norms, dropout masks) stay whole on each rank and 24 split ``t``
-ways: a rank keeps ``(10 + 24/t) / 34`` of one GPU's."""
+ways: a rank keeps ``(10 + 24/t) / 34`` of one GPU's. With sequence parallelism the 10 split
+too: ``34/t`` of 34 parts."""
 
 
 def tp_unfit(model: ModelSpec, t: int) -> str | None:
@@ -124,6 +126,22 @@ def tp_unfit(model: ModelSpec, t: int) -> str | None:
         return (f"model {model.name!r} gives no attention heads or MLP width, so no "
                 "tensor-parallel degree above 1 can be checked against them")
     return tp_refusal(t, model.num_heads, model.num_kv_heads or None, model.intermediate_size)
+
+
+def sp_unfit(model: ModelSpec, t: int) -> str | None:
+    """Why a stage of ``model`` held by ``t`` ranks cannot run its blocks sequence parallel,
+    or None where it can: :func:`tp_unfit`, then the runtime's rule
+    (:func:`~hapt_hf.core.tp.sp_refusal`: the model type, its tensor-parallel plan, ``t`` above
+    1, whole blocks)."""
+    return tp_unfit(model, t) or sp_refusal(model.family, dict(model.tp_plan) or None, t,
+                                            model.layer_unit)
+
+
+def head_split(model: ModelSpec, t: int) -> bool:
+    """Whether a last stage of ``t`` ranks splits the LM head by vocabulary rows over them, as
+    the runtime does (:func:`~hapt_hf.core.tp.head_sharded`)."""
+    return tp_unfit(model, t) is None and \
+        head_sharded(t, dict(model.head_tp_plan) or None, model.tied_embeddings)
 
 # STATE_BYTES_PER_PARAM (hapt_hf.core.precision): fp32 weights + fp32 gradients + two fp32 Adam
 # moments = 16 bytes, in every precision: 16-bit compute is autocast over the fp32 weights.
@@ -198,10 +216,11 @@ class _Shard:
     """keep_max[a][k]: the most one of layers [a, a + k] keeps per sample (a working set)."""
 
 
-def _shard(model: ModelSpec, t: int) -> _Shard:
+def _shard(model: ModelSpec, t: int, sp: bool = False) -> _Shard:
     layers = model.layers
     is_block = [l.kind == "block" for l in layers]
-    whole, split, _ = TP_ACT_KEPT
+    whole, split, parts = TP_ACT_KEPT
+    kept = 1.0 / t if sp else (whole + split / t) / parts  # of one GPU's, a block
     if t == 1:
         params = [l.params for l in layers]
         keep = [l.act_keep_bytes for l in layers]
@@ -209,12 +228,16 @@ def _shard(model: ModelSpec, t: int) -> _Shard:
     else:
         params = [(w := model.tp_whole_params(l)) + (l.params - w) / t if b else l.params
                   for l, b in zip(layers, is_block)]
-        keep = [l.act_keep_bytes * (whole + split / t) / (whole + split) if b
-                else l.act_keep_bytes for l, b in zip(layers, is_block)]
+        if head_split(model, t):
+            params[-1] = head_rank_params(model, t)
+        keep = [l.act_keep_bytes * kept if b else l.act_keep_bytes
+                for l, b in zip(layers, is_block)]
         fixed = [l.act_keep_fixed_bytes / t if b else l.act_keep_fixed_bytes
                  for l, b in zip(layers, is_block)]
-    # a recomputed block keeps only its input (whole on every rank) and no weight copies
-    keep_rc = [l.act_in_bytes if b else k for l, k, b in zip(layers, keep, is_block)]
+    # a recomputed block keeps only its input (whole on every rank; split on the sequence
+    # under sequence parallelism) and no weight copies
+    keep_rc = [l.act_in_bytes / (t if sp else 1) if b else k
+               for l, k, b in zip(layers, keep, is_block)]
     fixed_rc = [0.0 if b else f for f, b in zip(fixed, is_block)]
     keep_max = []
     for a in range(len(layers)):
@@ -225,6 +248,14 @@ def _shard(model: ModelSpec, t: int) -> _Shard:
         keep_max.append(tuple(row))
     return _Shard(_prefix(params), _prefix(keep), _prefix(keep_rc), _prefix(fixed),
                   _prefix(fixed_rc), tuple(keep_max))
+
+
+def head_rank_params(model: ModelSpec, t: int) -> float:
+    """Parameters of the LM head on each of ``t`` ranks that split it by vocabulary rows: the
+    final norm whole, ``ceil(V / t)`` rows of the ``V x hidden`` matrix (torch's chunks)."""
+    head = model.layers[-1]
+    matrix = model.vocab_size * model.hidden_size
+    return head.params - matrix + -(-model.vocab_size // t) * model.hidden_size
 
 
 def _fat_cluster(cluster: Cluster, tp: Mapping[str, int]) -> Cluster:
@@ -465,7 +496,7 @@ class CostModel:
         self._placements: dict[int, Placement] = {}
         self._cuts: dict[tuple[Placement, Placement, int, int], tuple[float, float]] = {}
         self._is_block = tuple(l.kind == "block" for l in model.layers)
-        self._shards: dict[int, _Shard] = {}
+        self._shards: dict[tuple[int, bool], _Shard] = {}
         one = self.shard(1)
         self.params, self.keep, self.keep_rc = one.params, one.keep, one.keep_rc
         # per micro-batch whatever its size; a recomputed block keeps no weight copies
@@ -473,12 +504,19 @@ class CostModel:
         self.grad_dtype_bytes = MASTER_BYTES  # weight gradients are fp32 in every precision
         self.state_bytes = STATE_BYTES_PER_PARAM
 
-    def shard(self, tp: int) -> _Shard:
-        """Per-rank prefix sums of the layers at tensor-parallel degree ``tp``."""
-        got = self._shards.get(tp)
+    def shard(self, tp: int, sp: bool = False) -> _Shard:
+        """Per-rank prefix sums of the layers at tensor-parallel degree ``tp`` (its blocks
+        sequence parallel where ``sp``)."""
+        key = (tp, sp and tp > 1)
+        got = self._shards.get(key)
         if got is None:
-            got = self._shards[tp] = _shard(self.model, tp)
+            got = self._shards[key] = _shard(self.model, *key)
         return got
+
+    def sp_allowed(self, tp: int) -> bool:
+        """Whether a stage of replicas of ``tp`` ranks may run its blocks sequence parallel
+        (:func:`sp_unfit`)."""
+        return tp > 1 and sp_unfit(self.model, tp) is None
 
     def tp_of(self, group: GpuGroup) -> int:
         """The tensor-parallel degree the search gives ``group``'s replicas."""
@@ -514,6 +552,18 @@ class CostModel:
         t = self.tp[group.name]
         return _slice(group.name, group.gpu.name, width, self._first[group.name] + offset * t,
                       mbs // width, t)
+
+    def replicas_at(self, group: GpuGroup, first_gpu: int, width: int, tp: int,
+                    mbs: int) -> tuple[Replica, ...]:
+        """``width`` replicas of ``tp`` consecutive GPUs of ``group`` from its GPU
+        ``first_gpu`` (an index of :attr:`hardware`, whatever degree ``self.tp`` gives the
+        group), splitting a micro-batch of ``mbs`` evenly: a stage at a degree of its own."""
+        return _slice(group.name, group.gpu.name, width, self._first[group.name] + first_gpu,
+                      mbs // width, tp)
+
+    def first_gpu(self, replicas: tuple[Replica, ...]) -> int:
+        """The index, inside its group of :attr:`hardware`, of the first GPU of ``replicas``."""
+        return replicas[0].ranks[0] - self._first[replicas[0].group]
 
     def gpu_replicas(self, gpus, shares) -> tuple[Replica, ...]:
         """One replica per ``(group, index in group)`` of ``gpus`` with its share (an index of
@@ -609,13 +659,50 @@ class CostModel:
         n = self.model.tp_allreduces(spec)
         if tp == 1 or not n:
             return 0.0
-        link = group.intra_node
-        measured = self.profile.tp_link(group.name, tp) if self.profile is not None else None
-        if measured is not None:
-            link = LinkSpec(measured.bandwidth_gbps, measured.latency_us)
+        link = self._tp_link(group, tp)
         nbytes = samples * spec.act_out_bytes
         return n * (2 * (tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
                     + 2 * (tp - 1) * link.latency_us * 1e-6)
+
+    def _tp_link(self, group: GpuGroup, tp: int) -> LinkSpec:
+        """The link a replica's collectives run on: the group's intra-node link, or what the
+        profile measured for ``tp`` of its ranks."""
+        measured = self.profile.tp_link(group.name, tp) if self.profile is not None else None
+        if measured is not None:
+            return LinkSpec(measured.bandwidth_gbps, measured.latency_us)
+        return group.intra_node
+
+    def tp_allgather_s(self, group: GpuGroup, tp: int, nbytes: float) -> float:
+        """A ring all-gather over a replica's ``tp`` ranks that leaves ``nbytes`` on each (each
+        rank contributing ``1/tp``): ``(t-1)/t * bytes / bw + (t-1) * lat``."""
+        if tp == 1:
+            return 0.0
+        link = self._tp_link(group, tp)
+        return ((tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
+                + (tp - 1) * link.latency_us * 1e-6)
+
+    def sp_edge_s(self, group: GpuGroup, samples: int, tp: int, a: int, b: int) -> float:
+        """What sequence parallelism adds to a stage of layers [a, b) on a replica of ``tp``
+        ranks, once forward and once backward per micro-batch: the all-gather on the sequence
+        of its last block's output forward (and of its first block's input gradient backward),
+        ``samples x seq x hidden`` at the compute dtype; 0 without a block."""
+        blocks = [j for j in range(a, b) if self._is_block[j]]
+        if not blocks:
+            return 0.0
+        return self.tp_allgather_s(group, tp, samples * self.model.layers[blocks[-1]].act_out_bytes)
+
+    def head_comm_s(self, group: GpuGroup, samples: int, tp: int) -> tuple[float, float]:
+        """(forward, backward) collectives of an LM head split by vocabulary rows over a
+        replica of ``tp`` ranks: the logits all-gathered on the vocabulary (``samples x seq x
+        vocab`` at the compute dtype), and the all-reduce of the head input's gradient
+        (``samples x seq x hidden``)."""
+        m = self.model
+        logits = samples * m.seq_len * m.vocab_size * DTYPE_BYTES[m.dtype]
+        grad = samples * m.layers[-1].act_in_bytes
+        link = self._tp_link(group, tp)
+        ring = (2 * (tp - 1) / tp * grad * 8 / (link.bandwidth_gbps * 1e9)
+                + 2 * (tp - 1) * link.latency_us * 1e-6)
+        return self.tp_allgather_s(group, tp, logits), ring
 
     def _build_table(self, group: GpuGroup, samples: int, tp: int = 1) -> _LayerTable:
         m = self.model
@@ -625,6 +712,7 @@ class CostModel:
         measured = self.profile is not None
         per_rank = self.shard(tp).params
         eff = tp_efficiency(tp, m.hidden_size) if tp > 1 else 1.0
+        split_head = tp > 1 and head_split(m, tp)
         for j, layer in enumerate(m.layers):
             hit = None
             if self.profile is not None:
@@ -640,6 +728,12 @@ class CostModel:
             if tp > 1 and self._is_block[j]:
                 f, b, u = self._tp_times(group, samples, tp, j, (f, b, u), eff,
                                          per_rank[j + 1] - per_rank[j])
+            elif tp > 1 and split_head and j == len(m.layers) - 1:
+                # the head's matmul split by vocabulary rows at the blocks' efficiency, plus
+                # its collectives; its norm and the loss on the gathered logits stay whole
+                hf, hb = self.head_comm_s(group, samples, tp)
+                u = u * (per_rank[j + 1] - per_rank[j]) / layer.params if layer.params else u
+                f, b = f / (tp * eff) + hf, b / (tp * eff) + hb
             fwd.append(f)
             bwd.append(b)
             upd.append(u)
@@ -690,33 +784,34 @@ class CostModel:
         return (params[b] - params[a]) * state_bytes_per_param(optimizer, width)
 
     def activation_bytes(self, samples: int, a: int, b: int, recompute: bool = False,
-                         tp: int = 1) -> float:
+                         tp: int = 1, sp: bool = False) -> float:
         """What one micro-batch of ``samples`` keeps in layers [a, b) until its backward, on
-        each of a replica's ``tp`` ranks."""
-        sh = self.shard(tp)
+        each of a replica's ``tp`` ranks (sequence parallel where ``sp``)."""
+        sh = self.shard(tp, sp)
         pre = sh.keep_rc if recompute else sh.keep
         fixed = sh.fixed_rc if recompute else sh.fixed
         return samples * (pre[b] - pre[a]) + fixed[b] - fixed[a]
 
-    def working_bytes(self, samples: int, a: int, b: int, tp: int = 1) -> float:
-        return samples * self.shard(tp).keep_max[a][b - a - 1]
+    def working_bytes(self, samples: int, a: int, b: int, tp: int = 1,
+                      sp: bool = False) -> float:
+        return samples * self.shard(tp, sp).keep_max[a][b - a - 1]
 
     def memory_bytes(self, samples: int, a: int, b: int, in_flight: int,
                      recompute: bool = False, optimizer: str = REPLICATED,
-                     width: int = 1, tp: int = 1) -> float:
+                     width: int = 1, tp: int = 1, sp: bool = False) -> float:
         return (self.static_bytes(a, b, optimizer, width, tp)
-                + in_flight * self.activation_bytes(samples, a, b, recompute, tp)
-                + self.working_bytes(samples, a, b, tp))
+                + in_flight * self.activation_bytes(samples, a, b, recompute, tp, sp)
+                + self.working_bytes(samples, a, b, tp, sp))
 
     def memory_prefix(self, samples: int, in_flight: int, recompute: bool,
                       optimizer: str = REPLICATED, width: int = 1,
-                      tp: int = 1) -> list[float]:
+                      tp: int = 1, sp: bool = False) -> list[float]:
         """Prefix sums of static + in-flight activation bytes (working set not included)."""
         st = state_bytes_per_param(optimizer, width)
-        key = (samples, in_flight, recompute, st, tp)
+        key = (samples, in_flight, recompute, st, tp, sp and tp > 1)
         pre = self._mem_prefix.get(key)
         if pre is None:
-            sh = self.shard(tp)
+            sh = self.shard(tp, sp)
             keep = sh.keep_rc if recompute else sh.keep
             fixed = sh.fixed_rc if recompute else sh.fixed
             pre = [p * st + in_flight * (samples * k + f)
@@ -963,7 +1058,15 @@ class CostModel:
         """One stage: its slowest replica's times, the first replica's memory and, where the
         replicas differ, every kind's."""
         (a, b), rc, opt, d = stage.layers, stage.recompute, stage.optimizer, p.width
+        sp = stage.sequence_parallel
+        if sp and not self.sp_allowed(p.tp):
+            raise CostModelError(f"stage {stage.index} sets sp (sequence parallelism), which "
+                                 f"its replicas of {p.tp} rank(s) cannot run: "
+                                 f"{sp_unfit(self.model, p.tp) or 'tp is 1'}")
         f, bw, slow = self._slowest(p, a, b, rc)
+        if sp:
+            edge = max(self.sp_edge_s(g, s, p.tp, a, b) for g, s in p.kinds)
+            f, bw = f + edge, bw + edge
         ar = self._window(p, slow, a, b, rc)
         first_samples = p.replicas[0].samples
         action = self.action_overhead_s(p)
@@ -974,14 +1077,14 @@ class CostModel:
             allreduce_s=ar.link_s,
             update_s=max(self.update_s(g, s, a, b, opt, d, p.tp) for g, s in p.kinds),
             static_bytes=self.static_bytes(a, b, opt, d, p.tp),
-            activation_bytes=self.activation_bytes(first_samples, a, b, rc, p.tp),
-            working_bytes=self.working_bytes(first_samples, a, b, p.tp),
+            activation_bytes=self.activation_bytes(first_samples, a, b, rc, p.tp, sp),
+            working_bytes=self.working_bytes(first_samples, a, b, p.tp, sp),
             capacity_bytes=self.capacity_bytes(p.group),
             recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
             allgather_s=self._allgather(p, a, b, opt), optimizer=opt,
             replica_memory=() if p.alike else tuple(
-                ReplicaMemory(self.activation_bytes(s, a, b, rc, p.tp),
-                              self.working_bytes(s, a, b, p.tp),
+                ReplicaMemory(self.activation_bytes(s, a, b, rc, p.tp, sp),
+                              self.working_bytes(s, a, b, p.tp, sp),
                               self.capacity_bytes(g)) for g, s in p.kinds))
 
     # -- the runtime's overheads, measured by the profiler ----------------------------------

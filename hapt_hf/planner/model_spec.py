@@ -78,7 +78,7 @@ from .model_configs import (BUILTIN_MODELS, HUB_ALIASES, PROFILE_NAMES, config_f
 
 __all__ = ["LayerSpec", "ModelSpec", "ModelSpecError", "DTYPE_BYTES", "SUPPORTED_FAMILIES",
            "BUILTIN_MODELS", "model_config", "ReadModel", "ModelReader", "AS_ASKED",
-           "MODELS_BEST"]
+           "MODELS_BEST", "HEAD_TP_PLANS"]
 
 SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
 """Every ``config.model_type`` the planner describes (the families of hapt_hf.core.families)."""
@@ -259,6 +259,14 @@ class ModelSpec:
     """Why the model's blocks cannot be sharded among a replica's ranks whatever the degree
     (its config has no tensor-parallel plan the runtime runs); '' where they can, or for a
     spec put together by hand (the head counts and MLP width still decide)."""
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    """The config's tensor-parallel plan (``config.base_model_tp_plan``) as (module, style)
+    pairs: whether its blocks run sequence parallel (:func:`hapt_hf.core.tp.sp_refusal`)."""
+    head_tp_plan: tuple[tuple[str, str], ...] = ()
+    """The causal-LM class's own tensor-parallel plan beyond the base model (its ``lm_head``
+    entry): whether a tensor-parallel last stage splits the head by vocabulary rows
+    (:func:`hapt_hf.core.tp.head_sharded`). Without a reader, the class's plan of the formula
+    families (:data:`HEAD_TP_PLANS`, checked against transformers by the tests)."""
 
     @property
     def num_layers(self) -> int:
@@ -349,7 +357,7 @@ class ModelSpec:
         config, name = _config_and_name(config, name)
         spec = cls._from_config(config, seq_len, dtype, name, profile_name, attn_implementation,
                                 reader)
-        return replace(spec, tp_plan_refusal=_tp_plan_refusal(config))
+        return _with_tp_plans(spec, config)
 
     @classmethod
     def _from_config(cls, config, seq_len: int, dtype: str, name: str | None,
@@ -406,9 +414,8 @@ class ModelSpec:
         layers = _layers(shape, int(seq_len), dtype, eager_attention)
         halves = _half_layers(layers, shape, int(seq_len), dtype, eager_attention) \
             if shape.attn_params else ()
-        return replace(cls._of_shape(shape, int(seq_len), dtype, layers, halves, name,
-                                     profile_name, attn_implementation),
-                       tp_plan_refusal=_tp_plan_refusal(config))
+        return _with_tp_plans(cls._of_shape(shape, int(seq_len), dtype, layers, halves, name,
+                                            profile_name, attn_implementation), config)
 
     @classmethod
     def _of_shape(cls, shape: "_Shape", seq_len: int, dtype: str, layers, halves,
@@ -477,6 +484,24 @@ class ModelSpec:
             return cls.from_name_or_path(str(model), seq_len, dtype, attn_implementation, reader)
         raise ModelSpecError(f"job.model must be a model name, a path or a mapping, "
                              f"got {type(model).__name__}")
+
+
+HEAD_TP_PLANS = {family: (("lm_head", "colwise_gather_output"),)
+                 for family in ("llama", "mistral", "qwen2")}
+"""The causal-LM classes' own tensor-parallel plans (``LlamaForCausalLM._tp_plan``...) of
+the formula families that have one, as transformers 5.24 writes them (gpt2 and opt have
+none): what the planner reads without torch. A reader's model takes the same table."""
+
+
+def _with_tp_plans(spec: "ModelSpec", config) -> "ModelSpec":
+    """``spec`` with what the config's tensor-parallel plans allow: its blocks sharded
+    (``tp_plan_refusal``), run sequence parallel (``tp_plan``), its head split
+    (``head_tp_plan``)."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    family = str(getattr(config, "model_type", spec.family))
+    return replace(spec, tp_plan_refusal=_tp_plan_refusal(config),
+                   tp_plan=tuple(sorted(plan.items())),
+                   head_tp_plan=HEAD_TP_PLANS.get(family, ()))
 
 
 def _tp_plan_refusal(config) -> str:

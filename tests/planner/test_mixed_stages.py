@@ -132,7 +132,7 @@ def test_a_mixed_stage_fits_only_where_every_replica_holds_its_own_share():
     cm = CostModel(m, Cluster("av", groups, (GroupLink("a100", "v100", FAST),)))
     shape = cm.gpu_replicas([(cm.group("a100"), 0), (cm.group("v100"), 0)], (1, 6))
     assert stage_state(cm, shape, 7, 0, 2, 1, False, False) is None
-    assert stage_state(cm, shape, 7, 0, 1, 1, False, False) == (False, "replicated")
+    assert stage_state(cm, shape, 7, 0, 1, 1, False, False) == (False, "replicated", False)
 
 
 def test_merging_a_group_boundary_keeps_both_stages_layers_on_both_gpus_by_speed():

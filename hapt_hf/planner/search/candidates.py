@@ -14,7 +14,7 @@ from .problem import SearchProblem
 from .shapes import micro_batch_options, require_chain, shapes_for, width_options
 from .warmups import hapt_warmups, in_flight_guess
 
-__all__ = ["search_layouts"]
+__all__ = ["search_layouts", "layout_on"]
 
 
 @dataclass(order=True)
@@ -24,18 +24,27 @@ class _Scored:
     layout: Layout = field(compare=False)
 
 
+def layout_on(problem: SearchProblem, shapes, mbs: int) -> tuple[float, Layout] | None:
+    """The layout the analytic search makes of the stages ``shapes`` (each stage's replicas)
+    at micro-batch ``mbs``: layers by the min-max partition under memory, HAPT's warm-ups;
+    with its score by HAPT's formula. None where no partition fits."""
+    got = _expand(problem, shapes, mbs, ())
+    return None if got is None else (got.score, got.layout)
+
+
 def _expand(problem: SearchProblem, shapes, mbs: int, key: tuple) -> _Scored | None:
     cm, schedule, m = problem.cost_model, problem.schedule, problem.num_microbatches(mbs)
     cap_guess = balanced_step_s(cm, shapes, mbs)
     inflight = in_flight_guess(shapes, mbs, m, schedule, cm, cap_guess)
     part = partition_layers(cm, shapes, mbs, inflight, problem.allow_recompute,
-                            lower_bound_s=cap_guess, allow_sharded=problem.allow_sharded)
+                            lower_bound_s=cap_guess, allow_sharded=problem.allow_sharded,
+                            allow_sp=problem.options.allow_sequence_parallel)
     if part is None:
         return None
     cuts = cut_times(cm, shapes, part.bounds, mbs)
     warm = hapt_warmups(shapes, cuts, part.cap_s, m, schedule)
     layout = Layout.build(shapes, part.bounds, part.recompute, mbs, warm, schedule,
-                          part.optimizer)
+                          part.optimizer, part.sequence_parallel)
     return _Scored(estimate_s(cm, layout, m), key, layout)
 
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 from hapt_hf.core.layers import BLOCK, HALF, block_boundary_in_halves
 from hapt_hf.core.precision import REPLICATED, SHARDED
 from hapt_hf.core.schedules import ScheduleKind
+from hapt_hf.core.tp import TP_DEGREES
 from hapt_hf.errors import PlanningError
 
 from ..cluster import Cluster
@@ -29,7 +30,7 @@ from .replays import simulate_layout
 from .shapes import require_chain
 from .state import sharding_reasons
 from .subsets import choose_groups
-from .tensor_parallel import choose_degrees
+from .tensor_parallel import choose_degrees, refine_stage_degrees
 from .warmups import refine_warmups
 
 __all__ = ["plan_job"]
@@ -140,7 +141,13 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None
     """The best plan with tensor-parallel degrees above 1 in some group, where the screen
     finds one faster than ``base_s`` (the plan without; None: nothing fits without)."""
     units = [problem.options.layer_unit]
-    if units[0] != BLOCK and problem.model.can_split_blocks:
+    cm = problem.cost_model
+    if units[0] != HALF and problem.options.allow_sequence_parallel and \
+            any(cm.sp_allowed(t) for t in TP_DEGREES) and cm.model.layer_unit == BLOCK:
+        # sequence parallelism runs whole blocks only, and where it is allowed it is what
+        # lets a replica hold more of them; halves where whole blocks do not fit
+        units = [BLOCK, HALF] if problem.model.can_split_blocks else [BLOCK]
+    elif units[0] != BLOCK and problem.model.can_split_blocks:
         # with t GPUs a replica holds few blocks: halves balance them; where halves do not
         # fit (recomputed halves keep twice the inputs), whole blocks
         units = [HALF] if units[0] == HALF else [HALF, BLOCK]
@@ -157,6 +164,7 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None
     tp, screened, _ = choose_degrees(problem, weigh, base_s)
     if tp is None:
         return None
+    best = screened
     # the winner searched again with the user's options, where a search is cheap (above
     # weigh_groups_max_gpus a search costs several screens: there the screen's plan stands)
     if problem.hardware.world_size <= problem.options.weigh_groups_max_gpus:
@@ -165,8 +173,24 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None
         except PlanningError:
             full = None
         if full is not None and full[0].iteration_s <= screened[0].iteration_s:
-            return full
-    return screened
+            best = full
+    return _stage_degrees(best)
+
+
+def _stage_degrees(best: tuple[SimResult, SearchProblem, Layout, int]
+                   ) -> tuple[SimResult, SearchProblem, Layout, int]:
+    """``best`` with its stages of one group at degrees of their own, where the simulator
+    finds that faster (:func:`~.tensor_parallel.refine_stage_degrees`)."""
+    final, unit, lay, tried = best
+    got = refine_stage_degrees(unit, lay, unit.options.max_refine_simulations)
+    if got is None:
+        return best
+    r = simulate_layout(unit.cost_model, got[0],
+                        unit.num_microbatches(got[0].micro_batch_size), exact=True,
+                        record_events=True)
+    if r.feasible and r.iteration_s < final.iteration_s:
+        return r, unit, got[0], tried
+    return best
 
 
 def _best_layout(problem: SearchProblem, baselines: dict[str, BaselineResult]

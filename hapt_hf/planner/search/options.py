@@ -94,6 +94,12 @@ class PlannerOptions:
     per rank, :data:`~hapt_hf.planner.search.kinds.VIRTUAL_STAGES` or ``virtual_stages``) and
     keep the fastest that fits (:mod:`~hapt_hf.planner.search.kinds`). False: the plan keeps
     the schedule asked for."""
+    allow_sequence_parallel: bool = True
+    """Let a stage of replicas of several GPUs run its blocks sequence parallel (each rank
+    keeps ``1/t`` of a block's activations instead of ``(10 + 24/t) / 34``, for one
+    all-gather of the stage's output forward and one backward) where the model allows it
+    (:func:`~hapt_hf.core.tp.sp_refusal`: whole blocks) and it lets the stage hold more
+    layers or recompute less."""
     virtual_stages: int | None = None
     """Chunks per pipeline rank of an ``interleaved`` plan (None: weigh 2 and 3)."""
     layer_unit: str = LAYER_UNIT_OPTIONS[0]
@@ -142,12 +148,15 @@ class Layout:
 
     @classmethod
     def build(cls, shapes, bounds, recompute, micro_batch_size: int, warmups, schedule: str,
-              optimizers=()) -> "Layout":
+              optimizers=(), sequence_parallel=()) -> "Layout":
         """A layout of stages on the replica tuples ``shapes`` with these layer ranges,
-        recompute flags, warm-ups and optimizer states (empty: every stage replicated)."""
+        recompute flags, warm-ups, optimizer states (empty: every stage replicated) and
+        sequence parallelism (empty: none)."""
         opts = tuple(optimizers) or (REPLICATED,) * len(shapes)
-        return cls(tuple(Stage(i, tuple(bnd), reps, w, rc, opt) for i, (reps, bnd, rc, w, opt)
-                         in enumerate(zip(shapes, bounds, recompute, warmups, opts))),
+        sps = tuple(sequence_parallel) or (False,) * len(shapes)
+        return cls(tuple(Stage(i, tuple(bnd), reps, w, rc, opt, sequence_parallel=sp)
+                         for i, (reps, bnd, rc, w, opt, sp)
+                         in enumerate(zip(shapes, bounds, recompute, warmups, opts, sps))),
                    micro_batch_size, schedule)
 
     @property
@@ -175,17 +184,25 @@ class Layout:
     def optimizers(self) -> tuple[str, ...]:
         return tuple(s.optimizer for s in self.stages)
 
+    @property
+    def sequence_parallel(self) -> tuple[bool, ...]:
+        return tuple(s.sequence_parallel for s in self.stages)
+
     def with_warmups(self, warmups) -> "Layout":
         # built directly, not with dataclasses.replace: the refinements make thousands
         return Layout(tuple(Stage(s.index, s.layers, s.replicas, w, s.recompute, s.optimizer,
-                                  s.predicted) for s, w in zip(self.stages, warmups)),
+                                  s.predicted, s.deferral, s.sequence_parallel)
+                            for s, w in zip(self.stages, warmups)),
                       self.micro_batch_size, self.schedule)
 
-    def with_layers(self, bounds, recompute, optimizers) -> "Layout":
-        """The same replicas and warm-ups over other layer ranges and states."""
-        return Layout(tuple(Stage(s.index, tuple(bnd), s.replicas, s.warmup, rc, opt, s.predicted)
-                            for s, bnd, rc, opt in zip(self.stages, bounds, recompute,
-                                                       optimizers)),
+    def with_layers(self, bounds, recompute, optimizers, sequence_parallel=None) -> "Layout":
+        """The same replicas and warm-ups over other layer ranges and states (sequence
+        parallelism as before where ``sequence_parallel`` is None)."""
+        sps = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        return Layout(tuple(Stage(s.index, tuple(bnd), s.replicas, s.warmup, rc, opt, s.predicted,
+                                  s.deferral, sp)
+                            for s, bnd, rc, opt, sp in zip(self.stages, bounds, recompute,
+                                                           optimizers, sps)),
                       self.micro_batch_size, self.schedule)
 
 

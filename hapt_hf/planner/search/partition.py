@@ -23,40 +23,46 @@ class Partition:
     cap_s: float
     optimizer: tuple[str, ...] = ()
     """Each stage's optimizer state (see :mod:`~hapt_hf.planner.search.state`)."""
+    sequence_parallel: tuple[bool, ...] = ()
+    """Each stage's sequence parallelism (on only where it lets the stage reach farther)."""
 
 
 def _stage_reach(cm: CostModel, sh: Placement, samples: int, in_flight: int, a: int, cap: float,
-                 limit: int, allow_rc: bool, mem_pre: dict) -> tuple[int, bool, str]:
+                 limit: int, allow_rc: bool, mem_pre: dict) -> tuple[int, bool, str, bool]:
     """Farthest end b (<= limit) of a stage of alike replicas starting at a, with its recompute
-    flag and optimizer state (the least recompute, then the faster step, among those reaching as
-    far); (a, _, _) when nothing fits. ``mem_pre`` maps (recompute, state) to memory prefixes."""
+    flag, optimizer state and sequence parallelism (the least recompute, then no sequence
+    parallelism, then the faster step, among those reaching as far); (a, _, _, _) when nothing
+    fits. ``mem_pre`` maps (recompute, state, sequence parallel) to memory prefixes."""
     t = cm.table(sh.group, samples, sh.tp)
     capacity = cm.capacity_bytes(sh.group)
-    best = (a, False, REPLICATED)
+    best = (a, False, REPLICATED, False)
     for rc in ((False, True) if allow_rc else (False,)):
         pre_t = t.fb_rc if rc else t.fb
         reach = []
-        for opt in (o for r, o in mem_pre if r == rc):
-            mp = mem_pre[rc, opt]
+        for opt, sp in ((o, p) for r, o, p in mem_pre if r == rc):
+            mp = mem_pre[rc, opt, sp]
             b = min(limit, cm.max_layers_fitting(pre_t, a, cap),
                     cm.max_layers_fitting(mp, a, capacity))
-            while b > a and mp[b] - mp[a] + cm.working_bytes(samples, a, b, sh.tp) > capacity:
+            while b > a and \
+                    mp[b] - mp[a] + cm.working_bytes(samples, a, b, sh.tp, sp) > capacity:
                 b -= 1
-            reach.append((b, opt))
-        b = max(r for r, _ in reach)
+            reach.append((b, sp, opt))
+        b = max(r for r, _, _ in reach)
         if b > best[0]:
-            ties = [o for r, o in reach if r == b]
+            sp = min(p for r, p, _ in reach if r == b)
+            ties = [o for r, p, o in reach if r == b and p == sp]
             opt = ties[0] if len(ties) == 1 else faster_state(cm, sh.replicas, samples, a, b,
                                                                   ties)
-            best = (b, rc, opt)
+            best = (b, rc, opt, sp)
     return best
 
 
 def _mem_prefixes(cm: CostModel, sh: Placement, samples: int, in_flight: int, allow_rc: bool,
-                  allow_sharded: bool) -> dict:
-    return {(rc, o): cm.memory_prefix(samples, in_flight, rc, o, sh.width, sh.tp)
+                  allow_sharded: bool, allow_sp: bool = False) -> dict:
+    sps = (False, True) if allow_sp and cm.sp_allowed(sh.tp) else (False,)
+    return {(rc, o, sp): cm.memory_prefix(samples, in_flight, rc, o, sh.width, sh.tp, sp)
             for rc in ((False, True) if allow_rc else (False,))
-            for o in state_options(sh.width, allow_sharded)}
+            for o in state_options(sh.width, allow_sharded) for sp in sps}
 
 
 def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi: float, got: _R,
@@ -78,11 +84,13 @@ def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi:
 
 def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
                      allow_recompute: bool, rel_tol: float = 1e-3,
-                     lower_bound_s: float = 0.0, allow_sharded: bool = False) -> Partition | None:
+                     lower_bound_s: float = 0.0, allow_sharded: bool = False,
+                     allow_sp: bool = False) -> Partition | None:
     """Min-max contiguous partition of the layers over ``shapes`` (each stage's replicas, alike
     in each stage; no empty stage) under every stage's memory; None if no partition fits.
     ``allow_sharded``: a stage of several replicas may shard its optimizer state to hold more
-    layers."""
+    layers; ``allow_sp``: a stage of replicas of several GPUs may run sequence parallel
+    (where the model allows it) to hold more."""
     n, L = len(shapes), cm.model.num_layers
     if n > L:
         return None
@@ -90,20 +98,22 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
     for reps, k in zip(shapes, in_flight):
         sh = cm.placement(reps)
         s = mbs // sh.width
-        info.append((sh, s, k, _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded)))
+        info.append((sh, s, k, _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded,
+                                              allow_sp)))
 
     def greedy(cap: float):
-        a, bounds, rcs, opts = 0, [], [], []
+        a, bounds, rcs, opts, sps = 0, [], [], [], []
         for i, (sh, s, k, mp) in enumerate(info):
             limit = L - (n - i - 1)
-            b, rc, opt = _stage_reach(cm, sh, s, k, a, cap, limit, allow_recompute, mp)
+            b, rc, opt, sp = _stage_reach(cm, sh, s, k, a, cap, limit, allow_recompute, mp)
             if b <= a:
                 return None
             bounds.append((a, b))
             rcs.append(rc)
             opts.append(opt)
+            sps.append(sp)
             a = b
-        return (tuple(bounds), tuple(rcs), tuple(opts)) if a == L else None
+        return (tuple(bounds), tuple(rcs), tuple(opts), tuple(sps)) if a == L else None
 
     # no partition beats the perfectly balanced step, so start there and double until it fits
     top = max(cm.table(sh.group, s, sh.tp).fb_rc[-1] for sh, s, *_ in info) * 1.001
@@ -116,7 +126,7 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
     if got is None:
         return None
     hi, got = smallest_feasible_cap(greedy, lo, hi, got, rel_tol)
-    return Partition(got[0], got[1], hi, got[2])
+    return Partition(got[0], got[1], hi, got[2], got[3])
 
 
 def recompute_flags(cm: CostModel, shapes, bounds, mbs: int, warm, allow_rc: bool):

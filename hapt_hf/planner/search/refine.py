@@ -66,13 +66,15 @@ def refine_boundaries(problem: SearchProblem, layout: Layout, sim: SimResult,
             states = []
             for j, (a, b) in enumerate(bounds):
                 got = stage_state(cm, layout.stages[j].replicas, layout.micro_batch_size, a, b,
-                                  inflight[j], allow_rc, allow_sharded)
+                                  inflight[j], allow_rc, allow_sharded,
+                                  problem.options.allow_sequence_parallel)
                 if got is None:
                     break
                 states.append(got)
             if len(states) != len(bounds):
                 continue
-            cand = layout.with_layers(bounds, [rc for rc, _ in states], [o for _, o in states])
+            cand = layout.with_layers(bounds, [s[0] for s in states], [s[1] for s in states],
+                                      [s[2] for s in states])
             budget -= 1
             r = simulate_layout(cm, cand, m)
             if better(r, sim):

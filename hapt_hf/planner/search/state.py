@@ -32,20 +32,24 @@ def faster_state(cm: CostModel, replicas: tuple[Replica, ...], samples: int, a: 
 
 
 def stage_state(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, b: int,
-                in_flight: int, allow_rc: bool, allow_sharded: bool) -> tuple[bool, str] | None:
-    """(recompute, optimizer) that lets the stage hold layers [a, b) with ``in_flight``
-    micro-batches: recompute only where nothing fits without, then the faster step among the
-    states that fit; None when nothing fits."""
+                in_flight: int, allow_rc: bool, allow_sharded: bool,
+                allow_sp: bool = False) -> tuple[bool, str, bool] | None:
+    """(recompute, optimizer, sequence parallel) that lets the stage hold layers [a, b) with
+    ``in_flight`` micro-batches: recompute only where nothing fits without, then sequence
+    parallelism only where nothing fits without (``allow_sp`` and the model allowing it),
+    then the faster step among the states that fit; None when nothing fits."""
     p = cm.placement(replicas)
     # every kind of replica against its own GPU (a mixed stage's shares and GPUs differ)
     kinds = {(g.name, r.samples): (g, r.samples)
              for g, r in zip(p.group_of, p.replicas)}.values()
+    sps = (False, True) if allow_sp and cm.sp_allowed(p.tp) else (False,)
     for rc in ((False, True) if allow_rc else (False,)):
-        fits = [o for o in state_options(p.width, allow_sharded)
-                if all(cm.memory_bytes(s, a, b, in_flight, rc, o, p.width, p.tp)
-                       <= cm.capacity_bytes(g) for g, s in kinds)]
-        if fits:
-            return rc, faster_state(cm, replicas, mbs // p.width, a, b, fits)
+        for sp in sps:
+            fits = [o for o in state_options(p.width, allow_sharded)
+                    if all(cm.memory_bytes(s, a, b, in_flight, rc, o, p.width, p.tp, sp)
+                           <= cm.capacity_bytes(g) for g, s in kinds)]
+            if fits:
+                return rc, faster_state(cm, replicas, mbs // p.width, a, b, fits), sp
     return None
 
 

@@ -7,7 +7,7 @@ A group of ``n`` GPUs whose replicas are ``t`` GPUs each looks to the rest of th
 layer ranges, micro-batch sizes and warm-ups runs unchanged on that view, and its replicas
 come out as ``t`` consecutive ranks of one node.
 
-The degrees are searched per group around that search: every group at the same degree first
+The degrees are searched per group around that search, then per stage: every group at the same degree first
 (1, 2, 4, 8 as the group and the model allow, capped by ``max_tp``), then, from the best of
 those where it has a degree above 1 (or where nothing fits without), one group at a time moved
 to a neighbouring degree while the plan improves (coordinate descent). An assignment is
@@ -18,17 +18,31 @@ blocks are narrow (tensor parallelism's efficiency is low) this rules out every 
 replays; the screen), whose replayed plan is kept; the caller may search the winner again with
 the user's options. Degree 1 everywhere is the search without tensor parallelism, exactly: a
 degree above it is kept only where the simulator finds it faster.
+
+Stages of one group may then differ (:func:`refine_stage_degrees`): from the winner, each
+group's GPUs are cut again into stages of the same width at two neighbouring degrees, the
+first ``j`` stages at the higher (the early stages of a pipeline hold the most micro-batches in
+flight, so they gain the most memory from it) and the rest at the lower (cheaper
+all-reduces, a shorter head on the last stage). Every such mix of every group is partitioned
+and scored by HAPT's formula (cheap), the best few are replayed, and the best replay is kept
+(its boundaries refined) where it beats the winner's own; then again from it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..cluster import GpuGroup
 from ..cost_model import tp_unfit
+from ..simulate import SimResult
+from .candidates import layout_on
+from .options import Layout
 from .problem import SearchProblem
+from .refine import refine_boundaries
+from .replays import better, simulate_layout
 
-__all__ = ["TpChoice", "group_degrees", "choose_degrees"]
+__all__ = ["TpChoice", "group_degrees", "choose_degrees", "degree_mixes",
+           "refine_stage_degrees", "STAGE_MIX_REPLAYS", "STAGE_MIX_ROUNDS"]
 
 Weigh = Callable[[SearchProblem], "tuple[float, object] | None"]
 """A screen of one assignment of degrees: its best plan's time and what the caller keeps of
@@ -123,3 +137,83 @@ def choose_degrees(problem: SearchProblem, weigh: Weigh, base_s: float | None
     if all(t == 1 for t in best.values()):
         return None, None, choices
     return best, kept[tuple((g.name, best[g.name]) for g in groups)], choices
+
+
+STAGE_MIX_REPLAYS = 3
+"""Mixes of stage degrees replayed each round (the best by HAPT's formula)."""
+STAGE_MIX_ROUNDS = 4
+"""Rounds of :func:`refine_stage_degrees` (each from the last round's winner)."""
+
+
+def degree_mixes(problem: SearchProblem, layout: Layout
+                 ) -> Iterator[tuple[tuple[str, int, int, int, int], tuple]]:
+    """Each group's stages cut again at two neighbouring degrees: ``(group, high, j, low, k)``
+    and the stages' replicas, where the group's first ``j`` stages hold replicas of ``high``
+    GPUs and the next ``k`` of ``low``, every stage as wide as before and the group's GPUs
+    as before (the other groups' stages unchanged). A group is left as it is where its stages
+    are not consecutive, alike (one group, equal shares) and of one width."""
+    cm, mbs = problem.cost_model, layout.micro_batch_size
+    stages = layout.stages
+    runs: dict[str, list[int]] = {}
+    for i, s in enumerate(stages):
+        runs.setdefault(s.replicas[0].group, []).append(i)
+    for name, idx in runs.items():
+        reps = [stages[i].replicas for i in idx]
+        if idx != list(range(idx[0], idx[-1] + 1)) or \
+                any(len({r.group for r in x}) > 1 or len({r.samples for r in x}) > 1
+                    for x in reps) or len({len(x) for x in reps}) > 1:
+            continue
+        g, w = cm.group(name), len(reps[0])
+        first = cm.first_gpu(reps[0])
+        gpus = sum(len(x) * x[0].tp for x in reps)
+        now = tuple(x[0].tp for x in reps)
+        degrees = group_degrees(problem, g)
+        for low, high in zip(degrees, degrees[1:]):
+            for j in range(gpus // (w * high) + 1):
+                rest = gpus - j * w * high
+                if rest % (w * low):
+                    continue
+                k = rest // (w * low)
+                if (high,) * j + (low,) * k == now:
+                    continue
+                mine = [cm.replicas_at(g, first + q * w * high, w, high, mbs) for q in range(j)]
+                mine += [cm.replicas_at(g, first + j * w * high + q * w * low, w, low, mbs)
+                         for q in range(k)]
+                shapes = (tuple(s.replicas for s in stages[:idx[0]]) + tuple(mine)
+                          + tuple(s.replicas for s in stages[idx[-1] + 1:]))
+                yield (name, high, j, low, k), shapes
+
+
+def refine_stage_degrees(problem: SearchProblem, layout: Layout,
+                         budget: int) -> tuple[Layout, SimResult] | None:
+    """A layout whose stages of one group may differ in degree (:func:`degree_mixes`) that
+    the simulator finds faster than ``layout`` (both replayed shortened), or None: every mix
+    scored by HAPT's formula, the best :data:`STAGE_MIX_REPLAYS` replayed, the best replay's
+    boundaries refined (``budget`` replays), for :data:`STAGE_MIX_ROUNDS` rounds."""
+    cm, mbs = problem.cost_model, layout.micro_batch_size
+    m = problem.num_microbatches(mbs)
+    cap = min(problem.num_layers, problem.options.max_stages or problem.num_layers)
+    best_l, best_r = layout, simulate_layout(cm, layout, m)
+    found = False
+    for _ in range(STAGE_MIX_ROUNDS):
+        scored = []
+        for key, shapes in degree_mixes(problem, best_l):
+            if len(shapes) > cap:
+                continue
+            got = layout_on(problem, shapes, mbs)
+            if got is not None:
+                scored.append((got[0], key, got[1]))
+        scored.sort(key=lambda x: x[:2])
+        round_best: tuple[Layout, SimResult] | None = None
+        for _, _, lay in scored[:STAGE_MIX_REPLAYS]:
+            r = simulate_layout(cm, lay, m)
+            if r.feasible and (round_best is None or better(r, round_best[1])):
+                round_best = (lay, r)
+        if round_best is None:
+            break
+        lay, r = refine_boundaries(problem, *round_best, budget)
+        if not better(r, best_r):
+            break
+        best_l, best_r, found = lay, r, True
+    return (best_l, best_r) if found else None
+
