@@ -1,9 +1,10 @@
 """A local directory seen through fsspec as an object store would serve it: ``throttled://``.
 
-Reads go through fsspec's ``AbstractBufferedFile`` as s3fs's and gcsfs's do: a read outside the
-file's read-ahead buffer is one ranged GET (``_fetch_range``) of at least ``block_size`` bytes,
-which here costs ``latency_s`` plus its bytes at ``bandwidth_mb_s`` (per process: each rank
-reads at that rate, as each node's stream from an object store does). Writes are the local
+``cat_file(path, start, end)`` is one ranged GET, as s3fs's is; a file opened for reading goes
+through fsspec's ``AbstractBufferedFile`` as s3fs's and gcsfs's do (a read outside its read-ahead
+buffer is one ranged GET of at least ``block_size`` bytes). A GET costs ``latency_s`` plus its
+bytes at ``bandwidth_mb_s`` (per process: each rank reads at that rate, as each node's stream
+from an object store does). Writes are the local
 filesystem's, unthrottled. Every fetch is logged in :data:`FETCHES` (path, start, end) so tests
 can count what a rank took from the remote.
 
@@ -44,14 +45,19 @@ def fetched_files() -> list[str]:
     return list(seen)
 
 
+def _get(path: str, start: int, end: int | None) -> bytes:
+    """One ranged GET: its latency, then its bytes at the bandwidth."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read() if end is None else f.read(end - start)
+    time.sleep(_SETTINGS["latency_s"] + len(data) / (_SETTINGS["bandwidth_mb_s"] * 1e6))
+    FETCHES.append((path, start, start + len(data)))
+    return data
+
+
 class _ThrottledFile(AbstractBufferedFile):
     def _fetch_range(self, start: int, end: int) -> bytes:
-        with open(self.path, "rb") as f:
-            f.seek(start)
-            data = f.read(end - start)
-        time.sleep(_SETTINGS["latency_s"] + len(data) / (_SETTINGS["bandwidth_mb_s"] * 1e6))
-        FETCHES.append((self.path, start, start + len(data)))
-        return data
+        return _get(self.path, start, end)
 
 
 class ThrottledFileSystem(LocalFileSystem):
@@ -63,6 +69,10 @@ class ThrottledFileSystem(LocalFileSystem):
         if path.startswith("throttled://"):
             path = path[len("throttled://"):]
         return LocalFileSystem._strip_protocol(path)
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        """One ranged GET, as s3fs's ``cat_file`` is (no read-ahead)."""
+        return _get(self._strip_protocol(path), start or 0, end)
 
     def _open(self, path, mode="rb", block_size=None, **kwargs):
         if mode != "rb":

@@ -22,6 +22,8 @@ where; the reader logs one line of it.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import logging
 import os
@@ -161,14 +163,68 @@ class ReadStats:
                 f"{len(self.fetched_files)} remote file(s)")
 
 
+MERGE_GAP = 1 << 20
+"""Byte ranges of a remote file closer than this are fetched in one request."""
+
+
+class _RangeFile(io.RawIOBase):
+    """A remote file of which only some byte ranges were fetched (each with one ranged GET),
+    read as a seekable stream; a read outside them is an error, not a silent fetch."""
+
+    def __init__(self, name: str, ranges: list[tuple[int, bytes]]) -> None:
+        super().__init__()
+        self.name, self.ranges, self.pos = name, ranges, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_SET:
+            self.pos = offset
+        elif whence == os.SEEK_CUR:
+            self.pos += offset
+        else:
+            raise ValueError("a fetched range has no known end")
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        for start, data in self.ranges:
+            if start <= self.pos < start + len(data):
+                n = min(len(b), start + len(data) - self.pos)
+                b[:n] = data[self.pos - start:self.pos - start + n]
+                self.pos += n
+                return n
+        raise OSError(f"{self.name}: byte {self.pos} was not fetched")
+
+
+def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, end) ranges covering every (offset, length) span, near ones merged."""
+    out: list[list[int]] = []
+    for offset, length in sorted(spans):
+        if out and offset <= out[-1][1] + MERGE_GAP:
+            out[-1][1] = max(out[-1][1], offset + length)
+        else:
+            out.append([offset, offset + length])
+    return [(a, b) for a, b in out]
+
+
 class _LocalFirstFileSystem(FileSystemBase):
     """The remote copy's paths, each opened from the local directory where it holds the file
-    (at least as long as the reads need), else from the remote through fsspec."""
+    (at least as long as the reads need), else fetched from the remote through fsspec: the byte
+    ranges the reads need, one ranged request each (``cat_file``), or the whole file."""
 
     def __init__(self, local: Path | None, remote_fs, remote_root: str) -> None:
         self.local, self.remote_fs, self.root = local, remote_fs, remote_root
-        self.needed: dict[str, int] = {}
-        """Relative path to the end of the last byte a read of it asks for."""
+        self.spans: dict[str, list[tuple[int, int]]] = {}
+        """Relative path to the (offset, length) of every item a read of it asks for."""
+        self.whole: dict[str, bytes] = {}
+        """Files fetched whole (the metadata, read before and again during a load)."""
 
     def relative(self, path: str | os.PathLike) -> str:
         path = os.fspath(path)
@@ -178,7 +234,8 @@ class _LocalFirstFileSystem(FileSystemBase):
         if self.local is None:
             return False
         candidate = self.local / rel
-        return candidate.is_file() and candidate.stat().st_size >= self.needed.get(rel, 1)
+        needed = max((o + n for o, n in self.spans.get(rel, ())), default=1)
+        return candidate.is_file() and candidate.stat().st_size >= needed
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -188,9 +245,15 @@ class _LocalFirstFileSystem(FileSystemBase):
         if self.is_local(rel):
             with open(self.local / rel, "rb") as f:  # type: ignore[operator]
                 yield f
-        else:
-            with self.remote_fs.open(_join(self.root, rel), "rb") as f:
-                yield f
+            return
+        remote = _join(self.root, rel)
+        if rel not in self.spans:  # the metadata: read whole, once
+            if rel not in self.whole:
+                self.whole[rel] = self.remote_fs.cat_file(remote)
+            yield io.BytesIO(self.whole[rel])
+            return
+        yield _RangeFile(remote, [(a, self.remote_fs.cat_file(remote, start=a, end=b))
+                                  for a, b in _coalesce(self.spans[rel])])
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return _join(os.fspath(path), suffix)
@@ -226,18 +289,25 @@ class LocalFirstReader(dcp.FileSystemReader):
         self.path = remote_path
         self.stats = ReadStats()
 
+    def _position(self, item) -> tuple[str, int]:
+        info = self.storage_data[item.storage_index]
+        return info.relative_path, info.offset
+
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id is not None:
             raise ValueError("a LocalFirstReader reads the checkpoint it was made for")
         super().reset()
 
     def read_data(self, plan, planner):
+        # each file's items in the order they lie in it: a remote file read ahead in blocks
+        # (fsspec's buffered files, as s3fs's) then fetches each block once
+        plan = dataclasses.replace(plan, items=sorted(plan.items, key=self._position))
         per_file: dict[str, list[tuple[int, int]]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
         for rel, spans in sorted(per_file.items()):
-            self.fs.needed[rel] = max(o + n for o, n in spans)
+            self.fs.spans[rel] = spans
             size = sum(n for _, n in spans)
             if self.fs.is_local(rel):
                 self.stats.local_bytes += size
