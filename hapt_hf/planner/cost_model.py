@@ -698,7 +698,7 @@ class CostModel:
         (``samples x seq x hidden``)."""
         m = self.model
         logits = samples * m.seq_len * m.vocab_size * DTYPE_BYTES[m.dtype]
-        grad = samples * m.layers[-1].act_in_bytes
+        grad = samples * m.seq_len * m.hidden_size * DTYPE_BYTES[m.dtype]
         link = self._tp_link(group, tp)
         ring = (2 * (tp - 1) / tp * grad * 8 / (link.bandwidth_gbps * 1e9)
                 + 2 * (tp - 1) * link.latency_us * 1e-6)
@@ -1069,7 +1069,7 @@ class CostModel:
             f, bw = f + edge, bw + edge
         ar = self._window(p, slow, a, b, rc)
         first_samples = p.replicas[0].samples
-        action = self.action_overhead_s(p)
+        action = self.action_overhead_s(p, a, b)
         return StageCost(
             forward_s=f + action, backward_s=bw + action, split_ratios=self.split_ratios(p),
             send_forward_s=send_f[0], send_backward_s=send_b[0],
@@ -1088,14 +1088,27 @@ class CostModel:
                               self.capacity_bytes(g)) for g, s in p.kinds))
 
     # -- the runtime's overheads, measured by the profiler ----------------------------------
-    def action_overhead_s(self, p: Placement) -> float:
-        """Fixed seconds of one compute action on the stage beyond its layers' times: the
-        largest the profile measured on its GPUs' device types (0 where none was)."""
+    def action_overhead_s(self, p: Placement, a: int, b: int) -> float:
+        """Seconds one compute action of the stage of layers [a, b) takes beyond its layers'
+        times: its device's fixed cost per action, and for each layer beyond the first what a
+        stage's further layer costs beyond its profiled time (``StepOverheads.layer_s``;
+        layers counted as the profile timed them: a block's halves as one block). The largest
+        over the stage's device types; 0 where the profile measured none."""
         if self.profile is None:
             return 0.0
-        found = [o.action_s for g in p.groups
+        calls = self._profiled_calls()
+        extra = max(calls[b] - calls[a] - 1.0, 0.0)
+        found = [o.action_s + extra * o.layer_s for g in p.groups
                  if (o := self.profile.step_overheads(g.gpu.name)) is not None]
         return max(found, default=0.0)
+
+    def _profiled_calls(self) -> tuple[float, ...]:
+        """Prefix sums of the layers as the profile timed them (a block half: its share)."""
+        got = getattr(self, "_calls", None)
+        if got is None:
+            got = self._calls = _prefix(l.profile_share if l.profile_signature else 1.0
+                                        for l in self.model.layers)
+        return got
 
     def split_ratios(self, p: Placement) -> tuple[float, float] | None:
         """(``I / B``, ``W / B``) of the split backward on the stage's GPUs (the costliest
