@@ -90,16 +90,20 @@ class StepOverheads:
 
     action_s: float = 0.0
     """Fixed seconds of one compute action of a stage (``F``, ``B``, ``I`` or ``W``) beyond
-    its layers' profiled times: the intercept, over micro-batch sizes, of the measured action
-    less the layers' sum (the action loop, the input's copy and ``requires_grad``, the
-    autograd engine's start). May be below 0 where the layers timed alone each pay a cost the
-    stage pays once."""
+    its layers' profiled times: the intercept, over micro-batch sizes, of one block run as the
+    runtime runs an action (the received input made a leaf, the output and the input's
+    gradient copied out as sends copy them) less the block timed as a layer."""
     input_grad_ratio: float = 0.0
     """The split backward's input-gradient part ``I`` over the fused backward ``B`` of the same
     stage and micro-batch (0: not measured)."""
     weight_grad_ratio: float = 0.0
     """The weight-gradient part ``W`` over ``B`` (0: not measured). ``I + W`` can exceed ``B``:
     the split walks the graph twice and keeps it alive between."""
+    layer_s: float = 0.0
+    """Seconds each layer of a stage beyond its first adds to an action beyond its profiled
+    time: the intercept of a two-block stage's action less a one-block action and the block
+    timed alone. Below 0 where a layer timed alone pays per-call costs (the autograd engine's
+    start) that a stage of several layers pays once."""
 
     @property
     def split_measured(self) -> bool:

@@ -4,12 +4,17 @@ The cost model prices a stage's action as the sum of its layers' times, each lay
 (:func:`~hapt_hf.profiling.profiler.time_layer`), and a transfer as ``latency + bytes /
 bandwidth`` of the fitted link. Three things the runtime does are not in those figures:
 
-* **a fixed cost per action** (``StepOverheads.action_s``): a stage of blocks is run as the
-  runtime runs it (the received input made a leaf that needs its gradient, the stage's
-  forward, ``torch.autograd.backward`` from the output and the gradient received) at each
-  profiled micro-batch size; what each action takes beyond its layers' profiled times is
-  fitted against the micro-batch size, and the intercept is the cost every action pays
-  whatever its size (:func:`fit_action_overhead`);
+* **a fixed cost per action** (``StepOverheads.action_s``): one block is run as the runtime
+  runs an action (the received input made a leaf that needs its gradient, the forward, the
+  output copied out as a send copies it; ``torch.autograd.backward`` from the output and the
+  gradient received, the input's gradient copied out) beside the same block timed as the
+  profiler times a layer, at each profiled micro-batch size; what the action takes beyond
+  the bare block is fitted against the micro-batch size, and the intercept is the cost every
+  action pays whatever its size (:func:`fit_action_overhead`);
+* **a stage's further layers** (``StepOverheads.layer_s``): a stage of two blocks run the same
+  way, less the one-block action and the bare block: what a stage's second layer costs beyond
+  its profiled time (below 0 where a layer timed alone pays per-call costs that a stage of
+  several pays once);
 * **the split backward** (``StepOverheads.input_grad_ratio``, ``weight_grad_ratio``): on the
   same stage, ``I`` then ``W`` (``hapt_hf.compat.torch_api.backward_input`` /
   ``backward_weight``, as the runtime runs ``zero_bubble``) alternated with the fused ``B``, each
@@ -33,12 +38,7 @@ from hapt_hf.planner.profile import StepOverheads
 from .store import ProfilerError
 
 __all__ = ["fit_action_overhead", "split_ratios", "transfer_overhead_us", "pool_overheads",
-           "measure_step_overheads", "time_tiny_transfer", "OVERHEAD_BLOCKS", "TINY_BYTES"]
-
-OVERHEAD_BLOCKS = 2
-"""Blocks of the stage the per-action overhead and the split are measured on: a stage of the
-runtime's, not one layer, so that what the stage pays once (one autograd call) and what each
-layer pays are told apart from the layers' own timings."""
+           "measure_step_overheads", "time_tiny_transfer", "TINY_BYTES"]
 
 TINY_BYTES = 4
 """The tensor sent to time a transfer's fixed cost: one fp32 element."""
@@ -98,7 +98,8 @@ def pool_overheads(measured: Sequence[dict[str, StepOverheads]]) -> dict[str, St
             by_device.setdefault(d, []).append(o)
     return {d: StepOverheads(statistics.median(o.action_s for o in os_),
                              statistics.median(o.input_grad_ratio for o in os_),
-                             statistics.median(o.weight_grad_ratio for o in os_))
+                             statistics.median(o.weight_grad_ratio for o in os_),
+                             statistics.median(o.layer_s for o in os_))
             for d, os_ in by_device.items()}
 
 
@@ -122,41 +123,47 @@ def _stage_of_blocks(config, blocks: int, device: str, attn_implementation: str 
 
 def measure_step_overheads(config, sizes: Sequence[int], seq_len: int, dtype: str,
                            device: str, attn_implementation: str | None,
-                           repeats: int = 12, blocks: int = OVERHEAD_BLOCKS) -> StepOverheads:
-    """Run a stage of ``blocks`` blocks as the runtime runs its actions (its input a fresh leaf
-    that needs its gradient, its output and input gradient copied out as a send copies them),
-    beside one block timed as the profiler times a layer, at each micro-batch size of
-    ``sizes``; fit the per-action overhead against ``blocks`` times the block's; time ``I``
-    and ``W`` beside ``B`` for the split's ratios. Each repetition runs all of them in turn,
-    so that a busy machine slows them alike."""
+                           repeats: int = 12) -> StepOverheads:
+    """At each micro-batch size of ``sizes``, one block timed as the profiler times a layer
+    (bare), the same block run as the runtime runs an action (its input a fresh leaf that
+    needs its gradient, its output and input gradient copied out as a send copies them), and
+    a stage of two blocks run the same way, ``I`` and ``W`` of it beside its ``B``. Fitted
+    against the micro-batch size: the fixed cost per action (the one block as an action less
+    bare), the cost of a stage's second layer beyond its profiled time (the two-block stage
+    less the one-block action, less the bare block), and the split's ratios. Each repetition
+    runs all of them in turn, so that a busy machine slows them alike."""
     import torch
-    stage = _stage_of_blocks(config, blocks, device, attn_implementation)
     one = _stage_of_blocks(config, 1, device, attn_implementation)
-    xs, measured, priced = [], [], []
+    two = _stage_of_blocks(config, 2, device, attn_implementation)
+    xs, bare, action, stage = [], [], [], []
     fused, inp, wgt = [], [], []
     for mb in sorted(set(sizes)):
         gen = torch.Generator().manual_seed(0)
         x0 = torch.randn(mb, seq_len, config.hidden_size, generator=gen).to(device)
         grad = torch.randn(x0.shape, generator=gen).to(device)
         for r in range(repeats + 2):  # the first two warm the allocator: not counted
-            lf, lb, _, _ = _one_round(one, x0, grad, dtype, split=False)
-            tf, tb, ti, tw = _one_round(stage, x0, grad, dtype)
+            lf, lb, _, _ = _one_round(one, x0, grad, dtype, split=False, bare=True)
+            af, ab, _, _ = _one_round(one, x0, grad, dtype, split=False)
+            tf, tb, ti, tw = _one_round(two, x0, grad, dtype)
             if r < 2:
                 continue
             xs += [mb, mb]
-            measured += [tf, tb]
-            priced += [blocks * lf, blocks * lb]
+            bare += [lf, lb]
+            action += [af, ab]
+            stage += [tf, tb]
             fused.append(tb)
             inp.append(ti)
             wgt.append(tw)
     ri, rw = split_ratios(fused, inp, wgt)
-    return StepOverheads(fit_action_overhead(xs, measured, priced), ri, rw)
+    return StepOverheads(fit_action_overhead(xs, action, bare), ri, rw,
+                         fit_action_overhead(xs, stage, [a + b for a, b in zip(action, bare)]))
 
 
-def _one_round(stage, x0, grad, dtype: str, split: bool = True
+def _one_round(stage, x0, grad, dtype: str, split: bool = True, bare: bool = False
                ) -> tuple[float, float, float, float]:
     """Seconds of F and B (fused) on ``stage``, then (``split``) of I and W of a second
-    forward; 0 for those not run."""
+    forward; 0 for those not run. ``bare``: F and B as the profiler times a layer (its input
+    made once, nothing copied out)."""
     import torch
 
     from hapt_hf.compat.torch_api import backward_input, backward_weight
@@ -170,18 +177,24 @@ def _one_round(stage, x0, grad, dtype: str, split: bool = True
             torch.cuda.synchronize(x0.device)
         return time.perf_counter()
 
+    leaf = x0.detach().requires_grad_(True)
+
     def forward():
-        x = x0.detach().clone().requires_grad_(True)  # as a received activation
+        x = leaf if bare else x0.detach().clone().requires_grad_(True)  # a received activation
         with compute_context(dtype, x.device):
             out = stage(x)
-        out.detach().contiguous().clone()  # the send's copy
+        if not bare:
+            out.detach().contiguous().clone()  # the send's copy
         return x, out
 
     t0 = now()
     x, out = forward()
     t1 = now()
-    torch.autograd.backward(out, grad)
-    x.grad.detach().clone()  # the gradient's send copy
+    if bare:
+        out.backward(grad)
+    else:
+        torch.autograd.backward(out, grad)
+        x.grad.detach().clone()  # the gradient's send copy
     t2 = now()
     ti = tw = 0.0
     if split:
@@ -195,6 +208,7 @@ def _one_round(stage, x0, grad, dtype: str, split: bool = True
         ti, tw = t4 - t3, t5 - t4
     for p in params:
         p.grad = None
+    leaf.grad = None
     return t1 - t0, t2 - t1, ti, tw
 
 

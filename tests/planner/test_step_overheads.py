@@ -55,10 +55,23 @@ def test_every_action_and_transfer_pays_its_measured_overhead():
 
 
 def test_a_plan_of_one_stage_moves_by_exactly_two_actions_a_micro_batch():
-    m = 4
+    m, layer = 4, 0.001
     base = _sim(_plan("1f1b", stages=1, m=m), _profile())
     over = _sim(_plan("1f1b", stages=1, m=m), _profile(**{"T-a": StepOverheads(ACTION)}))
     assert over.iteration_s - base.iteration_s == pytest.approx(2 * m * ACTION)
+    # each of the stage's 6 layers beyond its first adds the further layer's cost too
+    more = _sim(_plan("1f1b", stages=1, m=m),
+                _profile(**{"T-a": StepOverheads(ACTION, layer_s=-layer)}))
+    assert more.iteration_s - base.iteration_s == pytest.approx(2 * m * (ACTION - 5 * layer))
+
+
+def test_a_stage_pays_the_further_layer_cost_per_layer_as_the_profile_timed_them():
+    cm = CostModel(toy_model(), two_groups(),
+                   _profile(**{"T-a": StepOverheads(0.0, layer_s=0.002)}))
+    stages = cm.plan_costs(_plan("1f1b")).stages
+    plain = CostModel(toy_model(), two_groups(), _profile()).plan_costs(_plan("1f1b")).stages
+    for o, p in zip(stages, plain):  # 3 layers a stage: two further layers
+        assert o.forward_s - p.forward_s == pytest.approx(0.004)
 
 
 def test_the_split_backward_is_priced_from_its_measured_parts():
