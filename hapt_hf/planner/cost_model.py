@@ -698,7 +698,7 @@ class CostModel:
         (``samples x seq x hidden``)."""
         m = self.model
         logits = samples * m.seq_len * m.vocab_size * DTYPE_BYTES[m.dtype]
-        grad = samples * m.layers[-1].act_in_bytes
+        grad = samples * m.seq_len * m.hidden_size * DTYPE_BYTES[m.dtype]
         link = self._tp_link(group, tp)
         ring = (2 * (tp - 1) / tp * grad * 8 / (link.bandwidth_gbps * 1e9)
                 + 2 * (tp - 1) * link.latency_us * 1e-6)
