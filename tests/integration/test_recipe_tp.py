@@ -1,7 +1,7 @@
 """The tensor-parallel CPU demo end to end, as docs/usage.md runs it: ``accelerate launch`` of
 ``finetune_llama.py`` with ``recipes/configs/hapt_cpu_demo_tp.yaml`` on 4 CPU processes (Gloo).
 Its plan holds a stage on a replica of two ranks together (the blocks' projections split between
-them) and a stage of two replicas with sharded optimizer state; the loss falls, and the saved
+them, sequence parallel) and a stage of two replicas with sharded optimizer state; the loss falls, and the saved
 model, gathered whole, gives ``from_pretrained`` the pipeline's logits (``--verify_checkpoint``).
 Kept short (10 steps, seq 64 as the plan says), as the other recipe tests."""
 from __future__ import annotations
@@ -23,6 +23,7 @@ def test_tp_demo_four_processes_trains_and_saves_a_whole_model(tmp_path):
     plan = Plan.load(out / "plan.json")
     assert plan.world_size == 4 and f"{plan.num_stages} stages on 4 ranks" in log
     assert [s.tp for s in plan.stages] == [2, 1] and plan.stages[1].width == 2, plan.to_dict()
+    assert [s.sequence_parallel for s in plan.stages] == [True, False], plan.to_dict()
     assert "verify_checkpoint" in log and "(OK)" in log
     losses = _losses(out)
     assert len(losses) == STEPS and _falls(losses), losses

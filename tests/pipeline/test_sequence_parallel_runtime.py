@@ -7,12 +7,14 @@ gradient after every step (shards gathered whole), every parameter after the ste
 ``evaluate``, the gathered logits and state dict, and gradients accumulated over two
 iterations, with one process training the whole model on the same global batches. Cases: a
 TP-2 stage with sequence parallelism (Qwen3, tied: its head stays whole); a TP-2 stage whose
-head alone is split (LLaMA); a pipeline of two replicas of one rank into a TP-2 last stage
-with sequence parallelism and a split head (LLaMA); two TP-2 replicas with sequence
-parallelism, a split head, ZeRO-1 and activation checkpointing (Mistral); TP 4 with sequence
-parallelism and a head of 97 rows split 25/24/24/24 (LLaMA). One sequence-parallel,
-split-head run is resumed from a portable checkpoint (every parameter then bit for bit
-where the uninterrupted run's is) and exported whole (``from_pretrained`` equals one process).
+head alone is split (LLaMA); a TP-2 stage with both (Qwen2: biased q/k/v projections); a
+pipeline of two replicas of one rank into a TP-2 last stage with sequence parallelism and a
+split head (LLaMA); two TP-2 replicas with sequence parallelism, a split head, ZeRO-1 and
+activation checkpointing (Mistral); TP 4 with sequence parallelism and a head of 97 rows split
+25/24/24/24 (LLaMA). One sequence-parallel, split-head run is resumed from a portable
+checkpoint (every parameter then bit for bit where the uninterrupted run's is) and exported
+whole (``from_pretrained`` gives back the gathered model, which the cases hold to one
+process, bit for bit).
 Tolerance: rtol 1e-5, atol 4e-5 in fp32, as the pipeline's other equivalence tests (the
 reduce-scatters and the head's gather sum in another order than one process; no case needed
 more).
@@ -47,13 +49,18 @@ class SpCase(Case):
                                else s.optimizer) for s in p.stages)
         return replace(p, stages=stages).validate(self.world)
 
+    def projections(self, stage: int) -> int:
+        """Qwen2's q, k and v biases are column-wise DTensors too."""
+        return super().projections(stage) + (3 * self.blocks[stage] if self.family == "qwen2" else 0)
+
     def head_split(self, stage: int) -> bool:
         return stage == len(self.blocks) - 1 and self.tp[stage] > 1 and not self.tied
 
 
 CASES = {
     2: [SpCase("tp2-sp-qwen3-tied", "qwen3", (2,), ((2,),), (2,), tied=True, sp=(0,)),
-        SpCase("tp2-head", "llama", (2,), ((2,),), (2,))],
+        SpCase("tp2-head", "llama", (2,), ((2,),), (2,)),
+        SpCase("tp2-sp-head-qwen2", "qwen2", (1,), ((2,),), (2,), sp=(0,))],
     4: [SpCase("1x2|tp2-sp-head", "llama", (1, 1), ((1, 1), (2,)), (1, 2), sp=(1,)),
         SpCase("tp2x2-sp-head-zero-recompute", "mistral", (2,), ((1, 1),), (2,), sp=(0,),
                sharded_optimizer=(0,), recompute=(0,)),
