@@ -100,6 +100,7 @@ def elastic_run(tmp_path_factory):
         for a in agents.values():
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
+        _end_workers(out)
     before = time.monotonic()
     reference = run_ranks(_reference, 2, str(root), timeout_s=120)
     lines = [json.loads(x) for x in (out / "losses.jsonl").read_text().splitlines()]
@@ -109,6 +110,18 @@ def elastic_run(tmp_path_factory):
     return {"rc": rc, "survivor": survivor, "log": (root / f"{survivor}.log").read_text(),
             "lines": lines, "reference": reference[0].value, "finished_s": finished,
             "logs": _logs(root)}
+
+
+def _end_workers(out: Path) -> None:
+    """Kill the workers still running (torchrun starts each in a session of its own, so they
+    outlive their agent), after a failed run."""
+    for mark in out.glob("worker-*"):
+        pid = int(mark.name.split("-")[1])
+        try:
+            if "elastic_job.py" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
 
 
 def _logs(root: Path) -> str:
