@@ -2,13 +2,15 @@
 
     python3 benchmarks/planner.py [--scenarios benchmarks/scenarios] [--json out.json]
                                   [--update-doc docs/benchmarks.md] [--only NAME ...]
-                                  [--repeat N]
+                                  [--repeat N] [--from-json a.json b.json ...]
 
 For each scenario file (a cluster file with a ``job:`` section) it reports the search time, the
 simulated iteration time of the plan and of every baseline split, the plan's speed-up over each,
 and the plan's distance to the physical limit, ``(plan - limit) / limit``. It prints a markdown
 report; ``--update-doc`` writes the same report into the "## Planner" section of the given file,
-so the figures there are exactly what was measured.
+so the figures there are exactly what was measured. ``--from-json`` renders the report from the
+``--json`` files of earlier runs (e.g. one scenario a run, so that no run holds the machine
+long) instead of planning.
 """
 from __future__ import annotations
 
@@ -401,11 +403,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="plan each scenario this many times (each in a process of its own) "
                          "and report the median search times and every run's (default 1)")
+    ap.add_argument("--from-json", nargs="+", type=Path,
+                    help="render the report from these --json files instead of planning")
     ap.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # child process mode
     args = ap.parse_args(argv)
     if args.one:
         args.json.write_text(json.dumps(asdict(run_scenario(args.one))))
         return 0
+    if args.from_json:
+        results = [_from_dict(d) for f in args.from_json for d in json.loads(f.read_text())]
+        results.sort(key=lambda r: r.scenario)
+        command = "python3 benchmarks/planner.py " + " ".join(argv or sys.argv[1:])
+        text = render(results, command, None)
+        print(text)
+        if args.update_doc:
+            update_doc(args.update_doc, text)
+        return 1 if any(r.error for r in results) else 0
     try:
         files = scenario_paths(args.scenarios)
     except FileNotFoundError as e:

@@ -283,19 +283,26 @@ def _mixed_lines(plan: Plan) -> tuple[str, ...]:
 
 
 def _tp_lines(plan: Plan) -> tuple[str, ...]:
-    """Runs of consecutive stages of one group at one tensor-parallel degree above 1."""
-    runs: list[list] = []  # [first, last, groups, degree]
+    """Runs of consecutive stages of one group at one tensor-parallel degree above 1 (and
+    alike in sequence parallelism)."""
+    runs: list[list] = []  # [first, last, groups, degree, sequence parallel]
     for s in plan.stages:
         if s.tp == 1:
             continue
-        if runs and runs[-1][1] == s.index - 1 and runs[-1][2:] == [s.groups, s.tp]:
+        key = [s.groups, s.tp, s.sequence_parallel]
+        if runs and runs[-1][1] == s.index - 1 and runs[-1][2:] == key:
             runs[-1][1] = s.index
         else:
-            runs.append([s.index, s.index, s.groups, s.tp])
+            runs.append([s.index, s.index] + key)
+    last = plan.stages[-1].index if plan.stages else -1
     return tuple(f"{f'stage {a}' if a == b else f'stages {a}-{b}'} ({'+'.join(g)}): "
                  f"replicas of {t} GPUs of one node, each GPU holding 1/{t} of every block's "
-                 "projections; the embedding, norms and head whole on each"
-                 for a, b, g, t in runs)
+                 "projections" + (f" and, sequence parallel, 1/{t} of its activations"
+                                  if sp else "")
+                 + "; the embedding and norms whole on each"
+                 + ("; the LM head split by vocabulary rows where the model's class plan "
+                    "allows it, else whole" if b == last else "")
+                 for a, b, g, t, sp in runs)
 
 
 # -- text ----------------------------------------------------------------------------------
