@@ -197,6 +197,13 @@ def resolve_plan(plugin: HaptConfig, model_config: Any, seq_len: int,
         # The plan's warm-ups were chosen for its own schedule; a different one is re-derived.
         plan = plan.with_schedule(plugin.schedule)
     check_model_matches_plan(plan, model_config, seq_len)
+    restarts = elastic.read_elastic_env()
+    if plugin.plan is not None and plan.world_size != launch.world_size and \
+            restarts is not None and restarts.max_restarts > 0:
+        raise PlanError(f"{plugin.source}: the plan {str(plugin.plan)!r} runs on "
+                        f"{plan.world_size} ranks but the elastic agent started "
+                        f"{launch.world_size}; give 'cluster' instead of 'plan' so that rank 0 "
+                        "plans on the GPUs present at each start (docs/usage.md, Elastic runs)")
     plan.validate(world_size=launch.world_size)
     return plan
 

@@ -140,3 +140,20 @@ def test_a_re_plan_that_fits_nothing_says_in_one_message_what_would(monkeypatch)
     assert said.startswith("the 2 GPUs present (groups small x2; of the cluster file's, small "
                            "x2, big x2 not present) cannot hold the job: no plan of model"), said
     assert "What would fit:" in said and said.count("\n") == 0, said
+
+
+def test_a_ready_plan_of_another_world_under_the_elastic_agent_asks_for_the_cluster(
+        tmp_path, monkeypatch):
+    from hapt_hf.integration.config import HaptConfig
+    from hapt_hf.integration.launch import LaunchEnv
+    from hapt_hf.integration.plan_resolution import resolve_plan
+    from hapt_hf.planner.model_spec import model_config
+
+    stage = Stage.even(0, (0, 6), "big", "cpu", (0, 1), 1, micro_batch_size=4)
+    Plan("gpt2", 6, 64, 8, 4, 2, "1f1b", (stage,)).validate(2).save(tmp_path / "plan.json")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    config = HaptConfig(plan=tmp_path / "plan.json")
+    with pytest.raises(PlanError, match=r"runs on 2 ranks but the elastic agent started 1; give "
+                                        r"'cluster' instead of 'plan'"):
+        resolve_plan(config, model_config("gpt2-tiny"), 64, LaunchEnv(0, 1, 0, "single"))
