@@ -45,12 +45,15 @@ TINY_BYTES = 4
 
 
 def fit_action_overhead(sizes: Sequence[int], measured_s: Sequence[float],
-                        priced_s: Sequence[float]) -> float:
+                        priced_s: Sequence[float], min_z: float = 2.0) -> float:
     """The fixed seconds per action: the least-squares intercept, over micro-batch ``sizes``,
     of the median at each size of what an action measured beyond its layers' priced time (one
     entry per action timed: several share a size; the median, so that a round a busy machine
     or a CPU quota's throttling stretched does not move it). With one distinct size, that
-    size's median."""
+    size's median. 0 where the intercept is within ``min_z`` standard errors of 0 (each size's
+    median's error from its interquartile range, ``0.93 x IQR / sqrt(n)``; the largest): on a
+    machine others share, a difference of two timings of tens of milliseconds is noise until it
+    stands out of it."""
     if not sizes or not len(sizes) == len(measured_s) == len(priced_s):
         raise ProfilerError("fit_action_overhead needs one size, measured and priced time per "
                             f"action (got {len(sizes)}, {len(measured_s)}, {len(priced_s)})")
@@ -59,13 +62,22 @@ def fit_action_overhead(sizes: Sequence[int], measured_s: Sequence[float],
         by_size.setdefault(x, []).append(m - p)
     xs = sorted(by_size)
     ys = [statistics.median(by_size[x]) for x in xs]
+    error = max(_median_error(by_size[x]) for x in xs)
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return my
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - slope * mx
+    intercept = my
+    if sxx > 0:
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        intercept = my - slope * mx
+    return intercept if abs(intercept) > min_z * error else 0.0
+
+
+def _median_error(values: Sequence[float]) -> float:
+    if len(values) < 4:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return 0.93 * (q[2] - q[0]) / len(values) ** 0.5
 
 
 def split_ratios(fused_s: Sequence[float], input_s: Sequence[float],

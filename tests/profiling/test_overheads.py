@@ -20,6 +20,11 @@ def test_the_action_overhead_is_the_intercept_over_micro_batch_sizes():
     # one size: the median difference, one stretched round left out; below 0 kept as it is
     assert fit_action_overhead([2, 2, 2], [0.010, 0.030, 0.090], [0.012, 0.032, 0.030]) == \
         pytest.approx(-0.002)
+    # differences that scatter around 0 more than their median stands out: noise, none
+    noisy = [0.004, -0.006, 0.001, -0.003, 0.005, -0.002, 0.007, -0.005]
+    assert fit_action_overhead([1] * 8, [0.02 + d for d in noisy], [0.02] * 8) == 0.0
+    assert fit_action_overhead([1] * 8, [0.03 + d for d in noisy], [0.02] * 8) == \
+        pytest.approx(0.0095)
     with pytest.raises(ProfilerError, match="one size, measured and priced"):
         fit_action_overhead([1, 2], [0.1], [0.1, 0.2])
 
