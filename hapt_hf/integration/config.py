@@ -77,6 +77,12 @@ class HaptConfig:
             rank. Its ``schedule`` is this config's ``schedule`` (H-1F1B when left out), and a
             schedule given here turns ``weigh_kinds`` off unless the mapping sets it.
         timeout_s: How long a rank waits for the others before the job ends with a message.
+        checkpoint_local_dir: A directory on each node's own disk (the same path on every
+            node). Set, HaptTrainer writes each checkpoint's portable part there first and
+            copies it into the checkpoint in the (shared) output directory in the background;
+            a resume on another plan reads this node's copy first and fetches only what it
+            lacks (:mod:`hapt_hf.pipeline.checkpoint_store`). None: written into the output
+            directory directly.
         source: Where this config was read from (for messages); not a YAML key.
     """
 
@@ -97,6 +103,9 @@ class HaptConfig:
                                     metadata={"help": "Search options (PlannerOptions fields)."})
     timeout_s: float = field(default=DEFAULT_TIMEOUT_S,
                              metadata={"help": "Seconds before a stuck job ends."})
+    checkpoint_local_dir: Path | None = field(
+        default=None, metadata={"help": "Node-local directory for checkpoints' shards (copied "
+                                        "to the output directory in the background)."})
     source: str = field(default="<arguments>", metadata={"help": "Where the config came from."})
 
     def __post_init__(self) -> None:
@@ -142,6 +151,14 @@ class HaptConfig:
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise HaptConfigError(f"{where}: 'timeout_s' is {self.timeout_s!r}; it must be a "
                                   "positive number of seconds")
+        if self.checkpoint_local_dir is not None:
+            if not isinstance(self.checkpoint_local_dir, (str, os.PathLike)) \
+                    or not str(self.checkpoint_local_dir):
+                raise HaptConfigError(f"{where}: 'checkpoint_local_dir' is "
+                                      f"{self.checkpoint_local_dir!r}; give a directory on the "
+                                      "nodes' own disks (e.g. /local_nvme/run)")
+            object.__setattr__(self, "checkpoint_local_dir",
+                               Path(os.path.expanduser(str(self.checkpoint_local_dir))))
 
     def load_cluster(self) -> "Cluster":
         """The cluster to plan on: read from the file named, or the one given in memory."""

@@ -42,6 +42,7 @@ from hapt_hf.integration.trainer_data import (as_dataset, check_first_rows, epoc
                                               step_counts, to_batch, trainer_loader)
 from hapt_hf.integration.trainer_eval import EvalPass, count_tokens, eval_pass
 from hapt_hf.integration.trainer_setup import hapt_config_of, pipeline_for_model, seq_len_of
+from hapt_hf.pipeline.checkpoint_store import Upload
 from hapt_hf.pipeline.export import write_stage_shards
 from hapt_hf.pipeline.process_group import world_size
 from hapt_hf.pipeline.runtime import Batch, PipelineRuntime
@@ -83,6 +84,9 @@ class HaptTrainer(TrainerHooks, Trainer):
             (its own ``global_batch_size``, if set, must agree) or loads its plan.
         runtime: A :class:`PipelineRuntime` built already (its plan decides); instead of
             ``model`` and ``hapt_config``.
+        checkpoint_local_dir: A directory on each node's own disk for the checkpoints' portable
+            part, copied into the output directory in the background (default: the hapt
+            config's ``checkpoint_local_dir``; None: written into the output directory).
     """
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -90,7 +94,8 @@ class HaptTrainer(TrainerHooks, Trainer):
                  model_init=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, *, hapt_config=None,
-                 runtime: PipelineRuntime | None = None) -> None:
+                 runtime: PipelineRuntime | None = None,
+                 checkpoint_local_dir: str | os.PathLike | None = None) -> None:
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         if compute_loss_func is not None:
@@ -108,6 +113,8 @@ class HaptTrainer(TrainerHooks, Trainer):
             if model is None:
                 raise TrainingArgsError("HaptTrainer needs model= (or model_init=), as Trainer")
             config = hapt_config_of(hapt_config)
+            if checkpoint_local_dir is None:
+                checkpoint_local_dir = config.checkpoint_local_dir
             seq_len = seq_len_of(config, train_dataset, eval_dataset)
             runtime = pipeline_for_model(model, args, config, seq_len)
         elif model is not None or hapt_config is not None:
@@ -127,6 +134,8 @@ class HaptTrainer(TrainerHooks, Trainer):
             runtime.stage.recompute = True
         self.runtime = runtime
         self.plan = plan
+        self.checkpoint_local_dir = None if checkpoint_local_dir is None else Path(checkpoint_local_dir)
+        self._upload: Upload | None = None  # the last checkpoint's background copy
         # packed rows given as a tensor become a dataset of {'input_ids', 'labels'} items
         train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset)
         check_first_rows(plan.seq_len, train_dataset=train_dataset, eval_dataset=eval_dataset)
@@ -181,8 +190,16 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.callback_handler.model = self.model
         self.callback_handler.optimizer = self.optimizer
         self.callback_handler.lr_scheduler = self.lr_scheduler
-        return self._train_loop(loader, steps_per_epoch, num_epochs, max_steps, trial,
-                                ignore_keys_for_eval)
+        out = self._train_loop(loader, steps_per_epoch, num_epochs, max_steps, trial,
+                               ignore_keys_for_eval)
+        self._finish_upload()
+        return out
+
+    def _finish_upload(self) -> None:
+        """Wait for the last checkpoint's background copy (checkpoint_local_dir)."""
+        if self._upload is not None:
+            upload, self._upload = self._upload, None
+            upload.wait()
 
     def _train_loop(self, loader, steps_per_epoch: int | None, num_epochs: int, max_steps: int,
                     trial, ignore_keys_for_eval) -> TrainOutput:
@@ -363,11 +380,13 @@ class HaptTrainer(TrainerHooks, Trainer):
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         run_dir = Path(trainer_api.run_output_dir(self, trial))
         rank = self.runtime.rank
+        self._finish_upload()  # the previous copy is whole before another save begins
         tmp = ckpt_io.begin_checkpoint(run_dir, name, rank)
         self._write_model(tmp)
         ckpt_io.save_rank_state(tmp, rank, self.optimizer, self.lr_scheduler,
                                 self.runtime.loss_scaler)
-        ckpt_io.save_portable_state(tmp, self.runtime, self.optimizer, self.lr_scheduler)
+        upload = ckpt_io.save_portable_state(tmp, self.runtime, self.optimizer,
+                                             self.lr_scheduler, self.checkpoint_local_dir)
         self._track_best_checkpoint(run_dir)
         if rank == 0:
             self.plan.save(tmp / "plan.json")
@@ -379,6 +398,9 @@ class HaptTrainer(TrainerHooks, Trainer):
                                best_model_checkpoint=self.state.best_model_checkpoint,
                                use_mtime=False)
         ckpt_io.barrier()
+        if upload is not None:  # into the committed checkpoint's portable/, while training goes on
+            self._upload = upload.start()
+            ckpt_io.prune_local_copies(self.checkpoint_local_dir, run_dir)
 
     def _track_best_checkpoint(self, run_dir: Path) -> None:
         """As Trainer: the best evaluation's checkpoint, once it is saved (this one, or one
@@ -407,5 +429,5 @@ class HaptTrainer(TrainerHooks, Trainer):
     def _load_checkpoint(self, ckpt: Path) -> None:
         """Stage weights, this rank's optimizer/scheduler/RNG, and the trainer state."""
         self.state = ckpt_io.load_checkpoint(ckpt, self.runtime, self.optimizer,
-                                             self.lr_scheduler)
+                                             self.lr_scheduler, self.checkpoint_local_dir)
         trainer_api.load_callback_state(self)

@@ -18,7 +18,10 @@ A checkpoint directory ``checkpoint-N`` holds:
 * ``portable/`` and ``hapt_portable.pt``: the part any plan resumes from. Every rank's model
   and optimizer tensors keyed by parameter name, written with ``torch.distributed.checkpoint``
   (:mod:`hapt_hf.pipeline.portable`), and rank 0's LR scheduler state, optimizer
-  hyperparameters, RNG states and loss scale beside them.
+  hyperparameters, RNG states and loss scale beside them. With a node-local directory
+  (``checkpoint_local_dir``), each rank writes its tensors to its node's disk and a background
+  copy fills ``portable/`` after the commit (:mod:`hapt_hf.pipeline.checkpoint_store`; DCP's
+  ``.metadata`` and the ``.complete`` marker come last).
 
 Atomicity: every rank writes into ``.tmp-checkpoint-N`` and fsyncs its files; after a barrier
 rank 0 renames the directory to ``checkpoint-N`` and fsyncs the parent. A rename is atomic, and
@@ -45,6 +48,7 @@ import torch.distributed as dist
 
 from hapt_hf.pipeline import checkpoint_io, portable
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
+from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore, Upload
 from hapt_hf.pipeline.export import has_weights
 from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer, load_portable_state, portable_state
 from hapt_hf.planner.plan import Plan, PlanError
@@ -55,7 +59,8 @@ __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_mod
            "load_trainer_state", "resolve_resume", "load_checkpoint", "check_resumable", "check_optimizer_states",
            "check_same_run", "check_portable", "PORTABLE_DIR",
            "placements", "describe_placements",
-           "barrier", "fsync_path", "fsync_tree", "save_portable_state", "same_placement"]
+           "barrier", "fsync_path", "fsync_tree", "save_portable_state", "same_placement",
+           "portable_store", "prune_local_copies"]
 
 RANK_STATE = "hapt_rank{rank}.pt"
 PORTABLE_DIR = "portable"
@@ -165,12 +170,28 @@ def save_rank_state(tmp: Path, rank: int, optimizer, scheduler, loss_scaler=None
     fsync_path(path)
 
 
-def save_portable_state(tmp: Path, runtime, optimizer, scheduler) -> None:
+def portable_store(local_dir: Path, run_dir: Path) -> CheckpointStore:
+    """Checkpoints' portable parts on this node's ``local_dir`` (``checkpoint-N/portable``),
+    their copy in the run's output directory (the same path inside each checkpoint)."""
+    return CheckpointStore(Path(local_dir), str(Path(run_dir).resolve()))
+
+
+def save_portable_state(tmp: Path, runtime, optimizer, scheduler,
+                        local_dir: Path | None = None) -> Upload | None:
     """The part of the checkpoint any plan resumes from (collective): every rank's model and
     optimizer tensors under their parameter names (``portable/``), and on rank 0 what is not a
     parameter's tensor (``hapt_portable.pt``). The step and the data position are the trainer
-    state's ``global_step``."""
-    portable.save_portable(Path(tmp) / PORTABLE_DIR, runtime.stage, optimizer)
+    state's ``global_step``. With ``local_dir``, the tensors go to this node's
+    ``local_dir/checkpoint-N/portable``; the returned copy into the checkpoint's ``portable/``
+    is to be started once the checkpoint is committed (``Upload.start``) and waited on before
+    the next save; its ``.complete`` marker (written last) says the copy is whole."""
+    upload = None
+    if local_dir is None:
+        portable.save_portable(Path(tmp) / PORTABLE_DIR, runtime.stage, optimizer)
+    else:
+        name = f"{Path(tmp).name[len(TMP_PREFIX):]}/{PORTABLE_DIR}"
+        upload = portable_store(local_dir, Path(tmp).parent).save(
+            name, portable.portable_state_dict(runtime.stage, optimizer), start=False)
     if runtime.rank == 0:
         path = Path(tmp) / PORTABLE_STATE
         scaler = runtime.loss_scaler
@@ -178,6 +199,15 @@ def save_portable_state(tmp: Path, runtime, optimizer, scheduler) -> None:
                     "groups": portable.group_settings(optimizer), "rng": _rng_state(),
                     "loss_scale": scaler.state_dict() if scaler is not None else None}, path)
         fsync_path(path)
+    return upload
+
+
+def prune_local_copies(local_dir: Path, run_dir: Path) -> None:
+    """Remove this node's copies of checkpoints the output directory no longer holds (rotated
+    away by ``save_total_limit``)."""
+    for copy in Path(local_dir).glob("checkpoint-*"):
+        if not (Path(run_dir) / copy.name).is_dir():
+            shutil.rmtree(copy, ignore_errors=True)
 
 
 def _load_portable_rest(ckpt: Path, optimizer, scheduler, loss_scaler) -> None:
@@ -290,7 +320,7 @@ def check_portable(ckpt: Path, plan: Plan) -> None:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {missing}; it is damaged")
 
 
-def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):
+def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler, local_dir: Path | None = None):
     """Resume every rank from ``ckpt``; returns the checkpoint's ``TrainerState``.
 
     Under the plan it was written under, each rank reads its own part (stage tensors, its
@@ -298,12 +328,19 @@ def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler):
     optimizer settings), each rank reads its stage's tensors and its optimizer's state by
     parameter name from the portable part. The ranks agree on the checks' outcome
     (``FailureChannel.agree``), so a file that is damaged or missing on any rank ends every
-    rank with the same CheckpointError naming it, before training writes anything.
+    rank with the same CheckpointError naming it, before training writes anything. With
+    ``local_dir`` and a portable part its background copy completed, each rank reads the files
+    of that part this node's ``local_dir`` holds and fetches only the rest.
     """
     if Path(ckpt).is_dir() and not same_placement(ckpt, runtime.plan):
         def check():
             check_portable(ckpt, runtime.plan)
-            reads = portable.prepare_load(Path(ckpt) / PORTABLE_DIR, runtime.stage, optimizer)
+            reader = None
+            if local_dir is not None and (Path(ckpt) / PORTABLE_DIR / COMPLETE_MARKER).is_file():
+                reader = portable_store(local_dir, Path(ckpt).parent).reader(
+                    f"{Path(ckpt).name}/{PORTABLE_DIR}")
+            reads = portable.prepare_load(Path(ckpt) / PORTABLE_DIR, runtime.stage, optimizer,
+                                          reader)
             return load_trainer_state(ckpt), reads
         state, reads = runtime.channel.agree("checking the checkpoint", runtime.stage_plan.index,
                                              check, refusals=(CheckpointError,))
