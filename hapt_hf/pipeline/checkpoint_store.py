@@ -9,10 +9,11 @@ node can reach (a shared directory, ``s3://bucket/run`` where s3fs is installed,
 ``local_dir/<name>`` and rank 0 the ``.metadata`` that names every tensor's file, offset and
 length. The call returns once the local write is done; a thread per rank then copies the
 rank's files to ``remote/<name>`` (:class:`Upload`) while training goes on, and writes
-``.uploaded-{rank}`` when they are all there. Rank 0's thread, after its own files and the
-metadata, waits for every rank's ``.uploaded-{rank}`` and writes ``.complete`` last: a remote
-checkpoint without it (a rank died mid-upload, the job was killed) is never taken as complete
-(:meth:`CheckpointStore.require_complete`, :meth:`CheckpointStore.latest_complete`).
+``.uploaded-{rank}`` when they are all there. Rank 0's thread, after its own files, waits for
+every rank's ``.uploaded-{rank}``, then copies the metadata and writes ``.complete`` last: a
+remote checkpoint without it (a rank died mid-upload, the job was killed) is never taken as
+complete (:meth:`CheckpointStore.require_complete`, :meth:`CheckpointStore.latest_complete`),
+and one with DCP's ``.metadata`` holds every file it names.
 
 On recovery, :meth:`CheckpointStore.reader` gives a DCP ``StorageReader``
 (:class:`LocalFirstReader`): the remote copy's layout, each file opened from ``local_dir`` where
@@ -98,14 +99,19 @@ class Upload:
         self.seconds = 0.0
         """How long the copy took (set when it ends)."""
         self._thread = threading.Thread(target=self._run, name=f"hapt-upload-{name}", daemon=True)
+
+    def start(self) -> Upload:
         self._thread.start()
+        return self
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._thread.ident is not None and not self._thread.is_alive()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until this rank's part is uploaded (on rank 0: until the marker is written)."""
+        if self._thread.ident is None:
+            raise CheckpointError(f"the upload of {self.name!r} was never started (Upload.start)")
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise CheckpointError(f"the upload of {self.name!r} to {self.store.remote!r} did not "
@@ -125,17 +131,20 @@ class Upload:
             local = self.store.local_path(self.name)
             sizes = {}
             for f in self.files:
-                fs.put_file(str(local / f), _join(remote, f))
-                sizes[f] = (local / f).stat().st_size
+                if f != METADATA_FILE:
+                    fs.put_file(str(local / f), _join(remote, f))
+                    sizes[f] = (local / f).stat().st_size
             fs.pipe_file(_join(remote, UPLOADED.format(rank=self.rank)),
                          json.dumps(sizes).encode())
             if self.rank == 0:
-                self._mark_complete(fs, remote)
+                self._mark_complete(fs, remote, local)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             self.error = e
         self.seconds = time.monotonic() - start
 
-    def _mark_complete(self, fs, remote: str) -> None:
+    def _mark_complete(self, fs, remote: str, local: Path) -> None:
+        """Once every rank's files are there: the metadata, then the marker (so that a remote
+        copy with DCP's ``.metadata`` holds every file it names, as one DCP wrote does)."""
         deadline = time.monotonic() + self.store.upload_timeout_s
         wanted = [_join(remote, UPLOADED.format(rank=r)) for r in range(self.world_size)]
         while missing := [w for w in wanted if not fs.exists(w)]:
@@ -143,6 +152,7 @@ class Upload:
                 raise TimeoutError(f"{len(missing)} rank(s) never finished uploading "
                                    f"(no {', '.join(m.rsplit('/', 1)[1] for m in missing)})")
             time.sleep(self.store.poll_s)
+        fs.put_file(str(local / METADATA_FILE), _join(remote, METADATA_FILE))
         fs.pipe_file(_join(remote, COMPLETE_MARKER),
                      json.dumps({"world_size": self.world_size}).encode())
 
@@ -359,10 +369,12 @@ class CheckpointStore:
     def remote_url(self, name: str) -> str:
         return _join(self.remote, name)
 
-    def save(self, name: str, state_dict: dict[str, Any]) -> Upload:
+    def save(self, name: str, state_dict: dict[str, Any], start: bool = True) -> Upload:
         """Write this rank's tensors of ``state_dict`` into ``local_dir/<name>`` (collective:
         every rank of the default process group calls it) and start copying them to the remote
-        in the background; returns the copy (wait on it before the process exits)."""
+        in the background (``start=False``: once :meth:`Upload.start` is called, e.g. after
+        the rest of the checkpoint is committed); returns the copy (wait on it before the
+        process exits)."""
         rank, world = _rank_world()
         if rank == 0:  # a marker left by an earlier save of the same name must not count
             fs, root = self.remote_fs()
@@ -372,7 +384,8 @@ class CheckpointStore:
                     fs.rm_file(_join(remote, stale))
         writer = _RecordingWriter(self.local_path(name))
         dcp.save(state_dict, storage_writer=writer)
-        return Upload(self, name, list(writer.written), rank, world)
+        upload = Upload(self, name, list(writer.written), rank, world)
+        return upload.start() if start else upload
 
     def is_complete(self, name: str) -> bool:
         """Whether the remote copy of ``name`` holds every rank's files and the metadata."""

@@ -1,0 +1,64 @@
+"""CheckpointStore on one process (no process group): a local file shorter than the reads need
+is fetched instead; a failed upload is reported, leaving no marker; a remote nobody can open
+and a remote that is the local directory are refused naming them."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from benchmarks import slow_store
+from hapt_hf.errors import CheckpointError
+from hapt_hf.pipeline import portable
+from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))
+
+
+def test_a_truncated_local_file_is_fetched_and_the_load_is_exact(tmp_path):
+    store = CheckpointStore(tmp_path / "local", f"throttled://{tmp_path}/remote")
+    model = _model()
+    store.save("checkpoint-1", portable.portable_state_dict(model, None)).wait()
+    shard = tmp_path / "local" / "checkpoint-1" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # a crash mid-write left it short
+    slow_store.reset()
+    again = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))
+    reader = store.reader("checkpoint-1")
+    portable.load_portable("checkpoint-1", again, None, reader)
+    assert reader.stats.fetched_files == ["__0_0.distcp"] and reader.stats.local_bytes == 0
+    assert slow_store.fetched_files() == ["__0_0.distcp"]  # the metadata came from the local copy
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_upload_is_reported_and_leaves_no_marker(tmp_path):
+    remote = tmp_path / "remote"
+    remote.mkdir()
+    (remote / "checkpoint-1").write_text("a file where the checkpoint's directory goes")
+    store = CheckpointStore(tmp_path / "local", str(remote))
+    upload = store.save("checkpoint-1", portable.portable_state_dict(_model(), None))
+    with pytest.raises(CheckpointError, match=r"upload of 'checkpoint-1' .* failed on rank 0.*"
+                                              r"the local copy in .* is intact"):
+        upload.wait()
+    assert not store.is_complete("checkpoint-1") and store.latest_complete() is None
+    assert not (remote / COMPLETE_MARKER).exists()
+
+
+def test_bad_remotes_are_refused(tmp_path):
+    store = CheckpointStore(tmp_path, "nosuchprotocol://bucket/run")
+    with pytest.raises(CheckpointError, match="'nosuchprotocol://bucket/run' cannot be opened.*"
+                                              "install the fsspec backend"):
+        store.is_complete("checkpoint-1")
+    with pytest.raises(CheckpointError, match="is the local directory itself"):
+        CheckpointStore(tmp_path, str(tmp_path))
