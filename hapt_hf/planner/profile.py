@@ -101,9 +101,9 @@ class StepOverheads:
     the split walks the graph twice and keeps it alive between."""
     layer_s: float = 0.0
     """Seconds each layer of a stage beyond its first adds to an action beyond its profiled
-    time: the intercept of a two-block stage's action less a one-block action and the block
-    timed alone. Below 0 where a layer timed alone pays per-call costs (the autograd engine's
-    start) that a stage of several layers pays once."""
+    time: the intercept of a three-block stage's action less a one-block action, over its two
+    further blocks, less the block timed alone. Below 0 where a layer timed alone pays
+    per-call costs (the autograd engine's start) that a stage of several layers pays once."""
 
     @property
     def split_measured(self) -> bool:

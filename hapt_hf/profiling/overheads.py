@@ -11,10 +11,10 @@ bandwidth`` of the fitted link. Three things the runtime does are not in those f
   profiler times a layer, at each profiled micro-batch size; what the action takes beyond
   the bare block is fitted against the micro-batch size, and the intercept is the cost every
   action pays whatever its size (:func:`fit_action_overhead`);
-* **a stage's further layers** (``StepOverheads.layer_s``): a stage of two blocks run the same
-  way, less the one-block action and the bare block: what a stage's second layer costs beyond
-  its profiled time (below 0 where a layer timed alone pays per-call costs that a stage of
-  several pays once);
+* **a stage's further layers** (``StepOverheads.layer_s``): a stage of three blocks run the
+  same way, less the one-block action, over its two further blocks, less the bare block: what
+  each of a stage's further layers costs beyond its profiled time (below 0 where a layer timed
+  alone pays per-call costs that a stage of several pays once);
 * **the split backward** (``StepOverheads.input_grad_ratio``, ``weight_grad_ratio``): on the
   same stage, ``I`` then ``W`` (``hapt_hf.compat.torch_api.backward_input`` /
   ``backward_weight``, as the runtime runs ``zero_bubble``) alternated with the fused ``B``, each
@@ -38,21 +38,25 @@ from hapt_hf.planner.profile import StepOverheads
 from .store import ProfilerError
 
 __all__ = ["fit_action_overhead", "split_ratios", "transfer_overhead_us", "pool_overheads",
-           "measure_step_overheads", "time_tiny_transfer", "TINY_BYTES"]
+           "measure_step_overheads", "time_tiny_transfer", "STAGE_BLOCKS", "TINY_BYTES"]
+
+STAGE_BLOCKS = 3
+"""Blocks of the stage a further layer's cost is measured on: two further blocks beside one
+double the signal, against the timings' noise, of a stage of two."""
 
 TINY_BYTES = 4
 """The tensor sent to time a transfer's fixed cost: one fp32 element."""
 
 
 def fit_action_overhead(sizes: Sequence[int], measured_s: Sequence[float],
-                        priced_s: Sequence[float], min_z: float = 2.0) -> float:
+                        priced_s: Sequence[float], min_z: float = 1.0) -> float:
     """The fixed seconds per action: the least-squares intercept, over micro-batch ``sizes``,
     of the median at each size of what an action measured beyond its layers' priced time (one
     entry per action timed: several share a size; the median, so that a round a busy machine
     or a CPU quota's throttling stretched does not move it). With one distinct size, that
     size's median. 0 where the intercept is within ``min_z`` standard errors of 0 (each size's
     median's error from its interquartile range, ``0.93 x IQR / sqrt(n)``; the largest): on a
-    machine others share, a difference of two timings of tens of milliseconds is noise until it
+    machine others share, a difference of timings of tens of milliseconds is noise until it
     stands out of it."""
     if not sizes or not len(sizes) == len(measured_s) == len(priced_s):
         raise ProfilerError("fit_action_overhead needs one size, measured and priced time per "
@@ -139,14 +143,16 @@ def measure_step_overheads(config, sizes: Sequence[int], seq_len: int, dtype: st
     """At each micro-batch size of ``sizes``, one block timed as the profiler times a layer
     (bare), the same block run as the runtime runs an action (its input a fresh leaf that
     needs its gradient, its output and input gradient copied out as a send copies them), and
-    a stage of two blocks run the same way, ``I`` and ``W`` of it beside its ``B``. Fitted
-    against the micro-batch size: the fixed cost per action (the one block as an action less
-    bare), the cost of a stage's second layer beyond its profiled time (the two-block stage
-    less the one-block action, less the bare block), and the split's ratios. Each repetition
-    runs all of them in turn, so that a busy machine slows them alike."""
+    a stage of :data:`STAGE_BLOCKS` blocks run the same way, ``I`` and ``W`` of it beside its
+    ``B``. Fitted against the micro-batch size: the fixed cost per action (the one block as an
+    action less bare), the cost of each of a stage's further layers beyond its profiled time
+    (the stage less the one-block action, less the bare block for each further block, over
+    their number), and the split's ratios. Each repetition runs all of them in turn, so that a
+    busy machine slows them alike."""
     import torch
     one = _stage_of_blocks(config, 1, device, attn_implementation)
-    two = _stage_of_blocks(config, 2, device, attn_implementation)
+    more = STAGE_BLOCKS - 1
+    two = _stage_of_blocks(config, STAGE_BLOCKS, device, attn_implementation)
     xs, bare, action, stage = [], [], [], []
     fused, inp, wgt = [], [], []
     for mb in sorted(set(sizes)):
@@ -162,13 +168,13 @@ def measure_step_overheads(config, sizes: Sequence[int], seq_len: int, dtype: st
             xs += [mb, mb]
             bare += [lf, lb]
             action += [af, ab]
-            stage += [tf, tb]
+            stage += [(tf - af) / more, (tb - ab) / more]
             fused.append(tb)
             inp.append(ti)
             wgt.append(tw)
     ri, rw = split_ratios(fused, inp, wgt)
     return StepOverheads(fit_action_overhead(xs, action, bare), ri, rw,
-                         fit_action_overhead(xs, stage, [a + b for a, b in zip(action, bare)]))
+                         fit_action_overhead(xs, stage, bare))
 
 
 def _one_round(stage, x0, grad, dtype: str, split: bool = True, bare: bool = False
