@@ -186,3 +186,10 @@ def test_head_sharded_only_where_the_class_plan_names_it_and_it_is_untied():
     assert head_sharded(2, plan, tied=False) and not head_sharded(1, plan, tied=False)
     assert not head_sharded(4, plan, tied=True) and "tied" in head_refusal(plan, True)
     assert not head_sharded(4, None, tied=False) and "None" in head_refusal(None, False)
+
+
+def test_block_activation_parts_keep_the_gathered_inputs_whole_under_sequence_parallelism():
+    from hapt_hf.core.tp import block_activation_parts
+    assert block_activation_parts(1, False) == block_activation_parts(1, True) == 34
+    assert block_activation_parts(2, False) == 22 and block_activation_parts(2, True) == 19
+    assert block_activation_parts(8, True) == 4 + 30 / 8

@@ -17,7 +17,8 @@ from __future__ import annotations
 from hapt_hf.core.layers import BLOCK
 
 __all__ = ["TP_DEGREES", "TP_STYLES", "SP_MODEL_TYPES", "SP_PROJECTIONS", "HEAD_MODULE", "HEAD_STYLE", "tp_refusal",
-           "block_entries", "tp_plan_problem", "sp_refusal", "head_refusal", "head_sharded"]
+           "block_entries", "tp_plan_problem", "sp_refusal", "block_activation_parts", "head_refusal",
+           "head_sharded"]
 
 TP_DEGREES = (1, 2, 4, 8)
 """The tensor-parallel degrees the planner searches (a replica's ranks inside one node)."""
@@ -100,13 +101,13 @@ def sp_refusal(model_type: str, tp_plan: dict[str, str] | None, t: int = 2,
     """Why a stage of this model held by ``t`` ranks cannot run its blocks sequence parallel
     (None where it can). ``tp_plan`` is ``config.base_model_tp_plan``.
 
-    Sequence parallelism (Korthikanti et al., 2022; torch's ``SequenceParallel`` and
-    ``PrepareModuleInput`` as torchtitan's llama plan uses them) keeps the residual stream of
-    the stage's blocks split on the sequence over the replica's ``t`` ranks: the norms, the
-    residual adds and dropout run on ``s/t`` tokens each, so a rank holds ``34/t`` of the 34
-    parts of a block's activations (Korthikanti's units, per token: ``34·h`` bytes at 2-byte
-    activations, attention scores aside) instead of ``10 + 24/t``. Sequence parallelism
-    changes no FLOP of the block and the bytes it moves stay those of tensor parallelism, in
+    Sequence parallelism (Korthikanti et al., 2022; torch's ``PrepareModuleInput`` and
+    ``RowwiseParallel(output_layouts=Shard(1))`` as torchtitan's llama plan uses them) keeps
+    the residual stream of the stage's blocks split on the sequence over the replica's ``t``
+    ranks: the norms and the residual adds run on ``s/t`` tokens each. What a rank then holds
+    is :func:`block_activation_parts` (``4 + 30/t`` of Korthikanti's 34, not their ``34/t``:
+    the attention's and the MLP's all-gathered inputs are kept whole for the backward).
+    Sequence parallelism changes no FLOP of the block and the bytes it moves stay those of tensor parallelism, in
     other collectives. Per block and micro-batch of ``b`` samples, ``s`` tokens each, hidden
     ``h``, in the compute dtype (``e`` bytes an element):
 
@@ -146,6 +147,24 @@ def sp_refusal(model_type: str, tp_plan: dict[str, str] | None, t: int = 2,
                 f"{', '.join(missing)}, which sequence parallelism reduce-scatters onto the "
                 "sequence; set the stage's \"sp\" to false")
     return None
+
+
+def block_activation_parts(t: int, sequence_parallel: bool) -> float:
+    """Of Korthikanti et al.'s 34 parts of ``s·b·h`` (2-byte activations) a block keeps for its
+    backward on one GPU (attention scores aside), those each of a replica's ``t`` ranks keeps.
+
+    Without sequence parallelism ``10 + 24/t``: the two norms' inputs (4), the attention's and
+    the MLP's inputs (2 + 2) and the dropout masks (2) are whole on every rank. With it,
+    ``4 + 30/t``: everything is split on the sequence but the attention's and the MLP's
+    inputs, which torch's ``PrepareModuleInput`` all-gathers and the column-wise projections
+    then keep whole for their weight gradients (Megatron-LM keeps them split and gathers them
+    again in the backward: ``34/t``). ``benchmarks/sp_check.py`` measures it (LLaMA blocks,
+    hidden 512, seq 256, fp32, t = 2, no dropout in the model): 0.644 of one GPU's kept bytes
+    without sequence parallelism (``22/34`` = 0.647) and 0.549 with it (``19/34`` = 0.559;
+    ``17/34`` would be 0.5)."""
+    if t < 1:
+        raise ValueError(f"a tensor-parallel degree must be >= 1, got {t}")
+    return 4 + 30 / t if sequence_parallel and t > 1 else 10 + 24 / t
 
 
 def head_refusal(head_tp_plan: dict[str, str] | None, tied: bool) -> str | None:
