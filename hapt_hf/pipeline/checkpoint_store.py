@@ -54,6 +54,8 @@ COMPLETE_MARKER = ".complete"
 """Written last into the remote copy, once every rank's files and the metadata are there."""
 UPLOADED = ".uploaded-{rank}"
 """Written into the remote copy by each rank once its own files are there."""
+FAILED = ".failed-{rank}"
+"""Written (if it can be) by a rank whose copy failed, so that rank 0 stops waiting for it."""
 
 
 def _rank_world() -> tuple[int, int]:
@@ -140,7 +142,17 @@ class Upload:
                 self._mark_complete(fs, remote, local)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             self.error = e
+            if self.rank != 0:
+                self._report_failure(e)
         self.seconds = time.monotonic() - start
+
+    def _report_failure(self, error: BaseException) -> None:
+        try:
+            fs, root = self.store.remote_fs()
+            fs.pipe_file(_join(_join(root, self.name), FAILED.format(rank=self.rank)),
+                         f"{type(error).__name__}: {error}".encode())
+        except Exception:  # noqa: BLE001 - the remote itself may be what failed
+            pass
 
     def _mark_complete(self, fs, remote: str, local: Path) -> None:
         """Once every rank's files are there: the metadata, then the marker (so that a remote
@@ -148,6 +160,11 @@ class Upload:
         deadline = time.monotonic() + self.store.upload_timeout_s
         wanted = [_join(remote, UPLOADED.format(rank=r)) for r in range(self.world_size)]
         while missing := [w for w in wanted if not fs.exists(w)]:
+            failed = [r for r in range(1, self.world_size)
+                      if fs.exists(_join(remote, FAILED.format(rank=r)))]
+            if failed:
+                raise RuntimeError(f"the copy of rank(s) {failed} failed (see their "
+                                   f"{FAILED.format(rank='N')} in the remote copy)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(missing)} rank(s) never finished uploading "
                                    f"(no {', '.join(m.rsplit('/', 1)[1] for m in missing)})")
@@ -379,7 +396,8 @@ class CheckpointStore:
         if rank == 0:  # a marker left by an earlier save of the same name must not count
             fs, root = self.remote_fs()
             remote = _join(root, name)
-            for stale in [COMPLETE_MARKER] + [UPLOADED.format(rank=r) for r in range(world)]:
+            for stale in [COMPLETE_MARKER] + [m.format(rank=r) for r in range(world)
+                                              for m in (UPLOADED, FAILED)]:
                 if fs.exists(_join(remote, stale)):
                     fs.rm_file(_join(remote, stale))
         writer = _RecordingWriter(self.local_path(name))

@@ -1,6 +1,7 @@
 """CheckpointStore on one process (no process group): a local file shorter than the reads need
-is fetched instead; a failed upload is reported, leaving no marker; a remote nobody can open
-and a remote that is the local directory are refused naming them."""
+is fetched instead; a failed upload is reported, leaving no marker, and rank 0 stops waiting
+for another rank whose copy failed; a remote nobody can open and a remote that is the local
+directory are refused naming them."""
 from __future__ import annotations
 
 import warnings
@@ -11,7 +12,7 @@ import torch
 from benchmarks import slow_store
 from hapt_hf.errors import CheckpointError
 from hapt_hf.pipeline import portable
-from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore
+from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore, Upload
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +54,17 @@ def test_a_failed_upload_is_reported_and_leaves_no_marker(tmp_path):
         upload.wait()
     assert not store.is_complete("checkpoint-1") and store.latest_complete() is None
     assert not (remote / COMPLETE_MARKER).exists()
+
+
+def test_rank_0_stops_waiting_for_a_rank_whose_copy_failed(tmp_path):
+    store = CheckpointStore(tmp_path / "local", str(tmp_path / "remote"))
+    store.save("checkpoint-1", portable.portable_state_dict(_model(), None), start=False)
+    (tmp_path / "remote" / "checkpoint-1").mkdir(parents=True)
+    (tmp_path / "remote" / "checkpoint-1" / ".failed-1").write_text("OSError: disk full")
+    upload = Upload(store, "checkpoint-1", ["__0_0.distcp", ".metadata"], 0, 2).start()
+    with pytest.raises(CheckpointError, match=r"failed on rank 0 .*rank\(s\) \[1\] failed"):
+        upload.wait(timeout_s=30)
+    assert not store.is_complete("checkpoint-1")
 
 
 def test_bad_remotes_are_refused(tmp_path):
