@@ -89,9 +89,10 @@ class _RecordingWriter(dcp.FileSystemWriter):
 class Upload:
     """The background copy of one rank's files of one checkpoint to the remote.
 
-    Started by :meth:`CheckpointStore.save`; :meth:`wait` joins it and raises what went wrong
-    as a :class:`~hapt_hf.errors.CheckpointError`. On rank 0 it ends after writing the
-    checkpoint's ``.complete`` marker, having waited for every rank's upload."""
+    Made by :meth:`CheckpointStore.save` (and started there, unless ``start=False``: then by
+    :meth:`start`); :meth:`wait` joins it and raises what went wrong as a
+    :class:`~hapt_hf.errors.CheckpointError`. On rank 0 it ends after writing the checkpoint's
+    ``.complete`` marker, having waited for every rank's upload (or seen one's ``.failed-N``)."""
 
     def __init__(self, store: CheckpointStore, name: str, files: list[str], rank: int,
                  world_size: int) -> None:
