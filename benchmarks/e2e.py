@@ -32,12 +32,15 @@ gradients across stages.
     python3 benchmarks/e2e.py --quick --slowdown 4 --link-mbps 8 --link-latency-ms 40
     python3 benchmarks/e2e.py --plot docs/e2e_throughput.png
     python3 benchmarks/e2e.py --quick --unshaped # the link left at the machine's speed
+    python3 benchmarks/e2e.py --quick --contenders bc --slowdown 3 --link-mbps 32 \
+        --link-latency-ms 10                     # (a), (b), (c) only: 1-3 minutes
 
 The last line is JSON with speedup_vs_torch_1f1b_uniform ((a)/(b)), speedup_vs_torch_best
 ((a) over the fastest of (b), (f), (g)), speedup_vs_plain_1f1b ((a)/(c)),
 speedup_vs_all_groups ((a)/(h), where (h) ran), speedup_vs_ddp_equal_share ((e)/(a), where (e)
 ran) and prediction_error (|predicted - measured| / measured for (a)); every contender's median
-under ``contenders``.
+under ``contenders``; under ``predictions`` each raced plan of hapt_hf's ((a), (c), (h)) with
+the cost model's iteration time beside its median; the profile's ``step_overheads``.
 
 ``--unshaped`` leaves the link between the groups at the machine's own speed (the compute gap
 stays): a model that fits every rank and a fast link, where data parallelism with shares by
