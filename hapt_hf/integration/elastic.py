@@ -37,7 +37,8 @@ from typing import Any, Mapping, Sequence
 from hapt_hf.errors import ConfigError, LaunchError, TrainingArgsError
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GroupLink
 
-__all__ = ["GROUP_ENV", "RUN_FILE", "ElasticEnv", "read_elastic_env", "check_restartable",
+__all__ = ["GROUP_ENV", "RUN_FILE", "ElasticEnv", "read_elastic_env", "restartable",
+           "check_restartable",
            "Place", "this_place", "gather_places", "present_cluster", "describe_places", "missing_gpus",
            "run_global_batch", "keep_global_batch",
            "plan_groups", "latest_checkpoint", "resume_point"]
@@ -70,6 +71,12 @@ def read_elastic_env(env: Mapping[str, str] | None = None) -> ElasticEnv | None:
     return ElasticEnv(env["TORCHELASTIC_RUN_ID"], int(env.get("TORCHELASTIC_RESTART_COUNT") or 0),
                       int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0),
                       env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def restartable() -> bool:
+    """Whether torchrun's agent may restart this process's workers (``--max-restarts`` > 0)."""
+    elastic = read_elastic_env()
+    return elastic is not None and elastic.max_restarts > 0
 
 
 def check_restartable(elastic: ElasticEnv | None) -> None:
@@ -255,21 +262,20 @@ def run_global_batch(config_batch: int | None, output_dir: str | os.PathLike) ->
     return None
 
 
-def keep_global_batch(args: Any, target: int, world_size: int) -> str | None:
+def keep_global_batch(args: Any, target: int, world_size: int) -> None:
     """Set Trainer's batch arguments so that ``per_device_train_batch_size x
     gradient_accumulation_steps x world_size`` is ``target``: the accumulation where the
     per-device batch allows it, else the per-device batch at the same accumulation, else one
-    accumulation step. Returns what was changed (for the log), None where nothing was."""
+    accumulation step."""
     per, acc = args.per_device_train_batch_size, args.gradient_accumulation_steps
     if per * acc * world_size == target:
-        return None
+        return
     for new_per, new_acc in ((per, target // max(1, per * world_size)),
                              (target // max(1, acc * world_size), acc),
                              (target // world_size, 1)):
         if new_per >= 1 and new_acc >= 1 and new_per * new_acc * world_size == target:
             args.per_device_train_batch_size, args.gradient_accumulation_steps = new_per, new_acc
-            return (f"per_device_train_batch_size {per} -> {new_per}, "
-                    f"gradient_accumulation_steps {acc} -> {new_acc}")
+            return
     raise TrainingArgsError(f"the run's global batch of {target} samples cannot be drawn by "
                             f"{world_size} processes (per_device_train_batch_size x "
                             "gradient_accumulation_steps x processes); choose a global_batch_size "

@@ -125,16 +125,23 @@ def pipeline_for_model(model: nn.Module, args: Any, config: HaptConfig, seq_len:
                           "transformers config; give a transformers causal LM (from_pretrained "
                           "or from_config)")
     check_model_family(model_config)
+    asked = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
     target = elastic.run_global_batch(config.global_batch_size, args.output_dir)
     if target is not None:  # an elastic run keeps its global batch on any world
-        changed = elastic.keep_global_batch(args, target, launch.world_size)
-        if changed and launch.is_main:
-            print(f"hapt_hf: {changed} keeps the run's global batch of {target} samples on "
-                  f"{launch.world_size} processes", flush=True)
+        elastic.keep_global_batch(args, target, launch.world_size)
     batch, how = global_batch_of(args, launch.world_size)
     config = _requested_precision(config.with_global_batch(batch, how), args)
     with torch.random.fork_rng(devices=[]):  # planning draws nothing from the user's RNG
         plan = resolve_plan(config, model_config, seq_len, launch)
+    if target is not None or elastic.restartable():
+        # the agent's restart counts may differ between nodes: rank 0's global batch rules
+        elastic.keep_global_batch(args, plan.global_batch_size, launch.world_size)
+        batch, how = global_batch_of(args, launch.world_size)
+        now = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+        if now != asked and launch.is_main:
+            print(f"hapt_hf: per_device_train_batch_size {asked[0]} -> {now[0]}, "
+                  f"gradient_accumulation_steps {asked[1]} -> {now[1]} keep the run's global "
+                  f"batch of {batch} samples on {launch.world_size} processes", flush=True)
     if plan.global_batch_size != batch:
         raise TrainingArgsError(f"the plan {str(config.plan)!r} runs global batches of "
                                 f"{plan.global_batch_size} samples but {how} = {batch}; set "

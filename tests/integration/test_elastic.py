@@ -70,8 +70,9 @@ def test_groups_not_said_are_the_cluster_file_as_it_is_and_bad_names_are_refused
 
 def test_the_global_batch_is_kept_on_another_world():
     args = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=2)
-    assert elastic.keep_global_batch(args, 8, 4) is None
-    assert "gradient_accumulation_steps 2 -> 4" in elastic.keep_global_batch(args, 8, 2)
+    elastic.keep_global_batch(args, 8, 4)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 2)
+    elastic.keep_global_batch(args, 8, 2)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 4)
     args = SimpleNamespace(per_device_train_batch_size=3, gradient_accumulation_steps=1)
     elastic.keep_global_batch(args, 8, 2)  # 3 does not divide 8: the per-device batch moves
