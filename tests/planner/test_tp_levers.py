@@ -192,3 +192,9 @@ def test_the_head_plans_the_planner_reads_without_torch_are_transformers_own():
     for family in ("llama", "mistral", "qwen2", "gpt2", "opt"):
         got = causal_lm_tp_plan(AutoConfig.for_model(family))
         assert dict(HEAD_TP_PLANS.get(family, ())) == (got or {}), family
+
+
+def test_tp_stage_rounds_is_checked():
+    from hapt_hf.planner.search import PlanningError
+    with pytest.raises(PlanningError, match="tp_stage_rounds"):
+        PlannerOptions(tp_stage_rounds=-1)

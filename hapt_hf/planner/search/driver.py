@@ -107,18 +107,32 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
         best = _best_layout(problem, baselines)
     except PlanningError as e:
         best, failure = None, e
+    pipelines = []
     if options.max_tp > 1:
         got = _tensor_parallel(problem, best[0].iteration_s if best else None)
-        if got is not None and (best is None or got[0].iteration_s < best[0].iteration_s):
-            best = (got[0], got[1], got[2], got[3] + (best[3] if best else 0))
-    if best is None:
+        if got is not None and (best is None or got[0][0].iteration_s < best[0].iteration_s):
+            before = best[3] if best else 0
+            pipelines = [(g[0], g[1], g[2], g[3] + before) for g in got]
+    if not pipelines and best is None:
         raise failure
-    final, unit, lay, tried = best
+    pipelines = pipelines or [best]
+    final, unit, lay, tried = pipelines[0]
     weighed: tuple = ()
     if asked in _AFTER_SEARCH or (asked == ScheduleKind.H1F1B and options.weigh_kinds):
-        lay, final, weighed = best_kind(unit.cost_model, lay, final,
-                                        unit.num_microbatches(lay.micro_batch_size), asked,
-                                        options.virtual_stages)
+        # the kinds weighed on each finalist (the stages at their own degrees and, where that
+        # refined it, the screen's pipeline they came from): a pipeline a little slower under
+        # H-1F1B can fill its bubbles better
+        kinds = []
+        for i, (f, u, l, _) in enumerate(pipelines):
+            try:
+                got_k = best_kind(u.cost_model, l, f, u.num_microbatches(l.micro_batch_size),
+                                  asked, options.virtual_stages)
+            except PlanningError:
+                if i == 0:  # the kind asked for cannot run the search's pipeline
+                    raise
+                continue
+            kinds.append((got_k[1].iteration_s, i, u, got_k))
+        _, i, unit, (lay, final, weighed) = min(kinds, key=lambda k: k[:2])
     base_times = {k: b.sim.iteration_s for k, b in baselines.items()
                   if b.sim is not None and b.sim.feasible}
     plan = layout_to_plan(unit, lay, final, base_times).validate()
@@ -137,9 +151,10 @@ _SCREEN = dict(simulate_top=2, simulate_top_cheap=2, max_refine_simulations=16, 
 
 
 def _tensor_parallel(problem: SearchProblem, base_s: float | None
-                     ) -> tuple[SimResult, SearchProblem, Layout, int] | None:
+                     ) -> list[tuple[SimResult, SearchProblem, Layout, int]] | None:
     """The best plan with tensor-parallel degrees above 1 in some group, where the screen
-    finds one faster than ``base_s`` (the plan without; None: nothing fits without)."""
+    finds one faster than ``base_s`` (the plan without; None: nothing fits without): its
+    stages at their own degrees first, then the screen's pipeline where that differs."""
     units = [problem.options.layer_unit]
     cm = problem.cost_model
     if units[0] != HALF and problem.options.allow_sequence_parallel and \
@@ -178,19 +193,19 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None
 
 
 def _stage_degrees(best: tuple[SimResult, SearchProblem, Layout, int]
-                   ) -> tuple[SimResult, SearchProblem, Layout, int]:
+                   ) -> list[tuple[SimResult, SearchProblem, Layout, int]]:
     """``best`` with its stages of one group at degrees of their own, where the simulator
-    finds that faster (:func:`~.tensor_parallel.refine_stage_degrees`)."""
+    finds that faster (:func:`~.tensor_parallel.refine_stage_degrees`), then ``best``."""
     final, unit, lay, tried = best
     got = refine_stage_degrees(unit, lay, unit.options.max_refine_simulations)
     if got is None:
-        return best
+        return [best]
     r = simulate_layout(unit.cost_model, got[0],
                         unit.num_microbatches(got[0].micro_batch_size), exact=True,
                         record_events=True)
     if r.feasible and r.iteration_s < final.iteration_s:
-        return r, unit, got[0], tried
-    return best
+        return [(r, unit, got[0], tried), best]
+    return [best]
 
 
 def _best_layout(problem: SearchProblem, baselines: dict[str, BaselineResult]

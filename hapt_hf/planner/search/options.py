@@ -88,6 +88,10 @@ class PlannerOptions:
     (each a shortened search of its own; :mod:`~hapt_hf.planner.search.tensor_parallel`):
     every group at 2, 4 and 8 first, then one group at a time moved to a neighbouring
     degree."""
+    tp_stage_rounds: int = 4
+    """Rounds of giving the stages of one group degrees of their own after the screen
+    (:func:`~hapt_hf.planner.search.tensor_parallel.refine_stage_degrees`); 0: every stage of
+    a group at the group's degree."""
     weigh_kinds: bool = True
     """Under ``schedule`` 'h1f1b', also replay the search's best pipeline under
     ``zero_bubble`` (deferrals cut to each stage's memory) and ``interleaved`` (``v`` chunks
@@ -128,6 +132,9 @@ class PlannerOptions:
         if self.tp_screens < 0:
             raise PlanningError(f"tp_screens {self.tp_screens} must be >= 0 (0: never weigh "
                                 "tensor parallelism, like max_tp 1)")
+        if self.tp_stage_rounds < 0:
+            raise PlanningError(f"tp_stage_rounds {self.tp_stage_rounds} must be >= 0 (0: one "
+                                "tensor-parallel degree per group)")
         if self.virtual_stages is not None and self.virtual_stages < 2:
             raise PlanningError(f"virtual_stages {self.virtual_stages} must be >= 2 (chunks per "
                                 "pipeline rank of an interleaved plan), or None to weigh 2 and 3")

@@ -42,7 +42,7 @@ from .refine import refine_boundaries
 from .replays import better, simulate_layout
 
 __all__ = ["TpChoice", "group_degrees", "choose_degrees", "degree_mixes",
-           "refine_stage_degrees", "STAGE_MIX_REPLAYS", "STAGE_MIX_ROUNDS"]
+           "refine_stage_degrees", "STAGE_MIX_REPLAYS"]
 
 Weigh = Callable[[SearchProblem], "tuple[float, object] | None"]
 """A screen of one assignment of degrees: its best plan's time and what the caller keeps of
@@ -141,8 +141,6 @@ def choose_degrees(problem: SearchProblem, weigh: Weigh, base_s: float | None
 
 STAGE_MIX_REPLAYS = 3
 """Mixes of stage degrees replayed each round (the best by HAPT's formula)."""
-STAGE_MIX_ROUNDS = 4
-"""Rounds of :func:`refine_stage_degrees` (each from the last round's winner)."""
 
 
 def degree_mixes(problem: SearchProblem, layout: Layout
@@ -189,13 +187,16 @@ def refine_stage_degrees(problem: SearchProblem, layout: Layout,
     """A layout whose stages of one group may differ in degree (:func:`degree_mixes`) that
     the simulator finds faster than ``layout`` (both replayed shortened), or None: every mix
     scored by HAPT's formula, the best :data:`STAGE_MIX_REPLAYS` replayed, the best replay's
-    boundaries refined (``budget`` replays), for :data:`STAGE_MIX_ROUNDS` rounds."""
+    boundaries refined (``budget`` replays), for ``options.tp_stage_rounds`` rounds (each
+    from the last one's winner)."""
+    if problem.options.tp_stage_rounds == 0:
+        return None
     cm, mbs = problem.cost_model, layout.micro_batch_size
     m = problem.num_microbatches(mbs)
     cap = min(problem.num_layers, problem.options.max_stages or problem.num_layers)
     best_l, best_r = layout, simulate_layout(cm, layout, m)
     found = False
-    for _ in range(STAGE_MIX_ROUNDS):
+    for _ in range(problem.options.tp_stage_rounds):
         scored = []
         for key, shapes in degree_mixes(problem, best_l):
             if len(shapes) > cap:
