@@ -11,10 +11,11 @@ head alone is split (LLaMA); a TP-2 stage with both (Qwen2: biased q/k/v project
 pipeline of two replicas of one rank into a TP-2 last stage with sequence parallelism and a
 split head (LLaMA); two TP-2 replicas with sequence parallelism, a split head, ZeRO-1 and
 activation checkpointing (Mistral); TP 4 with sequence parallelism and a head of 97 rows split
-25/24/24/24 (LLaMA). One sequence-parallel, split-head run is resumed from a portable
-checkpoint (every parameter then bit for bit where the uninterrupted run's is) and exported
-whole (``from_pretrained`` gives back the gathered model, which the cases hold to one
-process, bit for bit).
+25/24/24/24 (LLaMA); the pipeline case under zero_bubble (its backward split into I and W) and
+two TP-2 pipeline ranks interleaved, two chunks each, with sequence parallelism (LLaMA). One
+sequence-parallel, split-head run is resumed from a portable checkpoint (every parameter
+then bit for bit where the uninterrupted run's is) and exported whole (``from_pretrained``
+gives back the gathered model bit for bit; the cases hold the gathered model to one process).
 Tolerance: rtol 1e-5, atol 4e-5 in fp32, as the pipeline's other equivalence tests (the
 reduce-scatters and the head's gather sum in another order than one process; no case needed
 more).
@@ -41,13 +42,22 @@ class SpCase(Case):
     """Stages run sequence parallel."""
     sharded_optimizer: tuple[int, ...] = ()
     """Stages whose optimizer state is sharded among their replicas (ZeRO-1)."""
+    schedule: str = ""
+    """Another schedule than 1F1B (``zero_bubble``: each backward split into I and W)."""
+    virtual: int = 1
+    """Interleaved: chunks per pipeline rank (each stage cut into this many)."""
 
     def plan(self) -> Plan:
         p = super().plan()
         stages = tuple(replace(s, sequence_parallel=s.index in self.sp,
                                optimizer="sharded" if s.index in self.sharded_optimizer
                                else s.optimizer) for s in p.stages)
-        return replace(p, stages=stages).validate(self.world)
+        p = replace(p, stages=stages)
+        if self.virtual > 1:
+            p = p.interleave(self.virtual)
+        elif self.schedule:
+            p = p.with_schedule(self.schedule)
+        return p.validate(self.world)
 
     def projections(self, stage: int) -> int:
         """Qwen2's q, k and v biases are column-wise DTensors too."""
@@ -64,7 +74,13 @@ CASES = {
     4: [SpCase("1x2|tp2-sp-head", "llama", (1, 1), ((1, 1), (2,)), (1, 2), sp=(1,)),
         SpCase("tp2x2-sp-head-zero-recompute", "mistral", (2,), ((1, 1),), (2,), sp=(0,),
                sharded_optimizer=(0,), recompute=(0,)),
-        SpCase("tp4-sp-head", "llama", (1,), ((2,),), (4,), sp=(0,))],
+        SpCase("tp4-sp-head", "llama", (1,), ((2,),), (4,), sp=(0,)),
+        SpCase("1x2|tp2-sp-head-zero-bubble", "llama", (1, 1), ((1, 1), (2,)), (1, 2), sp=(1,),
+               schedule="zero_bubble"),
+        # rank 0 and 1 (one TP-2 replica) hold the embedding, block 0 and block 3; ranks 2 and 3
+        # blocks 1 and 2, and the head alone
+        SpCase("interleaved-tp2|tp2-sp-head", "llama", (2, 2), ((2,), (2,)), (2, 2), sp=(0, 1),
+               virtual=2)],
 }
 RESUMED = SpCase("tp2-sp-head-resume", "llama", (2,), ((2,),), (2,), sp=(0,))
 
@@ -165,6 +181,8 @@ def test_matches_single_process(results, world, case):
         assert max(r["norms"]) > 0.5, "clipping never engaged; the step check would be weaker"
         st = plan.stages[r["stage"]]
         assert r["tp"] == st.tp
+        if case.virtual > 1:  # a rank's chunks: the counts below are per stage of a rank
+            continue
         # the blocks' projections, and the head where it is split
         projections = case.projections(st.index) if st.tp > 1 else 0
         assert r["sharded"] == projections + case.head_split(st.index), r
