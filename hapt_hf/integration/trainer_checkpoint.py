@@ -55,7 +55,7 @@ from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
            "begin_checkpoint", "commit_checkpoint",
-           "save_rank_state", "load_rank_state", "save_hf_model", "write_gathered_model", "load_stage_weights",
+           "save_rank_state", "load_rank_state", "save_hf_model", "load_stage_weights",
            "load_trainer_state", "resolve_resume", "load_checkpoint", "check_resumable", "check_optimizer_states",
            "check_same_run", "check_portable", "PORTABLE_DIR",
            "placements", "describe_placements",
@@ -369,14 +369,6 @@ def save_hf_model(runtime, full: dict, out_dir: Path) -> None:
     tied = [runtime.stage.adapter.output_embedding_key] \
         if getattr(config, "tie_word_embeddings", False) else []
     checkpoint_io.save_full_checkpoint(full, config, out_dir, tied_keys=tied)
-
-
-def write_gathered_model(runtime, out_dir: Path) -> bool:
-    """Gather every stage's weights (collective) and write them on rank 0 (True there)."""
-    full = runtime.gather_state_dict(dst=0)
-    if runtime.rank == 0:
-        save_hf_model(runtime, full, out_dir)
-    return runtime.rank == 0
 
 
 def load_stage_weights(stage: torch.nn.Module, ckpt: Path) -> None:

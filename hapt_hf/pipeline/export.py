@@ -54,9 +54,10 @@ def remove_stale_weights(out: Path, new: Path) -> None:
 
 def write_stage_shards(runtime: Any, out_dir: Path) -> list[str]:
     """Write this rank's part of the export into ``out_dir`` (a directory every rank sees,
-    made before; collective: every rank calls it). Returns the tensor names this rank wrote
-    (none on ranks that are not a pipeline rank's first replica's first rank)."""
+    made here if missing; collective: every rank calls it). Returns the tensor names this rank
+    wrote (none on ranks that are not a pipeline rank's first replica's first rank)."""
     plan, work, stage = runtime.plan, runtime.work, runtime.stage
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     count = plan.num_pipeline_ranks
     name = shard_file(runtime.stage_plan.index % count, count)
     mine: dict[str, Tensor] = {}

@@ -53,6 +53,7 @@ def resume_part_one(rank: int, root: str) -> dict:
     from pathlib import Path
 
     from hapt_hf.integration import trainer_checkpoint as ckpt_io
+    from hapt_hf.pipeline.export import write_stage_shards
     out = {}
     for saves in (False, True):
         rt = runtime(RESUMED)
@@ -61,7 +62,7 @@ def resume_part_one(rank: int, root: str) -> dict:
         for b in batches[:STEPS - 1] if saves else batches:
             rt.train_step(b, opt, max_grad_norm=0.5)
         if saves:
-            ckpt_io.write_gathered_model(rt, Path(root))
+            write_stage_shards(rt, Path(root))
             ckpt_io.save_rank_state(Path(root), rt.rank, opt, None)
             ckpt_io.barrier()
         else:

@@ -162,8 +162,9 @@ def fp16_sharded_vs_replicated(rank: int) -> dict:
 
 def _save(rt, opt, sched, out: str) -> None:
     from hapt_hf.integration import trainer_checkpoint as ckpt_io
+    from hapt_hf.pipeline.export import write_stage_shards
     from pathlib import Path
-    ckpt_io.write_gathered_model(rt, Path(out))
+    write_stage_shards(rt, Path(out))
     ckpt_io.save_rank_state(Path(out), rt.rank, opt, sched)
     ckpt_io.barrier()
 

@@ -87,6 +87,7 @@ def _end(rt, opt, sched, losses: list[float]) -> dict:
 def uninterrupted(rank: int, world_size: int, root: str) -> dict:
     """STEPS steps, checkpointed after K of them."""
     from hapt_hf.integration import trainer_checkpoint as ckpt_io
+    from hapt_hf.pipeline.export import write_stage_shards
     out = {}
     for tied, how in CASES:
         rt, opt, sched = _start(tied, how)
@@ -98,7 +99,7 @@ def uninterrupted(rank: int, world_size: int, root: str) -> dict:
                 if rank == 0:
                     ckpt.mkdir()
                 ckpt_io.barrier()
-                ckpt_io.write_gathered_model(rt, ckpt)
+                write_stage_shards(rt, ckpt)
                 ckpt_io.save_rank_state(ckpt, rank, opt, sched)
                 ckpt_io.barrier()
         out[tied, how] = _end(rt, opt, sched, losses)

@@ -11,8 +11,9 @@ schedule that moves at every step; clipped at 0.5.
 Against one process (the whole model, AdamW, the same clipping and schedule): every loss and,
 after every step, every parameter of every rank (the shards gathered whole), rtol 1e-5 / atol
 4e-5 in fp32 as the pipeline's other equivalence tests (the row-wise all-reduce sums the
-projections' partial outputs in another order; nothing needed more). The export is the gathered
-``model.safetensors`` written as a checkpoint writes it, loaded with ``from_pretrained``. The
+projections' partial outputs in another order; nothing needed more). The export is written as a checkpoint writes it
+(each stage its own file, the TP replica's shards gathered inside it), loaded with
+``from_pretrained``. The
 same steps with the stage's optimizer state replicated leave every parameter bit for bit where
 the sharded one does (``torch.equal``: Adam is elementwise). Resume
 from a checkpoint of such a stage is tested through HaptTrainer
@@ -83,7 +84,7 @@ def train(rank: int, world_size: int, root: str) -> dict:
     from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
 
     from hapt_hf.core.defaults import DEFAULT_ATTN_IMPLEMENTATION
-    from hapt_hf.integration import trainer_checkpoint as ckpt_io
+    from hapt_hf.pipeline.export import write_stage_shards
     rt, opt, sched = _start()
     torch.manual_seed(5)
     ref = AutoModelForCausalLM.from_config(_config(), attn_implementation=DEFAULT_ATTN_IMPLEMENTATION)
@@ -101,7 +102,7 @@ def train(rank: int, world_size: int, root: str) -> dict:
         _close(f"step {i} loss", torch.tensor(losses[-1]), ref_loss.detach(), errors)
         for n, p in _whole(rt).items():
             _close(f"step {i} param {n}", p, ref.get_parameter(n).detach(), errors)
-    ckpt_io.write_gathered_model(rt, Path(root) / "export")
+    write_stage_shards(rt, Path(root) / "export")
     if rank == 0:
         exported = AutoModelForCausalLM.from_pretrained(Path(root) / "export")
         for n, p in ref.state_dict().items():
