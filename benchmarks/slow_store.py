@@ -4,9 +4,9 @@
 through fsspec's ``AbstractBufferedFile`` as s3fs's and gcsfs's do (a read outside its read-ahead
 buffer is one ranged GET of at least ``block_size`` bytes). A GET costs ``latency_s`` plus its
 bytes at ``bandwidth_mb_s`` (per process: each rank reads at that rate, as each node's stream
-from an object store does). Writes are the local
-filesystem's, unthrottled. Every fetch is logged in :data:`FETCHES` (path, start, end) so tests
-can count what a rank took from the remote.
+from an object store does). An upload (``put_file``) costs the same: a latency plus its
+bytes at the bandwidth; other writes are the local filesystem's. Every fetch is logged in
+:data:`FETCHES` (path, start, end) so tests can count what a rank took from the remote.
 
     from benchmarks import slow_store  # registers the protocol
     slow_store.configure(bandwidth_mb_s=100, latency_s=0.03)
@@ -14,6 +14,7 @@ can count what a rank took from the remote.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import fsspec
@@ -69,6 +70,12 @@ class ThrottledFileSystem(LocalFileSystem):
         if path.startswith("throttled://"):
             path = path[len("throttled://"):]
         return LocalFileSystem._strip_protocol(path)
+
+    def put_file(self, lpath, rpath, callback=None, **kwargs):
+        """One upload: a request's latency, then the file's bytes at the bandwidth."""
+        super().put_file(lpath, rpath, **kwargs)
+        size = os.path.getsize(lpath)
+        time.sleep(_SETTINGS["latency_s"] + size / (_SETTINGS["bandwidth_mb_s"] * 1e6))
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         """One ranged GET, as s3fs's ``cat_file`` is (no read-ahead)."""
