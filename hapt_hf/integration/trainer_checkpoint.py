@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from hapt_hf.pipeline import checkpoint_io, portable
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
-from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore, Upload
+from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore, Upload, copy_unfinished
 from hapt_hf.pipeline.export import has_weights
 from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer, load_portable_state, portable_state
 from hapt_hf.planner.plan import Plan, PlanError
@@ -416,9 +416,12 @@ def check_resumable(ckpt: Path, plan: Plan, world_size: int) -> None:
     except PlanError as e:
         raise damaged_file(ckpt / "plan.json", e) from None
     if placements(saved) != placements(plan):
+        why = ("; its portable part, which another plan reads, was still being copied from the "
+               "nodes' checkpoint_local_dir when the run stopped: resume from an earlier "
+               "checkpoint, or ") if copy_unfinished(ckpt / PORTABLE_DIR) else "; "
         raise CheckpointError(f"checkpoint {str(ckpt)!r} was written under another plan (stages "
                               f"{describe_placements(saved)}) than this run's "
-                              f"({describe_placements(plan)}); resume with the same plan (pass "
+                              f"({describe_placements(plan)}){why}resume with the same plan (pass "
                               "the checkpoint's plan.json as 'plan' in the hapt config)")
     check_optimizer_states(saved, plan, f"checkpoint {str(ckpt)!r}")
     if saved.precision.to_dict() != plan.precision.to_dict():

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from hapt_hf.errors import CheckpointError
 
 __all__ = ["CheckpointStore", "Upload", "LocalFirstReader", "ReadStats", "METADATA_FILE",
-           "COMPLETE_MARKER"]
+           "COMPLETE_MARKER", "copy_unfinished"]
 
 logger = logging.getLogger("hapt_hf.checkpoint")
 
@@ -56,6 +56,13 @@ UPLOADED = ".uploaded-{rank}"
 """Written into the remote copy by each rank once its own files are there."""
 FAILED = ".failed-{rank}"
 """Written (if it can be) by a rank whose copy failed, so that rank 0 stops waiting for it."""
+
+
+def copy_unfinished(directory: Path) -> bool:
+    """Whether ``directory`` (a remote copy on a mounted path) is one a copy began to fill and
+    did not complete: a rank's files are there, the marker is not."""
+    directory = Path(directory)
+    return any(directory.glob(UPLOADED.format(rank="*"))) and not (directory / COMPLETE_MARKER).is_file()
 
 
 def _rank_world() -> tuple[int, int]:

@@ -74,3 +74,20 @@ def test_bad_remotes_are_refused(tmp_path):
         store.is_complete("checkpoint-1")
     with pytest.raises(CheckpointError, match="is the local directory itself"):
         CheckpointStore(tmp_path, str(tmp_path))
+
+
+def test_a_checkpoint_whose_copy_did_not_finish_names_why_another_plan_cannot_resume_it(tmp_path):
+    from hapt_hf.integration.trainer_checkpoint import check_resumable
+    from tests.integration.test_trainer_portable_resume import _plan
+    ckpt = tmp_path / "checkpoint-2"
+    (ckpt / "portable").mkdir(parents=True)
+    _plan(3).save(ckpt / "plan.json")
+    for name in ["trainer_state.json", "model.safetensors"] + [f"hapt_rank{r}.pt" for r in range(2)]:
+        (ckpt / name).write_text("")
+    (ckpt / "portable" / ".uploaded-1").write_text("{}")  # rank 1's files are up, no marker
+    with pytest.raises(CheckpointError, match="was still being copied .* resume from an earlier "
+                                              "checkpoint, or resume with the same plan"):
+        check_resumable(ckpt, _plan(2), 2)
+    (ckpt / "portable" / COMPLETE_MARKER).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"than this run's \(.*\); resume with the same plan"):
+        check_resumable(ckpt, _plan(2), 2)
