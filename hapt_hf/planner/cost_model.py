@@ -53,7 +53,9 @@ Conventions:
   speed. Per rank: the blocks' sharded projections' weights, gradients and optimizer state
   divide by ``t`` (norms and row-wise biases whole: :meth:`ModelSpec.tp_whole_params`), a
   block's kept activations are ``(10 + 24/t) / 34`` of one GPU's (Korthikanti et al., no
-  sequence parallelism), autocast's weight copies ``1/t``, and the data-parallel all-reduce
+  sequence parallelism; ``(4 + 30/t) / 34`` on a stage that runs its blocks sequence
+  parallel, which pays one all-gather of its output forward and one backward), autocast's
+  weight copies ``1/t``, and the data-parallel all-reduce
   and the optimizer step move and update the rank's shard. ``t`` is read off the replicas;
   for the search, :class:`CostModel` takes a degree per group (``tp``) and shows it
   :attr:`CostModel.cluster` with each group's ``t`` GPUs as one (its sizes divided by ``t``),
@@ -71,7 +73,8 @@ from hapt_hf.core.defaults import DEFAULT_MEMORY_HEADROOM, GRAD_BUCKET_BYTES
 from hapt_hf.core.precision import (DTYPE_BYTES, MASTER_BYTES, REPLICATED, SHARDED,
                                      STATE_BYTES_PER_PARAM, state_bytes_per_param)
 from hapt_hf.core.shares import overlaps
-from hapt_hf.core.tp import TP_DEGREES, head_sharded, sp_refusal, tp_refusal
+from hapt_hf.core.tp import (TP_DEGREES, block_activation_parts, head_sharded, sp_refusal,
+                             tp_refusal)
 from hapt_hf.errors import CostModelError
 
 from .cluster import Cluster, GpuGroup, LinkSpec
@@ -108,8 +111,10 @@ def tp_efficiency(t: int, hidden_size: int) -> float:
 TP_ACT_KEPT = (10, 24, 34)
 """Korthikanti et al. (2022), without sequence parallelism: of the 34 parts of ``s*b*h`` a
 block keeps, 10 (its inputs, norms, dropout masks) stay whole on each rank and 24 split ``t``
-ways: a rank keeps ``(10 + 24/t) / 34`` of one GPU's. With sequence parallelism the 10 split
-too: ``34/t`` of 34 parts."""
+ways: a rank keeps ``(10 + 24/t) / 34`` of one GPU's. With sequence parallelism, what the
+runtime keeps: ``(4 + 30/t) / 34`` (:func:`~hapt_hf.core.tp.block_activation_parts`: the
+attention's and the MLP's inputs gathered and kept whole for the projections' weight
+gradients; Megatron-LM's ``34/t`` gathers them again in the backward)."""
 
 
 def tp_unfit(model: ModelSpec, t: int) -> str | None:
@@ -219,8 +224,7 @@ class _Shard:
 def _shard(model: ModelSpec, t: int, sp: bool = False) -> _Shard:
     layers = model.layers
     is_block = [l.kind == "block" for l in layers]
-    whole, split, parts = TP_ACT_KEPT
-    kept = 1.0 / t if sp else (whole + split / t) / parts  # of one GPU's, a block
+    kept = block_activation_parts(t, sp) / TP_ACT_KEPT[2]  # of one GPU's, a block
     if t == 1:
         params = [l.params for l in layers]
         keep = [l.act_keep_bytes for l in layers]
