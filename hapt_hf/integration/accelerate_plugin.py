@@ -278,6 +278,12 @@ class HaptAccelerator(Accelerator):
 
     def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB",
                    safe_serialization: bool = True) -> None:
+        """Each stage writes its own weights file (``model-0000k-of-0000n.safetensors``), the
+        main process the index and config (collective); no rank gathers the model."""
+        if max_shard_size != "10GB":
+            raise AccelerateSettingError(f"save_model(max_shard_size={max_shard_size!r}) cannot "
+                                         "be honoured with a hapt plan: each pipeline stage "
+                                         "writes its weights as one file; leave it out")
         PipelineModelView(self._engine()).save_pretrained(
             save_directory, safe_serialization=safe_serialization)
 
