@@ -56,7 +56,7 @@ from hapt_hf.integration.accelerate_objects import (PipelineEngine, PipelineMode
 from hapt_hf.integration.accelerate_settings import (HONOURED_ACCELERATOR_ARGS,
                                                      MIXED_PRECISION_TO_PLAN,
                                                      check_accelerator_arguments)
-from hapt_hf.integration.config import HaptConfig
+from hapt_hf.integration.config import HaptConfig, HaptConfigError
 from hapt_hf.integration.launch import init_process_group, read_launch_env
 from hapt_hf.integration.plan_resolution import format_plan, resolve_plan
 from hapt_hf.integration.trainer_setup import stage_runtime
@@ -81,6 +81,10 @@ class HaptAccelerator(Accelerator):
         check_accelerator_arguments(args, kwargs)
         self.hapt_config = hapt_plugin if isinstance(hapt_plugin, HaptConfig) \
             else HaptConfig.from_args_or_env(None if hapt_plugin is None else str(hapt_plugin))
+        if self.hapt_config.checkpoint_local_dir is not None:
+            raise HaptConfigError(f"{self.hapt_config.source}: 'checkpoint_local_dir' is kept by "
+                                  "HaptTrainer's checkpoints only; HaptAccelerator's save_state "
+                                  "writes into its output directory: leave the key out")
         self.launch = read_launch_env()  # refuses accelerate's one-process MULTI_CPU start
         init_process_group(self.launch, self.hapt_config.timeout_s)
         if "cpu" not in kwargs:  # accelerate launch's use_cpu, or a machine without CUDA

@@ -91,3 +91,13 @@ def test_a_checkpoint_whose_copy_did_not_finish_names_why_another_plan_cannot_re
     (ckpt / "portable" / COMPLETE_MARKER).write_text("{}")
     with pytest.raises(CheckpointError, match=r"than this run's \(.*\); resume with the same plan"):
         check_resumable(ckpt, _plan(2), 2)
+
+
+def test_haptaccelerator_refuses_checkpoint_local_dir_it_would_not_honour(tmp_path):
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+    from hapt_hf.integration.config import HaptConfig, HaptConfigError
+    from hapt_hf.planner.cluster import Cluster
+    config = HaptConfig(cluster=Cluster.load("cpu_demo_4"), checkpoint_local_dir=tmp_path)
+    with pytest.raises(HaptConfigError, match="'checkpoint_local_dir' is kept by HaptTrainer's "
+                                              "checkpoints only"):
+        HaptAccelerator(hapt_plugin=config)
