@@ -313,6 +313,8 @@ class PipelineRuntime:
                                      self._all_ranks):
             logits = gather_logits(outs, ids.shape, self.plan, self.rank,
                                    self.stage.config.vocab_size, self.device)
+        if logits is not None:  # without the sequence-parallel padding
+            logits = logits[:, :batch.input_ids.shape[1]]
         return Prediction(loss, logits)
 
     def predict_logits(self, batch: Batch) -> Tensor | None:
@@ -521,13 +523,22 @@ class PipelineRuntime:
         """(input ids, labels, padding mask, tokens the loss averages over) of a batch that
         fits the plan."""
         ids, labels, mask = check_batch(batch, self.plan.global_batch_size)
-        sp = [st.tp for st in self.plan.stages if st.sequence_parallel and ids.shape[1] % st.tp]
-        if sp:
-            raise BatchError(f"the batch's sequence length {ids.shape[1]} is not a multiple of "
-                             f"{sp[0]}, the tensor-parallel degree of a sequence-parallel stage, "
-                             f"which splits the sequence evenly; pad sequences to a multiple of "
-                             f"{sp[0]}")
-        return ids, labels, mask, batch.num_items or batch_tokens(labels)
+        tokens = batch.num_items or batch_tokens(labels)
+        return (*self._sequence_parallel_padding(ids, labels, mask), tokens)
+
+    def _sequence_parallel_padding(self, ids: Tensor, labels: Tensor, mask: Tensor | None
+                                   ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The batch right-padded to a multiple of every sequence-parallel stage's TP degree,
+        which splits the sequence evenly (as is where it divides): padding masked, its labels
+        ignored, so no real token's output changes (causal attention looks back only) and the
+        loss's terms are the same."""
+        multiple = math.lcm(*(st.tp for st in self.plan.stages if st.sequence_parallel))
+        pad = -ids.shape[1] % multiple
+        if not pad:
+            return ids, labels, mask
+        fill = torch.nn.functional.pad
+        mask = torch.ones_like(ids) if mask is None else mask
+        return fill(ids, (0, pad)), fill(labels, (0, pad), value=-100), fill(mask, (0, pad))
 
     def _rows(self, k: int) -> slice:
         base = k * self.plan.micro_batch_size
