@@ -126,7 +126,8 @@ def sp_refusal(model_type: str, tp_plan: dict[str, str] | None, t: int = 2,
       (``2·h`` elements per block, fp32);
     * under activation recomputation the forward's two all-gathers run again in the backward.
 
-    ``t`` must divide the sequence length at run time (checked by the runtime per batch).
+    A batch whose sequence length ``t`` does not divide is right-padded by the runtime to a
+    multiple of ``t`` (masked; up to ``t - 1`` tokens a sample computed for nothing).
     Refused: a ``model_type`` not in :data:`SP_MODEL_TYPES`, a tensor-parallel plan without
     both rows of :data:`SP_PROJECTIONS`, ``t`` of 1 (nothing to split), and ``layer_unit``
     ``half`` (a stage may then begin or end inside a block)."""
