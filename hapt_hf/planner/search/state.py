@@ -54,32 +54,34 @@ def stage_state(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, 
 
 
 def _layers_fitting(cm: CostModel, replicas: tuple[Replica, ...], samples: int, a: int,
-                    in_flight: int, rc: bool, optimizer: str) -> int:
+                    in_flight: int, rc: bool, optimizer: str, sp: bool = False) -> int:
     """How many layers from ``a`` one GPU of the stage holds with this state."""
     p = cm.placement(replicas)
     cap, b = cm.capacity_bytes(p.group), a
-    while b < cm.model.num_layers and \
-            cm.memory_bytes(samples, a, b + 1, in_flight, rc, optimizer, p.width, p.tp) <= cap:
+    while b < cm.model.num_layers and cm.memory_bytes(samples, a, b + 1, in_flight, rc,
+                                                      optimizer, p.width, p.tp, sp) <= cap:
         b += 1
     return b - a
 
 
 def sharding_reason(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, b: int,
-                    in_flight: int, recompute: bool) -> str:
-    """Why a stage holding layers [a, b) with ``in_flight`` micro-batches keeps its optimizer
-    state sharded: how much less it would hold replicated, or its faster step."""
+                    in_flight: int, recompute: bool, sp: bool = False) -> str:
+    """Why a stage holding layers [a, b) with ``in_flight`` micro-batches (sequence parallel
+    where ``sp``) keeps its optimizer state sharded: how much less it would hold replicated,
+    or its faster step."""
     p = cm.placement(replicas)
     s, w, cap = mbs // p.width, p.width, cm.capacity_bytes(p.group)
-    if cm.memory_bytes(s, a, b, in_flight, recompute, REPLICATED, w, p.tp) <= cap:
+    if cm.memory_bytes(s, a, b, in_flight, recompute, REPLICATED, w, p.tp, sp) <= cap:
         rep = cm.optimizer_step_s(replicas, s, a, b, REPLICATED)
         shd = cm.optimizer_step_s(replicas, s, a, b, SHARDED)
         return (f"faster optimizer step: {shd * 1e3:.1f} ms (update of 1/{w} of the "
                 f"parameters, then all-gather) against {rep * 1e3:.1f} ms replicated")
-    fit_r = _layers_fitting(cm, replicas, s, a, in_flight, recompute, REPLICATED)
-    fit_s = _layers_fitting(cm, replicas, s, a, in_flight, recompute, SHARDED)
+    fit_r = _layers_fitting(cm, replicas, s, a, in_flight, recompute, REPLICATED, sp)
+    fit_s = _layers_fitting(cm, replicas, s, a, in_flight, recompute, SHARDED, sp)
     text = (f"fits {fit_s} layers per {p.group.gpu.name} from "
             f"{layer_name(a, cm.model.num_layers, cm.model.layer_unit)} instead of {fit_r}")
-    if not recompute and cm.memory_bytes(s, a, b, in_flight, True, REPLICATED, w, p.tp) <= cap:
+    if not recompute and \
+            cm.memory_bytes(s, a, b, in_flight, True, REPLICATED, w, p.tp, sp) <= cap:
         text += " (replicated, these layers would need recompute)"
     return text
 
@@ -90,5 +92,5 @@ def sharding_reasons(cm: CostModel, plan: Plan, in_flight=()) -> dict[int, str]:
     holds, by default its warm-up depth)."""
     depth = tuple(in_flight) or plan.warmups()
     return {s.index: sharding_reason(cm, s.replicas, plan.micro_batch_size, *s.layers,
-                                     depth[s.index], s.recompute)
+                                     depth[s.index], s.recompute, s.sequence_parallel)
             for s in cm.stages_of(plan) if s.optimizer == SHARDED}
