@@ -188,8 +188,8 @@ def test_head_sharded_only_where_the_class_plan_names_it_and_it_is_untied():
     assert not head_sharded(4, None, tied=False) and "None" in head_refusal(None, False)
 
 
-def test_block_activation_parts_keep_the_gathered_inputs_whole_under_sequence_parallelism():
+def test_block_activation_parts_split_everything_under_sequence_parallelism():
     from hapt_hf.core.tp import block_activation_parts
     assert block_activation_parts(1, False) == block_activation_parts(1, True) == 34
-    assert block_activation_parts(2, False) == 22 and block_activation_parts(2, True) == 19
-    assert block_activation_parts(8, True) == 4 + 30 / 8
+    assert block_activation_parts(2, False) == 22 and block_activation_parts(2, True) == 17
+    assert block_activation_parts(8, True) == 34 / 8

@@ -104,11 +104,12 @@ def sp_refusal(model_type: str, tp_plan: dict[str, str] | None, t: int = 2,
     Sequence parallelism (Korthikanti et al., 2022; torch's ``PrepareModuleInput`` and
     ``RowwiseParallel(output_layouts=Shard(1))`` as torchtitan's llama plan uses them) keeps
     the residual stream of the stage's blocks split on the sequence over the replica's ``t``
-    ranks: the norms and the residual adds run on ``s/t`` tokens each. What a rank then holds
-    is :func:`block_activation_parts` (``4 + 30/t`` of Korthikanti's 34, not their ``34/t``:
-    the attention's and the MLP's all-gathered inputs are kept whole for the backward).
-    Sequence parallelism changes no FLOP of the block and the bytes it moves stay those of tensor parallelism, in
-    other collectives. Per block and micro-batch of ``b`` samples, ``s`` tokens each, hidden
+    ranks: the norms and the residual adds run on ``s/t`` tokens each, and the attention's and
+    the MLP's all-gathered inputs are kept for the backward as each rank's slice and gathered
+    again there (as Megatron-LM does), so a rank holds :func:`block_activation_parts`:
+    ``34/t`` of Korthikanti's 34 parts. Sequence parallelism changes no FLOP of the block;
+    forward, the bytes it moves are those of tensor parallelism in other collectives; backward,
+    two all-gathers more. Per block and micro-batch of ``b`` samples, ``s`` tokens each, hidden
     ``h``, in the compute dtype (``e`` bytes an element):
 
     * forward: an all-gather of the attention's input and one of the MLP's input
@@ -117,14 +118,17 @@ def sp_refusal(model_type: str, tp_plan: dict[str, str] | None, t: int = 2,
       tensor parallelism all-reduces them: the same bytes on the wire as the two all-reduces
       (an all-reduce is a reduce-scatter then an all-gather);
     * backward: the same two pairs reversed (each all-gather's backward is a reduce-scatter,
-      and each reduce-scatter's an all-gather);
+      and each reduce-scatter's an all-gather), and the attention's and the MLP's inputs
+      all-gathered again (``b·s·h·e`` bytes each) for the projections' weight gradients: two
+      all-gathers more than plain tensor parallelism's backward;
     * at the stage's edges (transfers between stages stay whole activations): the first block's
       input is sliced (no communication, backward one all-gather of ``b·s·h·e``), and the last
       block's output is all-gathered on the sequence (``b·s·h·e``, backward a slice), so a
       stage pays one extra all-gather forward and one backward;
     * the block norms' weight gradients are summed over the ``t`` ranks once per iteration
       (``2·h`` elements per block, fp32);
-    * under activation recomputation the forward's two all-gathers run again in the backward.
+    * under activation recomputation the forward's two all-gathers run again in the backward
+      (and the inputs are not gathered a third time).
 
     A batch whose sequence length ``t`` does not divide is right-padded by the runtime to a
     multiple of ``t`` (masked; up to ``t - 1`` tokens a sample computed for nothing).
@@ -156,16 +160,14 @@ def block_activation_parts(t: int, sequence_parallel: bool) -> float:
 
     Without sequence parallelism ``10 + 24/t``: the two norms' inputs (4), the attention's and
     the MLP's inputs (2 + 2) and the dropout masks (2) are whole on every rank. With it,
-    ``4 + 30/t``: everything is split on the sequence but the attention's and the MLP's
-    inputs, which torch's ``PrepareModuleInput`` all-gathers and the column-wise projections
-    then keep whole for their weight gradients (Megatron-LM keeps them split and gathers them
-    again in the backward: ``34/t``). ``benchmarks/sp_check.py`` measures it (LLaMA blocks,
-    hidden 512, seq 256, fp32, t = 2, no dropout in the model): 0.644 of one GPU's kept bytes
-    without sequence parallelism (``22/34`` = 0.647) and 0.549 with it (``19/34`` = 0.559;
-    ``17/34`` would be 0.5)."""
+    ``34/t``: everything is split on the sequence, the attention's and the MLP's all-gathered
+    inputs kept as the rank's slice and gathered again in the backward (see
+    :func:`sp_refusal`). ``benchmarks/sp_check.py`` measures it (LLaMA blocks, hidden 512,
+    seq 256, fp32, t = 2, no dropout in the model): 0.637 of one GPU's kept bytes without
+    sequence parallelism (``22/34`` = 0.647) and 0.516 with it (``17/34`` = 0.5)."""
     if t < 1:
         raise ValueError(f"a tensor-parallel degree must be >= 1, got {t}")
-    return 4 + 30 / t if sequence_parallel and t > 1 else 10 + 24 / t
+    return 34 / t if sequence_parallel else 10 + 24 / t
 
 
 def head_refusal(head_tp_plan: dict[str, str] | None, tied: bool) -> str | None:

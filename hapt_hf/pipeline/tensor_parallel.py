@@ -165,6 +165,10 @@ def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,
     if sequence_parallel:
         for chunk in getattr(stage, "chunks", {0: stage}).values():
             _split_sequence_around_blocks(chunk, mesh)
+            for i in chunk.block_indices:
+                for name in ("self_attn", "mlp"):
+                    _keep_gathered_input_split(
+                        chunk, chunk.get_submodule(f"{chunk.adapter.blocks_path}.{i}.{name}"), mesh)
     return TensorParallelShards(mesh, group, dist.get_rank(group), t, tuple(styles), partial,
                                 sequence_parallel, head)
 
@@ -187,6 +191,91 @@ def _sequence_parallel_styles(stage: nn.Module) -> dict[str, ParallelStyle]:
             style.src_data_rank = None
             out[f"{b}.{proj}"] = style
     return out
+
+
+class _GatheredInput:
+    """One attention or MLP call's all-gathered input, kept for the backward as this rank's
+    sequence slice (what the call's own pre-hook saw before ``PrepareModuleInput``) and
+    gathered again when the backward unpacks it, as Megatron-LM does: the projections save the
+    gathered input for their weight gradients, which would hold ``s`` tokens on every rank."""
+
+    def __init__(self, mesh: DeviceMesh, shard: Tensor) -> None:
+        self.mesh, self.shard = mesh, shard
+        self.storage: int | None = None
+        self.whole: Tensor | None = None
+        self.pending = 0
+
+    def pack(self, t: Tensor) -> Any:
+        with torch.no_grad():
+            local = local_tensor(t)
+        if self.storage is None or local.untyped_storage().data_ptr() != self.storage:
+            return t
+        self.pending += 1
+        spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return _Packed(self, spec, local.size(), local.stride(), local.storage_offset())
+
+    def gathered(self) -> Tensor:
+        """The whole input again (an all-gather over the replica; every rank's backward
+        unpacks the same tensors in the same order), kept while other saved views of it wait."""
+        whole = self.whole
+        if whole is None:
+            whole = DTensor.from_local(self.shard, self.mesh, [Shard(1)], run_check=False) \
+                .redistribute(self.mesh, [Replicate()]).to_local()
+        self.pending = max(0, self.pending - 1)
+        self.whole = whole if self.pending else None
+        return whole
+
+
+@dataclass(frozen=True)
+class _Packed:
+    source: _GatheredInput
+    spec: Any
+    size: Any
+    stride: Any
+    offset: int
+
+
+def _unpack(saved: Any) -> Tensor:
+    if not isinstance(saved, _Packed):
+        return saved
+    local = saved.source.gathered().as_strided(saved.size, saved.stride, saved.offset)
+    if saved.spec is None:
+        return local
+    mesh, placements, shape, stride = saved.spec
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _keep_gathered_input_split(stage: nn.Module, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Around each call of ``module`` (an attention or MLP whose input ``PrepareModuleInput``
+    all-gathers), while it builds its backward: tensors saved that are views of the gathered
+    input are kept as the rank's slice (:class:`_GatheredInput`). Not under activation
+    recomputation (which keeps no such tensor) nor without gradients."""
+    state: dict[str, Any] = {}
+
+    def first(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if torch.is_grad_enabled() and not stage.recompute and isinstance(hidden, Tensor):
+            state["source"] = _GatheredInput(mesh, local_tensor(hidden).detach())
+
+    def gathered(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        source = state.get("source")
+        if source is None:
+            return
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        source.storage = local_tensor(hidden).untyped_storage().data_ptr()
+        hooks = torch.autograd.graph.saved_tensors_hooks(source.pack, _unpack)
+        hooks.__enter__()
+        state["hooks"] = hooks
+
+    def done(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        hooks = state.pop("hooks", None)
+        state.pop("source", None)
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(first, prepend=True, with_kwargs=True)
+    module.register_forward_pre_hook(gathered, with_kwargs=True)
+    module.register_forward_hook(done, with_kwargs=True, always_call=True)
 
 
 def _block_norm_parameters(stage: nn.Module) -> tuple[nn.Parameter, ...]:
