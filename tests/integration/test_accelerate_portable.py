@@ -90,10 +90,19 @@ def run(rank: int, world: int, tmp: str, resume: bool) -> dict:
                     acc.save_state(str(root / "state"))
             if done == STEPS:
                 break
+    wrote = None
     if not resume:
-        with _no_gather(runtime):
+        from unittest import mock
+
+        from hapt_hf.integration import model_export
+        real, wrote = model_export.write_stage_shards, []
+
+        def recorded(*args):
+            wrote.extend(real(*args))
+            return wrote
+        with _no_gather(runtime), mock.patch.object(model_export, "write_stage_shards", recorded):
             acc.save_model(model, str(root / "model"))
-    out = {"losses": losses, "lr": scheduler.get_last_lr(),
+    out = {"losses": losses, "lr": scheduler.get_last_lr(), "wrote": wrote,
            "optimizer": type(optimizer.optimizer).__name__,
            "layers": list(runtime.stage.layer_range)}
     state = acc.get_state_dict(model)  # the test's own look at the whole model
@@ -131,7 +140,9 @@ def test_state_saved_on_4_ranks_loads_on_2_and_on_1_and_the_export_is_written_by
         with safe_open(str(f), framework="pt") as h:
             held.append(set(h.keys()))
     assert set().union(*held) == whole and sum(map(len, held)) == len(whole)
-    assert all(h < whole for h in held)  # no file (no writer) held the whole model
+    assert all(h < whole for h in held)  # no file held the whole model
+    # what each rank wrote: its stage's tensors (the second replica of stage 1 nothing)
+    assert [set(o["wrote"]) for o in written] == [held[0], held[1], set(), held[2]]
     assert "transformer.h.2.mlp.c_fc.weight" in held[1]  # the middle stage's block
     loaded = AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict()
     for k, v in written[0]["weights"].items():
