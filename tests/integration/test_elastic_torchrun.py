@@ -42,7 +42,7 @@ def _agent(port: int, group: str, out: Path, config: Path, log: Path) -> subproc
     env = {**os.environ, "HAPT_GROUP": group, "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(REPO)}
     conf = ("is_host=false,join_timeout=60,last_call_timeout=3,keep_alive_interval=1,"
-            "keep_alive_max_attempt=2,close_timeout=5,read_timeout=30")
+            "keep_alive_max_attempt=3,close_timeout=5,read_timeout=30")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
            "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--rdzv-conf", conf,
