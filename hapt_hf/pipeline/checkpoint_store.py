@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ COMPLETE_MARKER = ".complete"
 """Written last into the remote copy, once every rank's files and the metadata are there."""
 UPLOADED = ".uploaded-{rank}"
 """Written into the remote copy by each rank once its own files are there."""
+SAVE_ID_SUFFIX = ".save-id"
+"""Beside each local file: the id of the save that wrote it (the remote's marker names it)."""
 FAILED = ".failed-{rank}"
 """Written (if it can be) by a rank whose copy failed, so that rank 0 stops waiting for it."""
 
@@ -102,9 +105,9 @@ class Upload:
     ``.complete`` marker, having waited for every rank's upload (or seen one's ``.failed-N``)."""
 
     def __init__(self, store: CheckpointStore, name: str, files: list[str], rank: int,
-                 world_size: int) -> None:
+                 world_size: int, save_id: str = "") -> None:
         self.store, self.name, self.files = store, name, files
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.save_id = rank, world_size, save_id
         self.error: BaseException | None = None
         self.seconds = 0.0
         """How long the copy took (set when it ends)."""
@@ -179,7 +182,7 @@ class Upload:
             time.sleep(self.store.poll_s)
         fs.put_file(str(local / METADATA_FILE), _join(remote, METADATA_FILE))
         fs.pipe_file(_join(remote, COMPLETE_MARKER),
-                     json.dumps({"world_size": self.world_size}).encode())
+                     json.dumps({"world_size": self.world_size, "save_id": self.save_id}).encode())
 
 
 @dataclass
@@ -254,8 +257,8 @@ class _LocalFirstFileSystem(FileSystemBase):
     (at least as long as the reads need), else fetched from the remote through fsspec: the byte
     ranges the reads need, one ranged request each (``cat_file``), or the whole file."""
 
-    def __init__(self, local: Path | None, remote_fs, remote_root: str) -> None:
-        self.local, self.remote_fs, self.root = local, remote_fs, remote_root
+    def __init__(self, local: Path | None, remote_fs, remote_root: str, save_id: str) -> None:
+        self.local, self.remote_fs, self.root, self.save_id = local, remote_fs, remote_root, save_id
         self.spans: dict[str, list[tuple[int, int]]] = {}
         """Relative path to the (offset, length) of every item a read of it asks for."""
         self.whole: dict[str, bytes] = {}
@@ -270,7 +273,12 @@ class _LocalFirstFileSystem(FileSystemBase):
             return False
         candidate = self.local / rel
         needed = max((o + n for o, n in self.spans.get(rel, ())), default=1)
-        return candidate.is_file() and candidate.stat().st_size >= needed
+        if not candidate.is_file() or candidate.stat().st_size < needed:
+            return False
+        try:  # a file of another save of the same name (a node back after a later save) is not it
+            return (self.local / (rel + SAVE_ID_SUFFIX)).read_text() == self.save_id
+        except OSError:
+            return False
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -318,9 +326,9 @@ class LocalFirstReader(dcp.FileSystemReader):
     """DCP's file reader over the remote copy of a checkpoint, each file taken from this node's
     local copy where it holds it (:class:`ReadStats` in :attr:`stats`)."""
 
-    def __init__(self, remote_fs, remote_path: str, local: Path | None) -> None:
+    def __init__(self, remote_fs, remote_path: str, local: Path | None, save_id: str = "") -> None:
         super().__init__(remote_path)
-        self.fs = _LocalFirstFileSystem(local, remote_fs, remote_path)
+        self.fs = _LocalFirstFileSystem(local, remote_fs, remote_path, save_id)
         self.path = remote_path
         self.stats = ReadStats()
 
@@ -408,9 +416,14 @@ class CheckpointStore:
                                               for m in (UPLOADED, FAILED)]:
                 if fs.exists(_join(remote, stale)):
                     fs.rm_file(_join(remote, stale))
+        token = [uuid.uuid4().hex if rank == 0 else ""]
+        if world > 1:  # one id for this save on every rank
+            dist.broadcast_object_list(token, src=0)
         writer = _RecordingWriter(self.local_path(name))
         dcp.save(state_dict, storage_writer=writer)
-        upload = Upload(self, name, list(writer.written), rank, world)
+        for f in writer.written:  # which save each local file is of (a node may keep stale ones)
+            (self.local_path(name) / (f + SAVE_ID_SUFFIX)).write_text(token[0])
+        upload = Upload(self, name, list(writer.written), rank, world, token[0])
         return upload.start() if start else upload
 
     def is_complete(self, name: str) -> bool:
@@ -448,4 +461,6 @@ class CheckpointStore:
         from the remote), the rest fetched."""
         self.require_complete(name)
         fs, root = self.remote_fs()
-        return LocalFirstReader(fs, _join(root, name), self.local_path(name) if local else None)
+        marker = json.loads(fs.cat_file(_join(_join(root, name), COMPLETE_MARKER)))
+        return LocalFirstReader(fs, _join(root, name), self.local_path(name) if local else None,
+                                marker.get("save_id", ""))

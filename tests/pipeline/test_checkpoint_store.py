@@ -95,7 +95,7 @@ def test_local_first_fetches_only_what_the_node_lacks_and_matches_one_process(ru
     fetched: set[str] = set()
     for o in runs["C"]:
         stats = o["stats"]
-        assert set(stats.fetched_files) == set(o["remote_reads"]) - {".metadata"}
+        assert set(stats.fetched_files) == set(o["remote_reads"]) - {".metadata", COMPLETE_MARKER}
         assert not held & set(stats.fetched_files) and set(stats.local_files) <= held
         fetched |= set(stats.fetched_files)
     assert fetched == {"__1_0.distcp", "__2_0.distcp", "__3_0.distcp"}

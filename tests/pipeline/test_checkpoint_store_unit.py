@@ -1,7 +1,9 @@
-"""CheckpointStore on one process (no process group): a local file shorter than the reads need
-is fetched instead; a failed upload is reported, leaving no marker, and rank 0 stops waiting
-for another rank whose copy failed; a remote nobody can open and a remote that is the local
-directory are refused naming them."""
+"""CheckpointStore on one process (no process group): a local file shorter than the reads need,
+or written by another save of the same name, is fetched instead; a failed upload is reported,
+leaving no marker, and rank 0 stops waiting for another rank whose copy failed; a remote
+nobody can open and a remote that is the local directory are refused naming them; a copy left
+unfinished is named when another plan cannot resume the checkpoint; HaptAccelerator refuses
+checkpoint_local_dir."""
 from __future__ import annotations
 
 import warnings
@@ -38,7 +40,25 @@ def test_a_truncated_local_file_is_fetched_and_the_load_is_exact(tmp_path):
     reader = store.reader("checkpoint-1")
     portable.load_portable("checkpoint-1", again, None, reader)
     assert reader.stats.fetched_files == ["__0_0.distcp"] and reader.stats.local_bytes == 0
-    assert slow_store.fetched_files() == ["__0_0.distcp"]  # the metadata came from the local copy
+    # the marker (naming the save) and the shard from the remote, the metadata from the local copy
+    assert slow_store.fetched_files() == [COMPLETE_MARKER, "__0_0.distcp"]
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_local_file_of_another_save_of_the_same_name_is_not_read(tmp_path):
+    first = CheckpointStore(tmp_path / "local", f"throttled://{tmp_path}/remote")
+    model = _model()
+    first.save("checkpoint-1", portable.portable_state_dict(model, None)).wait()
+    other = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))  # other weights
+    # the same name saved again into the same local directory (another run, a node that was
+    # away while the run went on): the local files are no longer those of the first copy
+    CheckpointStore(tmp_path / "local", str(tmp_path / "elsewhere")).save(
+        "checkpoint-1", portable.portable_state_dict(other, None)).wait()
+    again = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 2))
+    reader = first.reader("checkpoint-1")
+    portable.load_portable("checkpoint-1", again, None, reader)
+    assert reader.stats.local_bytes == 0 and reader.stats.fetched_files == ["__0_0.distcp"]
     for a, b in zip(model.parameters(), again.parameters()):
         assert torch.equal(a, b)
 
