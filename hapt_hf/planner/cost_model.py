@@ -53,7 +53,7 @@ Conventions:
   speed. Per rank: the blocks' sharded projections' weights, gradients and optimizer state
   divide by ``t`` (norms and row-wise biases whole: :meth:`ModelSpec.tp_whole_params`), a
   block's kept activations are ``(10 + 24/t) / 34`` of one GPU's (Korthikanti et al., no
-  sequence parallelism; ``(4 + 30/t) / 34`` on a stage that runs its blocks sequence
+  sequence parallelism; ``(34/t) / 34`` on a stage that runs its blocks sequence
   parallel, which pays one all-gather of its output forward and one backward), autocast's
   weight copies ``1/t``, and the data-parallel all-reduce
   and the optimizer step move and update the rank's shard. ``t`` is read off the replicas;
@@ -112,9 +112,9 @@ TP_ACT_KEPT = (10, 24, 34)
 """Korthikanti et al. (2022), without sequence parallelism: of the 34 parts of ``s*b*h`` a
 block keeps, 10 (its inputs, norms, dropout masks) stay whole on each rank and 24 split ``t``
 ways: a rank keeps ``(10 + 24/t) / 34`` of one GPU's. With sequence parallelism, what the
-runtime keeps: ``(4 + 30/t) / 34`` (:func:`~hapt_hf.core.tp.block_activation_parts`: the
-attention's and the MLP's inputs gathered and kept whole for the projections' weight
-gradients; Megatron-LM's ``34/t`` gathers them again in the backward)."""
+runtime keeps: ``(34/t) / 34`` (:func:`~hapt_hf.core.tp.block_activation_parts`: the
+attention's and the MLP's gathered inputs kept split and gathered again in the backward, as
+Megatron-LM does)."""
 
 
 def tp_unfit(model: ModelSpec, t: int) -> str | None:

@@ -297,7 +297,7 @@ def _tp_lines(plan: Plan) -> tuple[str, ...]:
     last = plan.stages[-1].index if plan.stages else -1
     return tuple(f"{f'stage {a}' if a == b else f'stages {a}-{b}'} ({'+'.join(g)}): "
                  f"replicas of {t} GPUs of one node, each GPU holding 1/{t} of every block's "
-                 "projections" + (f" and, sequence parallel, (4 + 30/{t})/34 of its activations"
+                 "projections" + (f" and, sequence parallel, 1/{t} of its activations"
                                   if sp else "")
                  + "; the embedding and norms whole on each"
                  + ("; the LM head split by vocabulary rows where the model's class plan "

@@ -54,20 +54,21 @@ def test_sequence_parallelism_keeps_what_the_runtime_keeps_of_a_block():
     cm = CostModel(m, one_group())
     blk = m.layers[1]
     for t in (2, 4):
-        # what the runtime keeps: (4 + 30/t) / 34 of the 34 parts (the attention's and the
-        # MLP's gathered inputs whole), against (10 + 24/t) / 34 without; weight copies 1/t
+        # what the runtime keeps: 34/t of the 34 parts (the attention's and the MLP's
+        # gathered inputs kept split and gathered again), against (10 + 24/t) / 34 without;
+        # weight copies 1/t
         assert cm.activation_bytes(3, 1, 2, tp=t, sp=True) == pytest.approx(
-            3 * blk.act_keep_bytes * (4 + 30 / t) / 34 + blk.act_keep_fixed_bytes / t)
+            3 * blk.act_keep_bytes * (34 / t) / 34 + blk.act_keep_fixed_bytes / t)
         assert cm.activation_bytes(3, 1, 2, tp=t) == pytest.approx(
             3 * blk.act_keep_bytes * (10 + 24 / t) / 34 + blk.act_keep_fixed_bytes / t)
         # a recomputed block keeps its input split on the sequence
         assert cm.activation_bytes(3, 1, 2, True, tp=t, sp=True) == pytest.approx(
             3 * blk.act_in_bytes / t)
         assert cm.working_bytes(3, 1, 2, t, True) == pytest.approx(
-            3 * blk.act_keep_bytes * (4 + 30 / t) / 34)
+            3 * blk.act_keep_bytes * (34 / t) / 34)
         # the weights do not change
         assert cm.memory_bytes(1, 1, 2, 0, tp=t, sp=True) == pytest.approx(
-            cm.static_bytes(1, 2, tp=t) + blk.act_keep_bytes * (4 + 30 / t) / 34)
+            cm.static_bytes(1, 2, tp=t) + blk.act_keep_bytes * (34 / t) / 34)
     # the embedding and the head are no blocks: as without
     L = m.num_layers
     for a, b in ((0, 1), (L - 1, L)):

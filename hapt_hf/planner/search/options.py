@@ -100,7 +100,7 @@ class PlannerOptions:
     the schedule asked for."""
     allow_sequence_parallel: bool = True
     """Let a stage of replicas of several GPUs run its blocks sequence parallel (each rank
-    keeps ``(4 + 30/t) / 34`` of a block's activations instead of ``(10 + 24/t) / 34``, for one
+    keeps ``(34/t) / 34`` of a block's activations instead of ``(10 + 24/t) / 34``, for one
     all-gather of the stage's output forward and one backward) where the model allows it
     (:func:`~hapt_hf.core.tp.sp_refusal`: whole blocks) and it lets the stage hold more
     layers or recompute less."""
