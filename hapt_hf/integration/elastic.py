@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,12 +231,24 @@ def _is_restart(elastic: ElasticEnv | None, output_dir: str | os.PathLike) -> bo
     return elastic.restart_count > 0 or same_run
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete ``checkpoint-N`` of ``output_dir`` (``.tmp-`` ones are not)."""
-    from transformers.trainer_utils import get_last_checkpoint
+def _checkpoints(output_dir: str | os.PathLike) -> dict[str, int]:
+    """The complete ``checkpoint-N`` directories of ``output_dir`` and their steps (a
+    ``.tmp-`` one, a save cut short, is no checkpoint)."""
+    out: dict[str, int] = {}
+    if os.path.isdir(output_dir):
+        for d in Path(output_dir).iterdir():
+            m = re.fullmatch(r"checkpoint-(\d+)", d.name)
+            if m and d.is_dir():
+                out[d.name] = int(m.group(1))
+    return out
 
-    last = get_last_checkpoint(str(output_dir)) if os.path.isdir(output_dir) else None
-    return Path(last) if last is not None else None
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint this run wrote in ``output_dir``: those the output
+    directory held when the run first started (an earlier run's) are not its own."""
+    before = set((_run_record(output_dir) or {}).get("before", []))
+    mine = {n: s for n, s in _checkpoints(output_dir).items() if n not in before}
+    return Path(output_dir) / max(mine, key=mine.__getitem__) if mine else None
 
 
 def run_global_batch(config_batch: int | None, output_dir: str | os.PathLike) -> int | None:
@@ -286,8 +299,8 @@ def keep_global_batch(args: Any, target: int, world_size: int) -> None:
 def resume_point(rank: int, world_size: int, given: Path | None, output_dir: str | os.PathLike,
                  describe: str) -> Path | None:
     """The checkpoint this start resumes from (collective: rank 0 decides, every rank learns
-    it): on a restart of an elastic run the latest complete checkpoint of ``output_dir`` (else
-    ``given``); on a first start ``given``. Rank 0 records the start in ``RUN_FILE`` and, on a
+    it): on a restart of an elastic run the latest complete checkpoint this run wrote in
+    ``output_dir`` (else ``given``); on a first start ``given``. Rank 0 records the start in ``RUN_FILE`` and, on a
     restart, says so with ``describe`` (the world and its groups)."""
     import torch.distributed as dist
 
@@ -306,9 +319,13 @@ def resume_point(rank: int, world_size: int, given: Path | None, output_dir: str
                      else f"no checkpoint in {str(output_dir)!r} yet: starting from step 0")
             print(f"hapt_hf: restart {starts}: world {world_size} (groups {describe}), re-planned, "
                   f"{where}", flush=True)
+        # a first start notes the checkpoints already there: an earlier run's, never resumed
+        # by a restart (this run's own are)
+        before = record.get("before", []) if restart else sorted(_checkpoints(output_dir))
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(output_dir) / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps({"run_id": elastic.run_id, "starts": starts + 1}))
+        tmp.write_text(json.dumps({"run_id": elastic.run_id, "starts": starts + 1,
+                                   "before": before}))
         os.replace(tmp, Path(output_dir) / RUN_FILE)
         box[0] = None if chosen is None else str(chosen)
     if world_size > 1:

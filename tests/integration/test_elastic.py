@@ -104,6 +104,7 @@ def test_a_restart_resumes_the_latest_complete_checkpoint_and_says_so(tmp_path, 
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     given = Path("given")
+    (out / "checkpoint-100").mkdir(parents=True)  # an earlier run's, in the same directory
     assert elastic.run_global_batch(None, out) is None  # a first start: nothing to keep yet
     assert elastic.run_global_batch(8, out) == 8  # restartable: the config's is kept
     assert elastic.resume_point(0, 1, given, out, "big x1") == given
@@ -120,7 +121,10 @@ def test_a_restart_resumes_the_latest_complete_checkpoint_and_says_so(tmp_path, 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # another run in the same directory
     assert elastic.resume_point(0, 1, None, out, "big x1") is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a failure: whatever the run's id
-    assert elastic.resume_point(0, 1, None, out, "big x1") == out / "checkpoint-4"
+    # the new run has written nothing yet: the earlier run's checkpoints are not its own
+    assert elastic.resume_point(0, 1, given, out, "big x1") == given
+    (out / "checkpoint-1").mkdir()
+    assert elastic.resume_point(0, 1, given, out, "big x1") == out / "checkpoint-1"
 
 
 def test_a_re_plan_that_fits_nothing_says_in_one_message_what_would(monkeypatch):
