@@ -15,10 +15,11 @@ the nodes left and starts the workers again, numbered anew. Each start of a Hapt
    ``gradient_accumulation_steps`` (else ``per_device_train_batch_size``) is set so that
    per-device batch x accumulation x processes gives it, and the rows of every step are the
    same rows in the same order.
-3. **Resumes from the latest complete checkpoint** of the output directory
+3. **Resumes from the latest complete checkpoint** the run wrote in the output directory
    (:func:`resume_point`): a ``checkpoint-N`` directory exists only once every rank has written
    and synced its part (trainer_checkpoint commits it by a rename), and its portable part
-   resumes on any plan. Rank 0 says ``restart N: world W (groups ...), re-planned, resuming from
+   resumes on any plan; those an earlier run left there are noted at the first start and
+   never resumed. Rank 0 says ``restart N: world W (groups ...), re-planned, resuming from
    checkpoint-S``.
 
 A start is a restart where ``TORCHELASTIC_RESTART_COUNT`` (the agent's count of failures) is
