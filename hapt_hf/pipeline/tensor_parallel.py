@@ -29,7 +29,10 @@ Two options on top (:mod:`hapt_hf.core.tp` holds their rules, which the planner 
   :attr:`TensorParallelShards.partial`, summed over the replica. The stage's transfers stay
   whole activations: a hook before the stage's first block keeps each rank's slice of the
   sequence (backward: the gradient all-gathered) and one after its last block all-gathers
-  the sequence (backward: the gradient sliced), both as DTensor redistributions.
+  the sequence (backward: the gradient sliced), both as DTensor redistributions. The
+  gathered input the projections save for their weight gradients is kept as the rank's
+  slice and gathered again in the backward (:class:`_GatheredInput`, as Megatron-LM does), so
+  a rank keeps ``34/t`` of a block's activations (:func:`~hapt_hf.core.tp.block_activation_parts`).
 * **A vocabulary-split LM head** (:func:`~hapt_hf.core.tp.head_sharded`: the model class's
   own plan names ``lm_head``, untied): ``ColwiseParallel(output_layouts=Replicate())``, the
   weight split by vocabulary rows and the logits all-gathered, so the loss is taken whole as
