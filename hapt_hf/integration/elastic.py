@@ -244,12 +244,27 @@ def _checkpoints(output_dir: str | os.PathLike) -> dict[str, int]:
     return out
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint this run wrote in ``output_dir``: those the output
+def _resumable(ckpt: Path) -> bool:
+    """Whether a committed checkpoint's portable part is whole: with a node-local directory its
+    tensors reach ``portable/`` by a background copy after the commit, DCP's ``.metadata`` last
+    (a node lost during the copy leaves it without)."""
+    from hapt_hf.integration.trainer_checkpoint import PORTABLE_DIR, PORTABLE_STATE
+    from hapt_hf.pipeline.portable import is_portable
+
+    return not (ckpt / PORTABLE_STATE).is_file() or is_portable(ckpt / PORTABLE_DIR)
+
+
+def _own_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoints this run wrote in ``output_dir``, newest first: those the output
     directory held when the run first started (an earlier run's) are not its own."""
     before = set((_run_record(output_dir) or {}).get("before", []))
     mine = {n: s for n, s in _checkpoints(output_dir).items() if n not in before}
-    return Path(output_dir) / max(mine, key=mine.__getitem__) if mine else None
+    return [Path(output_dir) / n for n in sorted(mine, key=mine.__getitem__, reverse=True)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint this run wrote in ``output_dir`` whose portable part is whole."""
+    return next((c for c in _own_checkpoints(output_dir) if _resumable(c)), None)
 
 
 def run_global_batch(config_batch: int | None, output_dir: str | os.PathLike) -> int | None:
@@ -318,6 +333,9 @@ def resume_point(rank: int, world_size: int, given: Path | None, output_dir: str
         if restart:
             where = (f"resuming from {chosen.name}" if chosen is not None
                      else f"no checkpoint in {str(output_dir)!r} yet: starting from step 0")
+            torn = [c.name for c in _own_checkpoints(output_dir) if not _resumable(c)]
+            if torn:
+                where += f" ({', '.join(torn)}: portable part incomplete, not resumed)"
             print(f"hapt_hf: restart {starts}: world {world_size} (groups {describe}), re-planned, "
                   f"{where}", flush=True)
         # a first start notes the checkpoints already there: an earlier run's, never resumed

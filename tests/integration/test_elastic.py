@@ -112,12 +112,14 @@ def test_a_restart_resumes_the_latest_complete_checkpoint_and_says_so(tmp_path, 
         (out / f"checkpoint-{step}").mkdir()
     _plan(12).save(out / "checkpoint-4" / "plan.json")
     (out / ".tmp-checkpoint-6").mkdir()  # a save cut short: never resumed
+    (out / "checkpoint-8" / "portable").mkdir(parents=True)  # its background copy cut short
+    (out / "checkpoint-8" / "hapt_portable.pt").touch()
     capsys.readouterr()
     # a node joined: the agent restarted the workers without counting a failure
     assert elastic.run_global_batch(None, out) == 12
     assert elastic.resume_point(0, 1, given, out, "big x1") == out / "checkpoint-4"
-    assert "hapt_hf: restart 1: world 1 (groups big x1), re-planned, resuming from checkpoint-4" \
-        in capsys.readouterr().out
+    assert "hapt_hf: restart 1: world 1 (groups big x1), re-planned, resuming from checkpoint-4 " \
+           "(checkpoint-8: portable part incomplete, not resumed)" in capsys.readouterr().out
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "another-job")  # another run in the same directory
     assert elastic.resume_point(0, 1, None, out, "big x1") is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a failure: whatever the run's id
