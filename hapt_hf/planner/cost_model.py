@@ -695,6 +695,16 @@ class CostModel:
             return 0.0
         return self.tp_allgather_s(group, tp, samples * self.model.layers[blocks[-1]].act_out_bytes)
 
+    def sp_regather_s(self, group: GpuGroup, samples: int, tp: int, a: int, b: int) -> float:
+        """What sequence parallelism adds to the backward of layers [a, b) beyond plain tensor
+        parallelism's, unless the stage recomputes: the attention's and the MLP's inputs
+        all-gathered again on the sequence for the projections' weight gradients (their
+        slices were kept), one all-gather of ``samples x seq x hidden`` each."""
+        m = self.model
+        return sum(m.tp_allreduces(m.layers[j])
+                   * self.tp_allgather_s(group, tp, samples * m.layers[j].act_out_bytes)
+                   for j in range(a, b) if self._is_block[j])
+
     def head_comm_s(self, group: GpuGroup, samples: int, tp: int) -> tuple[float, float]:
         """(forward, backward) collectives of an LM head split by vocabulary rows over a
         replica of ``tp`` ranks: the logits all-gathered on the vocabulary (``samples x seq x
@@ -1070,7 +1080,8 @@ class CostModel:
         f, bw, slow = self._slowest(p, a, b, rc)
         if sp:
             edge = max(self.sp_edge_s(g, s, p.tp, a, b) for g, s in p.kinds)
-            f, bw = f + edge, bw + edge
+            again = 0.0 if rc else max(self.sp_regather_s(g, s, p.tp, a, b) for g, s in p.kinds)
+            f, bw = f + edge, bw + edge + again
         ar = self._window(p, slow, a, b, rc)
         first_samples = p.replicas[0].samples
         action = self.action_overhead_s(p, a, b)

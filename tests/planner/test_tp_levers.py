@@ -75,7 +75,7 @@ def test_sequence_parallelism_keeps_what_the_runtime_keeps_of_a_block():
         assert cm.activation_bytes(2, a, b, tp=4, sp=True) == cm.activation_bytes(2, a, b, tp=4)
 
 
-def test_a_sequence_parallel_stage_pays_one_all_gather_each_way_and_the_same_all_reduces():
+def test_a_sequence_parallel_stage_pays_its_all_gathers_and_the_same_all_reduces():
     m = llama(blocks=3)
     cm = CostModel(m, one_group())
     t, samples = 4, 2
@@ -88,7 +88,17 @@ def test_a_sequence_parallel_stage_pays_one_all_gather_each_way_and_the_same_all
     edge = allgather_s(t, samples * SEQ * HIDDEN * 2)
     assert cm.sp_edge_s(cm.hardware.groups[0], samples, t, *layers) == pytest.approx(edge)
     assert sp.forward_s == pytest.approx(plain.forward_s + edge)
-    assert sp.backward_s == pytest.approx(plain.backward_s + edge)
+    # backward: the edge, and each block's attention and MLP inputs gathered again for the
+    # projections' weight gradients (their slices were kept): 2 all-gathers a block
+    again = 2 * 2 * allgather_s(t, samples * SEQ * HIDDEN * 2)
+    assert cm.sp_regather_s(cm.hardware.groups[0], samples, t, *layers) == pytest.approx(again)
+    assert sp.backward_s == pytest.approx(plain.backward_s + edge + again)
+    # a recomputing stage gathers them in its recomputed forward (priced with it) only
+    plain_rc = cm.stage_costs([Stage(0, layers, reps(t, 2, samples), recompute=True)],
+                              4).stages[0]
+    sp_rc = cm.stage_costs([Stage(0, layers, reps(t, 2, samples), recompute=True,
+                                  sequence_parallel=True)], 4).stages[0]
+    assert sp_rc.backward_s == pytest.approx(plain_rc.backward_s + edge)
     # reduce-scatter + all-gather move what the all-reduce moved: the blocks' times stand
     g = cm.hardware.groups[0]
     f1, b1 = cm.compute_s(g, samples, 1, 3)
