@@ -19,14 +19,12 @@ each stage's written by that stage), the plan (``plan.json``) and two forms of t
 from __future__ import annotations
 
 import contextlib
-import random
 import re
 import shutil
 from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 
 from hapt_hf.errors import CheckpointError
@@ -115,26 +113,12 @@ def write_portable(tmp: Path, runtime: PipelineRuntime, optimizer: Any, schedule
     scaler = runtime.loss_scaler
     with _torch_rng(rng):
         state = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "groups": portable.group_settings(optimizer), "rng": _rng_states(),
+                 "groups": portable.group_settings(optimizer), "rng": ckpt_io.rng_state(),
                  "loss_scale": scaler.state_dict() if scaler is not None else None,
                  "loop": loop, "shape": asdict(shape)}
     path = tmp / PORTABLE_FILE
     torch.save(state, path)
     ckpt_io.fsync_path(path)
-
-
-def _rng_states() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_states(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    _set_torch_rng((state["torch"], state.get("cuda") if torch.cuda.is_available() else None))
 
 
 @contextlib.contextmanager
@@ -242,7 +226,7 @@ def read_portable(ckpt: Path, runtime: PipelineRuntime, optimizer: Any, schedule
         portable.apply_group_settings(optimizer, state["groups"])
         if runtime.loss_scaler is not None and state["loss_scale"] is not None:
             runtime.loss_scaler.load_state_dict(state["loss_scale"])
-        _set_rng_states(state["rng"])
+        ckpt_io.set_rng_state(state["rng"])
     channel.agree("loading the state", index, apply, refusals=(CheckpointError,))
     return state["loop"]
 

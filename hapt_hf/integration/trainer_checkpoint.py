@@ -54,7 +54,7 @@ from hapt_hf.pipeline.zero import SHARD_KEY, ShardedOptimizer, load_portable_sta
 from hapt_hf.planner.plan import Plan, PlanError
 
 __all__ = ["CheckpointError", "rank_state_file", "begin_model_save", "finish_model_save",
-           "begin_checkpoint", "commit_checkpoint",
+           "rng_state", "set_rng_state", "begin_checkpoint", "commit_checkpoint",
            "save_rank_state", "load_rank_state", "save_hf_model", "load_stage_weights",
            "load_trainer_state", "resolve_resume", "load_checkpoint", "check_resumable", "check_optimizer_states",
            "check_same_run", "check_portable", "PORTABLE_DIR",
@@ -144,7 +144,8 @@ def commit_checkpoint(tmp: Path, final: Path, rank: int) -> None:
     barrier()
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's Python, NumPy, torch (and CUDA) random states, as a checkpoint keeps them."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -152,7 +153,8 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved (CUDA's where it was saved and CUDA is here)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -164,7 +166,7 @@ def save_rank_state(tmp: Path, rank: int, optimizer, scheduler, loss_scaler=None
     path = rank_state_file(tmp, rank)
     torch.save({"optimizer": portable_state(optimizer),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": _rng_state(),
+                "rng": rng_state(),
                 "loss_scale": loss_scaler.state_dict() if loss_scaler is not None else None},
                path)
     fsync_path(path)
@@ -196,7 +198,7 @@ def save_portable_state(tmp: Path, runtime, optimizer, scheduler,
         path = Path(tmp) / PORTABLE_STATE
         scaler = runtime.loss_scaler
         torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "groups": portable.group_settings(optimizer), "rng": _rng_state(),
+                    "groups": portable.group_settings(optimizer), "rng": rng_state(),
                     "loss_scale": scaler.state_dict() if scaler is not None else None}, path)
         fsync_path(path)
     return upload
@@ -223,7 +225,7 @@ def _load_portable_rest(ckpt: Path, optimizer, scheduler, loss_scaler) -> None:
     portable.apply_group_settings(optimizer, parts[0])
     if loss_scaler is not None and parts[3] is not None:
         loss_scaler.load_state_dict(parts[3])
-    _set_rng_state(parts[2])
+    set_rng_state(parts[2])
 
 
 def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler, loss_scaler=None) -> None:
@@ -249,7 +251,7 @@ def load_rank_state(ckpt: Path, rank: int, optimizer, scheduler, loss_scaler=Non
         raise CheckpointError(f"{str(path)!r}: {e}") from None
     if scheduler is not None and parts[1] is not None:
         scheduler.load_state_dict(parts[1])
-    _set_rng_state(parts[2])
+    set_rng_state(parts[2])
 
 
 def load_trainer_state(ckpt: Path):
