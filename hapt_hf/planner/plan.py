@@ -139,6 +139,13 @@ class Stage:
     the blocks' residual stream split on the sequence over the replica's ranks, its input and
     output whole activations as without it (see :func:`hapt_hf.core.tp.sp_refusal` for what it
     moves and which models run it)."""
+    recompute_layers: int = 0
+    """Partial recompute (plan.json ``"recompute_layers"``, written only when non-zero): the
+    stage's first ``k`` block units, in the plan's ``layer_unit`` and counting only transformer
+    block units (not the embedding or the head), recompute their activations in the backward;
+    the rest keep them. 0 with ``recompute`` false: none recompute; ``recompute`` true means all
+    of them (and ``recompute_layers`` stays 0). Under an interleaved schedule each stage record
+    (chunk) has its own ``k``. Read it through :meth:`recomputed_units`."""
 
     @classmethod
     def even(cls, index: int, layers: tuple[int, int], group: str, device_type: str,
@@ -192,6 +199,19 @@ class Stage:
         """Whether the replicas differ in group, device type or share."""
         return len({(r.group, r.device_type, r.samples) for r in self.replicas}) > 1
 
+    def block_units(self, num_layers: int) -> int:
+        """Transformer block units (blocks, or halves under ``layer_unit`` 'half') the stage
+        holds, of a plan whose layer sequence is ``num_layers`` long: its layer range less the
+        embedding and the head."""
+        return max(min(self.layers[1], num_layers - 1) - max(self.layers[0], 1), 0)
+
+    def recomputed_units(self, num_layers: int) -> int:
+        """How many of the stage's block units, from its first, recompute in the backward
+        (all of them under ``recompute``, else ``recompute_layers``): the one reading of the
+        stage's recompute that the cost model and the runtime share. Units ``j`` of the stage
+        with ``j < recomputed_units`` keep only their input per micro-batch in flight."""
+        return self.block_units(num_layers) if self.recompute else self.recompute_layers
+
     def shares(self, micro_batch_size: int | None = None) -> tuple[int, ...]:
         """Samples of each micro-batch each replica computes, in replica order; given the
         plan's ``micro_batch_size``, PlanError where they do not sum to it."""
@@ -215,6 +235,8 @@ class Stage:
         d["dp"] = self.width  # written for readers; checked on load
         d["tp"] = self.tp  # likewise
         d["sp"] = self.sequence_parallel  # absent in older files: False
+        if self.recompute_layers:  # absent means 0: older files agree
+            d["recompute_layers"] = self.recompute_layers
         return d
 
     @classmethod
@@ -246,6 +268,8 @@ class Stage:
                 predicted=StagePrediction(**d.get("predicted", {})),
                 deferral=None if d.get("deferral") is None else int(d["deferral"]),
                 sequence_parallel=_flag(d.get("sp", False), f"{where}: sp"),
+                recompute_layers=_count(d.get("recompute_layers", 0),
+                                        f"{where}: recompute_layers"),
             )
         except KeyError as e:
             raise PlanError(f"{where}: missing field {e.args[0]!r}; every stage needs "
@@ -289,11 +313,26 @@ class Stage:
                             f"{self.tp} rank each; sequence parallelism splits the sequence over "
                             "a replica's tensor-parallel ranks: set \"sp\" to false or give the "
                             "stage's replicas several ranks (tp > 1)")
+        if self.recompute_layers < 0:
+            raise PlanError(f"stage {i} has recompute_layers {self.recompute_layers}; it must be "
+                            ">= 0 (how many of the stage's first block units recompute)")
+        if self.recompute_layers and self.recompute:
+            raise PlanError(f"stage {i} sets recompute true and recompute_layers "
+                            f"{self.recompute_layers}; recompute true already recomputes every "
+                            "block: set recompute_layers to 0, or recompute to false")
         shares = self.shares()
         if min(shares) < 1:
             raise PlanError(f"stage {i}: replica samples {list(shares)} include a replica with "
                             "none; leave that GPU out of the stage instead")
         self.shares(micro_batch_size)
+
+
+def _count(value: Any, where: str) -> int:
+    """A plan.json integer count (not a boolean), PlanError for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{where} is {value!r}; it must be an integer (how many of the stage's "
+                        "first block units recompute)")
+    return value
 
 
 def _flag(value: Any, where: str) -> bool:
@@ -431,7 +470,8 @@ class Plan:
         ``virtual`` chunks as evenly as they go (the first chunks one layer larger), and the
         chunks tile the model in the order ``rank 0 chunk 0, rank 1 chunk 0, ..., rank 0
         chunk 1...`` (stage ``c p + k`` on rank ``k``). ``warmups``: one per rank (default:
-        the interleaved schedule's own)."""
+        the interleaved schedule's own). A stage's ``recompute_layers`` go to its chunks in
+        chunk order (a chunk given all its block units recomputes them all)."""
         p, v = self.num_stages, int(virtual)
         if self.virtual_stages != 1:
             raise PlanError(f"the plan already holds {self.virtual_stages} stages per rank; "
@@ -451,12 +491,20 @@ class Plan:
             raise PlanError(f"{len(warmups)} warm-ups given for {p} pipeline ranks; give one "
                             "per rank")
         stages, start = [], 0
+        left = [s.recompute_layers for s in self.stages]  # partial recompute, chunk by chunk
         for c in range(v):
             for k, base in enumerate(self.stages):
                 end = start + chunks[k][c]
-                stages.append(replace(base, index=c * p + k, layers=(start, end),
-                                      warmup=int(warmups[k]), predicted=StagePrediction(),
-                                      deferral=None))
+                chunk = replace(base, index=c * p + k, layers=(start, end),
+                                warmup=int(warmups[k]), predicted=StagePrediction(),
+                                deferral=None, recompute_layers=0)
+                if left[k]:  # the earliest chunks, which hold the most in flight, take them
+                    units = chunk.block_units(self.num_layers)
+                    take = min(left[k], units)
+                    left[k] -= take
+                    chunk = replace(chunk, recompute=take == units > 0,
+                                    recompute_layers=take if take < units else 0)
+                stages.append(chunk)
                 start = end
         return replace(self, schedule=ScheduleKind.INTERLEAVED.value, stages=tuple(stages),
                        predicted=PlanPrediction())
@@ -508,6 +556,12 @@ class Plan:
                                 "holds a stage once")
             seen_ranks.update(s.ranks)
             s.validate(self.micro_batch_size)
+            units = s.block_units(self.num_layers)
+            if s.recompute_layers and s.recompute_layers >= units:
+                raise PlanError(f"stage {i} has recompute_layers {s.recompute_layers} but holds "
+                                f"{units} block unit(s) ({self.layer_unit}); it must be fewer "
+                                "than them: to recompute all of them set recompute true and "
+                                "recompute_layers 0")
             if s.warmup < 1:
                 raise PlanError(f"stage {i} has warmup {s.warmup}; it must be >= 1")
             if s.deferral is not None and self.schedule != ScheduleKind.ZERO_BUBBLE:
