@@ -245,13 +245,14 @@ def _checkpoints(output_dir: str | os.PathLike) -> dict[str, int]:
 
 
 def _resumable(ckpt: Path) -> bool:
-    """Whether a committed checkpoint's portable part is whole: with a node-local directory its
-    tensors reach ``portable/`` by a background copy after the commit, DCP's ``.metadata`` last
-    (a node lost during the copy leaves it without)."""
+    """Whether a committed checkpoint's portable part is whole (checkpoint_store's one rule,
+    :func:`~hapt_hf.pipeline.checkpoint_store.copy_whole`): with a node-local directory its
+    tensors reach ``portable/`` by a background copy after the commit (a node lost during the
+    copy leaves it without its ``.complete`` marker)."""
     from hapt_hf.integration.trainer_checkpoint import PORTABLE_DIR, PORTABLE_STATE
-    from hapt_hf.pipeline.portable import is_portable
+    from hapt_hf.pipeline.checkpoint_store import copy_whole
 
-    return not (ckpt / PORTABLE_STATE).is_file() or is_portable(ckpt / PORTABLE_DIR)
+    return not (ckpt / PORTABLE_STATE).is_file() or copy_whole(ckpt / PORTABLE_DIR)
 
 
 def _own_checkpoints(output_dir: str | os.PathLike) -> list[Path]:

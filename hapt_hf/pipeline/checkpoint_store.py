@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from hapt_hf.errors import CheckpointError
 
 __all__ = ["CheckpointStore", "Upload", "LocalFirstReader", "ReadStats", "METADATA_FILE",
-           "COMPLETE_MARKER", "copy_unfinished"]
+           "COMPLETE_MARKER", "copy_whole", "copy_unfinished"]
 
 logger = logging.getLogger("hapt_hf.checkpoint")
 
@@ -61,11 +61,24 @@ FAILED = ".failed-{rank}"
 """Written (if it can be) by a rank whose copy failed, so that rank 0 stops waiting for it."""
 
 
-def copy_unfinished(directory: Path) -> bool:
+def copy_whole(directory: str | os.PathLike, fs: Any = None) -> bool:
+    """The one rule for "this checkpoint's copy is whole", wherever it is asked: a copy that
+    :class:`Upload` filled (a rank's ``.uploaded-N`` is there) is whole once its
+    ``.complete`` marker is; a directory DCP wrote itself, once DCP's ``.metadata`` (written
+    last) is. ``fs``: the fsspec filesystem ``directory`` is on (a remote copy); None: a path
+    on this machine."""
+    if fs is None:
+        fs, directory = fsspec.filesystem("file"), str(Path(directory).absolute())
+    path = str(directory)
+    if fs.exists(_join(path, COMPLETE_MARKER)):
+        return True
+    return fs.exists(_join(path, METADATA_FILE)) and not fs.glob(_join(path, UPLOADED.format(rank="*")))
+
+
+def copy_unfinished(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` (a remote copy on a mounted path) is one a copy began to fill and
-    did not complete: a rank's files are there, the marker is not."""
-    directory = Path(directory)
-    return any(directory.glob(UPLOADED.format(rank="*"))) and not (directory / COMPLETE_MARKER).is_file()
+    did not complete: a rank's files are there, and by :func:`copy_whole` it is not whole."""
+    return any(Path(directory).glob(UPLOADED.format(rank="*"))) and not copy_whole(directory)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -429,7 +442,7 @@ class CheckpointStore:
     def is_complete(self, name: str) -> bool:
         """Whether the remote copy of ``name`` holds every rank's files and the metadata."""
         fs, root = self.remote_fs()
-        return fs.exists(_join(_join(root, name), COMPLETE_MARKER))
+        return copy_whole(_join(root, name), fs)
 
     def require_complete(self, name: str) -> None:
         if not self.is_complete(name):
@@ -451,7 +464,7 @@ class CheckpointStore:
             if name.startswith(prefix) and name[len(prefix):].isdigit():
                 steps.append((int(name[len(prefix):]), name))
         for _, name in sorted(steps, reverse=True):
-            if fs.exists(_join(_join(root, name), COMPLETE_MARKER)):
+            if copy_whole(_join(root, name), fs):
                 return name
         return None
 
@@ -461,6 +474,7 @@ class CheckpointStore:
         from the remote), the rest fetched."""
         self.require_complete(name)
         fs, root = self.remote_fs()
-        marker = json.loads(fs.cat_file(_join(_join(root, name), COMPLETE_MARKER)))
+        marker_path = _join(_join(root, name), COMPLETE_MARKER)  # a DCP-written copy has none
+        marker = json.loads(fs.cat_file(marker_path)) if fs.exists(marker_path) else {}
         return LocalFirstReader(fs, _join(root, name), self.local_path(name) if local else None,
                                 marker.get("save_id", ""))

@@ -121,3 +121,21 @@ def test_haptaccelerator_refuses_checkpoint_local_dir_it_would_not_honour(tmp_pa
     with pytest.raises(HaptConfigError, match="'checkpoint_local_dir' is kept by HaptTrainer's "
                                               "checkpoints only"):
         HaptAccelerator(hapt_plugin=config)
+
+
+def test_one_rule_says_whether_a_copy_is_whole(tmp_path):
+    from hapt_hf.pipeline.checkpoint_store import copy_unfinished, copy_whole
+
+    dcp_dir, copied = tmp_path / "dcp", tmp_path / "copied"
+    dcp_dir.mkdir()
+    copied.mkdir()
+    assert not copy_whole(dcp_dir) and not copy_unfinished(dcp_dir)  # nothing written yet
+    (dcp_dir / ".metadata").write_text("")  # DCP writes it last
+    assert copy_whole(dcp_dir) and not copy_unfinished(dcp_dir)
+    (copied / ".uploaded-0").write_text("{}")
+    (copied / ".metadata").write_text("")  # an upload puts the metadata just before the marker
+    assert not copy_whole(copied) and copy_unfinished(copied)
+    (copied / COMPLETE_MARKER).write_text("{}")
+    assert copy_whole(copied) and not copy_unfinished(copied)
+    store = CheckpointStore(tmp_path / "local", str(tmp_path))
+    assert store.is_complete("copied") and store.is_complete("dcp") and not store.is_complete("none")
