@@ -5,11 +5,13 @@ When a node is lost (or comes back) the agent stops every worker, holds a new re
 the nodes left and starts the workers again, numbered anew. Each start of a HaptTrainer run then:
 
 1. **Maps the world to the cluster file's groups.** Every node says which group of the cluster
-   file it is with the ``HAPT_GROUP`` environment variable, set per node (per agent); every rank
-   sends it to every other (:func:`gather_places`), and rank 0 plans on :func:`present_cluster`:
+   file it is with the ``HAPT_GROUP`` environment variable, set per node (per agent), or by its
+   hostname, which the cluster file's ``hosts:`` patterns map to a group
+   (:func:`resolve_groups`; ``HAPT_GROUP`` wins); every rank sends its place to every other
+   (:func:`gather_places`), and rank 0 plans on :func:`present_cluster`:
    the cluster file's groups shrunk to the GPUs present, listed in the order of the ranks, so
    that the planner's numbering (group by group, in file order) is the launcher's. Where no node
-   sets ``HAPT_GROUP`` the cluster file is taken as it is, as on any launch.
+   sets ``HAPT_GROUP`` and the file maps no hosts, it is taken as it is, as on any launch.
 2. **Keeps the run's global batch** (:func:`keep_global_batch`): the hapt config's
    ``global_batch_size`` or, on a restart, the one the run was planned with; Trainer's
    ``gradient_accumulation_steps`` (else ``per_device_train_batch_size``) is set so that
@@ -39,14 +41,17 @@ from typing import Any, Mapping, Sequence
 from hapt_hf.errors import ConfigError, LaunchError, TrainingArgsError
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GroupLink
 
-__all__ = ["GROUP_ENV", "RUN_FILE", "ElasticEnv", "read_elastic_env", "restartable",
+__all__ = ["GROUP_ENV", "HOST_ENV", "RUN_FILE", "ElasticEnv", "read_elastic_env", "restartable",
            "check_restartable",
-           "Place", "this_place", "gather_places", "present_cluster", "describe_places", "missing_gpus",
+           "Place", "this_place", "gather_places", "resolve_groups", "present_cluster",
+           "describe_places", "missing_gpus",
            "run_global_batch", "keep_global_batch",
            "plan_groups", "latest_checkpoint", "resume_point"]
 
 GROUP_ENV = "HAPT_GROUP"
 """Set on each node (in the environment of its ``torchrun``): the cluster file group it is."""
+HOST_ENV = "HAPT_HOSTNAME"
+"""Where set, the hostname a node's ``hosts:`` patterns are matched against (else its own)."""
 RUN_FILE = "hapt_elastic.json"
 """In the output directory: the run's rendezvous id and how many times it started."""
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -98,16 +103,26 @@ def check_restartable(elastic: ElasticEnv | None) -> None:
 # -- the world present -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Place:
-    """Where one rank runs: the group its node says it is (None: not said), and its node."""
+    """Where one rank runs: the group its node says it is (None: not said), its node, and its
+    node's hostname."""
 
     group: str | None
     node: str
+    host: str = ""
 
 
 def this_place(env: Mapping[str, str] | None = None) -> Place:
     env = os.environ if env is None else env
-    node = f"{socket.gethostname()}/{env.get('GROUP_RANK', '0')}"
-    return Place(env.get(GROUP_ENV) or None, node)
+    host = env.get(HOST_ENV) or socket.gethostname()
+    return Place(env.get(GROUP_ENV) or None, f"{host}/{env.get('GROUP_RANK', '0')}", host)
+
+
+def resolve_groups(cluster: Cluster, places: Sequence[Place]) -> list[Place]:
+    """Each place whose node did not set ``HAPT_GROUP`` given the group its hostname is, by
+    the cluster file's ``hosts:`` patterns (:meth:`Cluster.group_of_host`: a host of no group,
+    or of two, is refused naming it); unchanged where the file maps no hosts."""
+    return [p if p.group is not None else Place(cluster.group_of_host(p.host), p.node, p.host)
+            for p in places]
 
 
 def gather_places(world_size: int) -> list[Place] | None:
@@ -139,7 +154,9 @@ def _checked(cluster: Cluster, places: Sequence[Place]) -> None:
     if unset:
         raise ConfigError(f"rank(s) {unset} do not say which group of cluster {cluster.name!r} "
                           f"they are while others do; set {GROUP_ENV}=<group> (one of "
-                          f"{', '.join(names)}) in the environment of every node's torchrun")
+                          f"{', '.join(names)}) in the environment of every node's torchrun, "
+                          "or list the nodes' hostnames under their groups' hosts: in the "
+                          "cluster file")
     for group in dict.fromkeys(p.group for p in places):
         ranks = [r for r, p in enumerate(places) if p.group == group]
         if group not in names:
@@ -169,8 +186,12 @@ def present_cluster(cluster: Cluster, places: Sequence[Place] | None) -> Cluster
     """The cluster of the ranks present: each run of consecutive ranks of one group becomes a
     group of the GPUs present (the group's name; ``name.1``, ``name.2``... where its ranks are
     not consecutive, linked by the group's inter-node link), in rank order, so that the
-    planner numbers ranks as the launcher did. None where no rank says its group."""
-    if not places or all(p.group is None for p in places):
+    planner numbers ranks as the launcher did. A node's group is its ``HAPT_GROUP``, else
+    the group its hostname is (:func:`resolve_groups`). None where no rank's group is known."""
+    if not places:
+        return None
+    places = resolve_groups(cluster, places)
+    if all(p.group is None for p in places):
         return None
     _checked(cluster, places)
     runs = _runs(places)

@@ -133,7 +133,9 @@ def _plan_present(plugin: HaptConfig, model_config: Any, seq_len: int, world_siz
                   places: list[elastic.Place] | None) -> Plan:
     """Rank 0's plan for the GPUs present: the cluster file's, or where the nodes say their
     groups, the groups shrunk to the ranks present (an elastic run after losing nodes)."""
-    present = elastic.present_cluster(plugin.load_cluster(), places) if places else None
+    cluster = plugin.load_cluster()
+    places = elastic.resolve_groups(cluster, places) if places else places  # hosts: patterns
+    present = elastic.present_cluster(cluster, places) if places else None
     if present is None:
         return _plan_from_cluster(plugin, model_config, seq_len, world_size)
     groups = elastic.describe_places(places or [])

@@ -12,6 +12,7 @@ File format (YAML; bandwidths in gigabits per second, latencies in microseconds)
         gpus_per_node: 8
         intra_node: {bandwidth_gbps: 200, latency_us: 10}
         inter_node: {bandwidth_gbps: 100, latency_us: 20}
+        hosts: [gpu-v100-*]             # optional: the hostnames of its nodes (fnmatch patterns)
     links:                              # between groups; a pair with no link cannot be neighbours
       - {between: [v100, a100], bandwidth_gbps: 5, latency_us: 1000}
     job: {model: gpt2, seq_len: 1024, global_batch_size: 64,     # optional
@@ -27,6 +28,7 @@ checks (``_positive``, ``_no_unknown_keys``) and stay beside the records they fi
 """
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,8 @@ class GpuGroup:
     gpus_per_node: int
     intra_node: LinkSpec
     inter_node: LinkSpec
+    hosts: tuple[str, ...] = ()
+    """fnmatch patterns of its nodes' hostnames (``hosts:``): how a node finds its group."""
 
     @property
     def size(self) -> int:
@@ -148,6 +152,24 @@ class Cluster:
                 return list(range(start, start + g.size))
         raise ClusterError(f"no group named {name!r}; groups: {', '.join(self.group_names)}")
 
+    def group_of_host(self, host: str) -> str | None:
+        """The group whose ``hosts`` patterns match ``host`` (fnmatch, ignoring case); None
+        where no group lists hosts. A host that matches no group, or several, is refused."""
+        if not any(g.hosts for g in self.groups):
+            return None
+        found = [g.name for g in self.groups
+                 if any(fnmatch.fnmatchcase(host.lower(), p.lower()) for p in g.hosts)]
+        if len(found) == 1:
+            return found[0]
+        listed = "; ".join(f"{g.name}: {list(g.hosts)}" for g in self.groups if g.hosts)
+        if not found:
+            raise ClusterError(f"host {host!r} matches no group's hosts in cluster {self.name!r} "
+                               f"({listed}); add a pattern matching it to its group's hosts, or "
+                               "set HAPT_GROUP=<group> on that node")
+        raise ClusterError(f"host {host!r} matches the hosts of groups {', '.join(found)} in "
+                           f"cluster {self.name!r} ({listed}); make the patterns match one group "
+                           "only, or set HAPT_GROUP=<group> on that node")
+
     def subset(self, names) -> "Cluster":
         """The cluster with only the groups named (file order kept) and the links among them:
         what a plan that leaves the other groups idle runs on, its ranks numbered over these."""
@@ -227,7 +249,7 @@ class Cluster:
 # --- parsing, one field at a time so every message can name its field ------------------------
 
 _GROUP_KEYS = {"name", "gpu", "tflops", "memory_gb", "bf16", "nodes", "gpus_per_node",
-               "intra_node", "inter_node"}
+               "intra_node", "inter_node", "hosts"}
 
 
 def _no_unknown_keys(d: dict, known: set[str], where: str) -> None:
@@ -313,8 +335,20 @@ def _parse_groups(raw) -> tuple[GpuGroup, ...]:
             intra_node=_parse_link_spec(d.get("intra_node"), f"{where}.intra_node",
                                         DEFAULT_INTRA_NODE),
             inter_node=_parse_link_spec(d.get("inter_node"), f"{where}.inter_node",
-                                        DEFAULT_INTER_NODE)))
+                                        DEFAULT_INTER_NODE),
+            hosts=_parse_hosts(d.get("hosts"), where)))
     return tuple(groups)
+
+
+def _parse_hosts(raw, where: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw or not all(isinstance(h, str) and h for h in raw):
+        raise ClusterError(f"{where}.hosts must be a list of hostnames or fnmatch patterns "
+                           f"(e.g. [node-a*, gpu7]), got {raw!r}")
+    return tuple(raw)
 
 
 def _parse_links(raw, names: list[str]) -> tuple[GroupLink, ...]:
@@ -426,6 +460,8 @@ def _group_dict(g: GpuGroup) -> dict[str, Any]:
            "intra_node": _link_dict(g.intra_node), "inter_node": _link_dict(g.inter_node)}
     if g.gpu.bf16 is not None:
         out["bf16"] = g.gpu.bf16
+    if g.hosts:
+        out["hosts"] = list(g.hosts)
     return out
 
 

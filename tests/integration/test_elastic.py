@@ -164,3 +164,49 @@ def test_a_ready_plan_of_another_world_under_the_elastic_agent_asks_for_the_clus
     with pytest.raises(PlanError, match=r"runs on 2 ranks but the elastic agent started 1; give "
                                         r"'cluster' instead of 'plan'"):
         resolve_plan(config, model_config("gpt2-tiny"), 64, LaunchEnv(0, 1, 0, "single"))
+
+
+HOSTS = Cluster.from_dict({**CLUSTER.to_dict(), "groups": [
+    {**CLUSTER.to_dict()["groups"][0], "hosts": ["cpu-s*", "spare"]},
+    {**CLUSTER.to_dict()["groups"][1], "hosts": "cpu-b[0-9]"}]})
+
+
+def test_the_cluster_files_hosts_map_a_hostname_to_its_group():
+    from hapt_hf.errors import ClusterError
+
+    assert HOSTS.group("small").hosts == ("cpu-s*", "spare") and HOSTS.group("big").hosts == ("cpu-b[0-9]",)
+    assert Cluster.from_dict(HOSTS.to_dict()) == HOSTS and CLUSTER.group("big").hosts == ()
+    assert HOSTS.group_of_host("CPU-S12") == "small" and HOSTS.group_of_host("cpu-b3") == "big"
+    assert CLUSTER.group_of_host("anything") is None  # no group lists hosts
+    with pytest.raises(ClusterError, match=r"host 'cpu-b10' matches no group's hosts in cluster 'two' "
+                                           r"\(small: \['cpu-s\*', 'spare'\]; big: \['cpu-b\[0-9\]'\]\); add a "
+                                           r"pattern matching it to its group's hosts, or set HAPT_GROUP"):
+        HOSTS.group_of_host("cpu-b10")
+    both = Cluster.from_dict({**HOSTS.to_dict(), "groups": [
+        {**HOSTS.to_dict()["groups"][0], "hosts": ["cpu-*"]}, HOSTS.to_dict()["groups"][1]]})
+    with pytest.raises(ClusterError, match=r"host 'cpu-b1' matches the hosts of groups small, big in "
+                                           r"cluster 'two' .*match one group only, or set HAPT_GROUP"):
+        both.group_of_host("cpu-b1")
+    for bad in ([], [""], [3], {"a": 1}):
+        with pytest.raises(ClusterError, match=r"group 'big'.hosts must be a list of hostnames or "
+                                               r"fnmatch patterns"):
+            Cluster.from_dict({**CLUSTER.to_dict(), "groups": [
+                CLUSTER.to_dict()["groups"][0], {**CLUSTER.to_dict()["groups"][1], "hosts": bad}]})
+
+
+def test_nodes_found_by_hostname_are_planned_in_rank_order_and_hapt_group_wins():
+    from hapt_hf.errors import ClusterError
+
+    def at(host: str, node: str, group: str | None = None) -> Place:
+        return Place(group, node, host)
+    places = [at("cpu-b1", "b/0"), at("cpu-b1", "b/0"), at("cpu-s0", "s/1"), at("cpu-s0", "s/1")]
+    got = present_cluster(HOSTS, places)
+    assert [(g.name, g.size) for g in got.groups] == [("big", 2), ("small", 2)]
+    assert elastic.describe_places(elastic.resolve_groups(HOSTS, places)) == "big x2, small x2"
+    # a node that says HAPT_GROUP is that group, whatever its hostname
+    said = present_cluster(HOSTS, [at("cpu-b1", "b/0", "small"), at("cpu-b1", "b/0", "small")])
+    assert [(g.name, g.size) for g in said.groups] == [("small", 2)]
+    with pytest.raises(ClusterError, match=r"host 'login1' matches no group's hosts"):
+        present_cluster(HOSTS, [at("cpu-b1", "b/0"), at("login1", "x/1")])
+    assert elastic.this_place({"HAPT_HOSTNAME": "cpu-s7", "GROUP_RANK": "3"}) == Place(None, "cpu-s7/3", "cpu-s7")
+    assert elastic.this_place({"HAPT_GROUP": "big"}).host  # the machine's own hostname
