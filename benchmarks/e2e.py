@@ -122,6 +122,9 @@ class RaceConfig:
     busy_profile: bool = True
     """Every rank profiles while the group leaders are timed: CPU ranks share two cores, so a
     leader timed next to idle peers would look faster than it is during training."""
+    trace_dir: str = ""
+    """Where set, (a) is traced action by action on every rank that runs it, and the profile
+    and the plan are saved beside the traces (``benchmarks/race_trace.py`` reads them)."""
     unshaped: bool = False
     """Leave the link between the groups unshaped (loopback speed); the compute gap stays."""
     pin_cpus: bool = True
@@ -232,6 +235,9 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
         link_sizes=(1 << 14, 1 << 17, 1 << 19), busy_peers=cfg.busy_profile)
     t1 = time.perf_counter()
     box = [None]
+    if dist.get_rank() == 0 and cfg.trace_dir:
+        Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
+        profile.save(Path(cfg.trace_dir) / "profile.json")
     if dist.get_rank() == 0:
         spec = ModelSpec.from_config(config, cfg.seq, "fp32", name="gpt2-race")
         cluster = cluster_with_links(_nominal_cluster(cfg), profile)
@@ -274,8 +280,9 @@ def _train_step(rt, opt, batch):
     return rt.train_step(batch, opt)
 
 
-def _runtime_steps(config, plans: dict) -> dict:
-    """name -> step(batch) of hapt_hf's runtime on each plan (this rank in every plan)."""
+def _runtime_steps(config, plans: dict, recorder=None) -> dict:
+    """name -> step(batch) of hapt_hf's runtime on each plan (this rank in every plan);
+    (a)'s traced into ``recorder`` where one is given (benchmarks/race_trace.py)."""
     import torch
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
     rc = RuntimeConfig(timeout_s=600, seed=0)
@@ -284,7 +291,24 @@ def _runtime_steps(config, plans: dict) -> dict:
         rt = PipelineRuntime(plan, config, rc)
         opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-4)
         steps[name] = functools.partial(_train_step, rt, opt)
+        if name == "a" and recorder is not None:
+            from benchmarks.race_trace import instrument
+            instrument(rt, opt, recorder)
+            steps[name] = recorder.call(steps[name])
     return steps
+
+
+def _recorder(cfg: RaceConfig):
+    """A recorder of (a)'s actions where the race is traced, else None."""
+    if not cfg.trace_dir:
+        return None
+    from benchmarks.race_trace import Recorder
+    return Recorder()
+
+
+def _save_trace(cfg: RaceConfig, recorder, rank: int) -> None:
+    if recorder is not None and recorder.calls:
+        recorder.save(Path(cfg.trace_dir) / f"trace_rank{rank}.json")
 
 
 def _burn() -> None:
@@ -333,7 +357,8 @@ def _contenders(cfg: RaceConfig, config, planned: dict, rank: int) -> tuple[dict
             plans["h"] = Plan.from_dict(planned["all_groups_plan"])
     else:
         plans.update(_chosen_plans(plan_a, cfg))
-    steps, closing = _runtime_steps(config, plans), []
+    recorder = _recorder(cfg)
+    steps, closing = _runtime_steps(config, plans, recorder), [_TraceSaver(cfg, recorder, rank)]
     if idle:
         sub = _SubWorld(cfg, planned, rank)
         steps.update(sub.steps())
@@ -349,6 +374,14 @@ def _contenders(cfg: RaceConfig, config, planned: dict, rank: int) -> tuple[dict
             _ddp_estimate_s(cfg, config, planned["links"]) <= cfg.ddp_max_s:
         steps["e"] = _ddp_step(cfg, config, rank)
     return steps, closing
+
+
+class _TraceSaver:
+    def __init__(self, cfg: RaceConfig, recorder, rank: int) -> None:
+        self.cfg, self.recorder, self.rank = cfg, recorder, rank
+
+    def close(self) -> None:
+        _save_trace(self.cfg, self.recorder, self.rank)
 
 
 class _SubWorld:
@@ -426,7 +459,8 @@ def sub_worker(arg: dict) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore("race-sub-world/", store),
                             rank=rank, world_size=world, timeout=timedelta(seconds=600))
     config = _model_config(cfg)
-    steps = _runtime_steps(config, _chosen_plans(Plan.from_dict(arg["plan"]), cfg))
+    recorder = _recorder(cfg)
+    steps = _runtime_steps(config, _chosen_plans(Plan.from_dict(arg["plan"]), cfg), recorder)
     gc.collect()
     gc.freeze()
     g = torch.Generator().manual_seed(0)
@@ -439,6 +473,7 @@ def sub_worker(arg: dict) -> None:
             break
         steps[name](batch)
         print("done", file=out, flush=True)
+    _save_trace(cfg, recorder, rank)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -506,6 +541,9 @@ def worker(cfg: RaceConfig) -> None:
                 times[name].append(time.perf_counter() - t0)
     for c in closing:
         c.close()
+    if rank == 0 and cfg.trace_dir:
+        (Path(cfg.trace_dir) / "plan.json").write_text(json.dumps(planned["plan"]))
+        (Path(cfg.trace_dir) / "race.json").write_text(json.dumps({"cfg": asdict(cfg)}))
     if rank == 0:
         print("RACE " + json.dumps({"times": times, "profile_s": profile_s, "plan_s": plan_s,
                                     "ddp_estimate_s": _ddp_estimate_s(cfg, config,
@@ -629,6 +667,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="letters of the contenders to race, (a) always (default: abcdefgh)")
     ap.add_argument("--idle-ranks-rest", action="store_true",
                     help="let the ranks of a group the plan leaves idle sleep during its steps")
+    ap.add_argument("--trace-dir", default=None,
+                    help="trace (a) action by action into this folder (benchmarks/race_trace.py)")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sub-worker", default=None, help=argparse.SUPPRESS)
@@ -652,7 +692,8 @@ def main(argv: list[str] | None = None) -> dict:
             "unshaped": True if args.unshaped else None,
             "pin_cpus": False if args.no_pin_cpus else None,
             "idle_ranks_busy": False if args.idle_ranks_rest else None,
-            "contenders": "a" + args.contenders if args.contenders else None}
+            "contenders": "a" + args.contenders if args.contenders else None,
+            "trace_dir": str(Path(args.trace_dir).resolve()) if args.trace_dir else None}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
     if cfg.cpu_cap is not None and cfg.cpu_cap <= 0:
         cfg = RaceConfig(**{**asdict(cfg), "cpu_cap": None})
