@@ -254,7 +254,7 @@ prof = profile_group_leaders(config, groups={"a": [0, 1], "b": [2]},
 links = sorted([m.a, m.b] for m in prof.links)
 inside = next(m for m in prof.links if m.a == m.b)
 print(json.dumps({"links": links, "inside": [inside.bandwidth_gbps, inside.latency_us,
-                                             inside.overhead_us]}))
+                                             inside.overhead_us, inside.post_us]}))
 """
 
 
@@ -277,6 +277,7 @@ def test_each_group_of_several_ranks_times_its_allreduce(tmp_path):
     assert outs[0]["inside"] == outs[1]["inside"] == outs[2]["inside"]
     assert outs[0]["inside"][0] > 0 and outs[0]["inside"][1] >= 0
     assert outs[0]["inside"][2] >= 0  # a transfer's cost beyond the fit, between a's two ranks
+    assert outs[0]["inside"][3] > 0  # the post of a send or a receive on a's first rank
 
 
 @pytest.mark.parametrize("width", [2, 3, 8])

@@ -310,6 +310,10 @@ class StageCost:
     the link is free for the next one (sends of one direction pipeline their latencies)."""
     send_backward_latency_s: float = 0.0
     """The same for ``send_backward_s``."""
+    recompute_s: float = 0.0
+    """Partial recompute (``Stage.recompute_layers``): the seconds of ``backward_s`` that
+    recompute the forward of the stage's first blocks (under ``recompute`` the whole forward,
+    ``forward_s``, stands for it)."""
     split_ratios: tuple[float, float] | None = None
     """(``I / B``, ``W / B``): the split backward's parts over the fused backward, measured on
     the stage's device (``Profile.step_overheads``); None where not measured (the replay then
@@ -779,15 +783,28 @@ class CostModel:
         return f / (tp * eff) + ar, b / (tp * eff) + ar, u
 
     # -- per stage -------------------------------------------------------------------------
+    def recompute_end(self, a: int, b: int, recompute: bool, units: int = 0) -> int:
+        """Where the recomputed run of a stage of layers [a, b) ends: ``b`` under
+        ``recompute``, else after its first ``units`` block units (``Stage.recompute_layers``;
+        the embedding, layer 0, is no block), ``a`` where none recompute. Layers [a, end)
+        recompute, [end, b) keep their activations."""
+        if recompute:
+            return b
+        if units <= 0:
+            return a
+        return min(max(a, 1) + units, b)
+
     def compute_s(self, group: GpuGroup, samples: int, a: int, b: int,
-                  recompute: bool = False, tp: int = 1) -> tuple[float, float]:
+                  recompute: bool = False, tp: int = 1, units: int = 0) -> tuple[float, float]:
         """(forward, backward) seconds of layers [a, b) for one replica's ``samples`` (held by
-        ``tp`` GPUs)."""
+        ``tp`` GPUs); the backward repeats the forward of the blocks that recompute (all of
+        them under ``recompute``, else the first ``units``)."""
         t = self.table(group, samples, tp)
         f = t.fwd[b] - t.fwd[a]
         bw = t.bwd[b] - t.bwd[a]
-        if recompute:
-            bw += t.block_fwd[b] - t.block_fwd[a]
+        e = self.recompute_end(a, b, recompute, units)
+        if e > a:
+            bw += t.block_fwd[e] - t.block_fwd[a]
         return f, bw
 
     def static_bytes(self, a: int, b: int, optimizer: str = REPLICATED, width: int = 1,
@@ -798,10 +815,15 @@ class CostModel:
         return (params[b] - params[a]) * state_bytes_per_param(optimizer, width)
 
     def activation_bytes(self, samples: int, a: int, b: int, recompute: bool = False,
-                         tp: int = 1, sp: bool = False) -> float:
+                         tp: int = 1, sp: bool = False, units: int = 0) -> float:
         """What one micro-batch of ``samples`` keeps in layers [a, b) until its backward, on
-        each of a replica's ``tp`` ranks (sequence parallel where ``sp``)."""
+        each of a replica's ``tp`` ranks (sequence parallel where ``sp``); a recomputed block
+        (all under ``recompute``, else the first ``units``) keeps only its input."""
         sh = self.shard(tp, sp)
+        if units and not recompute:
+            e = self.recompute_end(a, b, False, units)
+            return (samples * (sh.keep_rc[e] - sh.keep_rc[a] + sh.keep[b] - sh.keep[e])
+                    + sh.fixed_rc[e] - sh.fixed_rc[a] + sh.fixed[b] - sh.fixed[e])
         pre = sh.keep_rc if recompute else sh.keep
         fixed = sh.fixed_rc if recompute else sh.fixed
         return samples * (pre[b] - pre[a]) + fixed[b] - fixed[a]
@@ -812,9 +834,9 @@ class CostModel:
 
     def memory_bytes(self, samples: int, a: int, b: int, in_flight: int,
                      recompute: bool = False, optimizer: str = REPLICATED,
-                     width: int = 1, tp: int = 1, sp: bool = False) -> float:
+                     width: int = 1, tp: int = 1, sp: bool = False, units: int = 0) -> float:
         return (self.static_bytes(a, b, optimizer, width, tp)
-                + in_flight * self.activation_bytes(samples, a, b, recompute, tp, sp)
+                + in_flight * self.activation_bytes(samples, a, b, recompute, tp, sp, units)
                 + self.working_bytes(samples, a, b, tp, sp))
 
     def memory_prefix(self, samples: int, in_flight: int, recompute: bool,
@@ -845,46 +867,49 @@ class CostModel:
         return 2 * (d - 1) / d * nbytes / bw + 2 * (d - 1) * link.latency_us * 1e-6
 
     def allreduce_window(self, replicas: tuple[Replica, ...], a: int, b: int,
-                         recompute: bool = False) -> AllReduceWindow:
+                         recompute: bool = False, units: int = 0) -> AllReduceWindow:
         """The stage's gradient all-reduce in :data:`GRAD_BUCKET_BYTES` buckets, overlapped with
         the last backward of layers [a, b) on its slowest replica; see
         :func:`overlapped_allreduce`."""
         p = self.placement(replicas)
-        return self._window(p, self._slowest(p, a, b, recompute)[2], a, b, recompute)
+        return self._window(p, self._slowest(p, a, b, recompute, units)[2], a, b,
+                            self.recompute_end(a, b, recompute, units))
 
-    def _slowest(self, p: Placement, a: int, b: int,
-                 recompute: bool) -> tuple[float, float, tuple[GpuGroup, int]]:
+    def _slowest(self, p: Placement, a: int, b: int, recompute: bool,
+                 units: int = 0) -> tuple[float, float, tuple[GpuGroup, int]]:
         """(forward, backward, kind) of the stage's slowest replicas on layers [a, b): the
         longest forward and backward of its kinds, and the kind slowest in both together."""
         if len(p.kinds) == 1:
-            f, bw = self.compute_s(*p.kinds[0], a, b, recompute, p.tp)
+            f, bw = self.compute_s(*p.kinds[0], a, b, recompute, p.tp, units)
             return f, bw, p.kinds[0]
-        times = [self.compute_s(g, s, a, b, recompute, p.tp) for g, s in p.kinds]
+        times = [self.compute_s(g, s, a, b, recompute, p.tp, units) for g, s in p.kinds]
         slow = max(range(len(times)), key=lambda k: sum(times[k]))
         return max(f for f, _ in times), max(bw for _, bw in times), p.kinds[slow]
 
     def _window(self, p: Placement, slow: tuple[GpuGroup, int], a: int, b: int,
-                recompute: bool) -> AllReduceWindow:
-        """Ring all-reduce of the stage's gradients behind the backward of its ``slow`` kind."""
+                rc_end: int) -> AllReduceWindow:
+        """Ring all-reduce of the stage's gradients behind the backward of its ``slow`` kind
+        (layers [a, rc_end) recomputing)."""
         d = p.width
         if d <= 1:
             return AllReduceWindow(0.0, 0.0, 0.0)
         link = self._link(p)
         g, samples = slow
         overlap = not p.on_cpu
-        key = (link, d, g.gpu.name, g.gpu.tflops, samples, a, b, recompute, overlap, p.tp,
+        key = (link, d, g.gpu.name, g.gpu.tflops, samples, a, b, rc_end, overlap, p.tp,
                g.name if p.tp > 1 else "", g.intra_node)
         w = self._windows.get(key)
         if w is None:
             w = self._windows[key] = self._ring_window(d, link, self.table(g, samples, p.tp),
-                                                       a, b, recompute, overlap, p.tp)
+                                                       a, b, rc_end, overlap, p.tp)
         return w
 
     def _ring_window(self, d: int, link: LinkSpec, t: _LayerTable, a: int, b: int,
-                     recompute: bool, overlap: bool = True, tp: int = 1) -> AllReduceWindow:
+                     rc_end: int, overlap: bool = True, tp: int = 1) -> AllReduceWindow:
         """Ring all-reduce of ``d`` replicas over ``link``, in buckets behind the backward of
-        layers [a, b) timed by ``t`` (the replica that finishes its backward last); without
-        ``overlap`` (CPU devices) every bucket runs after the backward."""
+        layers [a, b) timed by ``t`` (the replica that finishes its backward last; layers
+        [a, rc_end) recompute their forward in it); without ``overlap`` (CPU devices) every
+        bucket runs after the backward."""
         bw = link.bandwidth_gbps * 1e9 / 8
         ring, lat = 2 * (d - 1) / d, 2 * (d - 1) * link.latency_us * 1e-6
         gb = self.grad_dtype_bytes
@@ -892,7 +917,7 @@ class CostModel:
         layers = []
         for j in range(b - 1, a - 1, -1):  # the backward runs the last layer first
             dur = t.bwd[j + 1] - t.bwd[j]
-            if recompute:
+            if j < rc_end:
                 dur += t.block_fwd[j + 1] - t.block_fwd[j]
             layers.append((dur, (params[j + 1] - params[j]) * gb))
         if not overlap:  # every gradient is final, then the buckets go one after another
@@ -1064,27 +1089,34 @@ class CostModel:
         cuts = [self._cut(places[i], places[i + 1], stages[i].layers[1] - 1, mbs)
                 for i in range(n - 1)]
         fwd, bwd = cuts + [(0.0, 0.0)], [(0.0, 0.0)] + cuts
-        return StageCosts(tuple(self._stage_cost(p, s, fwd[i], bwd[i])
+        return StageCosts(tuple(self._stage_cost(p, s, fwd[i], bwd[i], (i > 0) + (i < n - 1))
                                 for i, (p, s) in enumerate(zip(places, stages))))
 
     def _stage_cost(self, p: Placement, stage: Stage, send_f: tuple[float, float],
-                    send_b: tuple[float, float]) -> StageCost:
-        """One stage: its slowest replica's times, the first replica's memory and, where the
-        replicas differ, every kind's."""
+                    send_b: tuple[float, float], cuts: int = 0) -> StageCost:
+        """One stage with ``cuts`` stage boundaries (0 to 2): its slowest replica's times, the
+        first replica's memory and, where the replicas differ, every kind's."""
         (a, b), rc, opt, d = stage.layers, stage.recompute, stage.optimizer, p.width
-        sp = stage.sequence_parallel
+        sp, k = stage.sequence_parallel, 0 if stage.recompute else stage.recompute_layers
+        e = self.recompute_end(a, b, rc, k)
         if sp and not self.sp_allowed(p.tp):
             raise CostModelError(f"stage {stage.index} sets sp (sequence parallelism), which "
                                  f"its replicas of {p.tp} rank(s) cannot run: "
                                  f"{sp_unfit(self.model, p.tp) or 'tp is 1'}")
-        f, bw, slow = self._slowest(p, a, b, rc)
+        f, bw, slow = self._slowest(p, a, b, rc, k)
+        # a partial recompute's recomputed forward: the slow kind's blocks [a, e)
+        again_f = 0.0
+        if k:
+            t = self.table(slow[0], slow[1], p.tp)
+            again_f = t.block_fwd[e] - t.block_fwd[a]
         if sp:
+            # the recomputed blocks' forward gathers their inputs again; the others' backward
             edge = max(self.sp_edge_s(g, s, p.tp, a, b) for g, s in p.kinds)
-            again = 0.0 if rc else max(self.sp_regather_s(g, s, p.tp, a, b) for g, s in p.kinds)
+            again = 0.0 if rc else max(self.sp_regather_s(g, s, p.tp, e, b) for g, s in p.kinds)
             f, bw = f + edge, bw + edge + again
-        ar = self._window(p, slow, a, b, rc)
+        ar = self._window(p, slow, a, b, e)
         first_samples = p.replicas[0].samples
-        action = self.action_overhead_s(p, a, b)
+        action = self.action_overhead_s(p, a, b) + cuts * self.post_s(p)
         return StageCost(
             forward_s=f + action, backward_s=bw + action, split_ratios=self.split_ratios(p),
             send_forward_s=send_f[0], send_backward_s=send_b[0],
@@ -1092,13 +1124,14 @@ class CostModel:
             allreduce_s=ar.link_s,
             update_s=max(self.update_s(g, s, a, b, opt, d, p.tp) for g, s in p.kinds),
             static_bytes=self.static_bytes(a, b, opt, d, p.tp),
-            activation_bytes=self.activation_bytes(first_samples, a, b, rc, p.tp, sp),
+            activation_bytes=self.activation_bytes(first_samples, a, b, rc, p.tp, sp, k),
             working_bytes=self.working_bytes(first_samples, a, b, p.tp, sp),
             capacity_bytes=self.capacity_bytes(p.group),
-            recompute=rc, allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
+            recompute=rc, recompute_s=again_f,
+            allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
             allgather_s=self._allgather(p, a, b, opt), optimizer=opt,
             replica_memory=() if p.alike else tuple(
-                ReplicaMemory(self.activation_bytes(s, a, b, rc, p.tp, sp),
+                ReplicaMemory(self.activation_bytes(s, a, b, rc, p.tp, sp, k),
                               self.working_bytes(s, a, b, p.tp, sp),
                               self.capacity_bytes(g)) for g, s in p.kinds))
 
@@ -1116,6 +1149,15 @@ class CostModel:
         found = [o.action_s + extra * o.layer_s for g in p.groups
                  if (o := self.profile.step_overheads(g.gpu.name)) is not None]
         return max(found, default=0.0)
+
+    def post_s(self, p: Placement) -> float:
+        """Seconds a rank of the stage spends posting one transfer (``Profile.post_s``, the
+        largest over its groups): each micro-batch posts a send and a receive at each of the
+        stage's boundaries, one in its forward's turn, one in its backward's, so every compute
+        action pays one post per boundary. 0 where the profile measured none."""
+        if self.profile is None:
+            return 0.0
+        return max((self.profile.post_s(g.name) for g in p.groups), default=0.0)
 
     def _profiled_calls(self) -> tuple[float, ...]:
         """Prefix sums of the layers as the profile timed them (a block half: its share)."""

@@ -9,6 +9,7 @@ again by the planner, are the times measured here.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.core.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
 from hapt_hf.planner.profile import LinkMeasurement
 
-from .overheads import TINY_BYTES, time_tiny_transfer, transfer_overhead_us
+from .overheads import TINY_BYTES, time_tiny_transfer, time_transfer_posts, transfer_overhead_us
 from .store import ProfilerError
 
 __all__ = ["fit_link", "measure_link", "measure_group_allreduce", "time_inside_groups",
@@ -113,7 +114,9 @@ def time_inside_groups(groups: dict[str, list[int]], rank: int,
     the barrier). Returns what this rank's group measured if this rank leads it, else nothing.
     The group's first two ranks then time a tiny point-to-point transfer
     (:func:`~.overheads.time_tiny_transfer`): what it takes beyond the all-reduce's fit of the
-    link is the group's ``overhead_us``, the fixed cost of a stage-boundary transfer inside it."""
+    link is the group's ``overhead_us``, the fixed cost of a stage-boundary transfer inside it;
+    then the time each ``isend`` / ``irecv`` call takes to post (:func:`~.overheads.
+    time_transfer_posts`), the median being the group's ``post_us``."""
     import torch.distributed as dist
     out = []
     for name in sorted(groups):
@@ -124,10 +127,14 @@ def time_inside_groups(groups: dict[str, list[int]], rank: int,
         if rank in ranks:
             m = measure_group_allreduce(name, sub, len(ranks), sizes_bytes)
             if rank in ranks[:2]:
-                tiny = time_tiny_transfer(ranks[1 - ranks.index(rank)], rank == ranks[0])
+                peer, sender = ranks[1 - ranks.index(rank)], rank == ranks[0]
+                tiny = time_tiny_transfer(peer, sender)
                 if tiny:
                     m = replace(m, overhead_us=transfer_overhead_us(
                         TINY_BYTES, tiny, m.bandwidth_gbps, m.latency_us))
+                posts = time_transfer_posts(peer, sender)
+                if posts:
+                    m = replace(m, post_us=statistics.median(posts) * 1e6)
             if rank == ranks[0]:
                 out.append(m)
         dist.barrier()

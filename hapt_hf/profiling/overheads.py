@@ -21,7 +21,11 @@ bandwidth`` of the fitted link. Three things the runtime does are not in those f
   over the fused one (:func:`split_ratios`);
 * **a fixed cost per transfer** (``LinkMeasurement.overhead_us``): a tiny tensor sent with
   ``isend`` and waited for, as the runtime does, less what the fitted link gives for its bytes
-  (:func:`transfer_overhead_us`).
+  (:func:`transfer_overhead_us`);
+* **the post of a transfer** (``LinkMeasurement.post_us``, inside a group): the time the
+  posting rank's thread spends in one ``isend`` or ``irecv`` call of an activation-sized
+  tensor (:func:`time_transfer_posts`), which the runtime's compute thread pays between its
+  actions, once per send and once per receive.
 
 The fits are plain functions of the timings (unit-tested on synthetic ones); the measuring
 functions import torch inside.
@@ -38,7 +42,8 @@ from hapt_hf.planner.profile import StepOverheads
 from .store import ProfilerError
 
 __all__ = ["fit_action_overhead", "split_ratios", "transfer_overhead_us", "pool_overheads",
-           "measure_step_overheads", "time_tiny_transfer", "STAGE_BLOCKS", "TINY_BYTES"]
+           "measure_step_overheads", "time_tiny_transfer", "time_transfer_posts", "STAGE_BLOCKS",
+           "TINY_BYTES", "POST_BYTES"]
 
 STAGE_BLOCKS = 3
 """Blocks of the stage a further layer's cost is measured on: two further blocks beside one
@@ -46,6 +51,11 @@ double the signal, against the timings' noise, of a stage of two."""
 
 TINY_BYTES = 4
 """The tensor sent to time a transfer's fixed cost: one fp32 element."""
+
+POST_BYTES = 1 << 16
+"""The tensor whose sends and receives are posted to time a post: a small activation (one
+sample of 64 positions of 256 fp32 values). A post only queues the buffer, whatever its size
+(between two uncapped Gloo processes here: 31-46 us for 4 bytes and 64 KiB alike)."""
 
 
 def fit_action_overhead(sizes: Sequence[int], measured_s: Sequence[float],
@@ -255,4 +265,34 @@ def time_tiny_transfer(peer: int, sender: bool, repeats: int = 20) -> list[float
             dist.isend(buf, peer).wait()
         if sender and i >= 2:
             out.append((time.perf_counter() - t0) / 2)
+    return out
+
+
+def time_transfer_posts(peer: int, sender: bool, repeats: int = 20,
+                        nbytes: int = POST_BYTES) -> list[float]:
+    """Seconds of each ``isend`` and each ``irecv`` call (the post: the call's return, not the
+    wait) of a ``nbytes`` tensor to and from ``peer``, on the sender's thread (both ranks call
+    it, one with ``sender``): what a rank's compute thread pays to post one transfer, the time
+    the runtime spends between its actions beyond its layers. The receiver posts its receive
+    before the sender's send, as the runtime posts receives early. Returns the sender's
+    timings, sends' and receives' together ([] on the receiver)."""
+    import torch
+    import torch.distributed as dist
+    buf = torch.zeros(max(nbytes // 4, 1))
+    out = []
+    for i in range(repeats + 2):  # the first two also warm the connection: not counted
+        if sender:
+            t0 = time.perf_counter()
+            work = dist.isend(buf, peer)
+            t1 = time.perf_counter()
+            work.wait()
+            t2 = time.perf_counter()
+            work = dist.irecv(buf, peer)
+            t3 = time.perf_counter()
+            work.wait()
+            if i >= 2:
+                out += [t1 - t0, t3 - t2]
+        else:
+            dist.irecv(buf, peer).wait()
+            dist.isend(buf, peer).wait()
     return out

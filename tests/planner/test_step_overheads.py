@@ -2,6 +2,8 @@
 and the split backward's measured parts; the planner's choice of kind follows them."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hapt_hf.planner.cost_model import CostModel
@@ -52,6 +54,21 @@ def test_every_action_and_transfer_pays_its_measured_overhead():
     assert over.stages[1].send_backward_s == pytest.approx(plain.stages[1].send_backward_s
                                                            + TRANSFER)
     assert over.stages[0].send_forward_latency_s == plain.stages[0].send_forward_latency_s
+
+
+def test_every_action_pays_one_post_per_boundary_of_its_stage():
+    # each micro-batch posts a send and a receive at each of a stage's boundaries: one post
+    # per boundary in each of its forward's and backward's turns, on the stage's own group
+    post = 0.0002
+    prof = _profile()
+    posted = Profile(prof.timings, [replace(prof.links[0], post_us=post * 1e6)])
+    for stages in (1, 2):
+        plain = CostModel(toy_model(), two_groups(), prof).plan_costs(_plan("1f1b", stages))
+        over = CostModel(toy_model(), two_groups(), posted).plan_costs(_plan("1f1b", stages))
+        for p, o in zip(plain.stages, over.stages):
+            assert o.forward_s == pytest.approx(p.forward_s + (stages - 1) * post)
+            assert o.backward_s == pytest.approx(p.backward_s + (stages - 1) * post)
+            assert o.send_forward_s == p.send_forward_s  # the link's time is the link's
 
 
 def test_a_plan_of_one_stage_moves_by_exactly_two_actions_a_micro_batch():

@@ -81,7 +81,7 @@ def test_measure_step_overheads_fits_the_action_and_the_further_layer(monkeypatc
 
 def test_the_profile_keeps_the_overheads_and_old_profiles_load_without(tmp_path):
     prof = Profile(links=[LinkMeasurement("a", "b", 0.01, 40000.0, overhead_us=300.0),
-                          LinkMeasurement("a", "a", 2.0, 50.0)],
+                          LinkMeasurement("a", "a", 2.0, 50.0, post_us=120.0)],
                    overheads={"cpu-a": StepOverheads(0.001, 0.7, 0.6)})
     path = tmp_path / "p.json"
     prof.save(path)
@@ -91,14 +91,39 @@ def test_the_profile_keeps_the_overheads_and_old_profiles_load_without(tmp_path)
     assert back.step_overheads("cpu-b") is None
     assert back.transfer_overhead_s("b", "a") == pytest.approx(300e-6)
     assert back.transfer_overhead_s("a", "a") == 0.0
+    assert back.post_s("a") == pytest.approx(120e-6) and back.post_s("b") == 0.0
     store = ProfileStore.open(path)  # the store reads and writes the same figures
     assert store.to_profile().overheads == prof.overheads
     # a profile written before the overheads were measured: none, and links without them
     old = Profile.from_dict({"timings": [], "links": [{"a": "a", "b": "b", "bandwidth_gbps": 1,
                                                         "latency_us": 5}]})
-    assert old.overheads == {} and old.links[0].overhead_us == 0.0
+    assert old.overheads == {} and old.links[0].overhead_us == old.links[0].post_us == 0.0
     assert "overheads" not in old.to_dict() and "overhead_us" not in old.to_dict()["links"][0]
+    assert "post_us" not in old.to_dict()["links"][0]
     with pytest.raises(ProfileError, match="unknown fields"):
         Profile.from_dict({"timings": [], "overheads": {"x": {"action": 1}}})
     with pytest.raises(ProfileError, match="split ratios"):
         Profile.from_dict({"timings": [], "overheads": {"x": {"input_grad_ratio": -1}}})
+
+
+def test_the_posts_are_timed_on_the_senders_thread_sends_and_receives_alike(monkeypatch):
+    # each isend / irecv call's own time, not its wait's: a post that takes 3 clock ticks
+    # and a wait that takes 50, on the sender; the receiver returns nothing
+    import torch.distributed as dist
+
+    from hapt_hf.profiling import overheads
+    clock = [0.0]
+
+    class Work:
+        def wait(self):
+            clock[0] += 50.0
+
+    def post(*_args):
+        clock[0] += 3.0
+        return Work()
+    monkeypatch.setattr(overheads.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(dist, "isend", post)
+    monkeypatch.setattr(dist, "irecv", post)
+    got = overheads.time_transfer_posts(1, True, repeats=4)
+    assert got == [3.0] * 8
+    assert overheads.time_transfer_posts(0, False, repeats=4) == []
