@@ -165,7 +165,7 @@ class PipelineRuntime:
 
         def build() -> dict[int, Any]:
             return {i: build_stage(
-                model_config, w.stage.layers, seed=self.config.seed,
+                model_config, w.stage.layers, seed=self.config.seed, init_weights=self.config.init_weights,
                 checkpoint_dir=self.config.checkpoint_dir, device=build_device,
                 recompute=w.stage.recompute, layer_unit=self.plan.layer_unit,
                 attn_implementation=self.plan.attn_implementation) for i, w in self.works.items()}

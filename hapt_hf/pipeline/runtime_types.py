@@ -51,6 +51,12 @@ class RuntimeConfig:
     """Bound on any wait for another rank; past it the run fails with a message naming the rank."""
     seed: int = 0
     """Weights equal the same layers of a full model built with this seed (no checkpoint)."""
+    init_weights: bool = True
+    """False (and no ``checkpoint_dir``): the stage's weights are allocated, not initialised, for
+    a run that reads every one of them from a checkpoint next
+    (:func:`~hapt_hf.pipeline.portable.load_portable`, a resume on a new plan). It skips the
+    seeded initialisation, which replays the whole model's random draws on every rank: seconds a
+    rank for hundreds of millions of parameters, growing with the model, not with the stage."""
     checkpoint_dir: str | None = None
     """Local Hugging Face checkpoint (safetensors) to load this stage's weights from."""
     autocast_dtype: torch.dtype | None = None

@@ -223,6 +223,7 @@ def build_stage(
     layer_range: tuple[int, int],
     *,
     seed: int | None = 0,
+    init_weights: bool = True,
     checkpoint_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -236,7 +237,10 @@ def build_stage(
     With `checkpoint_dir`, only the stage's tensors are read from the safetensors checkpoint.
     Otherwise the stage's weights equal, bit for bit, the same layers of
     `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)` (seed None: the current
-    RNG state is used as is). `attn_implementation` ("sdpa" by default, as the planner budgets)
+    RNG state is used as is). `init_weights` False: the weights are allocated, not
+    initialised, for a caller that reads every one of them next (a portable checkpoint's load);
+    it skips the seeded initialisation, which replays the whole model's random draws on every
+    rank. `attn_implementation` ("sdpa" by default, as the planner budgets)
     must match the reference the stage is compared with. `layer_unit="half"` reads `layer_range`
     over the sequence with every block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]`.
     A type without a hand-written family must be verified (core/families.py) unless `unverified`.
@@ -250,7 +254,7 @@ def build_stage(
     span = _check_range(layer_range, config, layer_unit)
     config = copy.deepcopy(config)  # from_config writes attention and dtype settings into it
     try:
-        if checkpoint_dir is not None:
+        if checkpoint_dir is not None or not init_weights:
             full = _meta_model(config, attn_implementation)
         else:
             rng_state = torch.get_rng_state()
@@ -267,9 +271,10 @@ def build_stage(
         adapter = _generic(full, layer_unit)
     stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
                           recompute, layer_unit)
-    if checkpoint_dir is not None:
+    if checkpoint_dir is not None or not init_weights:
         _materialise(stage)
-        _load_checkpoint(stage, checkpoint_dir)
+        if checkpoint_dir is not None:
+            _load_checkpoint(stage, checkpoint_dir)
     else:
         _seeded_init(stage, full, trace, seed, rng_state)
     _fill_computed_buffers(stage, full)
