@@ -10,18 +10,23 @@ hands out only through a private accessor. A sharded optimizer that steps in pla
 user's tells the user's LR scheduler so, as the scheduler's own step hook would. A backward split
 into its input and weight gradients (the ``zero_bubble`` schedule) runs as torch's pipelining
 runs it, through its private helpers.
+The runtime keeps one 16-bit copy of each weight for all the micro-batches of a step
+(:class:`hapt_hf.pipeline.precision.SharedWeightCasts`): it tells autocast's casts of a weight
+among the tensors autograd saves from the graph autograd records for them, and composes its
+saved-tensor hooks with those already in force.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from torch import Tensor
+from torch.nn import Parameter
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "fake_tensors",
            "is_fake", "outside_fake_tensors", "default_store", "mark_stepped_for_schedulers",
-           "backward_input", "backward_weight"]
+           "backward_input", "backward_weight", "cast_parameter", "saved_tensors_hooks_in_force"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -148,3 +153,35 @@ def backward_weight(weights: Any, state: Any,
         members = [owner[acc] for acc in group["params"]]
         stage_backward_weight(members, [group])
         after_group(members)
+
+
+def cast_parameter(t: Tensor) -> Tensor | None:
+    """The parameter ``t`` is a dtype cast of, or a view of such a cast, as autograd recorded
+    it (the cast's node ``ToCopyBackward0`` leads to the parameter's gradient accumulator);
+    None for any other tensor. Works on DTensors alike.
+
+    autocast casts a weight with ``arg.to(dtype)`` (``cached_cast`` in
+    aten/src/ATen/autocast_mode.cpp), whose backward is ``ToCopyBackward0`` (``_to_copy`` in
+    tools/autograd/derivatives.yaml); a leaf's gradient accumulator names the leaf as
+    ``AccumulateGrad.variable`` (torch/csrc/autograd/functions/init.cpp). A view (a
+    projection's ``weight.t()``) knows the cast it views as ``Tensor._base``. Tested on torch
+    2.13.
+    """
+    base = t._base if t._base is not None else t
+    node = base.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+        return None
+    source = getattr(node.next_functions[0][0], "variable", None)
+    return source if isinstance(source, Parameter) else None
+
+
+def saved_tensors_hooks_in_force() -> tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None:
+    """The (pack, unpack) hooks of the innermost ``torch.autograd.graph.saved_tensors_hooks``
+    context in force on this thread, None outside any: a context entered inside another
+    replaces it, so one that handles only some tensors passes the others to these.
+
+    Tested on torch 2.13 (``torch._C._autograd._top_saved_tensors_default_hooks``; its
+    argument: whether to ignore a tracing state, False here).
+    """
+    from torch._C import _autograd
+    return _autograd._top_saved_tensors_default_hooks(False)

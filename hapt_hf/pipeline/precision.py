@@ -9,16 +9,35 @@ supports bf16 and fp16), and the backward follows the dtypes the forward chose. 
 stream between layers stays fp32 under autocast; at a stage boundary it is cast to the compute
 dtype for the wire (what the planner prices: ``ModelSpec.boundary_bytes``) and back to fp32 on
 arrival, and the same for its gradient going the other way.
+
+What a stage keeps per micro-batch in flight under autocast: its activations, and not a 16-bit
+copy of its weights. Each forward runs in its own autocast region, whose cast cache
+(``cached_cast`` in aten/src/ATen/autocast_mode.cpp) lives only until the region ends, so each
+micro-batch's matmuls would save their own cast of every weight for the backward.
+:class:`SharedWeightCasts` keeps, for the whole step, the first micro-batch's cast of each
+weight and hands it to every later micro-batch's backward in place of its own (which is then
+freed): one copy per weight while any micro-batch holds it, the same values bit for bit. A
+longer autocast region would not do it: torch's cast cache is one per process while its
+nesting count is one per thread, so on CUDA the backward thread's activation recomputation
+(``torch.utils.checkpoint`` re-enters autocast) empties it at every recomputed block; and the
+cache would hold the casts of recomputed blocks too, which keep none.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
+from typing import Any
 
 import torch
+from torch import Tensor
 
+from hapt_hf.compat.torch_api import cast_parameter
 from hapt_hf.core.precision import TORCH_DTYPE_NAMES
 
-__all__ = ["torch_dtype", "compute_context", "autocast_mismatch", "inference_context"]
+__all__ = ["torch_dtype", "compute_context", "autocast_mismatch", "inference_context",
+           "SharedWeightCasts"]
+
+_SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
@@ -26,12 +45,63 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return getattr(torch, TORCH_DTYPE_NAMES[dtype])
 
 
-def compute_context(dtype: str, device: str | torch.device):
+def compute_context(dtype: str, device: str | torch.device, casts: "SharedWeightCasts | None" = None):
     """Autocast to ``dtype`` over fp32 weights (how the runtime computes in 16 bits), or
-    nothing for fp32."""
+    nothing for fp32. ``casts``: the step's shared weight casts, which the forward's saved
+    tensors go through (a forward that builds a backward)."""
     if dtype == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
+    region = torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
+    if casts is None:
+        return region
+    stack = contextlib.ExitStack()
+    stack.enter_context(region)
+    stack.enter_context(casts.saving())
+    return stack
+
+
+class SharedWeightCasts:
+    """One step's 16-bit casts of the weights, one per weight, shared by every micro-batch's
+    backward (see the module's docstring).
+
+    Around each forward, :meth:`saving` routes the tensors autograd saves through
+    :meth:`pack`: a 16-bit cast of a parameter (or a view of one, as a projection saves
+    ``weight.t()``) is exchanged for the first one of the step with the same parameter, dtype
+    and layout. The step's casts are all of the same fp32 weights, so the values are the same
+    bit for bit; gradients flow through each micro-batch's own graph as before. Entries are
+    weak: a cast no backward still needs is freed. Use one per step (the weights change at the
+    optimizer step); saved-tensor hooks entered inside :meth:`saving` replace it unless they
+    pass the tensors they leave alone to it
+    (:func:`hapt_hf.compat.torch_api.saved_tensors_hooks_in_force`)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[Any, ...], weakref.ref[Tensor]] = {}
+        self.shared = 0
+        """Casts exchanged for an earlier micro-batch's (each one a copy not kept)."""
+
+    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context in which a forward's saved tensors go through :meth:`pack`."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _same)
+
+    def pack(self, t: Tensor) -> Tensor:
+        """``t``, or the step's first cast of the same weight in the same layout."""
+        if t.dtype not in _SIXTEEN_BITS or not t.requires_grad:
+            return t
+        weight = cast_parameter(t)
+        if weight is None:
+            return t
+        key = (id(weight), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+        ref = self._kept.get(key)
+        first = ref() if ref is not None else None
+        if first is None:
+            self._kept[key] = weakref.ref(t)
+            return t
+        self.shared += 1
+        return first
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
 
 
 def autocast_mismatch(plan_dtype: str, autocast_dtype: torch.dtype | None) -> str | None:

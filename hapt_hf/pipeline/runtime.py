@@ -43,7 +43,8 @@ from hapt_hf.pipeline.gather import gather_logits, gather_state_dict
 from hapt_hf.pipeline.grad_sync import GradSync
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_works
-from hapt_hf.pipeline.precision import autocast_mismatch, compute_context, inference_context, torch_dtype
+from hapt_hf.pipeline.precision import (SharedWeightCasts, autocast_mismatch, compute_context,
+                                        inference_context, torch_dtype)
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups, transfer_groups
 from hapt_hf.pipeline.tensor_parallel import (TensorParallelShards, full_state_dict, sequence_parallel_refusal,
                                               shard_stage, tp_plan_refusal)
@@ -153,6 +154,9 @@ class PipelineRuntime:
         a split backward's deferral too)."""
         self.max_live_activations = 0
         """Most micro-batches whose forward state this rank kept at once (measured)."""
+        self.weight_casts_shared = 0
+        """16-bit weight casts the last step's backwards kept as an earlier micro-batch's
+        (each a copy not kept; :class:`~hapt_hf.pipeline.precision.SharedWeightCasts`)."""
         self._live = 0
 
     def _set_up(self, model_config: PretrainedConfig) -> None:
@@ -167,7 +171,8 @@ class PipelineRuntime:
             return {i: build_stage(
                 model_config, w.stage.layers, seed=self.config.seed, init_weights=self.config.init_weights,
                 checkpoint_dir=self.config.checkpoint_dir, device=build_device,
-                recompute=w.stage.recompute, layer_unit=self.plan.layer_unit,
+                recompute=w.stage.recompute, recompute_layers=w.stage.recompute_layers,
+                layer_unit=self.plan.layer_unit,
                 attn_implementation=self.plan.attn_implementation) for i, w in self.works.items()}
         self.stages = self.channel.agree("the stage build", s, build)
         """This rank's stage modules by stage index (the chunks of an interleaved rank)."""
@@ -357,6 +362,8 @@ class PipelineRuntime:
         finals = {a.stage: i for i, a in enumerate(actions)
                   if a.kind in (ActionKind.B, ActionKind.W)}
         final_at = {i: s for s, i in finals.items()}
+        # one 16-bit copy of each weight for the step's micro-batches in flight, not one each
+        casts = SharedWeightCasts() if backward and self.plan.dtype != "fp32" else None
         for i, a in enumerate(actions):
             k, s = a.microbatch, a.stage
             key, work = (s, k), self.works[s]
@@ -367,7 +374,7 @@ class PipelineRuntime:
                     m = mbs.setdefault(key, _MicroBatch([]))
                     # keeping logits: the stage returns them, and the loss is taken from them
                     out = self._forward(m, s, k, ids, None if keep_logits else labels, mask,
-                                        tokens, backward)
+                                        tokens, backward, casts)
                     if work.is_last and keep_logits:
                         logits[k] = out
                         out = self.stages[s].loss_sum(out, labels[self._rows(k)].to(self.device))
@@ -402,6 +409,8 @@ class PipelineRuntime:
                 msg = failed_during(self.rank, f"{a.kind.value} (stage {s}, micro-batch {k})", e)
                 raise PipelineFailure(self.channel.record(msg)) from e
         self.channel.wait(sends, self.stage_plan.index)
+        if casts is not None:
+            self.weight_casts_shared = casts.shared
         return loss_sum, logits
 
     @property
@@ -410,7 +419,8 @@ class PipelineRuntime:
         return any(a.kind is ActionKind.W for a in self.work.actions)
 
     def _forward(self, m: _MicroBatch, s: int, k: int, ids: Tensor, labels: Tensor | None,
-                 mask: Tensor | None, tokens: int, backward: bool) -> Tensor:
+                 mask: Tensor | None, tokens: int, backward: bool,
+                 casts: SharedWeightCasts | None = None) -> Tensor:
         rows = self._rows(k)
         work = self.works[s]
         if work.is_first:
@@ -426,7 +436,7 @@ class PipelineRuntime:
             kwargs["attention_mask"] = mask[rows].to(self.device)
         if work.is_last and labels is not None:
             kwargs["labels"] = labels[rows].to(self.device)
-        with self._tp_compute("F", s, k), compute_context(self.plan.dtype, self.device):
+        with self._tp_compute("F", s, k), compute_context(self.plan.dtype, self.device, casts):
             out = self.stages[s](x, **kwargs)
         kept = out
         if work.is_last and labels is not None:

@@ -48,11 +48,14 @@ class PipelineStage(nn.Module):
         is_last: owns the final norm and LM head (it returns the summed loss, or logits).
         parts: the blocks, or block halves, this stage runs, in order.
         block_indices: indices of the transformer blocks this stage runs all or half of.
+        recompute: every block (or half) recomputes its activations in the backward.
+        recompute_layers: without `recompute`, how many of the stage's first block units (of
+            `layer_unit`) do (plan.json `recompute_layers`); the rest keep their activations.
     """
 
     def __init__(self, config: PretrainedConfig, adapter: FamilyAdapter, layer_range: tuple[int, int],
                  modules: list[tuple[str, nn.Module]], recompute: bool = False,
-                 layer_unit: str = BLOCK) -> None:
+                 layer_unit: str = BLOCK, recompute_layers: int = 0) -> None:
         super().__init__()
         n = num_blocks(config)
         self.config = config
@@ -65,6 +68,7 @@ class PipelineStage(nn.Module):
         self.block_indices = range(self.parts[0].index, self.parts[-1].index + 1) if self.parts \
             else range(0)
         self.recompute = recompute
+        self.recompute_layers = recompute_layers
         for path, module in modules:
             _attach(self, path, module)
 
@@ -116,7 +120,25 @@ class PipelineStage(nn.Module):
         """This stage's weights under the full model's state_dict keys (tied LM head included)."""
         return dict(self.state_dict())
 
+    def recomputes(self, block: int, half: str) -> bool:
+        """Whether the ``half`` ('attn' or 'mlp') of block ``block`` recomputes its activations
+        in the backward: under `recompute` every one; else those among the stage's first
+        `recompute_layers` block units (a whole block is one unit under `layer_unit` 'block')."""
+        if self.recompute:
+            return True
+        if not self.recompute_layers:
+            return False
+        layer = 1 + block if self.layer_unit == BLOCK else 1 + 2 * block + (half == "mlp")
+        return layer - max(self.layer_range[0], 1) < self.recompute_layers
+
     def _run_part(self, part: BlockPart, hidden: Tensor, inputs) -> Tensor:
+        if part.part == "full" and self.recomputes(part.index, "attn") != \
+                self.recomputes(part.index, "mlp"):
+            # partial recompute ending inside a block (half units): its two halves, each as it
+            # says, as a stage cut between them runs them
+            for half in ("attn", "mlp"):
+                hidden = self._run_part(BlockPart(part.index, half), hidden, inputs)
+            return hidden
         block = self.get_submodule(f"{self.adapter.blocks_path}.{part.index}")
         if part.part == "mlp":
             run, args = self.adapter.run_mlp_half, (block, hidden, self.config)
@@ -125,7 +147,8 @@ class PipelineStage(nn.Module):
             run, args = self.adapter.run_block, (block, hidden, inputs, kind)
             if part.part == "attn":
                 run, args = self.adapter.run_attention_half, (*args, self.config)
-        if self.recompute and torch.is_grad_enabled():
+        if self.recomputes(part.index, "mlp" if part.part == "mlp" else "attn") and \
+                torch.is_grad_enabled():
             # Keep only the block's input; recompute its inside during backward.
             return checkpoint(run, *args, use_reentrant=False)
         return run(*args)
@@ -231,6 +254,7 @@ def build_stage(
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     layer_unit: str = BLOCK,
     unverified: bool = False,
+    recompute_layers: int = 0,
 ) -> PipelineStage:
     """Build one rank's stage: built on meta, pruned to the stage, then materialised.
 
@@ -243,6 +267,8 @@ def build_stage(
     rank. `attn_implementation` ("sdpa" by default, as the planner budgets)
     must match the reference the stage is compared with. `layer_unit="half"` reads `layer_range`
     over the sequence with every block cut in two, `[embedding, b0.attn, b0.mlp, b1.attn, ..., head]`.
+    `recompute` recomputes every block's activations in the backward, `recompute_layers` the first
+    that many block units' only.
     A type without a hand-written family must be verified (core/families.py) unless `unverified`.
     """
     adapter = _adapter(config, unverified)
@@ -270,7 +296,7 @@ def build_stage(
     if adapter is None:
         adapter = _generic(full, layer_unit)
     stage = PipelineStage(full.config, adapter, span, _stage_modules(full, adapter, span, layer_unit),
-                          recompute, layer_unit)
+                          recompute, layer_unit, recompute_layers)
     if checkpoint_dir is not None or not init_weights:
         _materialise(stage)
         if checkpoint_dir is not None:

@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 from transformers import PretrainedConfig
 
+from hapt_hf.compat.torch_api import saved_tensors_hooks_in_force
 from hapt_hf.compat.transformers_api import causal_lm_tp_plan
 from hapt_hf.core.tp import HEAD_MODULE, TP_STYLES, block_entries, head_sharded, sp_refusal, tp_plan_problem
 from hapt_hf.pipeline.config_checks import tp_size_refusal
@@ -171,7 +172,8 @@ def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,
             for i in chunk.block_indices:
                 for name in ("self_attn", "mlp"):
                     _keep_gathered_input_split(
-                        chunk, chunk.get_submodule(f"{chunk.adapter.blocks_path}.{i}.{name}"), mesh)
+                        chunk, chunk.get_submodule(f"{chunk.adapter.blocks_path}.{i}.{name}"), mesh,
+                        i, "attn" if name == "self_attn" else "mlp")
     return TensorParallelShards(mesh, group, dist.get_rank(group), t, tuple(styles), partial,
                                 sequence_parallel, head)
 
@@ -207,12 +209,14 @@ class _GatheredInput:
         self.storage: int | None = None
         self.whole: Tensor | None = None
         self.pending = 0
+        self.outer: tuple[Any, Any] | None = None
+        """The saved-tensor hooks in force around the call, given the tensors left alone."""
 
     def pack(self, t: Tensor) -> Any:
         with torch.no_grad():
             local = local_tensor(t)
         if self.storage is None or local.untyped_storage().data_ptr() != self.storage:
-            return t
+            return t if self.outer is None else _Outer(self.outer[0](t), self.outer[1])
         self.pending += 1
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         return _Packed(self, spec, local.size(), local.stride(), local.storage_offset())
@@ -238,7 +242,15 @@ class _Packed:
     offset: int
 
 
+@dataclass(frozen=True)
+class _Outer:
+    packed: Any
+    unpack: Any
+
+
 def _unpack(saved: Any) -> Tensor:
+    if isinstance(saved, _Outer):
+        return saved.unpack(saved.packed)
     if not isinstance(saved, _Packed):
         return saved
     local = saved.source.gathered().as_strided(saved.size, saved.stride, saved.offset)
@@ -248,16 +260,18 @@ def _unpack(saved: Any) -> Tensor:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def _keep_gathered_input_split(stage: nn.Module, module: nn.Module, mesh: DeviceMesh) -> None:
+def _keep_gathered_input_split(stage: nn.Module, module: nn.Module, mesh: DeviceMesh, block: int,
+                               half: str) -> None:
     """Around each call of ``module`` (an attention or MLP whose input ``PrepareModuleInput``
-    all-gathers), while it builds its backward: tensors saved that are views of the gathered
-    input are kept as the rank's slice (:class:`_GatheredInput`). Not under activation
-    recomputation (which keeps no such tensor) nor without gradients."""
+    all-gathers; the ``half`` of block ``block``), while it builds its backward: tensors saved
+    that are views of the gathered input are kept as the rank's slice (:class:`_GatheredInput`).
+    Not where that half recomputes its activations (which keeps no such tensor) nor without
+    gradients."""
     state: dict[str, Any] = {}
 
     def first(module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if torch.is_grad_enabled() and not stage.recompute and isinstance(hidden, Tensor):
+        if torch.is_grad_enabled() and not stage.recomputes(block, half) and isinstance(hidden, Tensor):
             state["source"] = _GatheredInput(mesh, local_tensor(hidden).detach())
 
     def gathered(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -266,6 +280,8 @@ def _keep_gathered_input_split(stage: nn.Module, module: nn.Module, mesh: Device
             return
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         source.storage = local_tensor(hidden).untyped_storage().data_ptr()
+        # what the hooks in force (the step's shared weight casts) did with the other tensors
+        source.outer = saved_tensors_hooks_in_force()
         hooks = torch.autograd.graph.saved_tensors_hooks(source.pack, _unpack)
         hooks.__enter__()
         state["hooks"] = hooks
