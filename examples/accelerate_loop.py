@@ -4,15 +4,20 @@
         --config_file recipes/configs/accelerate_cpu.yaml --num_processes 4 \
         examples/accelerate_loop.py --output_dir OUT
 
-The two lines that differ from plain Accelerate are marked ``# hapt``. The hapt config comes
+The lines that differ from plain Accelerate are marked ``# hapt``. The hapt config comes
 from ``HAPT_CONFIG`` (or ``--hapt_config``). An optimizer step takes, as under Accelerate,
 per-device batch x processes x gradient_accumulation_steps rows: 1 x 4 x 2 = 8, the demo
 config's global_batch_size. On the tensor-parallel demo plan (a stage held by ranks 0 and 1
 together) the same loop trains the LLaMA-shaped model:
 ``HAPT_CONFIG=recipes/configs/hapt_cpu_demo_tp.yaml ... --model recipes/models/llama-tiny``.
+
+Under torchrun's elastic agent (docs/usage.md, Elastic runs) the loop goes on after a node is
+lost or comes back with no hand step: with ``--save_steps N`` it saves its state every N steps
+as ``OUT/checkpoints/checkpoint_<step>``, and ``accelerator.resume_if_restarted(...)`` loads the
+newest of them on a restart (the step counter is registered for checkpointing, so it comes
+back with the state).
 """
 import argparse
-import math
 from pathlib import Path
 
 import torch
@@ -23,6 +28,19 @@ from hapt_hf import HaptAccelerator  # hapt
 from hapt_hf.integration.data import TextDataConfig, collate_causal_lm, load_text_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class Progress:
+    """The loop's step counter, saved and loaded with the state (register_for_checkpointing)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
 
 
 def main() -> None:
@@ -36,7 +54,10 @@ def main() -> None:
     p.add_argument("--per_device_train_batch_size", type=int, default=1)
     p.add_argument("--per_device_eval_batch_size", type=int, default=2)
     p.add_argument("--gradient_accumulation_steps", type=int, default=2)
+    p.add_argument("--save_steps", type=int, default=0,
+                   help="save the state every N steps into OUT/checkpoints (0: at the end only)")
     args = p.parse_args()
+    checkpoints = Path(args.output_dir) / "checkpoints"
 
     accelerator = HaptAccelerator(  # hapt
         gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
@@ -60,13 +81,15 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer,
                               num_warmup_steps=1 * accelerator.num_processes,
                               num_training_steps=args.max_steps * accelerator.num_processes)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
         model, optimizer, train_dl, eval_dl, scheduler)
+    accelerator.resume_if_restarted(checkpoints)  # hapt: an elastic restart resumes by itself
     accelerator.init_trackers("accelerate_loop")
 
-    steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
-    step, window = 0, []
-    for _epoch in range(math.ceil(args.max_steps / steps_per_epoch)):
+    window = []
+    while progress.step < args.max_steps:
         model.train()
         for batch in train_dl:
             with accelerator.accumulate(model):
@@ -79,15 +102,15 @@ def main() -> None:
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
-                step += 1
-                step_loss = sum(window) / len(window)
+                progress.step += 1
+                step, step_loss = progress.step, sum(window) / len(window)
                 window = []
                 accelerator.log({"loss": step_loss, "lr": scheduler.get_last_lr()[0]}, step=step)
                 accelerator.print(f"step {step} loss {step_loss:.4f}")
+                if args.save_steps and step % args.save_steps == 0:
+                    accelerator.save_state(str(checkpoints / f"checkpoint_{step}"))
                 if step == args.max_steps:
                     break
-        if step == args.max_steps:
-            break
 
     model.eval()
     losses = []

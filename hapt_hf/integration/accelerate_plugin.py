@@ -44,6 +44,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from hapt_hf.errors import CheckpointError, DataError
+from hapt_hf.integration import elastic
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.accelerate_checkpoint import (RunShape, SavedState, check_state_dir,
                                                        latest_numbered_dir, next_numbered_dir,
@@ -368,6 +369,35 @@ class HaptAccelerator(Accelerator):
             self._apply_loop(read_rank_state(ckpt, runtime, opt, sched))
         runtime.channel.agree("loading the state", runtime.stage_plan.index, load,
                               refusals=(CheckpointError, ckpt_io.CheckpointError))
+
+    def resume_if_restarted(self, checkpoints_dir: str | os.PathLike | None = None) -> str | None:
+        """Resume an elastic run where torchrun's agent restarted the workers (collective; call
+        it after ``prepare``, before the loop): on a restart, load the newest complete
+        ``checkpoint_<n>`` state this run saved under ``checkpoints_dir`` (default, with
+        automatic checkpoint naming: ``project_dir/checkpoints``, where ``save_state()`` puts
+        them), on the plan made for the GPUs present, as ``load_state`` does, and return its
+        directory; the next ``save_state()`` then writes ``checkpoint_<n+1>``. On a first start,
+        or outside an elastic agent that may restart, nothing is loaded and it returns None.
+        A restart is told as for HaptTrainer (``hapt_hf.integration.elastic``): a failure
+        counted by any node's agent, or ``hapt_elastic.json`` in ``checkpoints_dir`` naming this
+        run's ``--rdzv-id`` (a node joined); states an earlier run left there are not resumed."""
+        if checkpoints_dir is None:
+            if not self.project_configuration.automatic_checkpoint_naming:
+                raise AccelerateSettingError(
+                    "resume_if_restarted needs the directory the loop saves its checkpoint_<n> "
+                    "states in, or ProjectConfiguration(automatic_checkpoint_naming=True) and "
+                    "save_state() with no directory")
+            checkpoints_dir = Path(self.project_dir) / "checkpoints"
+        engine = self._engine()
+        chosen = elastic.resume_point(engine.runtime.rank, self.num_processes, None,
+                                      checkpoints_dir, elastic.plan_groups(self.plan),
+                                      naming=elastic.ACCELERATE_NAMING)
+        if chosen is None:
+            return None
+        self.load_state(str(chosen))
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration = int(chosen.name.rsplit("_", 1)[1]) + 1
+        return str(chosen)
 
     def _apply_loop(self, loop: dict[str, Any]) -> None:
         for loader, state in zip(self.hapt_loaders, loop["loaders"]):

@@ -26,7 +26,13 @@ the nodes left and starts the workers again, numbered anew. Each start of a Hapt
 
 A start is a restart where ``TORCHELASTIC_RESTART_COUNT`` (the agent's count of failures) is
 above 0, or where the output directory's ``hapt_elastic.json`` names this run's rendezvous id
-(``--rdzv-id``; a node joining restarts the workers without counting a failure).
+(``--rdzv-id``; a node joining, or coming back, restarts the workers without counting a
+failure, and a node started again has a fresh agent that counted none). A restartable launch
+without a run id is refused (:func:`check_restartable`).
+
+A HaptAccelerator loop resumes the same way by calling
+:meth:`~hapt_hf.integration.accelerate_plugin.HaptAccelerator.resume_if_restarted` after
+``prepare``: the newest complete ``checkpoint_<n>`` state (Accelerate's naming) this run saved.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ __all__ = ["GROUP_ENV", "HOST_ENV", "RUN_FILE", "ElasticEnv", "read_elastic_env"
            "Place", "this_place", "gather_places", "resolve_groups", "present_cluster",
            "describe_places", "missing_gpus",
            "run_global_batch", "keep_global_batch",
-           "plan_groups", "latest_checkpoint", "resume_point"]
+           "plan_groups", "TRAINER_NAMING", "ACCELERATE_NAMING", "latest_checkpoint", "resume_point"]
 
 GROUP_ENV = "HAPT_GROUP"
 """Set on each node (in the environment of its ``torchrun``): the cluster file group it is."""
@@ -56,6 +62,10 @@ RUN_FILE = "hapt_elastic.json"
 """In the output directory: the run's rendezvous id and how many times it started."""
 SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 UNNAMED_RUN = "none"  # torchrun's run id where --rdzv-id is not given
+TRAINER_NAMING = r"checkpoint-(\d+)"
+"""HaptTrainer's checkpoint directories (Trainer's naming)."""
+ACCELERATE_NAMING = r"checkpoint_(\d+)"
+"""HaptAccelerator's ``save_state`` directories (Accelerate's automatic naming)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +97,23 @@ def restartable() -> bool:
 
 
 def check_restartable(elastic: ElasticEnv | None) -> None:
-    """Refuse restarts the workers could not survive. With the agent's store shared (torch's
-    default), the store outlives a restart with the previous workers' keys in it, and a
-    restarted worker connects to the addresses of workers that are gone (Gloo's
-    ``connectFullMesh`` is refused; NCCL reads a stale unique id: pytorch/pytorch#135712)."""
-    if elastic is None or elastic.max_restarts == 0 or not elastic.agent_store:
+    """Refuse restarts the workers could not survive or resume. With the agent's store shared
+    (torch's default), the store outlives a restart with the previous workers' keys in it, and
+    a restarted worker connects to the addresses of workers that are gone (Gloo's
+    ``connectFullMesh`` is refused; NCCL reads a stale unique id: pytorch/pytorch#135712).
+    Without a run id (``--rdzv-id``; ``accelerate launch`` passes none), a restart because a
+    node joined counts no failure and cannot be told from a new run: it would start at step 0."""
+    if elastic is None or elastic.max_restarts == 0:
+        return
+    if elastic.run_id == UNNAMED_RUN:
+        raise LaunchError(f"torchrun was given --max-restarts {elastic.max_restarts} but no "
+                          "--rdzv-id: a restart because a node joined or came back counts no "
+                          "failure, and without the run's id it cannot be told from a new run "
+                          "(it would start again from step 0); give every run its own id: "
+                          "torchrun --rdzv-id <run>, or PET_RDZV_ID=<run> in the environment of "
+                          "accelerate launch, which passes torchrun none (docs/usage.md, Elastic "
+                          "runs)")
+    if not elastic.agent_store:
         return
     raise LaunchError(f"torchrun was given --max-restarts {elastic.max_restarts} but its workers "
                       "share the agent's store, which keeps the previous workers' addresses "
@@ -253,13 +275,13 @@ def _is_restart(elastic: ElasticEnv | None, output_dir: str | os.PathLike) -> bo
     return elastic.restart_count > 0 or same_run
 
 
-def _checkpoints(output_dir: str | os.PathLike) -> dict[str, int]:
-    """The complete ``checkpoint-N`` directories of ``output_dir`` and their steps (a
-    ``.tmp-`` one, a save cut short, is no checkpoint)."""
+def _checkpoints(output_dir: str | os.PathLike, naming: str = TRAINER_NAMING) -> dict[str, int]:
+    """The complete ``checkpoint-N`` directories of ``output_dir`` (``naming``) and their steps
+    (a ``.tmp-`` one, a save cut short, is no checkpoint)."""
     out: dict[str, int] = {}
     if os.path.isdir(output_dir):
         for d in Path(output_dir).iterdir():
-            m = re.fullmatch(r"checkpoint-(\d+)", d.name)
+            m = re.fullmatch(naming, d.name)
             if m and d.is_dir():
                 out[d.name] = int(m.group(1))
     return out
@@ -273,20 +295,21 @@ def _resumable(ckpt: Path) -> bool:
     from hapt_hf.integration.trainer_checkpoint import PORTABLE_DIR, PORTABLE_STATE
     from hapt_hf.pipeline.checkpoint_store import copy_whole
 
-    return not (ckpt / PORTABLE_STATE).is_file() or copy_whole(ckpt / PORTABLE_DIR)
+    has_portable = (ckpt / PORTABLE_STATE).is_file() or (ckpt / PORTABLE_DIR).is_dir()
+    return not has_portable or copy_whole(ckpt / PORTABLE_DIR)
 
 
-def _own_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+def _own_checkpoints(output_dir: str | os.PathLike, naming: str = TRAINER_NAMING) -> list[Path]:
     """The checkpoints this run wrote in ``output_dir``, newest first: those the output
     directory held when the run first started (an earlier run's) are not its own."""
     before = set((_run_record(output_dir) or {}).get("before", []))
-    mine = {n: s for n, s in _checkpoints(output_dir).items() if n not in before}
+    mine = {n: s for n, s in _checkpoints(output_dir, naming).items() if n not in before}
     return [Path(output_dir) / n for n in sorted(mine, key=mine.__getitem__, reverse=True)]
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+def latest_checkpoint(output_dir: str | os.PathLike, naming: str = TRAINER_NAMING) -> Path | None:
     """The newest checkpoint this run wrote in ``output_dir`` whose portable part is whole."""
-    return next((c for c in _own_checkpoints(output_dir) if _resumable(c)), None)
+    return next((c for c in _own_checkpoints(output_dir, naming) if _resumable(c)), None)
 
 
 def run_global_batch(config_batch: int | None, output_dir: str | os.PathLike) -> int | None:
@@ -335,11 +358,12 @@ def keep_global_batch(args: Any, target: int, world_size: int) -> None:
 
 # -- where a start resumes -------------------------------------------------------------------------
 def resume_point(rank: int, world_size: int, given: Path | None, output_dir: str | os.PathLike,
-                 describe: str) -> Path | None:
+                 describe: str, naming: str = TRAINER_NAMING) -> Path | None:
     """The checkpoint this start resumes from (collective: rank 0 decides, every rank learns
     it): on a restart of an elastic run the latest complete checkpoint this run wrote in
-    ``output_dir`` (else ``given``); on a first start ``given``. Rank 0 records the start in ``RUN_FILE`` and, on a
-    restart, says so with ``describe`` (the world and its groups)."""
+    ``output_dir`` (directories named by ``naming``; else ``given``); on a first start
+    ``given``. Rank 0 records the start in ``RUN_FILE`` and, on a restart,
+    says so with ``describe`` (the world and its groups)."""
     import torch.distributed as dist
 
     elastic = read_elastic_env()
@@ -350,19 +374,19 @@ def resume_point(rank: int, world_size: int, given: Path | None, output_dir: str
         record = _run_record(output_dir) or {}
         restart = _is_restart(elastic, output_dir)
         starts = int(record.get("starts", 0)) if restart else 0
-        chosen = latest_checkpoint(output_dir) if restart else None
+        chosen = latest_checkpoint(output_dir, naming) if restart else None
         chosen = chosen or given
         if restart:
             where = (f"resuming from {chosen.name}" if chosen is not None
                      else f"no checkpoint in {str(output_dir)!r} yet: starting from step 0")
-            torn = [c.name for c in _own_checkpoints(output_dir) if not _resumable(c)]
+            torn = [c.name for c in _own_checkpoints(output_dir, naming) if not _resumable(c)]
             if torn:
                 where += f" ({', '.join(torn)}: portable part incomplete, not resumed)"
             print(f"hapt_hf: restart {starts}: world {world_size} (groups {describe}), re-planned, "
                   f"{where}", flush=True)
         # a first start notes the checkpoints already there: an earlier run's, never resumed
         # by a restart (this run's own are)
-        before = record.get("before", []) if restart else sorted(_checkpoints(output_dir))
+        before = record.get("before", []) if restart else sorted(_checkpoints(output_dir, naming))
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(output_dir) / f".{RUN_FILE}.tmp"
         tmp.write_text(json.dumps({"run_id": elastic.run_id, "starts": starts + 1,

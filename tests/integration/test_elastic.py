@@ -89,6 +89,9 @@ def test_restarts_sharing_the_agents_store_are_refused_with_the_fix():
                                           r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         elastic.check_restartable(elastic.read_elastic_env(env))
     elastic.check_restartable(elastic.read_elastic_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}))
+    with pytest.raises(LaunchError, match=r"--max-restarts 2 but no --rdzv-id: a restart because a node "
+                                          r"joined .* torchrun --rdzv-id <run>, or PET_RDZV_ID=<run>"):
+        elastic.check_restartable(elastic.read_elastic_env({**env, "TORCHELASTIC_RUN_ID": "none"}))
     elastic.check_restartable(elastic.read_elastic_env({**env, "TORCHELASTIC_MAX_RESTARTS": "0"}))
     assert elastic.read_elastic_env({}) is None
 
