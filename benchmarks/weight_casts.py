@@ -1,0 +1,108 @@
+"""Bytes a pipeline stage keeps per micro-batch in flight under autocast, with each micro-batch's
+own 16-bit weight casts and with the step's shared ones (:class:`SharedWeightCasts`).
+
+    python3 benchmarks/weight_casts.py [--hidden 1024 --intermediate 2816 --blocks 2 --seq 512]
+
+Builds a LLaMA stage of ``--blocks`` blocks (hidden states in, no embedding nor head), runs
+``--in-flight`` forwards under bf16 autocast on the CPU as the runtime runs them (each in its own
+autocast region) and counts what autograd keeps for their backwards: every saved tensor's
+storage once, split into 16-bit casts of the weights and the rest (activations). The bytes a
+micro-batch in flight adds are ``(kept(N) - kept(1)) / (N - 1)``. Then the same with
+``--recompute-layers`` of the blocks recomputing (they keep their input only).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from hapt_hf.compat.torch_api import cast_parameter, saved_tensors_hooks_in_force  # noqa: E402
+from hapt_hf.pipeline.precision import SharedWeightCasts, compute_context  # noqa: E402
+from hapt_hf.pipeline.stage import build_stage  # noqa: E402
+
+
+class Kept:
+    """Every tensor autograd keeps, as the hooks in force leave it (held, so storages stay
+    apart while counted)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        outer = saved_tensors_hooks_in_force()
+
+        def pack(t):
+            packed = outer[0](t) if outer is not None else t
+            if isinstance(packed, torch.Tensor):
+                self.tensors.append(packed)
+            return packed, outer
+
+        def unpack(saved):
+            packed, hooks = saved
+            return hooks[1](packed) if hooks is not None else packed
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def bytes(self) -> tuple[int, int]:
+        """(bytes of 16-bit weight casts, bytes of everything else), each storage once."""
+        seen: dict[int, tuple[int, bool]] = {}
+        for t in self.tensors:
+            s = t.untyped_storage()
+            weight = t.dtype in (torch.bfloat16, torch.float16) and cast_parameter(t) is not None
+            seen[s.data_ptr()] = (s.nbytes(), weight)
+        casts = sum(n for n, w in seen.values() if w)
+        return casts, sum(n for n, _ in seen.values()) - casts
+
+
+def kept_bytes(stage, xs: list[torch.Tensor], share: bool) -> tuple[int, int]:
+    casts = SharedWeightCasts() if share else None
+    kept, outs = Kept(), []
+    for x in xs:
+        with compute_context("bf16", "cpu", casts), kept.hooks():
+            outs.append(stage(x.requires_grad_(True)))
+    return kept.bytes()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=1, help="samples per micro-batch")
+    ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--recompute-layers", type=int, default=1)
+    a = ap.parse_args(argv)
+    from transformers import LlamaConfig
+    config = LlamaConfig(num_hidden_layers=a.blocks + 1, hidden_size=a.hidden,
+                         intermediate_size=a.intermediate, num_attention_heads=a.heads,
+                         num_key_value_heads=a.heads, vocab_size=128,
+                         max_position_embeddings=a.seq, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(a.rows, a.seq, a.hidden, generator=g) for _ in range(a.in_flight)]
+    print(f"LLaMA stage: {a.blocks} blocks, hidden {a.hidden}, MLP {a.intermediate}, seq {a.seq}, "
+          f"{a.rows} sample(s) a micro-batch, bf16 autocast on the CPU; MB = 1e6 bytes\n")
+    print("| stage | weight casts | kept at 1 in flight (casts + rest) | kept at "
+          f"{a.in_flight} in flight | per micro-batch in flight (casts + rest) |")
+    print("|---|---|---|---|---|")
+    for k in (0, a.recompute_layers) if a.recompute_layers else (0,):
+        for share in (False, True):
+            stage = build_stage(config, (1, 1 + a.blocks), seed=0, recompute_layers=k)
+            one, many = kept_bytes(stage, xs[:1], share), kept_bytes(stage, xs, share)
+            per = [(m - o) / (a.in_flight - 1) for m, o in zip(many, one)]
+            name = (f"{a.blocks} blocks" + (f", first {k} recomputed" if k else "")
+                    + (", shared casts" if share else ", own casts"))
+            print(f"| {name} | {'one per step' if share else 'one per micro-batch'} | "
+                  f"{one[0] / 1e6:.1f} + {one[1] / 1e6:.1f} MB | "
+                  f"{many[0] / 1e6:.1f} + {many[1] / 1e6:.1f} MB | "
+                  f"{per[0] / 1e6:.1f} + {per[1] / 1e6:.1f} MB |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
