@@ -6,8 +6,9 @@ was.
 Partial recompute: ``train_case`` of the tensor-parallel equivalence test (STEPS clipped AdamW
 steps; every loss, gradient norm and gradient, every parameter after the steps, evaluate, the
 gathered logits and state dict, gradients accumulated over two iterations, against one process;
-rtol 1e-5, atol 4e-5 in fp32) on a two-stage 1F1B pipeline, the same under zero_bubble, and a
-TP-2 stage with sequence parallelism. Shared casts: the same bf16 / fp16 plans trained with
+rtol 1e-5, atol 4e-5 in fp32) on a two-stage 1F1B pipeline, the same under zero_bubble, a
+TP-2 stage with sequence parallelism, and two ranks interleaved, two chunks each (the stages'
+k handed to their chunks). Shared casts: the same bf16 / fp16 plans trained with
 them and with each micro-batch's own casts (as before they were shared) give the same losses
 and parameters bit for bit, and the runtime did share (its count of casts it kept as an
 earlier micro-batch's).
@@ -38,6 +39,8 @@ class PartialCase(SpCase):
     dtype: str = "fp32"
 
     def plan(self) -> Plan:
+        if self.virtual > 1:  # the stages' k handed to their chunks by Plan.interleave
+            return replace(self, virtual=1).plan().interleave(self.virtual).validate(self.world)
         p = super().plan()
         stages = tuple(replace(s, recompute_layers=k) for s, k in zip(p.stages, self.partial))
         loss_scaling = "dynamic" if self.dtype == "fp16" else None
@@ -48,7 +51,11 @@ class PartialCase(SpCase):
 PARTIAL = [PartialCase("1|1-partial", "llama", (3, 2), ((2,), (2,)), (1, 1), partial=(2, 1)),
            PartialCase("1|1-partial-zero-bubble", "llama", (2, 2), ((2,), (2,)), (1, 1),
                        partial=(1, 1), schedule="zero_bubble"),
-           PartialCase("tp2-sp-partial", "llama", (3,), ((2,),), (2,), sp=(0,), partial=(1,))]
+           PartialCase("tp2-sp-partial", "llama", (3,), ((2,),), (2,), sp=(0,), partial=(1,)),
+           # rank 0: emb, b0 (all recomputed) and b3, b4 (b3 recomputed); rank 1: b1, b2 (b1
+           # recomputed) and b5, head
+           PartialCase("interleaved-partial", "llama", (3, 3), ((2,), (2,)), (1, 1),
+                       partial=(2, 1), virtual=2)]
 SHARED = [replace(PARTIAL[0], name="1|1-partial-bf16", dtype="bf16"),
           replace(PARTIAL[1], name="1|1-partial-zero-bubble-fp16", dtype="fp16"),
           # every forward before the first backward: both micro-batches in flight at once
