@@ -1,11 +1,14 @@
 """The training job of the elastic end-to-end test (test_elastic_torchrun.py), started by
 torchrun's elastic agents: a tiny GPT-2 trained by HaptTrainer on fixed random rows.
 
-``python elastic_job.py OUT HAPT_YAML PAUSE_AT``: rank 0 appends each logged step (start, step,
-loss, world) to ``OUT/losses.jsonl``. On the first start the ranks of node 1 stop after step
-``PAUSE_AT`` (each writes ``OUT/paused-<rank>`` holding its pid and its agent's pid, then
-sleeps), so that the test kills that node while the others wait for it in the next step.
-Called as ``main(...)`` instead (the reference run), it resumes the checkpoint it is given.
+``python elastic_job.py OUT HAPT_YAML PAUSE_AT REJOIN_AT``: rank 0 appends each logged step
+(its pid, step, loss, world) to ``OUT/losses.jsonl``. On the first start the ranks of node 1
+stop after step ``PAUSE_AT`` (each writes ``OUT/paused-<rank>`` holding its pid and its agent's
+pid, then sleeps), so that the test kills that node while the others wait for it in the next
+step. On 2 ranks (the node left) the ranks stop once step ``REJOIN_AT`` is logged (each writes
+``OUT/waiting-<rank>``, then sleeps) until the test has started the lost node again and the
+agent restarts the workers.
+Called as ``main(...)`` instead (the reference runs), it resumes the checkpoint it is given.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-SEQ, VOCAB, STEPS, SAVE_EVERY = 8, 97, 6, 2
+SEQ, VOCAB, STEPS, SAVE_EVERY = 8, 97, 8, 2
 PER_DEVICE, ACCUMULATION, PROCESSES = 1, 2, 4  # a global batch of 8 samples on 4 processes
 
 
@@ -26,7 +29,7 @@ def rows() -> torch.Tensor:
 
 
 def main(out: str, hapt_config: str, pause_at: int, resume: str | None = None,
-         accumulation: int = ACCUMULATION) -> dict:
+         accumulation: int = ACCUMULATION, rejoin_at: int = 0) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
     from hapt_hf.integration.trainer import HaptTrainer
@@ -39,10 +42,15 @@ def main(out: str, hapt_config: str, pause_at: int, resume: str | None = None,
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and logs and "loss" in logs:
-                line = {"start": start, "step": state.global_step, "loss": logs["loss"],
+                line = {"pid": os.getpid(), "step": state.global_step, "loss": logs["loss"],
                         "world": torch.distributed.get_world_size(), "t": time.time()}
                 with open(Path(out) / "losses.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")
+            if resume is None and state.global_step == rejoin_at and logs and "loss" in logs and \
+                    torch.distributed.get_world_size() == 2:  # after the step's line is written
+                rank = torch.distributed.get_rank()
+                (Path(out) / f"waiting-{rank}").write_text(str(os.getpid()))
+                time.sleep(600)  # stopped here by the agent when the lost node is back
 
         def on_step_end(self, args, state, control, **kwargs):
             if start == 0 and state.global_step == pause_at and \
@@ -71,4 +79,4 @@ def main(out: str, hapt_config: str, pause_at: int, resume: str | None = None,
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), rejoin_at=int(sys.argv[4]))
