@@ -149,10 +149,13 @@ def resolve_groups(cluster: Cluster, places: Sequence[Place]) -> list[Place]:
 
 def gather_places(world_size: int) -> list[Place] | None:
     """Every rank's :class:`Place`, on every rank (collective); None without a process group
-    (one process, or a caller that plans without one)."""
+    (a caller that plans without one), or for one process that no elastic agent started (one
+    the agent restarted alone after losing nodes has its own place)."""
     import torch.distributed as dist
 
-    if world_size == 1 or not dist.is_initialized():
+    if world_size == 1:
+        return [this_place()] if read_elastic_env() is not None else None
+    if not dist.is_initialized():
         return None
     places: list[Any] = [None] * world_size
     dist.all_gather_object(places, this_place())

@@ -213,3 +213,19 @@ def test_nodes_found_by_hostname_are_planned_in_rank_order_and_hapt_group_wins()
         present_cluster(HOSTS, [at("cpu-b1", "b/0"), at("login1", "x/1")])
     assert elastic.this_place({"HAPT_HOSTNAME": "cpu-s7", "GROUP_RANK": "3"}) == Place(None, "cpu-s7/3", "cpu-s7")
     assert elastic.this_place({"HAPT_GROUP": "big"}).host  # the machine's own hostname
+
+
+def test_one_process_left_by_the_elastic_agent_is_planned_on_its_own_group(monkeypatch):
+    from hapt_hf.integration.config import HaptConfig
+    from hapt_hf.integration.launch import LaunchEnv
+    from hapt_hf.integration.plan_resolution import resolve_plan
+    from hapt_hf.planner.model_spec import model_config
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("HAPT_GROUP", "big")
+    plan = resolve_plan(HaptConfig(cluster=CLUSTER, global_batch_size=8), model_config("gpt2-tiny"), 64,
+                        LaunchEnv(0, 1, 0, "single"))
+    assert plan.world_size == 1 and [s.group for s in plan.stages] == ["big"]
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # no agent: one process takes the file as it is
+    assert elastic.gather_places(1) is None
