@@ -63,7 +63,7 @@ def backward_split(cost: StageCost, weight_share: float | None = None
     ``I`` (``I + W = B``); left None, the stage's measured split where it has one
     (``StageCost.split_ratios``: ``I`` and ``W`` each its ratio of it, which may sum above
     ``B``), else :data:`WEIGHT_GRADIENT_SHARE`."""
-    recomputed = cost.forward_s if cost.recompute else 0.0
+    recomputed = cost.forward_s if cost.recompute else cost.recompute_s
     rest = max(cost.backward_s - recomputed, 0.0)
     if weight_share is None and cost.split_ratios is not None:
         ri, rw = cost.split_ratios

@@ -17,7 +17,12 @@ faster kind. ``tp_llama34b_v100x64_16k``, which only tensor parallelism fits, wa
 again when the planner priced sequence parallelism and the vocabulary-split head and gave
 stages degrees of their own (176.264 s under H-1F1B before, 159.794 s after), and again when
 a sequence-parallel block kept 34/t of its activations instead of 4 + 30/t (156.877 s), and
-again when its backward's two all-gathers more a block were priced (159.794 s).
+again when its backward's two all-gathers more a block were priced (159.794 s). It and
+``scale_llama70b_mixed256`` were recorded again when a stage that must recompute came to
+recompute only its fewest first blocks that fit (``Stage.recompute_layers``): 159.794 ->
+156.979 s and 92.645 -> 92.587 s. Since the tensor-parallel screen weighs each assignment at
+the schedule kind its pipeline keeps, the default plan's pipeline may differ from the one the
+search keeps under H-1F1B alone (``weigh_kinds`` off): ``KIND_FASTER`` gives its own.
 """
 from __future__ import annotations
 
@@ -37,20 +42,21 @@ from hapt_hf.planner.simulate import simulate_plan
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "golden_plans.json"
 RECORDED = json.loads(GOLDEN.read_text())
 RENAMED_BASELINES = {"hapt": "hapt_recipe"}
-TP_FASTER = {"scale_llama70b_mixed256": (92.645, 75.497)}
+TP_FASTER = {"scale_llama70b_mixed256": (92.587, 74.187)}
 """Scenarios whose plan tensor parallelism makes faster: (recorded s, with it s)."""
-KIND_FASTER = {"scale_llama70b_mixed256": (75.497, 74.186),
-               "tp_llama34b_v100x64_16k": (159.794, 154.058)}
-"""Scenarios whose best pipeline another schedule kind makes faster: (its time under H-1F1B,
-under the kind the search keeps). Their recorded plan is the search's with ``weigh_kinds``
-off; the default search keeps the pipeline and changes only the schedule and deferrals."""
+KIND_FASTER = {"scale_llama70b_mixed256": (74.187, 72.924),
+               "tp_llama34b_v100x64_16k": (154.587, 144.728)}
+"""Scenarios whose best pipeline another schedule kind makes faster: (the default plan's
+pipeline under H-1F1B, under the kind the search keeps). Their recorded plan is the search's
+with ``weigh_kinds`` off."""
 """Baselines whose name changed since the recording (same split, clearer name)."""
 
 
 def _stages(plan: Plan) -> list[tuple]:
     return [(s.index, tuple(s.layers),
              tuple((r.group, r.device_type, r.samples, tuple(r.ranks)) for r in s.replicas),
-             s.warmup, s.recompute, s.optimizer, s.sequence_parallel) for s in plan.stages]
+             s.warmup, s.recompute, s.optimizer, s.sequence_parallel, s.recompute_layers)
+            for s in plan.stages]
 
 
 def _close(a: float | None, b: float | None) -> bool:
@@ -130,13 +136,13 @@ def test_tensor_parallelism_beats_the_recorded_plan(name):
 
 @pytest.mark.parametrize("name", sorted(set(KIND_FASTER) - set(TP_FASTER)))
 def test_another_kind_beats_the_recorded_plan(name):
-    # the default search: the recorded pipeline, under zero_bubble with deferrals that fit
+    # the default search: its pipeline under zero_bubble with deferrals that fit, faster
+    # than the recorded plan (the search's under H-1F1B alone)
     rec = RECORDED[name]
     before, after = KIND_FASTER[name]
     job = load_job(scenario_path(name))
     res = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile)
-    assert _stages(res.plan) == _stages(Plan.from_dict(rec["plan"]))
     assert res.plan.schedule == "zero_bubble" and res.plan.deferrals() is not None
-    assert rec["iteration_s"] == pytest.approx(before, rel=1e-5)
     assert dict(res.schedule_kinds)["h1f1b"] == pytest.approx(before, rel=1e-5)
     assert res.sim.feasible and res.sim.iteration_s == pytest.approx(after, rel=1e-5)
+    assert after < before <= rec["iteration_s"]

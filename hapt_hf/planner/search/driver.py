@@ -109,8 +109,9 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
         best, failure = None, e
     pipelines = []
     if options.max_tp > 1:
-        got = _tensor_parallel(problem, best[0].iteration_s if best else None)
-        if got is not None and (best is None or got[0][0].iteration_s < best[0].iteration_s):
+        base_s = _kind_s(best, asked) if best else None
+        got = _tensor_parallel(problem, base_s, asked)
+        if got is not None and (best is None or _kind_s(got[0], asked) < base_s):
             before = best[3] if best else 0
             pipelines = [(g[0], g[1], g[2], g[3] + before) for g in got]
     if not pipelines and best is None:
@@ -146,15 +147,34 @@ _AFTER_SEARCH = (ScheduleKind.ZERO_BUBBLE, ScheduleKind.INTERLEAVED)
 """Kinds set on the pipeline the search finds under H-1F1B (:mod:`.kinds`)."""
 
 
+def _kind_s(found: tuple[SimResult, SearchProblem, Layout, int], asked: str) -> float:
+    """What a pipeline the search found replays in at the schedule kind the plan will keep:
+    where the kinds are weighed (``asked`` H-1F1B and ``weigh_kinds``), the fastest of them
+    (:func:`~.kinds.best_kind`, a few full replays), so the tensor-parallel screen and the
+    choice between degrees compare pipelines as the plan will run them (a pipeline H-1F1B
+    likes may fill its bubbles worse under zero_bubble); else its own replay."""
+    sim, unit, lay, _ = found
+    if asked != ScheduleKind.H1F1B or not unit.options.weigh_kinds:
+        return sim.iteration_s
+    try:
+        got = best_kind(unit.cost_model, lay, sim, unit.num_microbatches(lay.micro_batch_size),
+                        asked, unit.options.virtual_stages)
+    except PlanningError:
+        return sim.iteration_s
+    return got[1].iteration_s
+
+
 _SCREEN = dict(simulate_top=2, simulate_top_cheap=2, max_refine_simulations=16, patience=100,
                max_expansions=400)
 
 
-def _tensor_parallel(problem: SearchProblem, base_s: float | None
+def _tensor_parallel(problem: SearchProblem, base_s: float | None, asked: str
                      ) -> list[tuple[SimResult, SearchProblem, Layout, int]] | None:
     """The best plan with tensor-parallel degrees above 1 in some group, where the screen
-    finds one faster than ``base_s`` (the plan without; None: nothing fits without): its
-    stages at their own degrees first, then the screen's pipeline where that differs."""
+    finds one faster than ``base_s`` (the plan without at the kind it keeps; None: nothing
+    fits without): its stages at their own degrees first, then the screen's pipeline where
+    that differs. Each assignment of degrees is weighed at the schedule kind its pipeline
+    keeps (:func:`_kind_s`)."""
     units = [problem.options.layer_unit]
     cm = problem.cost_model
     if units[0] != HALF and problem.options.allow_sequence_parallel and \
@@ -173,7 +193,7 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None
                 got = _best_layout(p.with_options(layer_unit=unit, **_SCREEN), {})
             except PlanningError:
                 continue
-            return got[0].iteration_s, got
+            return _kind_s(got, asked), got
         return None
 
     tp, screened, _ = choose_degrees(problem, weigh, base_s)
@@ -187,7 +207,7 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None
             full = _best_layout(problem.with_tp(tp), {})
         except PlanningError:
             full = None
-        if full is not None and full[0].iteration_s <= screened[0].iteration_s:
+        if full is not None and _kind_s(full, asked) <= _kind_s(screened, asked):
             best = full
     return _stage_degrees(best)
 

@@ -32,6 +32,9 @@ class PlannerOptions:
     """Micro-batch sizes to consider; None: every size the widths and global batch allow."""
     allow_recompute: bool = True
     """Let a stage recompute its blocks' activations when that is the only way it fits."""
+    allow_partial_recompute: bool = True
+    """Where a stage must recompute, let only its first blocks recompute, as few as let it
+    fit (``Stage.recompute_layers``), instead of all of them."""
     allow_sharded_optimizer: bool = True
     """Let a stage of several replicas shard its Adam moments among them (ZeRO-1, as
     ``torch.distributed.optim.ZeroRedundancyOptimizer``): where only that fits, or fits with
@@ -155,15 +158,17 @@ class Layout:
 
     @classmethod
     def build(cls, shapes, bounds, recompute, micro_batch_size: int, warmups, schedule: str,
-              optimizers=(), sequence_parallel=()) -> "Layout":
+              optimizers=(), sequence_parallel=(), recompute_layers=()) -> "Layout":
         """A layout of stages on the replica tuples ``shapes`` with these layer ranges,
-        recompute flags, warm-ups, optimizer states (empty: every stage replicated) and
-        sequence parallelism (empty: none)."""
+        recompute flags, warm-ups, optimizer states (empty: every stage replicated),
+        sequence parallelism (empty: none) and partial recompute (empty: none)."""
         opts = tuple(optimizers) or (REPLICATED,) * len(shapes)
         sps = tuple(sequence_parallel) or (False,) * len(shapes)
-        return cls(tuple(Stage(i, tuple(bnd), reps, w, rc, opt, sequence_parallel=sp)
-                         for i, (reps, bnd, rc, w, opt, sp)
-                         in enumerate(zip(shapes, bounds, recompute, warmups, opts, sps))),
+        ks = tuple(recompute_layers) or (0,) * len(shapes)
+        return cls(tuple(Stage(i, tuple(bnd), reps, w, rc, opt, sequence_parallel=sp,
+                               recompute_layers=k)
+                         for i, (reps, bnd, rc, w, opt, sp, k)
+                         in enumerate(zip(shapes, bounds, recompute, warmups, opts, sps, ks))),
                    micro_batch_size, schedule)
 
     @property
@@ -184,6 +189,10 @@ class Layout:
         return tuple(s.recompute for s in self.stages)
 
     @property
+    def recompute_layers(self) -> tuple[int, ...]:
+        return tuple(s.recompute_layers for s in self.stages)
+
+    @property
     def warmups(self) -> tuple[int, ...]:
         return tuple(s.warmup for s in self.stages)
 
@@ -198,18 +207,22 @@ class Layout:
     def with_warmups(self, warmups) -> "Layout":
         # built directly, not with dataclasses.replace: the refinements make thousands
         return Layout(tuple(Stage(s.index, s.layers, s.replicas, w, s.recompute, s.optimizer,
-                                  s.predicted, s.deferral, s.sequence_parallel)
+                                  s.predicted, s.deferral, s.sequence_parallel,
+                                  s.recompute_layers)
                             for s, w in zip(self.stages, warmups)),
                       self.micro_batch_size, self.schedule)
 
-    def with_layers(self, bounds, recompute, optimizers, sequence_parallel=None) -> "Layout":
+    def with_layers(self, bounds, recompute, optimizers, sequence_parallel=None,
+                    recompute_layers=None) -> "Layout":
         """The same replicas and warm-ups over other layer ranges and states (sequence
-        parallelism as before where ``sequence_parallel`` is None)."""
+        parallelism as before where ``sequence_parallel`` is None; no partial recompute where
+        ``recompute_layers`` is None)."""
         sps = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        ks = (0,) * len(self.stages) if recompute_layers is None else recompute_layers
         return Layout(tuple(Stage(s.index, tuple(bnd), s.replicas, s.warmup, rc, opt, s.predicted,
-                                  s.deferral, sp)
-                            for s, bnd, rc, opt, sp in zip(self.stages, bounds, recompute,
-                                                           optimizers, sps)),
+                                  s.deferral, sp, k)
+                            for s, bnd, rc, opt, sp, k in zip(self.stages, bounds, recompute,
+                                                              optimizers, sps, ks)),
                       self.micro_batch_size, self.schedule)
 
 

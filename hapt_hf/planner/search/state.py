@@ -15,8 +15,8 @@ from hapt_hf.core.precision import REPLICATED, SHARDED
 from ..cost_model import CostModel
 from ..plan import Plan, Replica
 
-__all__ = ["state_options", "faster_state", "stage_state", "sharding_reason",
-           "sharding_reasons"]
+__all__ = ["state_options", "faster_state", "stage_state", "partial_recompute",
+           "fewest_recomputed", "sharding_reason", "sharding_reasons"]
 
 
 def state_options(width: int, allow_sharded: bool) -> tuple[str, ...]:
@@ -51,6 +51,57 @@ def stage_state(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, 
             if fits:
                 return rc, faster_state(cm, replicas, mbs // p.width, a, b, fits), sp
     return None
+
+
+def fewest_recomputed(fits, units: int) -> int:
+    """The fewest block units from a stage's first whose recompute lets it fit: ``fits(k)``
+    says whether ``k`` of its ``units`` recomputing fit (more recomputed, less memory: the
+    answer is found by bisection), ``units`` where only all of them do."""
+    lo, hi = 0, units  # fits(hi) is the caller's premise; fits(lo) is not known yet
+    if fits(0):
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def partial_recompute(cm: CostModel, replicas: tuple[Replica, ...], mbs: int, a: int, b: int,
+                      in_flight: int, allow_sharded: bool,
+                      allow_sp: bool = False) -> tuple[int, str, bool] | None:
+    """Where a stage holding layers [a, b) with ``in_flight`` micro-batches must recompute:
+    (how many of its block units, from its first, recompute (``Stage.recompute_layers``; all
+    of them where only that fits), optimizer state, sequence parallelism), the fewest units,
+    then no sequence parallelism, then the faster step; None where not even all of them fit.
+    A recomputed block keeps only its input and runs its forward again in the backward, so
+    the fewest that fit cost the least."""
+    p = cm.placement(replicas)
+    units = max(min(b, cm.model.num_layers - 1) - max(a, 1), 0)
+    kinds = {(g.name, r.samples): (g, r.samples)
+             for g, r in zip(p.group_of, p.replicas)}.values()
+    sps = (False, True) if allow_sp and cm.sp_allowed(p.tp) else (False,)
+    best: tuple[int, bool, list[str]] | None = None
+    for sp in sps:
+        opts = state_options(p.width, allow_sharded)
+
+        def fits(k: int, o: str, sp: bool = sp) -> bool:
+            return all(cm.memory_bytes(s, a, b, in_flight, k >= units, o, p.width, p.tp, sp,
+                                       k if k < units else 0) <= cm.capacity_bytes(g)
+                       for g, s in kinds)
+        found = [(fewest_recomputed(lambda k, o=o: fits(k, o), units), o)
+                 for o in opts if fits(units, o)]
+        if not found:
+            continue
+        k = min(x for x, _ in found)
+        if best is None or k < best[0]:
+            best = (k, sp, [o for x, o in found if x == k])
+    if best is None:
+        return None
+    k, sp, states = best
+    return k, faster_state(cm, replicas, mbs // p.width, a, b, states), sp
 
 
 def _layers_fitting(cm: CostModel, replicas: tuple[Replica, ...], samples: int, a: int,
