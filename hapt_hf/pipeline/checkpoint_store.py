@@ -18,11 +18,14 @@ and one with DCP's ``.metadata`` holds every file it names.
 On recovery, :meth:`CheckpointStore.reader` gives a DCP ``StorageReader``
 (:class:`LocalFirstReader`): the remote copy's layout, each file opened from ``local_dir`` where
 this node holds it whole, else from the remote through fsspec, reading only the byte ranges of
-the items this rank asks for. After a load, :attr:`LocalFirstReader.stats` says what came from
+the items this rank asks for: one thread fetches them (ranged GETs of at most
+:data:`FETCH_PIECE` bytes, at most :data:`FETCH_AHEAD` bytes ahead of the reads) while the
+local files, then the pieces already fetched, are read. After a load, :attr:`LocalFirstReader.stats` says what came from
 where; the reader logs one line of it.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import json
@@ -216,15 +219,103 @@ class ReadStats:
 
 MERGE_GAP = 1 << 20
 """Byte ranges of a remote file closer than this are fetched in one request."""
+FETCH_PIECE = 64 << 20
+"""Most bytes one ranged GET asks for: a long run of tensors is fetched in pieces, so that
+the tensors of one piece are read while the next piece arrives."""
+FETCH_AHEAD = 256 << 20
+"""Most fetched bytes held that the reads have not gone past; the fetch waits beyond it
+(unless a read waits for the next piece: a tensor longer than this is still read)."""
+
+
+class _Prefetch:
+    """One thread fetching the remote files' byte ranges of one load, in the order the reads
+    take them (file by file, by offset), in pieces of at most :data:`FETCH_PIECE` bytes (one
+    ranged GET each), at most :data:`FETCH_AHEAD` bytes ahead of the reads: the transfer goes on
+    while the local files and the pieces already fetched are read."""
+
+    def __init__(self, remote_fs, root: str, files: dict[str, list[tuple[int, int]]]) -> None:
+        self.remote_fs, self.root = remote_fs, root
+        self.pieces = {rel: [(a, min(a + FETCH_PIECE, end)) for start, end in _coalesce(spans)
+                             for a in range(start, end, FETCH_PIECE)] for rel, spans in files.items()}
+        self.item_starts = {rel: sorted(o for o, _ in spans) for rel, spans in files.items()}
+        self.data: dict[tuple[str, int], bytes] = {}
+        self.held = 0
+        self.waiting = False
+        self.closed = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="hapt-checkpoint-fetch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for rel, pieces in self.pieces.items():
+                for a, b in pieces:
+                    with self.cond:
+                        while not (self.closed or self.waiting or self.held == 0
+                                   or self.held + (b - a) <= FETCH_AHEAD):
+                            self.cond.wait()
+                        if self.closed:
+                            return
+                    data = self.remote_fs.cat_file(_join(self.root, rel), start=a, end=b)
+                    if len(data) != b - a:
+                        raise OSError(f"{_join(self.root, rel)}: bytes {a}..{b} asked, {len(data)} "
+                                      "came: the remote file is shorter than the checkpoint's metadata says")
+                    with self.cond:
+                        self.data[(rel, a)] = data
+                        self.held += len(data)
+                        self.waiting = False
+                        self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - raised again by the read that needs it
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def piece(self, rel: str, pos: int) -> tuple[int, bytes]:
+        """The fetched piece of ``rel`` holding byte ``pos`` (waiting for it); pieces wholly
+        before the item that ``pos`` is in are dropped (the items are read in order)."""
+        pieces = self.pieces.get(rel, [])
+        i = bisect.bisect_right(pieces, (pos, float("inf"))) - 1
+        if i < 0 or pos >= pieces[i][1]:
+            raise OSError(f"{_join(self.root, rel)}: byte {pos} was not fetched")
+        starts = self.item_starts[rel]
+        item = starts[max(bisect.bisect_right(starts, pos) - 1, 0)]
+        with self.cond:
+            for a, b in pieces[:i]:
+                if b <= item and (rel, a) in self.data:
+                    self.held -= len(self.data.pop((rel, a)))
+            while (rel, pieces[i][0]) not in self.data:
+                if self.error is not None:
+                    raise self.error  # the fetch's own error, as a read in this thread would raise it
+                self.waiting = True
+                self.cond.notify_all()
+                self.cond.wait()
+            self.cond.notify_all()
+            return pieces[i][0], self.data[(rel, pieces[i][0])]
+
+    def release(self, rel: str) -> None:
+        """The reads of ``rel`` are done: drop what is held of it."""
+        with self.cond:
+            for a, _ in self.pieces.get(rel, []):
+                if (rel, a) in self.data:
+                    self.held -= len(self.data.pop((rel, a)))
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.data.clear()
+            self.held = 0
+            self.cond.notify_all()
 
 
 class _RangeFile(io.RawIOBase):
-    """A remote file of which only some byte ranges were fetched (each with one ranged GET),
-    read as a seekable stream; a read outside them is an error, not a silent fetch."""
+    """A remote file of which only some byte ranges are fetched (:class:`_Prefetch`), read as
+    a seekable stream; a read outside them is an error, not a silent fetch."""
 
-    def __init__(self, name: str, ranges: list[tuple[int, bytes]]) -> None:
+    def __init__(self, name: str, rel: str, prefetch: _Prefetch) -> None:
         super().__init__()
-        self.name, self.ranges, self.pos = name, ranges, 0
+        self.name, self.rel, self.prefetch, self.pos = name, rel, prefetch, 0
 
     def readable(self) -> bool:
         return True
@@ -245,13 +336,20 @@ class _RangeFile(io.RawIOBase):
         return self.pos
 
     def readinto(self, b) -> int:
-        for start, data in self.ranges:
-            if start <= self.pos < start + len(data):
-                n = min(len(b), start + len(data) - self.pos)
-                b[:n] = data[self.pos - start:self.pos - start + n]
-                self.pos += n
-                return n
-        raise OSError(f"{self.name}: byte {self.pos} was not fetched")
+        """As many bytes as ``b`` holds, across pieces (a reader of zip records wants them all)."""
+        out, done = memoryview(b).cast("B"), 0
+        while done < len(out):
+            try:
+                start, data = self.prefetch.piece(self.rel, self.pos)
+            except OSError:
+                if done:  # the rest lies beyond the ranges fetched
+                    break
+                raise
+            n = min(len(out) - done, start + len(data) - self.pos)
+            out[done:done + n] = memoryview(data)[self.pos - start:self.pos - start + n]
+            self.pos += n
+            done += n
+        return done
 
 
 def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -276,6 +374,8 @@ class _LocalFirstFileSystem(FileSystemBase):
         """Relative path to the (offset, length) of every item a read of it asks for."""
         self.whole: dict[str, bytes] = {}
         """Files fetched whole (the metadata, read before and again during a load)."""
+        self.prefetch: _Prefetch | None = None
+        """The fetch of the remote files' ranges of the load under way."""
 
     def relative(self, path: str | os.PathLike) -> str:
         path = os.fspath(path)
@@ -308,8 +408,12 @@ class _LocalFirstFileSystem(FileSystemBase):
                 self.whole[rel] = self.remote_fs.cat_file(remote)
             yield io.BytesIO(self.whole[rel])
             return
-        yield _RangeFile(remote, [(a, self.remote_fs.cat_file(remote, start=a, end=b))
-                                  for a, b in _coalesce(self.spans[rel])])
+        if self.prefetch is None:
+            raise OSError(f"{remote}: read outside a load")
+        try:
+            yield _RangeFile(remote, rel, self.prefetch)
+        finally:
+            self.prefetch.release(rel)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return _join(os.fspath(path), suffix)
@@ -355,13 +459,11 @@ class LocalFirstReader(dcp.FileSystemReader):
         super().reset()
 
     def read_data(self, plan, planner):
-        # each file's items in the order they lie in it: a remote file read ahead in blocks
-        # (fsspec's buffered files, as s3fs's) then fetches each block once
-        plan = dataclasses.replace(plan, items=sorted(plan.items, key=self._position))
         per_file: dict[str, list[tuple[int, int]]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
+        remote: dict[str, list[tuple[int, int]]] = {}
         for rel, spans in sorted(per_file.items()):
             self.fs.spans[rel] = spans
             size = sum(n for _, n in spans)
@@ -371,7 +473,17 @@ class LocalFirstReader(dcp.FileSystemReader):
             else:
                 self.stats.fetched_bytes += size
                 self.stats.fetched_files.append(rel)
-        fut = super().read_data(plan, planner)
+                remote[rel] = spans
+        # the local files first, then each remote file's items in the order they lie in it,
+        # the order its pieces arrive in
+        plan = dataclasses.replace(plan, items=sorted(
+            plan.items, key=lambda item: (self._position(item)[0] in remote, *self._position(item))))
+        self.fs.prefetch = _Prefetch(self.fs.remote_fs, self.fs.root, remote)
+        try:
+            fut = super().read_data(plan, planner)
+        finally:
+            self.fs.prefetch.close()
+            self.fs.prefetch = None
         rank = f"rank {self.rank}: " if self.rank is not None else ""
         logger.info("%s%s of %s", rank, self.stats.describe(), self.path)
         return fut
