@@ -2,10 +2,11 @@
 
 ``cat_file(path, start, end)`` is one ranged GET, as s3fs's is; a file opened for reading goes
 through fsspec's ``AbstractBufferedFile`` as s3fs's and gcsfs's do (a read outside its read-ahead
-buffer is one ranged GET of at least ``block_size`` bytes). A GET costs ``latency_s`` plus its
+buffer is one ranged GET of at least ``block_size`` bytes). A GET takes ``latency_s`` plus its
 bytes at ``bandwidth_mb_s`` (per process: each rank reads at that rate, as each node's stream
-from an object store does). An upload (``put_file``) costs the same: a latency plus its
-bytes at the bandwidth; other writes are the local filesystem's. Every fetch is logged in
+from an object store does), or the local read if that is slower (the read is not added to it).
+An upload (``put_file``) likewise: a latency plus its bytes at the bandwidth; other writes are
+the local filesystem's. Every fetch is logged in
 :data:`FETCHES` (path, start, end) so tests can count what a rank took from the remote.
 
     from benchmarks import slow_store  # registers the protocol
@@ -46,12 +47,21 @@ def fetched_files() -> list[str]:
     return list(seen)
 
 
+def _transfer(t0: float, size: int) -> None:
+    """Wait until a request begun at ``t0`` has taken its latency plus ``size`` bytes at the
+    bandwidth (the local read or copy already done counts: a transfer is not slower than the disk)."""
+    left = _SETTINGS["latency_s"] + size / (_SETTINGS["bandwidth_mb_s"] * 1e6) - (time.perf_counter() - t0)
+    if left > 0:
+        time.sleep(left)
+
+
 def _get(path: str, start: int, end: int | None) -> bytes:
     """One ranged GET: its latency, then its bytes at the bandwidth."""
+    t0 = time.perf_counter()
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read() if end is None else f.read(end - start)
-    time.sleep(_SETTINGS["latency_s"] + len(data) / (_SETTINGS["bandwidth_mb_s"] * 1e6))
+    _transfer(t0, len(data))
     FETCHES.append((path, start, start + len(data)))
     return data
 
@@ -73,9 +83,9 @@ class ThrottledFileSystem(LocalFileSystem):
 
     def put_file(self, lpath, rpath, callback=None, **kwargs):
         """One upload: a request's latency, then the file's bytes at the bandwidth."""
+        t0 = time.perf_counter()
         super().put_file(lpath, rpath, **kwargs)
-        size = os.path.getsize(lpath)
-        time.sleep(_SETTINGS["latency_s"] + size / (_SETTINGS["bandwidth_mb_s"] * 1e6))
+        _transfer(t0, os.path.getsize(lpath))
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         """One ranged GET, as s3fs's ``cat_file`` is (no read-ahead)."""
