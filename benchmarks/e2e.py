@@ -232,7 +232,8 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
         config, groups=_groups(cfg), device_names={g: f"cpu-{g}" for g in _groups(cfg)},
         seq_len=cfg.seq, options=ProfilerOptions(micro_batches=cfg.profiled_sizes(),
                                                  budget_s=cfg.profile_budget_s),
-        link_sizes=(1 << 14, 1 << 17, 1 << 19), busy_peers=cfg.busy_profile)
+        link_sizes=(1 << 14, 1 << 17, 1 << 19), busy_peers=cfg.busy_profile,
+        log=functools.partial(print, "profile:", flush=True))
     t1 = time.perf_counter()
     box = [None]
     if dist.get_rank() == 0 and cfg.trace_dir:
@@ -249,7 +250,7 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
                           options=replace(options, all_groups=True)) if idle else None)
         box[0] = {"plan": chosen.plan.to_dict(), "links": [asdict(m) for m in profile.links],
                   "overheads": {d: asdict(o) for d, o in profile.overheads.items()},
-                  "predicted": _predictions(spec, cluster, profile, chosen.plan, every),
+                  "predicted": _predictions(cfg, spec, cluster, profile, chosen.plan, every),
                   "all_groups_plan": every.plan.to_dict() if every else None,
                   "group_choice": {"idle": idle,
                                    "predicted_s": chosen.plan.predicted.iteration_s,
@@ -262,9 +263,9 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
     return box[0], t1 - t0, time.perf_counter() - t1
 
 
-def _predictions(spec, cluster, profile, plan, every) -> dict[str, float]:
+def _predictions(cfg: RaceConfig, spec, cluster, profile, plan, every) -> dict[str, float]:
     """The cost model's iteration time of each plan the race runs: (a), (c) (its pipeline
-    under 1F1B), (h) (the best on every group, where (a) leaves one idle)."""
+    under 1F1B), (h) (the best on every group, where (a) leaves one idle), (d)."""
     from hapt_hf.planner.simulate import simulate_plan
     out = {"a": plan.predicted.iteration_s}
     if plan.virtual_stages == 1:
@@ -273,6 +274,10 @@ def _predictions(spec, cluster, profile, plan, every) -> dict[str, float]:
                                  profile, record_events=False).iteration_s
     if every is not None:
         out["h"] = every.plan.predicted.iteration_s
+    # (d), the uniform split on hapt_hf's runtime over every rank: where (a) leaves a group
+    # idle, it tells an error of the profile (both off alike) from one of (a)'s plan alone
+    out["d"] = simulate_plan(uniform_plan(cfg), spec, cluster, profile,
+                             record_events=False).iteration_s
     return out
 
 

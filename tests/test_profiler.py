@@ -254,7 +254,7 @@ prof = profile_group_leaders(config, groups={"a": [0, 1], "b": [2]},
 links = sorted([m.a, m.b] for m in prof.links)
 inside = next(m for m in prof.links if m.a == m.b)
 print(json.dumps({"links": links, "inside": [inside.bandwidth_gbps, inside.latency_us,
-                                             inside.overhead_us, inside.post_us]}))
+                                             inside.overhead_us, inside.transfer_cpu_us]}))
 """
 
 

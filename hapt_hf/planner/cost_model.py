@@ -1116,7 +1116,7 @@ class CostModel:
             f, bw = f + edge, bw + edge + again
         ar = self._window(p, slow, a, b, e)
         first_samples = p.replicas[0].samples
-        action = self.action_overhead_s(p, a, b) + cuts * self.post_s(p)
+        action = self.action_overhead_s(p, a, b) + cuts * self.transfer_cpu_s(p)
         return StageCost(
             forward_s=f + action, backward_s=bw + action, split_ratios=self.split_ratios(p),
             send_forward_s=send_f[0], send_backward_s=send_b[0],
@@ -1150,14 +1150,15 @@ class CostModel:
                  if (o := self.profile.step_overheads(g.gpu.name)) is not None]
         return max(found, default=0.0)
 
-    def post_s(self, p: Placement) -> float:
-        """Seconds a rank of the stage spends posting one transfer (``Profile.post_s``, the
-        largest over its groups): each micro-batch posts a send and a receive at each of the
-        stage's boundaries, one in its forward's turn, one in its backward's, so every compute
-        action pays one post per boundary. 0 where the profile measured none."""
+    def transfer_cpu_s(self, p: Placement) -> float:
+        """Seconds one stage-boundary transfer takes from the compute of a rank of the stage
+        (``Profile.transfer_cpu_s``, the largest over its groups): each micro-batch sends and
+        receives one transfer at each of the stage's boundaries, one in its forward's turn,
+        one in its backward's, so every compute action pays one per boundary. 0 where the
+        profile measured none."""
         if self.profile is None:
             return 0.0
-        return max((self.profile.post_s(g.name) for g in p.groups), default=0.0)
+        return max((self.profile.transfer_cpu_s(g.name) for g in p.groups), default=0.0)
 
     def _profiled_calls(self) -> tuple[float, ...]:
         """Prefix sums of the layers as the profile timed them (a block half: its share)."""

@@ -78,14 +78,14 @@ class LinkMeasurement:
     the fitted link gives for its bytes (0: not measured, or nothing beyond the fit). On a
     link from a group to itself, measured between the group's first two ranks. The cost model
     adds it to every stage-boundary transfer on the link, as time the link is busy."""
-    post_us: float = 0.0
-    """On a link from a group to itself: microseconds the posting rank's own thread spends on
-    one transfer's ``isend`` or ``irecv`` call (the post, not the wait), timed between the
-    group's first two ranks on an activation-sized tensor (0: not measured). Unlike
-    ``overhead_us`` it holds the rank, not the link: the cost model adds it to each compute
-    action of a stage once per stage boundary the stage has, on the stage's own group (each
-    micro-batch posts one send and one receive at each boundary, one in its forward's turn
-    and one in its backward's)."""
+    transfer_cpu_us: float = 0.0
+    """On a link from a group to itself: microseconds one transfer of an activation takes from
+    the compute of the rank at each end, the mean of the sender's and the receiver's (a fixed
+    compute timed with the transfer in flight, against alone, between the group's first two
+    ranks; 0: not measured). The backend moves the bytes on the cores the rank computes on.
+    Unlike ``overhead_us`` it holds the ranks, not the link: the cost model adds it to each
+    compute action of a stage once per stage boundary the stage has, on the stage's own group
+    (each micro-batch sends and receives one transfer at each boundary)."""
 
 
 @dataclass(frozen=True)
@@ -140,10 +140,10 @@ class Profile:
         return next((l.overhead_us * 1e-6 for l in self.links
                      if l.tp == 1 and link_pair(l.a, l.b) == pair), 0.0)
 
-    def post_s(self, group: str) -> float:
-        """Seconds a rank of ``group`` spends posting one transfer (its ``isend`` or ``irecv``
-        call), measured inside the group (``LinkMeasurement.post_us``); 0 if not measured."""
-        return next((l.post_us * 1e-6 for l in self.links
+    def transfer_cpu_s(self, group: str) -> float:
+        """Seconds one transfer takes from the compute of a rank of ``group`` at either end,
+        measured inside the group (``LinkMeasurement.transfer_cpu_us``); 0 if not measured."""
+        return next((l.transfer_cpu_us * 1e-6 for l in self.links
                      if l.tp == 1 and l.a == l.b == group), 0.0)
 
     def lookup(self, device: str, layer_signature: str, micro_batch: int, seq_len: int,
@@ -209,12 +209,12 @@ class Profile:
             links = [LinkMeasurement(str(l["a"]), str(l["b"]), float(l["bandwidth_gbps"]),
                                      float(l["latency_us"]), int(l.get("tp", 1)),
                                      float(l.get("overhead_us", 0.0)),
-                                     float(l.get("post_us", 0.0)))
+                                     float(l.get("transfer_cpu_us", 0.0)))
                      for l in d.get("links", [])]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProfileError(f"links: each entry needs a, b, bandwidth_gbps, latency_us "
-                               f"(and tp, 1 when left out; overhead_us and post_us, 0 when "
-                               f"left out) "
+                               f"(and tp, 1 when left out; overhead_us and transfer_cpu_us, 0 "
+                               f"when left out) "
                                f"({e!r})") from None
         bad = next((l for l in links if l.tp < 1 or (l.tp > 1 and l.a != l.b)), None)
         if bad is not None:
@@ -289,8 +289,8 @@ def _link_record(link: LinkMeasurement) -> dict[str, Any]:
         del rec["tp"]
     if not link.overhead_us:  # as before the per-transfer overhead was measured
         del rec["overhead_us"]
-    if not link.post_us:  # as before the post's cost was measured
-        del rec["post_us"]
+    if not link.transfer_cpu_us:  # as before it was measured
+        del rec["transfer_cpu_us"]
     return rec
 
 

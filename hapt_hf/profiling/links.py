@@ -9,7 +9,6 @@ again by the planner, are the times measured here.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import replace
 
@@ -17,7 +16,7 @@ from hapt_hf.core.defaults import GRAD_BUCKET_BYTES
 from hapt_hf.core.precision import DTYPE_BYTES, TORCH_DTYPE_NAMES
 from hapt_hf.planner.profile import LinkMeasurement
 
-from .overheads import TINY_BYTES, time_tiny_transfer, time_transfer_posts, transfer_overhead_us
+from .overheads import TINY_BYTES, time_tiny_transfer, time_transfer_cpu, transfer_overhead_us
 from .store import ProfilerError
 
 __all__ = ["fit_link", "measure_link", "measure_group_allreduce", "time_inside_groups",
@@ -115,8 +114,10 @@ def time_inside_groups(groups: dict[str, list[int]], rank: int,
     The group's first two ranks then time a tiny point-to-point transfer
     (:func:`~.overheads.time_tiny_transfer`): what it takes beyond the all-reduce's fit of the
     link is the group's ``overhead_us``, the fixed cost of a stage-boundary transfer inside it;
-    then the time each ``isend`` / ``irecv`` call takes to post (:func:`~.overheads.
-    time_transfer_posts`), the median being the group's ``post_us``."""
+    then what a transfer takes from the compute of its sender and of its receiver
+    (:func:`~.overheads.time_transfer_cpu`), the mean of the two being the group's
+    ``transfer_cpu_us``."""
+    import torch
     import torch.distributed as dist
     out = []
     for name in sorted(groups):
@@ -132,9 +133,13 @@ def time_inside_groups(groups: dict[str, list[int]], rank: int,
                 if tiny:
                     m = replace(m, overhead_us=transfer_overhead_us(
                         TINY_BYTES, tiny, m.bandwidth_gbps, m.latency_us))
-                posts = time_transfer_posts(peer, sender)
-                if posts:
-                    m = replace(m, post_us=statistics.median(posts) * 1e6)
+                mine = torch.tensor([time_transfer_cpu(peer, sender)])
+                theirs = torch.zeros(1)
+                if sender:  # the receiver's side, to the leader who keeps the figure
+                    dist.recv(theirs, peer)
+                else:
+                    dist.send(mine, peer)
+                m = replace(m, transfer_cpu_us=float(mine + theirs) / 2 * 1e6)
             if rank == ranks[0]:
                 out.append(m)
         dist.barrier()

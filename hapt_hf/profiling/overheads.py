@@ -22,10 +22,11 @@ bandwidth`` of the fitted link. Three things the runtime does are not in those f
 * **a fixed cost per transfer** (``LinkMeasurement.overhead_us``): a tiny tensor sent with
   ``isend`` and waited for, as the runtime does, less what the fitted link gives for its bytes
   (:func:`transfer_overhead_us`);
-* **the post of a transfer** (``LinkMeasurement.post_us``, inside a group): the time the
-  posting rank's thread spends in one ``isend`` or ``irecv`` call of an activation-sized
-  tensor (:func:`time_transfer_posts`), which the runtime's compute thread pays between its
-  actions, once per send and once per receive.
+* **what a transfer takes from the compute at its two ends** (``LinkMeasurement.
+  transfer_cpu_us``, inside a group): a fixed compute timed with an activation-sized
+  transfer in flight, against alone, on the sender and on the receiver
+  (:func:`time_transfer_cpu`); the runtime's ranks pay it between and inside their actions,
+  once for each send and each receive.
 
 The fits are plain functions of the timings (unit-tested on synthetic ones); the measuring
 functions import torch inside.
@@ -42,8 +43,8 @@ from hapt_hf.planner.profile import StepOverheads
 from .store import ProfilerError
 
 __all__ = ["fit_action_overhead", "split_ratios", "transfer_overhead_us", "pool_overheads",
-           "measure_step_overheads", "time_tiny_transfer", "time_transfer_posts", "STAGE_BLOCKS",
-           "TINY_BYTES", "POST_BYTES"]
+           "measure_step_overheads", "time_tiny_transfer", "time_transfer_cpu", "STAGE_BLOCKS",
+           "TINY_BYTES", "TRANSFER_CPU_BYTES"]
 
 STAGE_BLOCKS = 3
 """Blocks of the stage a further layer's cost is measured on: two further blocks beside one
@@ -52,10 +53,9 @@ double the signal, against the timings' noise, of a stage of two."""
 TINY_BYTES = 4
 """The tensor sent to time a transfer's fixed cost: one fp32 element."""
 
-POST_BYTES = 1 << 16
-"""The tensor whose sends and receives are posted to time a post: a small activation (one
-sample of 64 positions of 256 fp32 values). A post only queues the buffer, whatever its size
-(between two uncapped Gloo processes here: 31-46 us for 4 bytes and 64 KiB alike)."""
+TRANSFER_CPU_BYTES = 1 << 16
+"""The tensor moved to time what a transfer takes from the compute at both ends: a small
+activation (one sample of 64 positions of 256 fp32 values)."""
 
 
 def fit_action_overhead(sizes: Sequence[int], measured_s: Sequence[float],
@@ -268,31 +268,52 @@ def time_tiny_transfer(peer: int, sender: bool, repeats: int = 20) -> list[float
     return out
 
 
-def time_transfer_posts(peer: int, sender: bool, repeats: int = 20,
-                        nbytes: int = POST_BYTES) -> list[float]:
-    """Seconds of each ``isend`` and each ``irecv`` call (the post: the call's return, not the
-    wait) of a ``nbytes`` tensor to and from ``peer``, on the sender's thread (both ranks call
-    it, one with ``sender``): what a rank's compute thread pays to post one transfer, the time
-    the runtime spends between its actions beyond its layers. The receiver posts its receive
-    before the sender's send, as the runtime posts receives early. Returns the sender's
-    timings, sends' and receives' together ([] on the receiver)."""
+def time_transfer_cpu(peer: int, sender: bool, repeats: int = 24,
+                      nbytes: int = TRANSFER_CPU_BYTES) -> float:
+    """Seconds one transfer of ``nbytes`` to or from ``peer`` takes from this rank's compute:
+    a fixed compute (:func:`_fixed_work`) timed with the transfer posted just before it
+    (``isend`` on the sender, ``irecv`` on the receiver) and waited for after it, less the
+    same compute timed alone, alternated; the median of the differences (both ranks call it,
+    one with ``sender``; each returns its own side's figure). What a rank pays for a transfer
+    beyond the post's call: the backend's threads move the bytes on the rank's cores (and,
+    between two processes of one machine, the kernel's copy and the receiving side's network
+    processing), the cores its compute runs on. Never below 0."""
     import torch
     import torch.distributed as dist
     buf = torch.zeros(max(nbytes // 4, 1))
-    out = []
-    for i in range(repeats + 2):  # the first two also warm the connection: not counted
+    sync = torch.zeros(1)
+    work = _fixed_work()
+    diffs, alone = [], 0.0
+    for i in range(2 * (repeats + 2)):  # the first two pairs warm the connection: not counted
+        # both ranks start together: a one-element round trip, the receiver replying
         if sender:
-            t0 = time.perf_counter()
-            work = dist.isend(buf, peer)
-            t1 = time.perf_counter()
-            work.wait()
-            t2 = time.perf_counter()
-            work = dist.irecv(buf, peer)
-            t3 = time.perf_counter()
-            work.wait()
-            if i >= 2:
-                out += [t1 - t0, t3 - t2]
+            dist.send(sync, peer)
+            dist.recv(sync, peer)
         else:
-            dist.irecv(buf, peer).wait()
-            dist.isend(buf, peer).wait()
-    return out
+            dist.recv(sync, peer)
+            dist.send(sync, peer)
+        with_transfer = i % 2 == 1
+        t0 = time.perf_counter()
+        pending = ((dist.isend if sender else dist.irecv)(buf, peer)
+                   if with_transfer else None)
+        work()
+        t = time.perf_counter() - t0
+        if pending is not None:
+            pending.wait()
+            if i >= 4:
+                diffs.append(t - alone)
+        else:
+            alone = t
+    return max(statistics.median(diffs), 0.0) if diffs else 0.0
+
+
+def _fixed_work():
+    """A compute of about a millisecond on one core: a chain of small matmuls, as a layer's."""
+    import torch
+    a, b = torch.randn(64, 256), torch.randn(256, 256) * 0.01
+
+    def run() -> None:
+        x = a
+        for _ in range(8):
+            x = x @ b
+    return run

@@ -371,8 +371,10 @@ def pool_timings(measured: list[dict[ProfileKey, LayerTiming]]) -> dict[ProfileK
 
 
 def _keep_busy_until_all_done(config, seq_len: int, dtype: str, micro_batch: int,
-                              options: ProfilerOptions) -> None:
-    """Run forward and backward of one block until every rank has finished its profile.
+                              options: ProfilerOptions) -> list[tuple[float, float]]:
+    """Run forward and backward of one block until every rank has finished its profile, and
+    time it as :func:`time_layer` times a layer: windows of at least ``options.min_window_s``,
+    each its passes' mean (forward, backward) seconds. Returns the windows.
 
     A slower group's leader takes longer to profile; if the ranks done first went idle, it
     would finish on a machine less loaded than in training and look faster than it is.
@@ -384,10 +386,76 @@ def _keep_busy_until_all_done(config, seq_len: int, dtype: str, micro_batch: int
                                  attn_implementation=options.attn_implementation)
     block = next(l for l in _representatives(spec) if l.kind == "block")
     run = layer_run(build_layer(config, block, "cpu", options), config,
-                     block.kind, micro_batch, seq_len, spec.dtype, "cpu")
+                    block.kind, micro_batch, seq_len, spec.dtype, "cpu")
+    windows: list[tuple[float, float]] = []
+    f = b = 0.0
+    passes, started = 0, time.perf_counter()
     while not everyone_done.is_completed():
-        run.forward().backward(run.out_grad)
+        t0 = time.perf_counter()
+        out = run.forward()
+        t1 = time.perf_counter()
+        out.backward(run.out_grad)
+        f, b, passes = f + t1 - t0, b + time.perf_counter() - t1, passes + 1
+        if time.perf_counter() - started >= options.min_window_s:
+            windows.append((f / passes, b / passes))
+            f = b = 0.0
+            passes, started = 0, time.perf_counter()
     everyone_done.wait()
+    return windows[1:]  # the first pass warms the block up: its window is not counted
+
+
+def over_the_profile(timings: dict[ProfileKey, LayerTiming], device: str, block_key: ProfileKey,
+                     windows: list[tuple[float, float]], profiled_s: float, ranks: int = 1
+                     ) -> dict[ProfileKey, LayerTiming]:
+    """``device``'s timings scaled to its speed over the whole profile, not only its own part.
+
+    A group done first with its profile keeps timing its block while the slowest group
+    finishes (:func:`_keep_busy_until_all_done`), which on a machine whose speed moves
+    (cores and caches shared with other jobs) samples the device over tens of seconds where
+    its own profile saw a few per layer. Over the ``profiled_s`` seconds of its own profile
+    the block took ``block_key``'s forward + backward; over the windows' seconds (those of
+    ``ranks`` ranks together: each rank's share), their median. Every entry of ``device``
+    (forward, backward, the optimizer step) is multiplied by the time-weighted mean of the
+    two speeds over the block's profiled one: the same load slows every layer of a device
+    alike. Unchanged without windows or a block entry."""
+    block = timings.get(block_key)
+    if not windows or block is None or profiled_s <= 0:
+        return timings
+    profiled = block.forward_s + block.backward_s
+    busy = statistics.median(f + b for f, b in windows)
+    busy_s = sum(f + b for f, b in windows) / ranks  # one rank's span: its passes
+    if profiled <= 0 or busy <= 0:
+        return timings
+    factor = (profiled_s + busy_s * busy / profiled) / (profiled_s + busy_s)
+    return {k: (replace(t, forward_s=t.forward_s * factor, backward_s=t.backward_s * factor,
+                        update_s=t.update_s * factor) if k.device == device else t)
+            for k, t in timings.items()}
+
+
+def _fold_busy_windows(timings: dict[ProfileKey, LayerTiming], busy: list, config,
+                       seq_len: int, dtype: str, micro_batch: int, options: ProfilerOptions,
+                       log: Callable[[str], None] | None = None
+                       ) -> dict[ProfileKey, LayerTiming]:
+    """Each device's timings over the whole profile (:func:`over_the_profile`), from the
+    windows every rank of that device timed after its own profile (``busy``: per rank, its
+    device name, its windows and the seconds its own profile took)."""
+    spec = ModelSpec.from_config(config, seq_len, dtype,
+                                 attn_implementation=options.attn_implementation)
+    block = next(l for l in _representatives(spec) if l.kind == "block")
+    for device in sorted({d for d, _, _ in busy if d is not None}):
+        mine = [(w, s) for d, w, s in busy if d == device]
+        windows = [x for w, _ in mine for x in w]
+        key = ProfileKey(device, block.signature, micro_batch, seq_len, spec.dtype)
+        before = timings.get(key)
+        timings = over_the_profile(timings, device, key, windows,
+                                   statistics.median(s for _, s in mine), len(mine))
+        if log and before is not None and windows:
+            after = timings[key]
+            log(f"{device}: block f+b {(before.forward_s + before.backward_s) * 1e3:.2f} ms in "
+                f"its profile, {statistics.median(f + b for f, b in windows) * 1e3:.2f} ms "
+                f"over {len(windows)} windows after it; priced "
+                f"{(after.forward_s + after.backward_s) * 1e3:.2f} ms")
+    return timings
 
 
 def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names: dict[str, str],
@@ -397,7 +465,7 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
                           link_sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22),
                           busy_peers: bool = False,
                           allreduce_sizes: tuple[int, ...] = (1 << 20, 1 << 23, GRAD_BUCKET_BYTES),
-                          ) -> Profile:
+                          log: Callable[[str], None] | None = None) -> Profile:
     """Collective over an initialised process group: the first rank of each group profiles its
     device type (all groups at once, each under its own conditions), then the leaders time
     every pair of groups' link. Every rank returns the merged Profile; rank 0 saves the store.
@@ -409,6 +477,9 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     left idle by their peers. Every rank of a group having measured the same layers, each
     entry's times are the median over them (:func:`pool_timings`): two fast ranks of the race
     measured the same block's backward 23 and 29 ms in one profile.
+    With ``busy_peers``, the ranks done first keep timing a block until the last is done, and
+    each device's figures are scaled to its speed over the whole profile
+    (:func:`over_the_profile`; ``log`` gets one line a device on rank 0).
     ``allreduce_sizes``: each group of two or more ranks times an all-reduce of these sizes
     among its ranks (:func:`~hapt_hf.profiling.links.measure_group_allreduce`), recorded as
     the link from the group to itself (the link its stages' gradients are all-reduced on);
@@ -427,6 +498,7 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
     leaders = {g: ranks[0] for g, ranks in groups.items()}
     store = ProfileStore.open(store_path) if store_path else None
     mine = Profile()
+    started = time.perf_counter()
     for g, leader in leaders.items():
         # one leader per device type: a second group of the same type would only repeat it
         first_of_type = list(device_names.values()).index(device_names[g]) == \
@@ -440,8 +512,11 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
         elif busy_peers and rank in groups[g]:
             mine = profile_model(config, device_name=device_names[g], seq_len=seq_len,
                                  dtype=dtype, options=held)
+    profiled_s = time.perf_counter() - started
+    windows: list[tuple[float, float]] = []
     if busy_peers:
-        _keep_busy_until_all_done(config, seq_len, dtype, min(options.micro_batches), options)
+        windows = _keep_busy_until_all_done(config, seq_len, dtype, min(options.micro_batches),
+                                            options)
     dist.barrier()
     links = []
     names = list(leaders)
@@ -456,12 +531,17 @@ def profile_group_leaders(config, *, groups: dict[str, list[int]], device_names:
         links += time_inside_groups(groups, rank, allreduce_sizes)
     tp_links = _time_tp_allreduces(config, groups, rank, seq_len, dtype, options)
     gathered: list = [None] * dist.get_world_size()
+    my_device = next((device_names[g] for g, ranks in groups.items() if rank in ranks), None)
     dist.all_gather_object(gathered, (mine.timings, [m for m in links if rank == leaders[m.a]],
-                                      tp_links, mine.overheads))
+                                      tp_links, mine.overheads,
+                                      (my_device, windows, profiled_s)))
     merged = ProfileStore(Path(store_path or ""))
-    merged.timings.update(pool_timings([g[0] for g in gathered]))
+    merged.timings.update(_fold_busy_windows(pool_timings([g[0] for g in gathered]),
+                                             [g[4] for g in gathered], config, seq_len, dtype,
+                                             min(options.micro_batches), options,
+                                             log if rank == 0 else None))
     merged.overheads.update(pool_overheads([g[3] for g in gathered]))
-    for _, measured, tp_measured, _ in gathered:
+    for _, measured, tp_measured, _, _ in gathered:
         for m in (*measured, *tp_measured):
             merged.put_link(m)
     if rank == 0 and store is not None:

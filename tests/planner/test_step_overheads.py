@@ -59,9 +59,9 @@ def test_every_action_and_transfer_pays_its_measured_overhead():
 def test_every_action_pays_one_post_per_boundary_of_its_stage():
     # each micro-batch posts a send and a receive at each of a stage's boundaries: one post
     # per boundary in each of its forward's and backward's turns, on the stage's own group
-    post = 0.0002
+    post = 0.0002  # seconds a transfer takes from a rank's compute
     prof = _profile()
-    posted = Profile(prof.timings, [replace(prof.links[0], post_us=post * 1e6)])
+    posted = Profile(prof.timings, [replace(prof.links[0], transfer_cpu_us=post * 1e6)])
     for stages in (1, 2):
         plain = CostModel(toy_model(), two_groups(), prof).plan_costs(_plan("1f1b", stages))
         over = CostModel(toy_model(), two_groups(), posted).plan_costs(_plan("1f1b", stages))

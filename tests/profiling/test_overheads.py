@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hapt_hf.errors import ProfileError
-from hapt_hf.planner.profile import LinkMeasurement, Profile, StepOverheads
+from hapt_hf.planner.profile import LayerTiming, LinkMeasurement, Profile, ProfileKey, StepOverheads
 from hapt_hf.profiling import overheads
 from hapt_hf.profiling.overheads import (fit_action_overhead, pool_overheads, split_ratios,
                                          transfer_overhead_us)
@@ -81,7 +81,7 @@ def test_measure_step_overheads_fits_the_action_and_the_further_layer(monkeypatc
 
 def test_the_profile_keeps_the_overheads_and_old_profiles_load_without(tmp_path):
     prof = Profile(links=[LinkMeasurement("a", "b", 0.01, 40000.0, overhead_us=300.0),
-                          LinkMeasurement("a", "a", 2.0, 50.0, post_us=120.0)],
+                          LinkMeasurement("a", "a", 2.0, 50.0, transfer_cpu_us=120.0)],
                    overheads={"cpu-a": StepOverheads(0.001, 0.7, 0.6)})
     path = tmp_path / "p.json"
     prof.save(path)
@@ -91,39 +91,65 @@ def test_the_profile_keeps_the_overheads_and_old_profiles_load_without(tmp_path)
     assert back.step_overheads("cpu-b") is None
     assert back.transfer_overhead_s("b", "a") == pytest.approx(300e-6)
     assert back.transfer_overhead_s("a", "a") == 0.0
-    assert back.post_s("a") == pytest.approx(120e-6) and back.post_s("b") == 0.0
+    assert back.transfer_cpu_s("a") == pytest.approx(120e-6) and back.transfer_cpu_s("b") == 0.0
     store = ProfileStore.open(path)  # the store reads and writes the same figures
     assert store.to_profile().overheads == prof.overheads
     # a profile written before the overheads were measured: none, and links without them
     old = Profile.from_dict({"timings": [], "links": [{"a": "a", "b": "b", "bandwidth_gbps": 1,
                                                         "latency_us": 5}]})
-    assert old.overheads == {} and old.links[0].overhead_us == old.links[0].post_us == 0.0
+    assert old.overheads == {} and old.links[0].overhead_us == old.links[0].transfer_cpu_us == 0.0
     assert "overheads" not in old.to_dict() and "overhead_us" not in old.to_dict()["links"][0]
-    assert "post_us" not in old.to_dict()["links"][0]
+    assert "transfer_cpu_us" not in old.to_dict()["links"][0]
     with pytest.raises(ProfileError, match="unknown fields"):
         Profile.from_dict({"timings": [], "overheads": {"x": {"action": 1}}})
     with pytest.raises(ProfileError, match="split ratios"):
         Profile.from_dict({"timings": [], "overheads": {"x": {"input_grad_ratio": -1}}})
 
 
-def test_the_posts_are_timed_on_the_senders_thread_sends_and_receives_alike(monkeypatch):
-    # each isend / irecv call's own time, not its wait's: a post that takes 3 clock ticks
-    # and a wait that takes 50, on the sender; the receiver returns nothing
+def test_a_transfers_cost_to_the_compute_is_the_work_with_it_less_the_work_alone(monkeypatch):
+    # the fixed work takes 10 ticks alone and 13 with a transfer in flight (its post and the
+    # backend's threads on the rank's cores); the wait after it is not counted
     import torch.distributed as dist
 
     from hapt_hf.profiling import overheads
-    clock = [0.0]
+    clock, inflight = [0.0], [False]
 
     class Work:
         def wait(self):
             clock[0] += 50.0
+            inflight[0] = False
 
     def post(*_args):
-        clock[0] += 3.0
+        inflight[0] = True
         return Work()
+
+    def work():
+        clock[0] += 13.0 if inflight[0] else 10.0
     monkeypatch.setattr(overheads.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(dist, "isend", post)
-    monkeypatch.setattr(dist, "irecv", post)
-    got = overheads.time_transfer_posts(1, True, repeats=4)
-    assert got == [3.0] * 8
-    assert overheads.time_transfer_posts(0, False, repeats=4) == []
+    monkeypatch.setattr(overheads, "_fixed_work", lambda: work)
+    for name in ("isend", "irecv"):
+        monkeypatch.setattr(dist, name, post)
+    monkeypatch.setattr(dist, "send", lambda *a: None)
+    monkeypatch.setattr(dist, "recv", lambda *a: None)
+    assert overheads.time_transfer_cpu(1, True, repeats=5) == 3.0
+    assert overheads.time_transfer_cpu(0, False, repeats=5) == 3.0
+
+
+def test_a_device_timed_again_while_the_others_finish_is_priced_over_the_whole_profile():
+    # its own profile: 10 s, the block at 20 ms f+b; then 30 s of windows at 30 ms (2 ranks,
+    # 60 s of windows together): a time-weighted speed of (10 + 30 x 1.5) / 40 = 1.375 x the
+    # profiled one, on every entry of the device and none of another
+    from hapt_hf.profiling.profiler import over_the_profile
+    block = ProfileKey("cpu-a", "blk", 1, 64, "fp32")
+    other = ProfileKey("cpu-b", "blk", 1, 64, "fp32")
+    head = ProfileKey("cpu-a", "head", 1, 64, "fp32")
+    timings = {block: LayerTiming(0.008, 0.012, 0.004), head: LayerTiming(0.002, 0.002),
+               other: LayerTiming(0.05, 0.05)}
+    windows = [(0.012, 0.018)] * 2000
+    got = over_the_profile(timings, "cpu-a", block, windows, 10.0, ranks=2)
+    assert got[block].forward_s == pytest.approx(0.008 * 1.375)
+    assert got[block].backward_s == pytest.approx(0.012 * 1.375)
+    assert got[block].update_s == pytest.approx(0.004 * 1.375)
+    assert got[head].forward_s == pytest.approx(0.002 * 1.375)
+    assert got[other] == timings[other]
+    assert over_the_profile(timings, "cpu-a", block, [], 10.0) == timings
