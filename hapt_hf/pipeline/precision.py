@@ -16,7 +16,9 @@ copy of its weights. Each forward runs in its own autocast region, whose cast ca
 micro-batch's matmuls would save their own cast of every weight for the backward.
 :class:`SharedWeightCasts` keeps, for the whole step, the first micro-batch's cast of each
 weight and hands it to every later micro-batch's backward in place of its own (which is then
-freed): one copy per weight while any micro-batch holds it, the same values bit for bit. A
+freed, as the op that used it ends: the forward runs without autocast's cache, which would hold
+a second cast of every weight until the forward ends): one copy per weight while any
+micro-batch holds it, the same values bit for bit. A
 longer autocast region would not do it: torch's cast cache is one per process while its
 nesting count is one per thread, so on CUDA the backward thread's activation recomputation
 (``torch.utils.checkpoint`` re-enters autocast) empties it at every recomputed block; and the
@@ -51,9 +53,12 @@ def compute_context(dtype: str, device: str | torch.device, casts: "SharedWeight
     tensors go through (a forward that builds a backward)."""
     if dtype == "fp32":
         return contextlib.nullcontext()
-    region = torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
     if casts is None:
-        return region
+        return torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
+    # without the region's own cache, which would hold a second cast of every weight until
+    # the forward ends: each cast is freed as its op ends, the step's first one kept
+    region = torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype),
+                            cache_enabled=False)
     stack = contextlib.ExitStack()
     stack.enter_context(region)
     stack.enter_context(casts.saving())
