@@ -719,6 +719,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"--- rank {r.rank} exit {r.returncode}\n{r.output[-3000:]}", file=sys.stderr)
         raise SystemExit("the race failed; the ranks' output is above")
     result = summarize(cfg, json.loads(line[5:]), mechanisms, time.monotonic() - start)
+    result["profile_log"] = [l[len("profile: "):] for l in results[0].output.splitlines()
+                             if l.startswith("profile: ")]
     for k, row in result["contenders"].items():
         print(f"({k}) {row['name']:30s} {row['median_s'] * 1e3:9.1f} ms  "
               f"spread {row['spread']:.2f}  {row['tokens_per_s']:8.1f} tok/s  "
