@@ -33,9 +33,11 @@ Conventions:
   (16) bytes per parameter in every precision (a stage whose optimizer is ``sharded``, ZeRO-1
   over its ``d`` replicas: ``8 + 8/d``, the Adam moments split, weights and gradients whole; see
   :func:`~hapt_hf.core.precision.state_bytes_per_param`), plus, for every micro-batch in
-  flight, what its layers keep for the backward (``act_keep_bytes`` per sample and
-  ``act_keep_fixed_bytes``: autocast's 16-bit weight copies), plus one layer's working set.
-  Recompute keeps only the blocks' inputs and pays one more forward in the backward.
+  flight, what its layers keep for the backward (``act_keep_bytes`` per sample), plus once
+  for the step ``act_keep_fixed_bytes`` (autocast's 16-bit weight copies, which the runtime
+  shares among a step's micro-batches in flight: ``pipeline.precision.SharedWeightCasts``),
+  plus one layer's working set. Recompute keeps only the blocks' inputs and no weight copies,
+  and pays one more forward in the backward.
 * A sharded stage's replicas each run the Adam step on their ``1/d`` of the parameters, then
   the updated fp32 weights go from their owners to the other replicas, priced as a ring
   all-gather ``(d-1)/d * 4 * params / bw + (d-1) * lat`` on the replica link, after the
@@ -288,6 +290,8 @@ class StageCost:
     activation_bytes: float
     """Activations one GPU keeps per micro-batch in flight."""
     working_bytes: float
+    """One layer's working set, plus the step's 16-bit weight copies its micro-batches in
+    flight share (:meth:`CostModel.weight_copy_bytes`)."""
     capacity_bytes: float
     """Usable memory of one GPU (after the planner's headroom)."""
     recompute: bool = False
@@ -818,15 +822,25 @@ class CostModel:
                          tp: int = 1, sp: bool = False, units: int = 0) -> float:
         """What one micro-batch of ``samples`` keeps in layers [a, b) until its backward, on
         each of a replica's ``tp`` ranks (sequence parallel where ``sp``); a recomputed block
-        (all under ``recompute``, else the first ``units``) keeps only its input."""
+        (all under ``recompute``, else the first ``units``) keeps only its input. The weight
+        copies every micro-batch in flight shares are :meth:`weight_copy_bytes`."""
         sh = self.shard(tp, sp)
         if units and not recompute:
             e = self.recompute_end(a, b, False, units)
-            return (samples * (sh.keep_rc[e] - sh.keep_rc[a] + sh.keep[b] - sh.keep[e])
-                    + sh.fixed_rc[e] - sh.fixed_rc[a] + sh.fixed[b] - sh.fixed[e])
+            return samples * (sh.keep_rc[e] - sh.keep_rc[a] + sh.keep[b] - sh.keep[e])
         pre = sh.keep_rc if recompute else sh.keep
-        fixed = sh.fixed_rc if recompute else sh.fixed
-        return samples * (pre[b] - pre[a]) + fixed[b] - fixed[a]
+        return samples * (pre[b] - pre[a])
+
+    def weight_copy_bytes(self, a: int, b: int, recompute: bool = False, tp: int = 1,
+                          units: int = 0) -> float:
+        """What layers [a, b) keep once for a step's micro-batches in flight, whatever their
+        number and size, on each of a replica's ``tp`` ranks: autocast's 16-bit copies of the
+        matmul weights (``act_keep_fixed_bytes``), which the runtime shares among the step's
+        micro-batches (``pipeline.precision.SharedWeightCasts``); none for a recomputed block
+        (its recomputed forward casts them again)."""
+        sh = self.shard(tp)
+        e = self.recompute_end(a, b, recompute, units)
+        return sh.fixed_rc[e] - sh.fixed_rc[a] + sh.fixed[b] - sh.fixed[e]
 
     def working_bytes(self, samples: int, a: int, b: int, tp: int = 1,
                       sp: bool = False) -> float:
@@ -837,12 +851,14 @@ class CostModel:
                      width: int = 1, tp: int = 1, sp: bool = False, units: int = 0) -> float:
         return (self.static_bytes(a, b, optimizer, width, tp)
                 + in_flight * self.activation_bytes(samples, a, b, recompute, tp, sp, units)
+                + (self.weight_copy_bytes(a, b, recompute, tp, units) if in_flight else 0.0)
                 + self.working_bytes(samples, a, b, tp, sp))
 
     def memory_prefix(self, samples: int, in_flight: int, recompute: bool,
                       optimizer: str = REPLICATED, width: int = 1,
                       tp: int = 1, sp: bool = False) -> list[float]:
-        """Prefix sums of static + in-flight activation bytes (working set not included)."""
+        """Prefix sums of static + in-flight activation bytes + the step's weight copies
+        (working set not included)."""
         st = state_bytes_per_param(optimizer, width)
         key = (samples, in_flight, recompute, st, tp, sp and tp > 1)
         pre = self._mem_prefix.get(key)
@@ -850,7 +866,8 @@ class CostModel:
             sh = self.shard(tp, sp)
             keep = sh.keep_rc if recompute else sh.keep
             fixed = sh.fixed_rc if recompute else sh.fixed
-            pre = [p * st + in_flight * (samples * k + f)
+            once = 1 if in_flight else 0  # the step's weight copies, while any is in flight
+            pre = [p * st + in_flight * samples * k + once * f
                    for p, k, f in zip(sh.params, keep, fixed)]
             self._mem_prefix[key] = pre
         return pre
@@ -1115,6 +1132,7 @@ class CostModel:
             again = 0.0 if rc else max(self.sp_regather_s(g, s, p.tp, e, b) for g, s in p.kinds)
             f, bw = f + edge, bw + edge + again
         ar = self._window(p, slow, a, b, e)
+        copies = self.weight_copy_bytes(a, b, rc, p.tp, k)
         first_samples = p.replicas[0].samples
         action = self.action_overhead_s(p, a, b) + cuts * self.transfer_cpu_s(p)
         return StageCost(
@@ -1125,14 +1143,14 @@ class CostModel:
             update_s=max(self.update_s(g, s, a, b, opt, d, p.tp) for g, s in p.kinds),
             static_bytes=self.static_bytes(a, b, opt, d, p.tp),
             activation_bytes=self.activation_bytes(first_samples, a, b, rc, p.tp, sp, k),
-            working_bytes=self.working_bytes(first_samples, a, b, p.tp, sp),
+            working_bytes=self.working_bytes(first_samples, a, b, p.tp, sp) + copies,
             capacity_bytes=self.capacity_bytes(p.group),
             recompute=rc, recompute_s=again_f,
             allreduce_lead_s=ar.lead_s, allreduce_exposed_s=ar.exposed_s,
             allgather_s=self._allgather(p, a, b, opt), optimizer=opt,
             replica_memory=() if p.alike else tuple(
                 ReplicaMemory(self.activation_bytes(s, a, b, rc, p.tp, sp, k),
-                              self.working_bytes(s, a, b, p.tp, sp),
+                              self.working_bytes(s, a, b, p.tp, sp) + copies,
                               self.capacity_bytes(g)) for g, s in p.kinds))
 
     # -- the runtime's overheads, measured by the profiler ----------------------------------

@@ -34,9 +34,10 @@ Conventions (per sample = one sequence of ``seq_len`` tokens; ``dtype`` is the c
   state in fp32 (16 bytes per parameter), compute in ``dtype`` under autocast. The residual
   stream, the norms (autocast runs them in fp32) and the loss's log-softmax stay fp32; matmul
   inputs and outputs, Q/K/V and the MLP's tensors are ``dtype``. With a 16-bit ``dtype`` each
-  linear keeps its own cast of an fp32 input (LLaMA's q, k, v each), and every micro-batch in
-  flight keeps autocast's 16-bit copies of the layer's matmul weights
-  (``LayerSpec.act_keep_fixed_bytes``, whatever the micro-batch size).
+  linear keeps its own cast of an fp32 input (LLaMA's q, k, v each), and a micro-batch keeps
+  autocast's 16-bit copies of the layer's matmul weights (``LayerSpec.act_keep_fixed_bytes``,
+  whatever the micro-batch size; the runtime shares one copy among a step's micro-batches in
+  flight, so the cost model counts it once a step).
 - Activation memory kept for backward: the tensor-by-tensor breakdown of Korthikanti et al.,
   "Reducing Activation Recomputation in Large Transformer Models" (2022), with each tensor at
   the dtype above, the MLP at its real width (SwiGLU keeps 4 tensors of the intermediate width),
@@ -118,9 +119,12 @@ class LayerSpec:
     act_in_bytes: float = 0.0
     """Bytes per sample of this layer's input (what recompute keeps instead of act_keep)."""
     act_keep_fixed_bytes: float = 0.0
-    """Bytes per micro-batch in flight, whatever its size, kept for the backward: autocast's
-    16-bit copies of the layer's matmul weights (0 in fp32; recompute keeps none), and GPT-2's
-    position ids, one row for the whole micro-batch."""
+    """Bytes a micro-batch keeps for the backward whatever its size: autocast's 16-bit copies
+    of the layer's matmul weights (0 in fp32; recompute keeps none), and GPT-2's position ids,
+    one row for the whole micro-batch. The runtime shares the weight copies among a step's
+    micro-batches in flight, so the cost model counts all of it once a step
+    (:meth:`~hapt_hf.planner.cost_model.CostModel.weight_copy_bytes`; GPT-2's row of position
+    ids, a few KB, is then counted once where each micro-batch keeps its own)."""
     profile_signature: str = ""
     """For a block half: the whole block's signature, looked up when a profile has no entry
     for the half itself; '' otherwise."""

@@ -98,7 +98,8 @@ def test_activations_follow_korthikanti_and_state_splits_only_the_projections():
     assert whole + split == parts == 34
     blk = m.layers[1]
     assert cm.activation_bytes(1, 1, 2, tp=4) == pytest.approx(
-        blk.act_keep_bytes * (10 + 24 / 4) / 34 + blk.act_keep_fixed_bytes / 4)
+        blk.act_keep_bytes * (10 + 24 / 4) / 34)
+    assert cm.weight_copy_bytes(1, 2, tp=4) == pytest.approx(blk.act_keep_fixed_bytes / 4)
     # a recomputed block keeps its whole input on every rank
     assert cm.activation_bytes(3, 1, 2, True, tp=4) == cm.activation_bytes(3, 1, 2, True)
     norms = 2 * m.hidden_size

@@ -56,11 +56,16 @@ def test_sequence_parallelism_keeps_what_the_runtime_keeps_of_a_block():
     for t in (2, 4):
         # what the runtime keeps: 34/t of the 34 parts (the attention's and the MLP's
         # gathered inputs kept split and gathered again), against (10 + 24/t) / 34 without;
-        # weight copies 1/t
+        # weight copies 1/t, once for the step's micro-batches in flight
         assert cm.activation_bytes(3, 1, 2, tp=t, sp=True) == pytest.approx(
-            3 * blk.act_keep_bytes * (34 / t) / 34 + blk.act_keep_fixed_bytes / t)
+            3 * blk.act_keep_bytes * (34 / t) / 34)
         assert cm.activation_bytes(3, 1, 2, tp=t) == pytest.approx(
-            3 * blk.act_keep_bytes * (10 + 24 / t) / 34 + blk.act_keep_fixed_bytes / t)
+            3 * blk.act_keep_bytes * (10 + 24 / t) / 34)
+        assert cm.weight_copy_bytes(1, 2, tp=t) == pytest.approx(blk.act_keep_fixed_bytes / t)
+        assert cm.memory_bytes(3, 1, 2, 5, tp=t) == pytest.approx(
+            cm.static_bytes(1, 2, tp=t) + 5 * cm.activation_bytes(3, 1, 2, tp=t)
+            + blk.act_keep_fixed_bytes / t + cm.working_bytes(3, 1, 2, t))
+        assert cm.weight_copy_bytes(1, 2, True, tp=t) == 0.0  # a recomputed block keeps none
         # a recomputed block keeps its input split on the sequence
         assert cm.activation_bytes(3, 1, 2, True, tp=t, sp=True) == pytest.approx(
             3 * blk.act_in_bytes / t)
