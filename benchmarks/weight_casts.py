@@ -8,12 +8,16 @@ Builds a LLaMA stage of ``--blocks`` blocks (hidden states in, no embedding nor 
 autocast region) and counts what autograd keeps for their backwards: every saved tensor's
 storage once, split into 16-bit casts of the weights and the rest (activations). The bytes a
 micro-batch in flight adds are ``(kept(N) - kept(1)) / (N - 1)``. Then the same with
-``--recompute-layers`` of the blocks recomputing (they keep their input only).
+``--recompute-layers`` of the blocks recomputing (they keep their input only). With ``--time R``,
+also the median seconds of a step (the forwards, then their backwards) with each micro-batch's
+own casts and with the shared ones, alternating, over ``R`` repetitions each (one thread).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,6 +71,19 @@ def kept_bytes(stage, xs: list[torch.Tensor], share: bool) -> tuple[int, int]:
     return kept.bytes()
 
 
+def step_seconds(stage, xs: list[torch.Tensor], share: bool) -> float:
+    """One step's forwards then backwards, timed."""
+    start = time.perf_counter()
+    casts = SharedWeightCasts() if share else None
+    outs = []
+    for x in xs:
+        with compute_context("bf16", "cpu", casts):
+            outs.append(stage(x.detach().requires_grad_(True)))
+    for out in outs:
+        out.float().sum().backward()
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -77,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1, help="samples per micro-batch")
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--recompute-layers", type=int, default=1)
+    ap.add_argument("--time", type=int, default=0, metavar="R",
+                    help="also time R steps each way (after 2 untimed)")
     a = ap.parse_args(argv)
     from transformers import LlamaConfig
     config = LlamaConfig(num_hidden_layers=a.blocks + 1, hidden_size=a.hidden,
@@ -101,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{one[0] / 1e6:.1f} + {one[1] / 1e6:.1f} MB | "
                   f"{many[0] / 1e6:.1f} + {many[1] / 1e6:.1f} MB | "
                   f"{per[0] / 1e6:.1f} + {per[1] / 1e6:.1f} MB |")
+    if a.time:
+        torch.set_num_threads(1)
+        stage = build_stage(config, (1, 1 + a.blocks), seed=0)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(a.time + 2):
+            for share in (False, True):
+                times[share].append(step_seconds(stage, xs, share))
+        own, shared = (statistics.median(times[k][2:]) for k in (False, True))
+        print(f"\nstep ({a.in_flight} forwards, then their backwards): own casts {own:.3f} s, "
+              f"shared casts {shared:.3f} s (median of {a.time}), ratio {shared / own:.3f}")
     return 0
 
 
