@@ -171,7 +171,8 @@ class PipelineRuntime:
             return {i: build_stage(
                 model_config, w.stage.layers, seed=self.config.seed, init_weights=self.config.init_weights,
                 checkpoint_dir=self.config.checkpoint_dir, device=build_device,
-                recompute=w.stage.recompute, recompute_layers=w.stage.recompute_layers,
+                recompute=w.stage.recompute,
+                recompute_layers=w.stage.recomputed_units(self.plan.num_layers),
                 layer_unit=self.plan.layer_unit,
                 attn_implementation=self.plan.attn_implementation) for i, w in self.works.items()}
         self.stages = self.channel.agree("the stage build", s, build)
