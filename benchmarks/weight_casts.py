@@ -11,6 +11,10 @@ micro-batch in flight adds are ``(kept(N) - kept(1)) / (N - 1)``. Then the same 
 ``--recompute-layers`` of the blocks recomputing (they keep their input only). With ``--time R``,
 also the median seconds of a step (the forwards, then their backwards) with each micro-batch's
 own casts and with the shared ones, alternating, over ``R`` repetitions each (one thread).
+``--survey``: instead, for every model type the stage builder accepts (a tiny config of 2
+blocks, the whole model as one stage), whether one forward under bf16 autocast without its
+cache casts any trained weight twice: where none does, running without the cache (as a
+training forward with shared casts runs) sums every weight gradient as before, bit for bit.
 """
 from __future__ import annotations
 
@@ -84,6 +88,42 @@ def step_seconds(stage, xs: list[torch.Tensor], share: bool) -> float:
     return time.perf_counter() - start
 
 
+def survey() -> int:
+    """Print the model types whose forward casts a trained weight twice, and those that fail."""
+    import warnings
+
+    from benchmarks.chain_check import attention_for, tiny_config
+    from hapt_hf.core.families import accepted_model_types
+    from hapt_hf.core.layers import num_layers
+    from hapt_hf.pipeline.families import num_blocks
+    warnings.filterwarnings("ignore")
+    twice, failed, types = [], [], accepted_model_types()
+    for t in types:
+        casts: dict[int, set[int]] = {}
+
+        def pack(x, casts=casts):
+            if x.dtype == torch.bfloat16 and x.requires_grad and cast_parameter(x) is not None:
+                base = x._base if x._base is not None else x
+                casts.setdefault(id(cast_parameter(x)), set()).add(base.untyped_storage().data_ptr())
+            return x
+        try:
+            config = tiny_config(t, 2)
+            stage = build_stage(config, (0, num_layers(num_blocks(config))), seed=0,
+                                attn_implementation=attention_for(config))
+            ids = torch.randint(3, 128, (2, 16))
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                stage(ids, labels=ids)
+        except Exception as e:  # noqa: BLE001 - reported
+            failed.append(f"{t} ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        if any(len(v) > 1 for v in casts.values()):
+            twice.append(t)
+    print(f"{len(types)} model types; a trained weight cast twice in one forward: {twice or 'none'}; "
+          f"failing under bf16 autocast: {failed or 'none'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -96,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute-layers", type=int, default=1)
     ap.add_argument("--time", type=int, default=0, metavar="R",
                     help="also time R steps each way (after 2 untimed)")
+    ap.add_argument("--survey", action="store_true",
+                    help="only: which model types cast a trained weight twice in one forward")
     a = ap.parse_args(argv)
+    if a.survey:
+        return survey()
     from transformers import LlamaConfig
     config = LlamaConfig(num_hidden_layers=a.blocks + 1, hidden_size=a.hidden,
                          intermediate_size=a.intermediate, num_attention_heads=a.heads,
