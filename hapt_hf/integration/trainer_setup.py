@@ -168,8 +168,10 @@ def stage_runtime(model: nn.Module, plan: Plan, timeout_s: float, seed: int = 0,
                     "is no directory with safetensors weights; build it from a local "
                     "checkpoint's config, or give the model in memory")
     with torch.random.fork_rng(devices=[]):  # the user's RNG stays as one process has it
+        # every weight of the stage is read or copied next: no seeded initialisation to overwrite
         runtime = PipelineRuntime(plan, model.config, RuntimeConfig(
-            timeout_s=timeout_s, seed=seed, checkpoint_dir=source if on_meta else None))
+            timeout_s=timeout_s, seed=seed, init_weights=False,
+            checkpoint_dir=source if on_meta else None))
     if lora is not None:  # a PEFT model: the same adapters on this stage's modules
         apply_lora_config(runtime.stage, lora)
         trainable = {n: p.requires_grad for n, p in model.named_parameters()}
