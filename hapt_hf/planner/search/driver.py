@@ -20,7 +20,7 @@ from .baselines import baseline_plans
 from .candidates import search_layouts
 from .data_parallel import data_parallel
 from .infeasible import does_not_fit
-from .kinds import best_kind
+from .kinds import best_kind, kept_kind_s
 from .mixed import mixed_candidate
 from .options import BaselineResult, Layout, PlannerOptions, PlanResult
 from .plans import cluster_profile, layout_of_plan, layout_to_plan, physical_limit_s
@@ -30,7 +30,7 @@ from .replays import simulate_layout
 from .shapes import require_chain
 from .state import sharding_reasons
 from .subsets import choose_groups
-from .tensor_parallel import choose_degrees, refine_stage_degrees
+from .tensor_parallel import choose_degrees, group_degrees, refine_stage_degrees
 from .warmups import refine_warmups
 
 __all__ = ["plan_job"]
@@ -102,9 +102,15 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
     baselines: dict[str, BaselineResult] = {}
     if options.include_baselines:
         baselines = baseline_plans(problem)
+    # above weigh_groups_max_gpus, where tensor parallelism may win, the plan without it is
+    # first found by a shortened search like each degree screen's (one search there costs
+    # several screens), and searched in full only where it wins
+    screened = options.max_tp > 1 and \
+        problem.hardware.world_size > options.weigh_groups_max_gpus and \
+        any(group_degrees(problem, g) != [1] for g in problem.hardware.groups)
     failure = None
     try:
-        best = _best_layout(problem, baselines)
+        best = _best_layout(problem.with_options(**_SCREEN) if screened else problem, baselines)
     except PlanningError as e:
         best, failure = None, e
     pipelines = []
@@ -116,6 +122,8 @@ def _plan_on(problem: SearchProblem) -> PlanResult:
             pipelines = [(g[0], g[1], g[2], g[3] + before) for g in got]
     if not pipelines and best is None:
         raise failure
+    if not pipelines and screened:
+        best = _best_layout(problem, baselines)
     pipelines = pipelines or [best]
     final, unit, lay, tried = pipelines[0]
     weighed: tuple = ()
@@ -154,14 +162,8 @@ def _kind_s(found: tuple[SimResult, SearchProblem, Layout, int], asked: str) -> 
     choice between degrees compare pipelines as the plan will run them (a pipeline H-1F1B
     likes may fill its bubbles worse under zero_bubble); else its own replay."""
     sim, unit, lay, _ = found
-    if asked != ScheduleKind.H1F1B or not unit.options.weigh_kinds:
-        return sim.iteration_s
-    try:
-        got = best_kind(unit.cost_model, lay, sim, unit.num_microbatches(lay.micro_batch_size),
-                        asked, unit.options.virtual_stages)
-    except PlanningError:
-        return sim.iteration_s
-    return got[1].iteration_s
+    return kept_kind_s(unit.cost_model, lay, sim, unit.num_microbatches(lay.micro_batch_size),
+                       asked, unit.options.weigh_kinds, unit.options.virtual_stages)
 
 
 _SCREEN = dict(simulate_top=2, simulate_top_cheap=2, max_refine_simulations=16, patience=100,
@@ -209,13 +211,14 @@ def _tensor_parallel(problem: SearchProblem, base_s: float | None, asked: str
             full = None
         if full is not None and _kind_s(full, asked) <= _kind_s(screened, asked):
             best = full
-    return _stage_degrees(best)
+    return _stage_degrees(best, asked)
 
 
-def _stage_degrees(best: tuple[SimResult, SearchProblem, Layout, int]
+def _stage_degrees(best: tuple[SimResult, SearchProblem, Layout, int], asked: str
                    ) -> list[tuple[SimResult, SearchProblem, Layout, int]]:
     """``best`` with its stages of one group at degrees of their own, where the simulator
-    finds that faster (:func:`~.tensor_parallel.refine_stage_degrees`), then ``best``."""
+    finds that faster at the kind it would keep (:func:`~.tensor_parallel.refine_stage_degrees`),
+    then ``best``."""
     final, unit, lay, tried = best
     got = refine_stage_degrees(unit, lay, unit.options.max_refine_simulations)
     if got is None:
@@ -223,7 +226,7 @@ def _stage_degrees(best: tuple[SimResult, SearchProblem, Layout, int]
     r = simulate_layout(unit.cost_model, got[0],
                         unit.num_microbatches(got[0].micro_batch_size), exact=True,
                         record_events=True)
-    if r.feasible and r.iteration_s < final.iteration_s:
+    if r.feasible and _kind_s((r, unit, got[0], tried), asked) < _kind_s(best, asked):
         return [(r, unit, got[0], tried), best]
     return [best]
 

@@ -29,7 +29,7 @@ from ..simulate import SimResult, encode_schedule, replay
 from .options import Layout
 
 __all__ = ["MIN_GAIN", "VIRTUAL_STAGES", "replay_kind", "zero_bubble_layout",
-           "interleaved_layout", "best_kind"]
+           "interleaved_layout", "best_kind", "kept_kind_s"]
 
 VIRTUAL_STAGES = (2, 3)
 """The chunks per rank weighed for ``interleaved`` unless the user names one."""
@@ -131,3 +131,19 @@ def best_kind(cm: CostModel, layout: Layout, sim: SimResult, num_microbatches: i
                             f"{layout.num_stages} stages ({', '.join(n for n, _ in weighed)} "
                             "weighed); plan with schedule 'h1f1b', or more memory headroom")
     return best[0], best[1], tuple(weighed)
+
+
+def kept_kind_s(cm: CostModel, layout: Layout, sim: SimResult, num_microbatches: int,
+                schedule: str, weigh: bool, virtual_stages: int | None = None) -> float:
+    """What ``layout`` (its H-1F1B replay ``sim``) replays in at the kind its plan would keep:
+    where the kinds are weighed (``schedule`` H-1F1B and ``weigh``), the fastest that fits
+    (:func:`best_kind`: a few full replays); else ``sim``'s time. The tensor-parallel screen
+    and the degrees per stage compare pipelines by it: one that H-1F1B likes may fill its
+    bubbles worse than another under ``zero_bubble``."""
+    if schedule != ScheduleKind.H1F1B or not weigh or not sim.feasible:
+        return sim.iteration_s
+    try:
+        got = best_kind(cm, layout, sim, num_microbatches, schedule, virtual_stages)
+    except PlanningError:
+        return sim.iteration_s
+    return got[1].iteration_s

@@ -25,7 +25,8 @@ first ``j`` stages at the higher (the early stages of a pipeline hold the most m
 flight, so they gain the most memory from it) and the rest at the lower (cheaper
 all-reduces, a shorter head on the last stage). Every such mix of every group is partitioned
 and scored by HAPT's formula (cheap), the best few are replayed, and the best replay is kept
-(its boundaries refined) where it beats the winner's own; then again from it.
+(its boundaries refined) where, at the schedule kind it would keep, it beats the winner's own;
+then again from it.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from ..cluster import GpuGroup
 from ..cost_model import tp_unfit
 from ..simulate import SimResult
 from .candidates import layout_on
+from .kinds import kept_kind_s
 from .options import Layout
 from .problem import SearchProblem
 from .refine import refine_boundaries
@@ -185,16 +187,23 @@ def degree_mixes(problem: SearchProblem, layout: Layout
 def refine_stage_degrees(problem: SearchProblem, layout: Layout,
                          budget: int) -> tuple[Layout, SimResult] | None:
     """A layout whose stages of one group may differ in degree (:func:`degree_mixes`) that
-    the simulator finds faster than ``layout`` (both replayed shortened), or None: every mix
-    scored by HAPT's formula, the best :data:`STAGE_MIX_REPLAYS` replayed, the best replay's
-    boundaries refined (``budget`` replays), for ``options.tp_stage_rounds`` rounds (each
-    from the last one's winner)."""
+    the simulator finds faster than ``layout`` at the schedule kind each would keep
+    (:func:`~.kinds.kept_kind_s`), or None: every mix scored by HAPT's formula, the best
+    :data:`STAGE_MIX_REPLAYS` replayed (shortened, under H-1F1B), the best replay's boundaries
+    refined (``budget`` replays), for ``options.tp_stage_rounds`` rounds (each from the last
+    one's winner)."""
     if problem.options.tp_stage_rounds == 0:
         return None
     cm, mbs = problem.cost_model, layout.micro_batch_size
     m = problem.num_microbatches(mbs)
     cap = min(problem.num_layers, problem.options.max_stages or problem.num_layers)
+    o = problem.options
+
+    def kind_s(lay: Layout) -> float:
+        return kept_kind_s(cm, lay, simulate_layout(cm, lay, m, exact=True), m, o.schedule,
+                           o.weigh_kinds, o.virtual_stages)
     best_l, best_r = layout, simulate_layout(cm, layout, m)
+    best_k = kind_s(layout)
     found = False
     for _ in range(problem.options.tp_stage_rounds):
         scored = []
@@ -213,8 +222,9 @@ def refine_stage_degrees(problem: SearchProblem, layout: Layout,
         if round_best is None:
             break
         lay, r = refine_boundaries(problem, *round_best, budget)
-        if not better(r, best_r):
+        k = kind_s(lay)
+        if k >= best_k * (1 - 1e-9):
             break
-        best_l, best_r, found = lay, r, True
+        best_l, best_r, best_k, found = lay, r, k, True
     return (best_l, best_r) if found else None
 
