@@ -6,5 +6,6 @@ import torch or transformers, and nothing of hapt_hf but the error classes and c
 
 * :mod:`hapt_hf.compat.torch_api`: tensor factories, dispatch modes, op schemas, storages;
 * :mod:`hapt_hf.compat.transformers_api`: mask builders and the causal-LM loss;
+* :mod:`hapt_hf.compat.moe_autocast`: DBRX's experts run under autocast as transformers' other MoEs;
 * :mod:`hapt_hf.compat.trainer_api`: ``Trainer``'s private hooks and state.
 """

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from hapt_hf.core.defaults import ATTN_IMPLEMENTATIONS, DEFAULT_ATTN_IMPLEMENTATION
+from hapt_hf.compat.moe_autocast import cast_index_add_sources
 from hapt_hf.compat.transformers_api import causal_lm_loss_sum
 from hapt_hf.core.families import generic_refusal
 from hapt_hf.core.layers import BLOCK, HALF, LAYER_UNITS, BlockPart, block_parts, num_layers
@@ -315,6 +316,7 @@ def build_stage(
         stage.to(device=device, dtype=dtype)
     # Rotary frequencies stay float32, as from_config/from_pretrained(dtype=...) keep them.
     _rebuild_rotary(stage, device)
+    cast_index_add_sources(stage)  # DBRX's experts: run under autocast as transformers' other MoEs
     return stage
 
 
