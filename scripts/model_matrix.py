@@ -77,6 +77,15 @@ PLANNER_NOTE = (
     "types are planned in whole blocks and `layer_unit: half` is refused with the reason "
     "(attention and MLP in parallel: GPT-J, GPT-NeoX, Falcon, Phi...).")
 """How the planner describes the accepted types (the page's header)."""
+PRECISION_NOTE = (
+    "Precisions: every accepted type trains in fp32, bf16 and fp16 (16 bits: autocast over fp32 "
+    "weights); tests/pipeline/test_model_types_16bit.py runs each one's forward under bf16 and "
+    "fp16 autocast. DBRX's experts, which transformers writes without the cast its other MoEs "
+    "make (`index_add_` of the experts' 16-bit output into the fp32 residual stream, refused "
+    "under autocast in transformers' own model), get that cast in the stages "
+    "(hapt_hf/compat/moe_autocast.py); tests/pipeline/test_moe_autocast.py trains DBRX in bf16 "
+    "on 2 stages as one process does under the same autocast.")
+"""Which precisions the accepted types run in (the page's header)."""
 
 
 def classify(model_type: str) -> tuple[str, str]:
@@ -167,7 +176,7 @@ def markdown(matrix: dict) -> str:
              "also in tests/pipeline/test_generic_stage.py. "
              f"The stage builder and the planner accept exactly the {' and '.join(VERIFIED_STATUSES)} "
              "types (the list is hapt_hf/data/model_matrix.json); every other type is refused with "
-             "its status below. " + PLANNER_NOTE + " To check one type on your transformers: "
+             "its status below. " + PLANNER_NOTE + " " + PRECISION_NOTE + " To check one type on your transformers: "
              "`python3 scripts/model_matrix.py --type X`.", "",
              "Totals: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()), "",
              "| model type | status | detail |", "|---|---|---|"]
