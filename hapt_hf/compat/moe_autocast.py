@@ -12,8 +12,9 @@ transformers 5.23 and 5.24) add each expert's output into a buffer made like the
 Under autocast the input is the fp32 residual stream (autocast runs the LayerNorm before it in
 fp32) and ``states``, the output of the expert's matmuls, is 16-bit. ``index_add_`` is in none of
 autocast's op lists (an in-place op keeps its operands' dtypes) and refuses the mix: "index_add_():
-self (Float) and source (BFloat16) must have the same scalar type", in bf16 and fp16, on CPU and
-CUDA alike. Every other MoE of transformers casts the source to the buffer's dtype first, e.g.
+self (Float) and source (BFloat16) must have the same scalar type", in bf16 and fp16 (seen on the
+CPU; CUDA's autocast also runs LayerNorm in fp32 and the op's dtype check is not per device).
+Every other MoE of transformers casts the source to the buffer's dtype first, e.g.
 ``MixtralExperts.forward`` (``models/mixtral/modeling_mixtral.py``)::
 
     final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
