@@ -124,3 +124,18 @@ def test_cli_keeps_a_schedule_named_and_chooses_one_left_out(tmp_path, capsys):
     assert '"schedule": "zero_bubble"' in capsys.readouterr().out
     assert main(base + ["--schedule", "h1f1b"]) == 0
     assert '"schedule": "h1f1b"' in capsys.readouterr().out
+
+
+def test_kept_kind_s_is_the_time_at_the_kind_the_plan_keeps(job):
+    # what the degree screens and the degrees per stage compare pipelines by
+    res = _plan(job, weigh_kinds=False)
+    cm = CostModel(job.model.split_blocks() if res.plan.layer_unit == "half" else job.model,
+                   job.cluster, job.profile)
+    lay = layout_of_plan(cm, res.plan)
+    m = res.plan.num_microbatches
+    sim = replay_kind(cm, lay, m)
+    kept = kinds.kept_kind_s(cm, lay, sim, m, "h1f1b", True)
+    assert kept == best_kind(cm, lay, sim, m, "h1f1b")[1].iteration_s < sim.iteration_s
+    # the kinds not weighed, or another kind asked for: the pipeline's own replay
+    assert kinds.kept_kind_s(cm, lay, sim, m, "h1f1b", False) == sim.iteration_s
+    assert kinds.kept_kind_s(cm, lay, sim, m, "gpipe", True) == sim.iteration_s
