@@ -74,14 +74,14 @@ def train_shared_and_own(rank: int, case: PartialCase) -> dict:
     config = tiny_config(case.family, case.num_blocks, case.tied)
     out = {}
     shared = runtime_module.SharedWeightCasts
-    for how in ("shared", "own"):
-        runtime_module.SharedWeightCasts = shared if how == "shared" else _own_casts
+    for how in ("step_casts", "own_casts"):
+        runtime_module.SharedWeightCasts = shared if how == "step_casts" else _own_casts
         try:
             rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
             opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
             batches = make_batches(config.vocab_size, seed=11, rows=rt.plan.global_batch_size)
             losses = [rt.train_step(b, opt, max_grad_norm=0.5).loss for b in batches[:2]]
-            out[how] = {"losses": losses, "shared": rt.weight_casts_shared,
+            out[how] = {"losses": losses, "step_casts": rt.weight_casts_shared,
                         "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p)
                                    .detach().numpy().copy() for n, p in rt.stage.named_parameters()},
                         "blocks": len(rt.stage.parts)}
@@ -113,12 +113,12 @@ def test_partial_recompute_matches_one_process(results, case):
 def test_shared_casts_train_bit_for_bit_as_own_casts(results, case):
     counted = 0
     for rank, per_rank in enumerate(results):
-        shared, own = per_rank[case.name]["shared"], per_rank[case.name]["own"]
+        shared, own = per_rank[case.name]["step_casts"], per_rank[case.name]["own_casts"]
         assert shared["losses"] == own["losses"], rank
         assert shared["params"].keys() == own["params"].keys()
         for n, p in shared["params"].items():
             assert np.array_equal(p, own["params"][n]), f"rank {rank}: {n} differs"
-        assert own["shared"] == 0
+        assert own["step_casts"] == 0
         stage = case.plan().stages_of_rank(rank)[0]
         if stage.warmup < M:  # a stage one micro-batch deep has nothing to share
             continue
@@ -126,6 +126,6 @@ def test_shared_casts_train_bit_for_bit_as_own_casts(results, case):
         # the last step: every micro-batch after the first took the first one's casts of the
         # blocks that keep their activations (the head's weight too on the last stage)
         head = 1 if stage.layers[1] == case.plan().num_layers else 0
-        assert shared["shared"] == (M - 1) * (kept_blocks * WEIGHTS_PER_BLOCK + head), rank
+        assert shared["step_casts"] == (M - 1) * (kept_blocks * WEIGHTS_PER_BLOCK + head), rank
         counted += 1
     assert counted, "no rank held several micro-batches at once"
