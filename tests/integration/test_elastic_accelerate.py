@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from benchmarks.ranks import run_ranks
+from tests.integration.elastic_loop_job import Progress
 from tests.integration.test_accelerate_plugin import GA, G, SEQ, _config, _Rows
 
 pytestmark = pytest.mark.multiproc
@@ -28,19 +29,6 @@ groups:
 """
 ELASTIC = {"TORCHELASTIC_RUN_ID": "loop-run", "TORCHELASTIC_MAX_RESTARTS": "2",
            "TORCHELASTIC_RESTART_COUNT": "0"}
-
-
-class Progress:
-    """The loop's own step counter, saved with the state (``register_for_checkpointing``)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
 
 
 def loop(rank: int, world: int, root: str) -> dict:
