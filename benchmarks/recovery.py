@@ -120,6 +120,15 @@ def _time_calls(module, name: str, spent: dict[str, float]) -> None:
     setattr(module, name, timed)
 
 
+def _all_copying(done: bool) -> bool:
+    """Whether every rank's background copy is still running (a MIN all-reduce)."""
+    import torch
+    import torch.distributed as dist
+    flag = torch.tensor([0 if done else 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def write(rank: int, world_size: int, root: str, hidden: int, blocks: int,
           throttle: tuple[float, float]) -> dict:
     """Plan A: a step, the save, steps while the (throttled) copy runs, then wait for it."""
@@ -133,7 +142,10 @@ def write(rank: int, world_size: int, root: str, hidden: int, blocks: int,
     save_s = time.perf_counter() - t0
     steps.append(_timed_step(rt, opt, batch))  # the state saved is after the first step
     during = []
-    while not upload.done and len(during) < 20:  # not saved: do steps wait for the copy?
+    # not saved: do steps wait for the copy? Every rank runs the same number of steps, so the
+    # ranks agree each time on whether all their copies are still running (one rank deciding
+    # alone left its peers waiting in a step it never ran)
+    while len(during) < 20 and _all_copying(upload.done):
         during.append(_timed_step(rt, opt, batch))
     upload.wait()
     rt.shutdown()
