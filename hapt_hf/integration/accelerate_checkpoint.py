@@ -30,6 +30,7 @@ import torch
 from hapt_hf.errors import CheckpointError
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
 from hapt_hf.integration.accelerate_data import AccelerateSettingError
+from hapt_hf.integration.elastic import ACCELERATE_NAMING
 from hapt_hf.pipeline import checkpoint_io, portable
 from hapt_hf.pipeline.export import has_weights, write_stage_shards
 from hapt_hf.pipeline.runtime import PipelineRuntime
@@ -44,7 +45,6 @@ STATE_FILE = "hapt_accelerate_rank{rank}.pt"
 """Each rank's loop state: ``{"loaders": [...], "custom": [...], "step": int}``."""
 PORTABLE_FILE = "hapt_accelerate_portable.pt"
 """Rank 0's part of the portable form besides the tensors (see the module's docstring)."""
-_AUTO_NAME = re.compile(r"checkpoint_(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,7 @@ def rescaled_scheduler(saved: dict[str, Any], fresh: dict[str, Any], old: RunSha
 def _numbered(root: Path) -> list[Path]:
     """``checkpoint_<n>`` directories under ``root``, oldest first (Accelerate's naming)."""
     found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
-             if (m := _AUTO_NAME.match(p.name)) and p.is_dir()]
+             if (m := re.fullmatch(ACCELERATE_NAMING, p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
