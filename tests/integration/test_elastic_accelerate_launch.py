@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -118,7 +119,7 @@ def launched(tmp_path_factory):
     first_resumed = min((x["t"] for x in resumed), default=float("nan")) - killed_wall
     print(f"paused after {paused_s:.1f} s; after the kill and the start again: first resumed "
           f"step logged at {first_resumed:.1f} s, both machines done at {finished:.1f} s")
-    return {"rcs": rcs, "lines": lines, "log0": (root / "machine0.log").read_text(),
+    return {"rcs": rcs, "lines": lines, "machine_logs": [(root / f"machine{i}.log").read_text() for i in (0, 1)],
             "logs": _logs(root)}
 
 
@@ -140,8 +141,11 @@ def _logs(root: Path) -> str:
 def test_the_machine_started_again_rejoins_and_the_run_resumes_with_no_hand_step(launched):
     run = launched
     assert run["rcs"] == {0: 0, 1: 0}, run["logs"]
-    said = "restart 1: world 4 (groups big x2, small x2), re-planned, resuming from checkpoint_0"
-    assert said in run["log0"], run["logs"]
+    # rank 0 says it, on whichever machine the rendezvous gave rank 0 after the restart (the
+    # groups in the order of the ranks): torch orders the nodes of a rendezvous, not this test
+    said = re.compile(r"restart 1: world 4 \(groups (big x2, small x2|small x2, big x2)\), re-planned, "
+                      r"resuming from checkpoint_0")
+    assert sum(len(said.findall(log)) for log in run["machine_logs"]) == 1, run["logs"]
     first = {x["step"]: x for x in run["lines"] if x["resumed"] is None}
     again = {x["step"]: x for x in run["lines"] if x["resumed"]}
     assert sorted(first) == list(range(1, PAUSE_AT + 1)), run["lines"]
