@@ -13,20 +13,26 @@ runs it, through its private helpers.
 The runtime keeps one 16-bit copy of each weight for all the micro-batches of a step
 (:class:`hapt_hf.pipeline.precision.SharedWeightCasts`): it tells autocast's casts of a weight
 among the tensors autograd saves from the graph autograd records for them, and composes its
-saved-tensor hooks with those already in force.
+saved-tensor hooks with those already in force; a frozen weight, whose casts autograd records
+nothing for, it casts once itself and puts in place of the parameter while a projection's
+forward reads it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import sys
+from typing import IO, Any, Callable
+
+import torch
 
 from torch import Tensor
-from torch.nn import Parameter
+from torch.nn import Module, Parameter
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "fake_tensors",
            "is_fake", "outside_fake_tensors", "default_store", "mark_stepped_for_schedulers",
-           "backward_input", "backward_weight", "cast_parameter", "saved_tensors_hooks_in_force"]
+           "backward_input", "backward_weight", "cast_parameter", "saved_tensors_hooks_in_force",
+           "swap_parameter"]
 
 
 class DispatchMode(TorchDispatchMode):
@@ -185,3 +191,41 @@ def saved_tensors_hooks_in_force() -> tuple[Callable[[Tensor], Any], Callable[[A
     """
     from torch._C import _autograd
     return _autograd._top_saved_tensors_default_hooks(False)
+
+
+def swap_parameter(module: Module, name: str, tensor: Tensor) -> Tensor:
+    """Put ``tensor`` where ``module`` holds its parameter ``name``, and return what was there:
+    ``module.<name>`` reads ``tensor`` until it is swapped back (a plain tensor may stand in
+    for a parameter, which ``setattr`` refuses).
+
+    Tested on torch 2.13 (``Module._parameters``, the dict ``Module.__getattr__`` reads a
+    parameter from; ``torch.nn.utils.stateless._reparametrize_module`` swaps them alike).
+    """
+    held = module._parameters[name]
+    module._parameters[name] = tensor
+    return held
+
+
+def saved_tensor_layout(stream: IO[bytes]) -> tuple[Tensor, int] | None:
+    """The tensor one ``torch.save`` wrote into ``stream`` (seekable, positions counted from
+    the record's first byte) as a meta tensor (dtype, shape, strides, storage offset; no data),
+    and the position in ``stream`` of its storage's first byte, stored raw (``torch.save``
+    never compresses a storage) in this machine's byte order. None where the record holds no
+    plain tensor or its bytes are in the other byte order (``torch.load`` swaps those).
+
+    The pickle is read as ``torch.load(map_location="meta")`` reads it (no storage read);
+    where the storage lies is what that load records on the meta storage, and the byte order
+    is the record's ``byteorder`` entry (absent: little-endian, ``torch.load``'s default), read
+    with ``torch.load``'s own zip reader. Tested on torch 2.13 (``torch._C.PyTorchFileReader``,
+    ``UntypedStorage._checkpoint_offset``, set by ``torch.serialization._load`` since torch 2.1).
+    """
+    records = torch._C.PyTorchFileReader(stream)
+    order = records.get_record("byteorder") if records.has_record("byteorder") else b"little"
+    if bytes(order).decode() != sys.byteorder:
+        return None
+    stream.seek(0)
+    meta = torch.load(stream, map_location="meta", weights_only=True)
+    if type(meta) is not Tensor or not meta.is_meta or meta.layout != torch.strided:
+        return None
+    offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    return (meta, offset) if isinstance(offset, int) else None

@@ -23,17 +23,29 @@ longer autocast region would not do it: torch's cast cache is one per process wh
 nesting count is one per thread, so on CUDA the backward thread's activation recomputation
 (``torch.utils.checkpoint`` re-enters autocast) empties it at every recomputed block; and the
 cache would hold the casts of recomputed blocks too, which keep none.
+
+A frozen weight (``requires_grad=False``: LoRA's base weights) is cast by autocast with no
+autograd record of where the cast came from, and torch's cast cache skips it (it caches leaves
+that require grad only), so the saved-tensor hooks cannot tell its cast from an activation.
+:class:`SharedWeightCasts` casts it itself instead: while a forward runs, a projection
+(``nn.Linear``) whose weight is frozen reads the step's one 16-bit cast of that weight in place
+of the fp32 parameter, for the length of its own forward. Autocast leaves a tensor already in
+its dtype as it is, and its own cast is the same ``.to(dtype)``, so the projection computes,
+and saves for the backward, the same values bit for bit: one copy per frozen weight while any
+micro-batch holds it, as for the weights that train.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
-from hapt_hf.compat.torch_api import cast_parameter
+from hapt_hf.compat.torch_api import cast_parameter, swap_parameter
 from hapt_hf.core.precision import TORCH_DTYPE_NAMES
 
 __all__ = ["torch_dtype", "compute_context", "autocast_mismatch", "inference_context",
@@ -73,20 +85,40 @@ class SharedWeightCasts:
     :meth:`pack`: a 16-bit cast of a parameter (or a view of one, as a projection saves
     ``weight.t()``) is exchanged for the first one of the step with the same parameter, dtype
     and layout. The step's casts are all of the same fp32 weights, so the values are the same
-    bit for bit; gradients flow through each micro-batch's own graph as before. Entries are
-    weak: a cast no backward still needs is freed. Use one per step (the weights change at the
-    optimizer step); saved-tensor hooks entered inside :meth:`saving` replace it unless they
-    pass the tensors they leave alone to it
-    (:func:`hapt_hf.compat.torch_api.saved_tensors_hooks_in_force`)."""
+    bit for bit; gradients flow through each micro-batch's own graph as before. A frozen
+    weight of a projection is not cast by autocast at all there: :meth:`saving` hands the
+    projection the step's one cast of it (:meth:`frozen_cast`). Entries are weak: a cast no
+    backward still needs is freed. Use one per step (the weights change at the optimizer step);
+    saved-tensor hooks entered inside :meth:`saving` replace it unless they pass the tensors
+    they leave alone to it (:func:`hapt_hf.compat.torch_api.saved_tensors_hooks_in_force`)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple[Any, ...], weakref.ref[Tensor]] = {}
+        self._frozen: dict[tuple[int, torch.dtype], weakref.ref[Tensor]] = {}
+        self._swapped: dict[int, list[Tensor]] = {}  # by id(module): the parameters it lent
+        self._modules: dict[int, nn.Module] = {}
+        self._thread: int | None = None
         self.shared = 0
-        """Casts exchanged for an earlier micro-batch's (each one a copy not kept)."""
+        """Casts exchanged for an earlier micro-batch's, or frozen weights' casts reused (each
+        one a copy not kept)."""
 
-    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context in which a forward's saved tensors go through :meth:`pack`."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, _same)
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """The context in which a forward's saved tensors go through :meth:`pack`, and its
+        projections read the step's casts of their frozen weights (on this thread)."""
+        self._thread = threading.get_ident()
+        before = torch_module.register_module_forward_pre_hook(self._lend)
+        after = torch_module.register_module_forward_hook(self._give_back, always_call=True)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, _same):
+                yield
+        finally:
+            before.remove()
+            after.remove()
+            for key in list(self._swapped):  # a forward that raised inside a projection
+                while self._swapped.get(key):
+                    self._give_back(self._modules[key])
+            self._thread = None
 
     def pack(self, t: Tensor) -> Tensor:
         """``t``, or the step's first cast of the same weight in the same layout."""
@@ -103,6 +135,54 @@ class SharedWeightCasts:
             return t
         self.shared += 1
         return first
+
+    def frozen_cast(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        """The step's cast of the frozen ``weight`` to ``dtype``, made here on first use
+        (as autocast makes its own: ``weight.to(dtype)``)."""
+        key = (id(weight), dtype)
+        ref = self._frozen.get(key)
+        cast = ref() if ref is not None else None
+        if cast is not None:
+            self.shared += 1
+            return cast
+        cast = weight.detach().to(dtype)
+        self._frozen[key] = weakref.ref(cast)
+        return cast
+
+    def _lend(self, module: nn.Module, args: Any) -> None:
+        """Before a projection's forward: its frozen weight's step cast in place of it."""
+        if threading.get_ident() != self._thread:
+            return
+        weight = _frozen_projection_weight(module)
+        if weight is None or not torch.is_autocast_enabled(weight.device.type):
+            return
+        dtype = torch.get_autocast_dtype(weight.device.type)
+        if dtype not in _SIXTEEN_BITS:
+            return
+        cast = self.frozen_cast(weight, dtype)
+        self._modules[id(module)] = module
+        self._swapped.setdefault(id(module), []).append(swap_parameter(module, "weight", cast))
+
+    def _give_back(self, module: nn.Module, *_: Any) -> None:
+        """After a projection's forward (or its failure): its own parameter again."""
+        lent = self._swapped.get(id(module))
+        if lent:
+            swap_parameter(module, "weight", lent.pop())
+            if not lent:
+                del self._swapped[id(module)], self._modules[id(module)]
+
+
+def _frozen_projection_weight(module: nn.Module) -> nn.Parameter | None:
+    """The weight of ``module`` if it is a projection (``nn.Linear``'s own forward, which
+    reads it in one autocast-lowered ``F.linear`` only) whose fp32 weight does not train; None
+    otherwise (a distributed tensor's weight included)."""
+    if type(module).forward is not nn.Linear.forward:
+        return None
+    weight = module.weight
+    if type(weight) is not nn.Parameter or weight.requires_grad or weight.dtype != torch.float32 \
+            or weight.is_meta:
+        return None
+    return weight
 
 
 def _same(t: Tensor) -> Tensor:

@@ -1,0 +1,198 @@
+"""LoRA's frozen base weights under 16-bit autocast, one process: a stage with several
+micro-batches in flight keeps one 16-bit cast of each frozen projection weight for the step
+(not one per micro-batch), as it does for the weights that train, and trains bit for bit as
+with each micro-batch's own casts: every loss, every trainable gradient, and the parameters
+after the steps."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+
+from hapt_hf.compat.torch_api import cast_parameter, saved_tensors_hooks_in_force
+from hapt_hf.integration.lora import apply_lora
+from hapt_hf.pipeline.precision import SharedWeightCasts, compute_context, torch_dtype
+from hapt_hf.pipeline.stage import build_stage
+
+VOCAB, SEQ, ROWS, N, STEPS = 97, 8, 2, 3, 2  # N micro-batches in flight
+BLOCKS = 3
+FROZEN_PER_BLOCK = 7  # the base q, k, v, o (adapted) and gate, up, down
+ADAPTERS_PER_BLOCK = 8  # lora_A and lora_B of q, k, v, o
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(num_hidden_layers=BLOCKS + 1, hidden_size=32, intermediate_size=64,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                       max_position_embeddings=32, tie_word_embeddings=False)
+
+
+def _stage(last: bool, recompute_layers: int = 0):
+    """Blocks 0..2 fed hidden states (``last``: blocks 1..3, the final norm and the frozen LM
+    head), LoRA of rank 4 on the attention projections, adapters B drawn non-zero."""
+    layers = (2, 3 + BLOCKS) if last else (1, 1 + BLOCKS)
+    stage = build_stage(_config(), layers, seed=3, recompute_layers=recompute_layers)
+    apply_lora(stage, r=4)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for n, p in stage.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return stage
+
+
+def _frozen_projections(stage) -> list[nn.Parameter]:
+    return [m.weight for m in stage.modules()
+            if type(m) is nn.Linear and not m.weight.requires_grad]
+
+
+class KeptCasts:
+    """The 16-bit casts autograd keeps as the hooks in force leave them, of the frozen
+    projection weights (told by their values: a cast, or its transpose) and of the trainable
+    ones (told by their graph), held so that storages stay apart while counted."""
+
+    def __init__(self, frozen: list[nn.Parameter], dtype: torch.dtype) -> None:
+        self.casts = [w.detach().to(dtype) for w in frozen]
+        self.frozen: list[torch.Tensor] = []
+        self.trained: list[torch.Tensor] = []
+
+    def _is_frozen_cast(self, t: torch.Tensor) -> bool:
+        return any((c.shape == t.shape and torch.equal(c, t))
+                   or (c.t().shape == t.shape and torch.equal(c.t(), t)) for c in self.casts)
+
+    @contextlib.contextmanager
+    def counting(self):
+        outer = saved_tensors_hooks_in_force()
+
+        def pack(t):
+            packed = outer[0](t) if outer is not None else t
+            if isinstance(packed, torch.Tensor) and packed.dtype in (torch.bfloat16, torch.float16):
+                if cast_parameter(packed) is not None:
+                    self.trained.append(packed)
+                elif not packed.requires_grad and self._is_frozen_cast(packed):
+                    self.frozen.append(packed)
+            return packed, outer
+
+        def unpack(saved):
+            packed, hooks = saved
+            return hooks[1](packed) if hooks is not None else packed
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    @staticmethod
+    def copies(kept: list[torch.Tensor]) -> int:
+        return len({t.untyped_storage().data_ptr() for t in kept})
+
+
+def _train(stage, dtype: str, share: bool, last: bool) -> dict:
+    """STEPS steps of N micro-batches, all N forwards in flight before their backwards, AdamW
+    on the adapters: the casts kept at the first step's peak, the step's count of shared casts,
+    the outputs (the loss sums on the last stage), every trainable gradient, input gradient
+    and the parameters after."""
+    g = torch.Generator().manual_seed(5)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    out: dict = {"outputs": [], "grads": [], "input_grads": [], "frozen": [], "trained": [],
+                 "shared": []}
+    for _ in range(STEPS):
+        casts = SharedWeightCasts() if share else None
+        kept = KeptCasts(_frozen_projections(stage), torch_dtype(dtype))
+        xs = [torch.randn(ROWS, SEQ, 32, generator=g).requires_grad_(True) for _ in range(N)]
+        labels = [torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(N)]
+        ys = []
+        for x, y in zip(xs, labels):
+            with compute_context(dtype, "cpu", casts), kept.counting():
+                ys.append(stage(x, labels=y) if last else stage(x))
+        out["frozen"].append(kept.copies(kept.frozen))
+        out["trained"].append(kept.copies(kept.trained))
+        kept.frozen.clear()
+        kept.trained.clear()
+        for y in ys:
+            grad = None if last else torch.randn(y.shape, generator=g).to(y.dtype)
+            torch.autograd.backward(y, grad)
+        out["outputs"].append([y.detach().clone() for y in ys])
+        out["input_grads"].append([x.grad.clone() for x in xs])
+        out["grads"].append({n: p.grad.clone() for n, p in stage.named_parameters()
+                             if p.requires_grad})
+        out["shared"].append(casts.shared if casts is not None else 0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(type(w) is nn.Parameter for w in _frozen_projections(stage))
+    out["params"] = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    return out
+
+
+def _assert_bit_for_bit(a: dict, b: dict) -> None:
+    for key in ("outputs", "input_grads"):
+        for step_a, step_b in zip(a[key], b[key], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(step_a, step_b, strict=True)), key
+    for step_a, step_b in zip(a["grads"], b["grads"], strict=True):
+        assert step_a.keys() == step_b.keys() and step_a
+        for n in step_a:
+            assert torch.equal(step_a[n], step_b[n]), f"gradient of {n} differs"
+    assert a["params"].keys() == b["params"].keys()
+    for n in a["params"]:
+        assert torch.equal(a["params"][n], b["params"][n]), f"{n} differs after the steps"
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["blocks", "blocks+head"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_one_cast_of_each_frozen_weight_per_step_bit_for_bit(dtype, last):
+    frozen = BLOCKS * FROZEN_PER_BLOCK + (1 if last else 0)  # the LM head is frozen too
+    trained = BLOCKS * ADAPTERS_PER_BLOCK
+    own = _train(_stage(last), dtype, share=False, last=last)
+    shared = _train(_stage(last), dtype, share=True, last=last)
+    assert own["frozen"] == [N * frozen] * STEPS  # each micro-batch its own casts
+    assert own["trained"] == [N * trained] * STEPS
+    assert shared["frozen"] == [frozen] * STEPS
+    assert shared["trained"] == [trained] * STEPS
+    # every micro-batch after the first took the first one's casts
+    assert shared["shared"] == [(N - 1) * (frozen + trained)] * STEPS
+    _assert_bit_for_bit(own, shared)
+
+
+def test_recomputed_blocks_keep_no_cast_of_their_frozen_weights():
+    own = _train(_stage(False, recompute_layers=1), "bf16", share=False, last=False)
+    shared = _train(_stage(False, recompute_layers=1), "bf16", share=True, last=False)
+    assert own["frozen"] == [N * (BLOCKS - 1) * FROZEN_PER_BLOCK] * STEPS
+    assert shared["frozen"] == [(BLOCKS - 1) * FROZEN_PER_BLOCK] * STEPS
+    _assert_bit_for_bit(own, shared)
+
+
+def test_the_frozen_weights_are_given_back_when_a_forward_fails():
+    stage = _stage(False)
+    projection = next(m for m in stage.modules() if type(m) is nn.Linear
+                      and not m.weight.requires_grad)
+    frozen = {id(m): m.weight for m in stage.modules() if type(m) is nn.Linear}
+
+    def fail(module, args):  # runs after the step's cast is lent to the projection
+        assert module.weight.dtype == torch.bfloat16
+        raise RuntimeError("a failing forward")
+
+    handle = projection.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="a failing forward"):
+        with compute_context("bf16", "cpu", SharedWeightCasts()):
+            stage(torch.randn(ROWS, SEQ, 32, requires_grad=True))
+    handle.remove()
+    assert {id(m): m.weight for m in stage.modules() if type(m) is nn.Linear} == frozen
+    assert all(type(w) is nn.Parameter for w in frozen.values())
+
+
+def test_fp32_and_forwards_outside_the_step_leave_frozen_weights_alone():
+    stage = _stage(False)
+    seen = []
+    projection = next(m for m in stage.modules() if type(m) is nn.Linear
+                      and not m.weight.requires_grad)
+    projection.register_forward_pre_hook(lambda m, args: seen.append(m.weight))
+    x = torch.randn(ROWS, SEQ, 32, requires_grad=True)
+    with compute_context("fp32", "cpu", SharedWeightCasts()):
+        stage(x)
+    with compute_context("bf16", "cpu"):  # no step's casts: autocast's own
+        stage(x)
+    with compute_context("bf16", "cpu", SharedWeightCasts()):
+        stage(x)
+    assert [w.dtype for w in seen] == [torch.float32, torch.float32, torch.bfloat16]
+    assert type(projection.weight) is nn.Parameter
