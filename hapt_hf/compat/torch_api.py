@@ -15,7 +15,9 @@ The runtime keeps one 16-bit copy of each weight for all the micro-batches of a 
 among the tensors autograd saves from the graph autograd records for them, and composes its
 saved-tensor hooks with those already in force; a frozen weight, whose casts autograd records
 nothing for, it casts once itself and puts in place of the parameter while a projection's
-forward reads it.
+forward reads it. A checkpoint reader that copies a saved tensor's bytes straight into the
+tensor they load into finds where they lie in ``torch.save``'s record through torch's own zip
+reader.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import sys
 from typing import IO, Any, Callable
 
 import torch
-
 from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.utils._device import _device_constructors
@@ -32,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["DispatchMode", "device_factories", "written_arguments", "storage_key", "fake_tensors",
            "is_fake", "outside_fake_tensors", "default_store", "mark_stepped_for_schedulers",
            "backward_input", "backward_weight", "cast_parameter", "saved_tensors_hooks_in_force",
-           "swap_parameter"]
+           "swap_parameter", "saved_tensor_layout"]
 
 
 class DispatchMode(TorchDispatchMode):
