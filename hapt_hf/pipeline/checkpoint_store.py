@@ -20,7 +20,11 @@ On recovery, :meth:`CheckpointStore.reader` gives a DCP ``StorageReader``
 this node holds it whole, else from the remote through fsspec, reading only the byte ranges of
 the items this rank asks for: one thread fetches them (ranged GETs of at most
 :data:`FETCH_PIECE` bytes, at most :data:`FETCH_AHEAD` bytes ahead of the reads) while the
-local files, then the pieces already fetched, are read. After a load, :attr:`LocalFirstReader.stats` says what came from
+local files, then the pieces already fetched, are read. A local file's tensor whose record
+holds the whole of the tensor it loads into (contiguous, of its dtype and shape) is read straight
+into that tensor's memory (:func:`~hapt_hf.pipeline.direct_read.read_direct`: one read of its
+bytes, where DCP's own path deserialises a copy of them and copies that); the rest goes through
+DCP's own path. After a load, :attr:`LocalFirstReader.stats` says what came from
 where; the reader logs one line of it.
 """
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from hapt_hf.errors import CheckpointError
+from hapt_hf.pipeline.direct_read import read_direct
 
 __all__ = ["CheckpointStore", "Upload", "LocalFirstReader", "ReadStats", "METADATA_FILE",
            "COMPLETE_MARKER", "copy_whole", "copy_unfinished"]
@@ -206,6 +211,9 @@ class ReadStats:
     """What one rank's load read, and from where (bytes of the items it asked for)."""
 
     local_bytes: int = 0
+    direct_bytes: int = 0
+    """Of ``local_bytes``: the tensor bytes read straight into the tensors they load into
+    (:func:`~hapt_hf.pipeline.direct_read.read_direct`), the rest through DCP's own path."""
     fetched_bytes: int = 0
     local_files: list[str] = field(default_factory=list)
     fetched_files: list[str] = field(default_factory=list)
@@ -213,7 +221,8 @@ class ReadStats:
     def describe(self) -> str:
         mb = 1 << 20
         return (f"read {self.local_bytes / mb:.1f} MiB from {len(self.local_files)} local "
-                f"file(s), fetched {self.fetched_bytes / mb:.1f} MiB from "
+                f"file(s) ({self.direct_bytes / mb:.1f} MiB straight into the tensors), fetched "
+                f"{self.fetched_bytes / mb:.1f} MiB from "
                 f"{len(self.fetched_files)} remote file(s)")
 
 
@@ -474,12 +483,20 @@ class LocalFirstReader(dcp.FileSystemReader):
                 self.stats.fetched_bytes += size
                 self.stats.fetched_files.append(rel)
                 remote[rel] = spans
-        # the local files first, then each remote file's items in the order they lie in it,
-        # the order its pieces arrive in
-        plan = dataclasses.replace(plan, items=sorted(
-            plan.items, key=lambda item: (self._position(item)[0] in remote, *self._position(item))))
         self.fs.prefetch = _Prefetch(self.fs.remote_fs, self.fs.root, remote)
         try:
+            # the local files first (while the remote ranges arrive), each tensor that can be
+            # read straight into the tensor it loads into (read_direct); then DCP's own path for
+            # the rest: what is left of the local files, then each remote file's items in the
+            # order they lie in it, the order its pieces arrive in
+            left = [item for item in plan.items if self._position(item)[0] in remote]
+            for rel in self.stats.local_files:
+                items = [item for item in plan.items if self._position(item)[0] == rel]
+                rest, direct = read_direct(self.fs.local / rel, items, self.storage_data, planner)
+                self.stats.direct_bytes += direct
+                left.extend(rest)
+            plan = dataclasses.replace(plan, items=sorted(
+                left, key=lambda item: (self._position(item)[0] in remote, *self._position(item))))
             fut = super().read_data(plan, planner)
         finally:
             self.fs.prefetch.close()
