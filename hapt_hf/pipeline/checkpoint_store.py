@@ -601,9 +601,11 @@ class CheckpointStore:
         """A DCP reader of checkpoint ``name`` (refused unless its remote copy is complete):
         each file from this node's local copy where it holds it (``local=False``: every file
         from the remote), the rest fetched."""
-        self.require_complete(name)
         fs, root = self.remote_fs()
-        marker_path = _join(_join(root, name), COMPLETE_MARKER)  # a DCP-written copy has none
-        marker = json.loads(fs.cat_file(marker_path)) if fs.exists(marker_path) else {}
+        try:  # a copy Upload filled is whole once its marker is there (copy_whole): one request
+            marker = json.loads(fs.cat_file(_join(_join(root, name), COMPLETE_MARKER)))
+        except FileNotFoundError:  # a DCP-written copy has none, an unfinished copy none yet
+            self.require_complete(name)
+            marker = {}
         return LocalFirstReader(fs, _join(root, name), self.local_path(name) if local else None,
                                 marker.get("save_id", ""))

@@ -148,10 +148,11 @@ def prepare_load(path: str | Path, stage: torch.nn.Module, optimizer: torch.opti
         prefix = f"{OPTIM_PREFIX}{name}."
         for key in (k for k in meta if k.startswith(prefix) and "." not in k[len(prefix):]):
             size, dtype = tuple(meta[key].size), meta[key].properties.dtype
+            # not filled: the read overwrites every element (the checkpoint holds the whole tensor)
             if size == tuple(p.shape):
-                buf = torch.zeros_like(p, dtype=dtype).detach()  # a DTensor like a TP parameter
+                buf = torch.empty_like(p, dtype=dtype).detach()  # a DTensor like a TP parameter
             else:  # Adam's step: a scalar on the CPU
-                buf = torch.zeros(size, dtype=dtype, device="cpu" if not size else p.device)
+                buf = torch.empty(size, dtype=dtype, device="cpu" if not size else p.device)
             new_state.setdefault(p, {})[key[len(prefix):]] = buf
             wanted[key] = buf
     for key, t in wanted.items():
