@@ -183,6 +183,7 @@ def recover(rank: int, world_size: int, root: str, hidden: int, blocks: int, pla
               "read_meta": t_meta - t_built, "read": t_loaded - t_meta, "step": done - t_loaded}
     return {"loss": loss, "done": done, "phases": phases, "params": params,
             "local_bytes": reader.stats.local_bytes, "fetched_bytes": reader.stats.fetched_bytes,
+            "direct_bytes": reader.stats.direct_bytes, "direct_s": reader.stats.direct_s,
             "fetched_files": reader.stats.fetched_files,
             "transferred_bytes": sum(e - s for _, s, e in slow_store.FETCHES)}
 
@@ -234,7 +235,8 @@ def _describe(way: str, out: dict) -> None:
     print(f"{way}: {out['recovery_s']:.2f} s to the first step on plan B", flush=True)
     for r, o in enumerate(out["ranks"]):
         phases = ", ".join(f"{k} {v:.2f}" for k, v in o["phases"].items())
-        print(f"  rank {r} (node {SURVIVORS[r]}): {phases} s; local {o['local_bytes'] / 1e6:.0f} MB, "
+        print(f"  rank {r} (node {SURVIVORS[r]}): {phases} s; local {o['local_bytes'] / 1e6:.0f} MB "
+              f"({o['direct_bytes'] / 1e6:.0f} MB read directly in {o['direct_s']:.2f} s), "
               f"fetched {o['fetched_bytes'] / 1e6:.0f} MB ({o['transferred_bytes'] / 1e6:.0f} MB "
               f"transferred) from {o['fetched_files'] or 'no file'}", flush=True)
 

@@ -214,6 +214,8 @@ class ReadStats:
     direct_bytes: int = 0
     """Of ``local_bytes``: the tensor bytes read straight into the tensors they load into
     (:func:`~hapt_hf.pipeline.direct_read.read_direct`), the rest through DCP's own path."""
+    direct_s: float = 0.0
+    """Seconds the direct reads took (the local files' tensors read straight in)."""
     fetched_bytes: int = 0
     local_files: list[str] = field(default_factory=list)
     fetched_files: list[str] = field(default_factory=list)
@@ -221,7 +223,8 @@ class ReadStats:
     def describe(self) -> str:
         mb = 1 << 20
         return (f"read {self.local_bytes / mb:.1f} MiB from {len(self.local_files)} local "
-                f"file(s) ({self.direct_bytes / mb:.1f} MiB straight into the tensors), fetched "
+                f"file(s) ({self.direct_bytes / mb:.1f} MiB straight into the tensors in "
+                f"{self.direct_s:.2f} s), fetched "
                 f"{self.fetched_bytes / mb:.1f} MiB from "
                 f"{len(self.fetched_files)} remote file(s)")
 
@@ -490,11 +493,13 @@ class LocalFirstReader(dcp.FileSystemReader):
             # the rest: what is left of the local files, then each remote file's items in the
             # order they lie in it, the order its pieces arrive in
             left = [item for item in plan.items if self._position(item)[0] in remote]
+            t0 = time.perf_counter()
             for rel in self.stats.local_files:
                 items = [item for item in plan.items if self._position(item)[0] == rel]
                 rest, direct = read_direct(self.fs.local / rel, items, self.storage_data, planner)
                 self.stats.direct_bytes += direct
                 left.extend(rest)
+            self.stats.direct_s += time.perf_counter() - t0
             plan = dataclasses.replace(plan, items=sorted(
                 left, key=lambda item: (self._position(item)[0] in remote, *self._position(item))))
             fut = super().read_data(plan, planner)
