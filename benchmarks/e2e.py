@@ -132,11 +132,22 @@ class RaceConfig:
     contenders: str = "abcdefgh"
     """Which contenders race (letters of :data:`CONTENDERS`; (a) always): ``--contenders ab``
     races hapt_hf's plan against torch's Schedule1F1B alone, in a third of the time."""
-    idle_ranks_busy: bool = True
-    """Where the chosen plan leaves a group idle, its ranks compute (to no purpose) during the
-    plan's steps: this machine's cores, caches and memory bandwidth are shared, so two ranks
-    alone run faster than the four the profile timed and every other contender runs; an idle
-    GPU gives its neighbours nothing. ``--idle-ranks-rest`` lets them sleep instead."""
+    idle_load: str = "burn"
+    """What the ranks of a group the chosen plan leaves idle run during its steps: ``burn``
+    (small matrix products), ``spin`` (a spin on the clock, as the testbed's slow-down pays its
+    debt) or ``rest`` (sleep, as an idle GPU). The ranks share this machine's cores, caches and
+    memory bandwidth, so what the idle ones run changes how fast the kept ones compute
+    (``benchmarks/contention.py``). ``--idle-ranks-rest`` is ``rest``."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RaceConfig":
+        """A saved config (``race.json``), one written before ``idle_load`` too."""
+        d = dict(d)
+        if "idle_ranks_busy" in d:
+            d.setdefault("idle_load", "burn" if d.pop("idle_ranks_busy") else "rest")
+        if d.get("idle_load", cls.idle_load) not in IDLE_LOADS:
+            raise ValueError(f"idle_load {d['idle_load']!r} is not one of {IDLE_LOADS}")
+        return cls(**d)
 
     def testbed(self) -> dict:
         links = [] if self.unshaped else [
@@ -316,12 +327,31 @@ def _save_trace(cfg: RaceConfig, recorder, rank: int) -> None:
         recorder.save(Path(cfg.trace_dir) / f"trace_rank{rank}.json")
 
 
+IDLE_LOADS = ("burn", "spin", "rest")
+"""What an idle rank may run during a step of a plan that leaves its group idle."""
+
+
 def _burn() -> None:
     """About a millisecond of one core's arithmetic."""
     import torch
     a = torch.ones(96, 96)
     for _ in range(4):
         a = a @ a * 1e-2
+
+
+def _spin() -> None:
+    """About a millisecond of one core spun on the clock."""
+    end = time.perf_counter() + 0.001
+    while time.perf_counter() < end:
+        pass
+
+
+def _rest() -> None:
+    time.sleep(0.001)
+
+
+IDLE_RUNS = {"burn": _burn, "spin": _spin, "rest": _rest}
+"""Each idle load's run of about a millisecond, repeated until the step ends."""
 
 
 def _chosen_plans(plan_a, cfg: RaceConfig) -> dict:
@@ -399,7 +429,7 @@ class _SubWorld:
         import torch.distributed as dist
         kept = kept_ranks(cfg, planned["group_choice"]["idle"])
         self.proc = None
-        self.busy = cfg.idle_ranks_busy
+        self.idle = IDLE_RUNS[cfg.idle_load]
         if rank in kept:
             env = dict(os.environ, RANK=str(kept.index(rank)), LOCAL_RANK=str(kept.index(rank)),
                        WORLD_SIZE=str(len(kept)))
@@ -425,13 +455,10 @@ class _SubWorld:
 
     def _step(self, name: str, batch) -> None:
         import torch.distributed as dist
-        if self.proc is None:  # idle: keep this rank's CPU share busy until the step ends
+        if self.proc is None:  # idle: run the idle load until the step ends
             done = dist.barrier(async_op=True)
             while not done.is_completed():
-                if self.busy:
-                    _burn()
-                else:
-                    time.sleep(0.001)
+                self.idle()
             return
         self.proc.stdin.write(name + "\n")
         self.proc.stdin.flush()
@@ -671,7 +698,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contenders", default=None,
                     help="letters of the contenders to race, (a) always (default: abcdefgh)")
     ap.add_argument("--idle-ranks-rest", action="store_true",
-                    help="let the ranks of a group the plan leaves idle sleep during its steps")
+                    help="let the ranks of a group the plan leaves idle sleep during its steps "
+                         "(--idle-load rest)")
+    ap.add_argument("--idle-load", choices=IDLE_LOADS, default=None,
+                    help="what the ranks of a group the plan leaves idle run during its steps "
+                         f"(default: {RaceConfig.idle_load})")
     ap.add_argument("--trace-dir", default=None,
                     help="trace (a) action by action into this folder (benchmarks/race_trace.py)")
     ap.add_argument("--plot", type=Path, default=None, help="write the throughput plot here")
@@ -696,7 +727,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ddp_max_s": args.ddp_max_s, "ddp_reps": args.ddp_reps, "cpu_cap": args.cpu_cap,
             "unshaped": True if args.unshaped else None,
             "pin_cpus": False if args.no_pin_cpus else None,
-            "idle_ranks_busy": False if args.idle_ranks_rest else None,
+            "idle_load": "rest" if args.idle_ranks_rest else args.idle_load,
             "contenders": "a" + args.contenders if args.contenders else None,
             "trace_dir": str(Path(args.trace_dir).resolve()) if args.trace_dir else None}
     cfg = RaceConfig(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})

@@ -156,7 +156,7 @@ def simulated(trace_dir: Path) -> tuple[dict, float]:
     from hapt_hf.planner.simulate import simulate_plan
     meta = json.loads((trace_dir / "race.json").read_text())
     from benchmarks.e2e import RaceConfig, _model_config, _nominal_cluster
-    cfg = RaceConfig(**meta["cfg"])
+    cfg = RaceConfig.from_dict(meta["cfg"])
     profile = Profile.load(trace_dir / "profile.json")
     plan = Plan.from_dict(json.loads((trace_dir / "plan.json").read_text()))
     spec = ModelSpec.from_config(_model_config(cfg), cfg.seq, "fp32", name="gpt2-race")

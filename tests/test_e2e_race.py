@@ -68,3 +68,29 @@ def test_a_race_of_some_contenders_reports_each_plans_prediction():
                                   "c": {"predicted_s": 1.0, "measured_s": 1.25, "error": 0.2}}
     assert out["speedup_vs_torch_best"] == pytest.approx(3.0)
     assert "speedup_vs_uniform_hapt_runtime" not in out
+
+
+def test_a_saved_race_config_reads_back_with_its_idle_load():
+    from dataclasses import asdict
+
+    assert RaceConfig.from_dict(asdict(RaceConfig(idle_load="rest"))).idle_load == "rest"
+    # written before the idle load had a name: busy meant the matrix products
+    assert RaceConfig.from_dict({"idle_ranks_busy": True}).idle_load == "burn"
+    assert RaceConfig.from_dict({"idle_ranks_busy": False}).idle_load == "rest"
+    with pytest.raises(ValueError, match="idle_load"):
+        RaceConfig.from_dict({"idle_load": "nap"})
+
+
+def test_every_idle_load_runs_about_a_millisecond():
+    import time
+
+    from benchmarks.e2e import IDLE_LOADS, IDLE_RUNS
+
+    assert set(IDLE_RUNS) == set(IDLE_LOADS)
+    for name, fn in IDLE_RUNS.items():
+        t0 = time.perf_counter()
+        fn()
+        assert time.perf_counter() - t0 < 0.5, name
+    t0 = time.perf_counter()
+    IDLE_RUNS["spin"]()
+    assert time.perf_counter() - t0 >= 0.001
