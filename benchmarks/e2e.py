@@ -69,7 +69,12 @@ from hapt_hf.core.schedules import ScheduleKind, default_warmups  # noqa: E402
 CONTENDERS = {"a": "hapt_hf's chosen plan", "b": "torch Schedule1F1B, uniform",
               "c": "hapt_hf plan + 1F1B", "d": "uniform on hapt_hf runtime", "e": "DDP",
               "f": "torch Interleaved1F1B, uniform x2", "g": "torch InterleavedZB, uniform x2",
-              "h": "hapt_hf plan on every group"}
+              "h": "hapt_hf plan on every group", "i": "(a), idle ranks asleep",
+              "j": "(a), idle ranks spinning", "k": "(a), idle ranks burning"}
+IDLE_VARIANTS = {"i": "rest", "j": "spin", "k": "burn"}
+"""(a) again with the idle group's ranks on each idle load, raced beside it (only where asked
+for and (a) leaves a group idle): the same plan and profile, so that what the idle ranks run
+is the only difference."""
 TORCH = ("b", "f", "g")
 """torch's schedules among the contenders."""
 TORCH_INTERLEAVED = {"f": "ScheduleInterleaved1F1B", "g": "ScheduleInterleavedZeroBubble"}
@@ -238,6 +243,8 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
     from hapt_hf.profiling import ProfilerOptions, profile_group_leaders
     from hapt_hf.planner.search import PlannerOptions, plan_job
 
+    load = CoreLoad()
+    load.start()
     t0 = time.perf_counter()
     profile = profile_group_leaders(
         config, groups=_groups(cfg), device_names={g: f"cpu-{g}" for g in _groups(cfg)},
@@ -246,6 +253,7 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
         link_sizes=(1 << 14, 1 << 17, 1 << 19), busy_peers=cfg.busy_profile,
         log=functools.partial(print, "profile:", flush=True))
     t1 = time.perf_counter()
+    load.stop()
     box = [None]
     if dist.get_rank() == 0 and cfg.trace_dir:
         Path(cfg.trace_dir).mkdir(parents=True, exist_ok=True)
@@ -268,6 +276,7 @@ def _plan(cfg: RaceConfig, config) -> tuple[dict, float, float]:
                                    "all_groups_predicted_s": (every or chosen).plan.predicted
                                    .iteration_s,
                                    "weighed": [asdict(c) for c in chosen.group_choices]},
+                  "cores_during_profile": load.summary(),
                   "profile": {f"{k.device} {k.layer_signature.split(':')[0]} mb{k.micro_batch}":
                               [t.forward_s, t.backward_s] for k, t in profile.timings.items()}}
     dist.broadcast_object_list(box, src=0)
@@ -285,11 +294,59 @@ def _predictions(cfg: RaceConfig, spec, cluster, profile, plan, every) -> dict[s
                                  profile, record_events=False).iteration_s
     if every is not None:
         out["h"] = every.plan.predicted.iteration_s
+        out.update({k: out["a"] for k in IDLE_VARIANTS if k in cfg.contenders})
     # (d), the uniform split on hapt_hf's runtime over every rank: where (a) leaves a group
     # idle, it tells an error of the profile (both off alike) from one of (a)'s plan alone
     out["d"] = simulate_plan(uniform_plan(cfg), spec, cluster, profile,
                              record_events=False).iteration_s
     return out
+
+
+def _cpu_ticks() -> list[tuple[int, int, int]] | None:
+    """Per core, (busy, idle, steal) clock ticks since boot from ``/proc/stat``; None where it
+    cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        f = line.split()
+        if f and f[0].startswith("cpu") and f[0] != "cpu":
+            v = [int(x) for x in f[1:9]]
+            idle = v[3] + v[4]
+            out.append((sum(v) - idle - v[7], idle, v[7]))
+    return out
+
+
+class CoreLoad:
+    """How busy the machine's cores were over the spans added to it: per core, the share of
+    ticks busy (user, system, interrupts), and the share stolen by the host."""
+
+    def __init__(self) -> None:
+        self.busy: list[int] = []
+        self.idle: list[int] = []
+        self.steal: list[int] = []
+        self._start = None
+
+    def start(self) -> None:
+        self._start = _cpu_ticks()
+
+    def stop(self) -> None:
+        end = _cpu_ticks()
+        if self._start is None or end is None or len(end) != len(self._start):
+            return
+        if not self.busy:
+            self.busy, self.idle, self.steal = ([0] * len(end) for _ in range(3))
+        for i, (a, b) in enumerate(zip(self._start, end)):
+            self.busy[i] += b[0] - a[0]
+            self.idle[i] += b[1] - a[1]
+            self.steal[i] += b[2] - a[2]
+
+    def summary(self) -> dict:
+        tot = [b + i + s for b, i, s in zip(self.busy, self.idle, self.steal)]
+        return {"busy": [round(b / t, 3) if t else None for b, t in zip(self.busy, tot)],
+                "steal": [round(s / t, 3) if t else None for s, t in zip(self.steal, tot)]}
 
 
 def _train_step(rt, opt, batch):
@@ -430,6 +487,7 @@ class _SubWorld:
         kept = kept_ranks(cfg, planned["group_choice"]["idle"])
         self.proc = None
         self.idle = IDLE_RUNS[cfg.idle_load]
+        self.variants = {k: v for k, v in IDLE_VARIANTS.items() if k in cfg.contenders}
         if rank in kept:
             env = dict(os.environ, RANK=str(kept.index(rank)), LOCAL_RANK=str(kept.index(rank)),
                        WORLD_SIZE=str(len(kept)))
@@ -453,20 +511,24 @@ class _SubWorld:
             raise RuntimeError(f"the sub-world child answered {line!r}, not {word!r} (its "
                                "output is above)")
 
-    def _step(self, name: str, batch) -> None:
+    def _step(self, name: str, batch, idle: str | None = None, tag: str = "") -> None:
         import torch.distributed as dist
         if self.proc is None:  # idle: run the idle load until the step ends
+            run = IDLE_RUNS[idle] if idle else self.idle
             done = dist.barrier(async_op=True)
             while not done.is_completed():
-                self.idle()
+                run()
             return
-        self.proc.stdin.write(name + "\n")
+        self.proc.stdin.write(f"{name} {tag}".strip() + "\n")
         self.proc.stdin.flush()
         self._expect("done")
         dist.barrier()
 
     def steps(self) -> dict:
-        return {n: functools.partial(self._step, n) for n in self.names}
+        out = {n: functools.partial(self._step, n) for n in self.names}
+        for letter, load in self.variants.items():
+            out[letter] = functools.partial(self._step, "a", idle=load, tag=letter)
+        return out
 
     def close(self) -> None:
         if self.proc is not None:
@@ -500,9 +562,11 @@ def sub_worker(arg: dict) -> None:
     batch = Batch(ids, ids.clone())
     print("ready", file=out, flush=True)
     for line in sys.stdin:
-        name = line.strip()
+        name, _, tag = line.strip().partition(" ")
         if name == "quit":
             break
+        if recorder is not None:
+            recorder.tag = tag or name
         steps[name](batch)
         print("done", file=out, flush=True)
     _save_trace(cfg, recorder, rank)
@@ -560,17 +624,20 @@ def worker(cfg: RaceConfig) -> None:
     batch = Batch(ids, ids.clone())
     order = sorted(steps)
     times: dict[str, list[float]] = {k: [] for k in order}
+    loads = {k: CoreLoad() for k in order}
     for r in range(cfg.warmup_reps + cfg.reps):
         rotated = order[r % len(order):] + order[:r % len(order)]
         for name in rotated:
             if name == "e" and r >= cfg.warmup_reps + cfg.ddp_reps:
                 continue  # DDP sends the whole model's gradients over the slow link: slow
             dist.barrier()
+            loads[name].start()
             t0 = time.perf_counter()
             steps[name](batch)
             dist.barrier()
             if r >= cfg.warmup_reps:
                 times[name].append(time.perf_counter() - t0)
+                loads[name].stop()
     for c in closing:
         c.close()
     if rank == 0 and cfg.trace_dir:
@@ -578,6 +645,7 @@ def worker(cfg: RaceConfig) -> None:
         (Path(cfg.trace_dir) / "race.json").write_text(json.dumps({"cfg": asdict(cfg)}))
     if rank == 0:
         print("RACE " + json.dumps({"times": times, "profile_s": profile_s, "plan_s": plan_s,
+                                    "cores": {k: v.summary() for k, v in loads.items()},
                                     "ddp_estimate_s": _ddp_estimate_s(cfg, config,
                                                                       planned["links"]),
                                     **planned}), flush=True)
@@ -645,6 +713,7 @@ def summarize(cfg: RaceConfig, race: dict, mechanisms, wall_s: float) -> dict:
         "group_choice": race["group_choice"],
         "measured_links": race["links"], "profile": race["profile"],
         "step_overheads": race.get("overheads", {}),
+        "cores": {"profile": race.get("cores_during_profile"), **race.get("cores", {})},
         "profile_s": round(race["profile_s"], 1), "plan_s": round(race["plan_s"], 2),
         "testbed": {"slowdown": mechanisms.slowdown, "network": mechanisms.network,
                     "notes": list(mechanisms.notes)},
@@ -756,6 +825,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"({k}) {row['name']:30s} {row['median_s'] * 1e3:9.1f} ms  "
               f"spread {row['spread']:.2f}  {row['tokens_per_s']:8.1f} tok/s  "
               + (f"x{row['vs_b']:.2f} vs (b)" if "vs_b" in row else ""))
+    for k, c in result["cores"].items():
+        if c and c.get("busy"):
+            print(f"cores busy during {k}: {c['busy']} (stolen {c['steal']})")
     print(f"plan: {result['plan']}; predicted {result['predicted_iteration_s']} s, "
           f"measured {result['measured_iteration_s']} s")
     if args.plot:

@@ -38,11 +38,14 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[dict] = []
         self._t0 = 0.0
+        self.tag = "a"
+        """The contender the next call belongs to (``benchmarks/e2e.py``'s (i), (j), (k) run
+        (a)'s step with the idle ranks on another load)."""
 
     def call(self, fn):
         def wrapped(*args, **kwargs):
             self._t0 = time.perf_counter()
-            self.calls.append({"events": []})
+            self.calls.append({"events": [], "tag": self.tag})
             out = fn(*args, **kwargs)
             self.calls[-1]["total_s"] = time.perf_counter() - self._t0
             return out
@@ -82,12 +85,17 @@ def _inside(ev, waits):
     return sum(max(0.0, min(w[4], ev[4]) - max(w[3], ev[3])) for w in waits)
 
 
+def _calls(path: Path, skip: int, tag: str = "a") -> list[dict]:
+    """The calls of contender ``tag`` in one rank's trace, the first ``skip`` left out."""
+    return [c for c in json.loads(path.read_text()) if c.get("tag", "a") == tag][skip:]
+
+
 def measured(trace_dir: Path, skip: int) -> dict:
     """Per stage: the median over timed calls of each kind's mean compute seconds (waits
     inside left out), its waits, and per call the step's total."""
     out: dict = {"stages": defaultdict(lambda: defaultdict(list)), "totals": []}
     for path in sorted(trace_dir.glob("trace_rank*.json")):
-        calls = json.loads(path.read_text())[skip:]
+        calls = _calls(path, skip)
         rank = int(path.stem.removeprefix("trace_rank"))
         for c in calls:
             ev = c["events"]
@@ -130,7 +138,7 @@ def rank_breakdown(trace_dir: Path, skip: int) -> dict[int, dict[str, float]]:
     for path in sorted(trace_dir.glob("trace_rank*.json")):
         rank = int(path.stem.removeprefix("trace_rank"))
         rows = defaultdict(list)
-        for c in json.loads(path.read_text())[skip:]:
+        for c in _calls(path, skip):
             ev = c["events"]
             waits = [e for e in ev if e[0] == "WAIT"]
             comp = [e for e in ev if e[0] in COMPUTE]
