@@ -142,6 +142,9 @@ class StageMenu:
     back_share: np.ndarray | None = None
     """Shape (L + 1, L + 1): the least share of a stage's compute that is its backward, over
     every option of layers ``[a, b)``."""
+    forward_one: np.ndarray | None = None
+    """Shape (groups, L + 1, L + 1): the least forward seconds of one sample through layers
+    ``[a, b)`` on a replica of the group that fits them."""
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -269,6 +272,7 @@ def stage_menu(cm: CostModel, gbs: int, q_cap: int, hide_tp: bool = False,
     degree = np.zeros(cost.shape, dtype=np.int8)
     tau = np.full(cost.shape, np.inf)
     back = np.ones((L + 1, L + 1))
+    first_f = np.full((len(groups), L + 1, L + 1), np.inf)
     rgrid = _recompute_grid(L)
     for gi, g in enumerate(groups):
         cap = cm.capacity_bytes(g)
@@ -327,13 +331,20 @@ def stage_menu(cm: CostModel, gbs: int, q_cap: int, hide_tp: bool = False,
                             continue
                         np.minimum.at(exact[ti], (q[ok], A2[ok], B2[ok]), unit[ok])
                         np.minimum.at(fast, (q[ok], A2[ok], B2[ok]), unit[ok] / t)
+                        if n == 1:  # one sample's forward: no replica's is shorter
+                            f1, _, _ = _layer_times(cm, g, 1, t, hide_tp)
+                            F1 = np.concatenate([[0.0], np.cumsum(f1)])
+                            fw = F1[B] - F1[A]
+                            if sp:
+                                fw = fw + _sp_terms(cm, g, 1, t, hide_tp)[0]
+                            first_f[gi] = np.where(ok, np.minimum(first_f[gi], fw), first_f[gi])
         # holding q or more: the least over every level from q up
         exact = np.minimum.accumulate(exact[:, ::-1], axis=1)[:, ::-1]
         pick = exact.argmin(axis=0)
         cost[gi] = np.take_along_axis(exact, pick[None], axis=0)[0]
         degree[gi] = np.asarray(degs, dtype=np.int8)[pick]
         tau[gi] = np.minimum.accumulate(fast[::-1], axis=0)[::-1]
-    return StageMenu(groups, cost, degree, L, model.layer_unit, tau, back)
+    return StageMenu(groups, cost, degree, L, model.layer_unit, tau, back, first_f)
 
 
 def path_bound(menu: StageMenu, prices: np.ndarray, sizes: np.ndarray, rho: float, grid: int,
@@ -415,6 +426,67 @@ def path_bound(menu: StageMenu, prices: np.ndarray, sizes: np.ndarray, rho: floa
     return float(total / float(prices @ sizes)), path
 
 
+def start_path_bound(menu: StageMenu, prices: np.ndarray, sizes: np.ndarray, T: float,
+                     mbs: int, steps: int = 128, s_max: float = 0.5) -> tuple[float, list]:
+    """The second relaxation, a path from the first layer to the last: a stage starts no
+    earlier than one sample's forward through the stages before it (``start``, in shares of
+    ``T`` on a grid of ``1 / steps``, rounded down), so its share ``u <= 1 - start`` and it
+    costs at least ``lambda_g gbs t c / n / (1 - start)``; memory only asks it to hold one
+    micro-batch, and no more than ``mbs`` replicas (``u >= per_sample / (mbs T)``). Returns
+    the bound at ``T`` (feasible where it is at most ``T``) and the path as
+    :func:`path_bound` gives it."""
+    L = menu.num_layers
+    with np.errstate(invalid="ignore"):
+        priced = menu.cost[:, 1] * prices[:, None, None]
+    priced[~np.isfinite(menu.cost[:, 1])] = np.inf
+    ns = int(round(s_max * steps))
+    S = np.arange(ns + 1) / steps
+    room = 1.0 - S                      # the most share a stage starting there can take
+    H = np.full((L + 1, ns + 1), np.inf)
+    H[0, 0] = 0.0
+    back_a = np.zeros((L + 1, ns + 1), dtype=int)
+    back_g = np.zeros((L + 1, ns + 1), dtype=int)
+    back_i = np.zeros((L + 1, ns + 1), dtype=int)
+    floors = menu.per_sample[:, 1] / (mbs * T) if menu.per_sample is not None else None
+    for b in range(1, L + 1):
+        for a in range(b):
+            src = H[a]
+            if not np.isfinite(src).any():
+                continue
+            for gi in range(len(menu.groups)):
+                c = priced[gi, a, b]
+                if not np.isfinite(c):
+                    continue
+                shift = int(math.floor(menu.forward_one[gi, a, b] / T * steps + 1e-9))
+                ok = room > 0
+                if floors is not None:
+                    ok &= room >= floors[gi, a, b]
+                cand = np.where(ok, src + c / np.where(ok, room, 1.0), np.inf)
+                free = ns - shift             # sources below it land on a state of their own
+                if free > 0:
+                    better = cand[:free] < H[b, shift:ns]
+                    tgt = np.nonzero(better)[0]
+                    H[b, tgt + shift] = cand[tgt]
+                    back_a[b, tgt + shift], back_g[b, tgt + shift] = a, gi
+                    back_i[b, tgt + shift] = tgt
+                top = max(free, 0)              # the rest land on the clamped top: the least
+                i = top + int(np.argmin(cand[top:]))
+                if cand[i] < H[b, ns]:
+                    H[b, ns] = cand[i]
+                    back_a[b, ns], back_g[b, ns], back_i[b, ns] = a, gi, i
+    end = int(np.argmin(H[L]))
+    total = H[L, end]
+    path = []
+    b, j = L, end
+    while b > 0 and np.isfinite(total):
+        a, gi, i = back_a[b, j], back_g[b, j], back_i[b, j]
+        path.append((int(gi), int(menu.degree[gi, 1, a, b]), int(a), int(b),
+                     float(room[i]), 1))
+        b, j = a, i
+    path.reverse()
+    return float(total / float(prices @ sizes)), path
+
+
 def _path_use(menu: StageMenu, path) -> np.ndarray:
     """Per group, the path's ``gbs t c / (n u)`` summed: its GPUs there times ``T``."""
     use = np.zeros(len(menu.groups))
@@ -448,16 +520,15 @@ def best_prices(uses: list[np.ndarray], sizes: np.ndarray) -> tuple[np.ndarray, 
     return np.maximum(arg, 0.0), float(best)
 
 
-def _prices_round(menu: StageMenu, sizes: np.ndarray, speed: np.ndarray, rho: float,
-                  grid: int, d_max: float, rounds: int, target: float | None, log=None,
-                  **window) -> tuple[float, np.ndarray, list, np.ndarray]:
+def _prices_round(solve, menu: StageMenu, sizes: np.ndarray, speed: np.ndarray, rounds: int,
+                  target: float | None, log=None) -> tuple[float, np.ndarray, list, np.ndarray]:
     """Column generation over the group prices: the best bound of up to ``rounds`` prices,
     each round's prices those that best separate the paths found so far. With ``target``,
     stops once the bound passes it or the paths' mix shows it cannot."""
     prices = speed / (speed @ sizes)
     best, uses = None, []
     for rnd in range(rounds):
-        val, path = path_bound(menu, prices, sizes, rho, grid, d_max, **window)
+        val, path = solve(prices)
         if not path:  # no path at all: nothing fits these constraints
             return math.inf, prices, [], np.zeros(len(sizes))
         use = _path_use(menu, path)
@@ -500,9 +571,23 @@ def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             menu = stage_menu(cm, gbs, q_cap, hide_tp, mbs)
 
             def passes(T: float, menu=menu, speed=speed, rho=rho, beta=beta, mbs=mbs):
-                got = _prices_round(menu, sizes, speed, rho, grid, d_max, rounds, T,
-                                    beta=beta, mbs_share=mbs / gbs, u_floor=1.0 / (mbs * T))
-                return got[0] <= T, got
+                """Whether both relaxations let a plan of ``mbs`` reach ``T``: the slots
+                path's best (the bound the module describes), or the start path's where
+                that one rules ``T`` out."""
+                def slots(lam, menu=menu, rho=rho, beta=beta, mbs=mbs, T=T):
+                    return path_bound(menu, lam, sizes, rho, grid, d_max, beta=beta,
+                                      mbs_share=mbs / gbs, u_floor=1.0 / (mbs * T))
+
+                def starts(lam, menu=menu, mbs=mbs, T=T):
+                    return start_path_bound(menu, lam, sizes, T, mbs)
+
+                got = _prices_round(slots, menu, sizes, speed, rounds, T)
+                if got[0] > T:
+                    return False, got
+                other = _prices_round(starts, menu, sizes, speed, rounds, T)
+                if other[0] > T:
+                    return False, other
+                return True, (got if got[0] >= other[0] else other)
 
             if target is not None:
                 ok, got = passes(target)
