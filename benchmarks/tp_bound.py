@@ -98,53 +98,8 @@ from hapt_hf.planner.cost_model import CostModel, tp_unfit  # noqa: E402
 from hapt_hf.planner.model_spec import ModelSpec  # noqa: E402
 from hapt_hf.planner.simulate import WEIGHT_GRADIENT_SHARE  # noqa: E402
 
-__all__ = ["TpBound", "StageMenu", "stage_menu", "rho_floor", "path_bound", "tp_lower_bound_s",
-           "main"]
-
-
-@dataclass(frozen=True)
-class TpBound:
-    """A lower bound and how it was reached."""
-
-    bound_s: float
-    """No plan in scope replays faster."""
-    layer_unit: str
-    """The layer sequence ('block' or 'half') whose path gave the bound (the lower of the two)."""
-    prices: tuple[tuple[str, float], ...]
-    """The group prices lambda that gave it (normalised to sum 1)."""
-    rho: float
-    stages: tuple[tuple[str, int, int, int, float, int], ...]
-    """The cheapest path at those prices, first stage first: (group, degree, first layer,
-    end layer, share u of the iteration, micro-batches its memory must hold)."""
-    gpus: tuple[tuple[str, float], ...]
-    """GPUs of each group that path uses at ``bound_s`` (above a group's size where the prices
-    could not balance it: the bound is then below what a plan needs)."""
-    micro_batch_size: int = 0
-    """The micro-batch size whose bound is the least."""
-
-
-@dataclass(frozen=True)
-class StageMenu:
-    """For one layer sequence: per group, per number of micro-batches ``q`` a stage holds, the
-    least ``gbs t c / n`` (GPU-seconds of the iteration at ``u = 1``, times ``T``) of a stage of
-    layers ``[a, b)`` whose memory holds ``q`` micro-batches, and the degree that gives it."""
-
-    groups: tuple[GpuGroup, ...]
-    cost: np.ndarray
-    """Shape (groups, q_cap + 1, L + 1, L + 1): ``cost[g, q, a, b]``, inf where nothing fits."""
-    degree: np.ndarray
-    """The same shape: the degree of the cheapest option."""
-    num_layers: int
-    layer_unit: str
-    per_sample: np.ndarray | None = None
-    """The same shape: the least ``gbs c / n`` (the stage's busy seconds on one replica) of
-    any option holding ``q`` micro-batches, whatever its cost."""
-    back_share: np.ndarray | None = None
-    """Shape (L + 1, L + 1): the least share of a stage's compute that is its backward, over
-    every option of layers ``[a, b)``."""
-    forward_one: np.ndarray | None = None
-    """Shape (groups, L + 1, L + 1): the least forward seconds of one sample through layers
-    ``[a, b)`` on a replica of the group that fits them."""
+__all__ = ["TpBound", "ReplicaMenu", "replica_menu", "replica_path", "rho_floor",
+           "beta_floor", "tp_lower_bound_s", "main"]
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -254,247 +209,6 @@ def _degrees(cm: CostModel, g: GpuGroup) -> list[int]:
             and tp_unfit(cm.model, t) is None]
 
 
-def stage_menu(cm: CostModel, gbs: int, q_cap: int, hide_tp: bool = False,
-               mbs: int | None = None) -> StageMenu:
-    """Every stage option of the model's layer sequence, reduced to the cheapest per
-    (group, micro-batches held, layers); see :class:`StageMenu`. With ``mbs``, only
-    replicas of at most ``mbs`` samples."""
-    if cm.profile is not None:
-        raise PlanningError("tp_bound reads the analytic tables only; this job has a profile")
-    model = cm.model
-    L = model.num_layers
-    groups = cm.hardware.groups
-    A = np.arange(L + 1)[:, None]
-    B = np.arange(L + 1)[None, :]
-    valid = A < B
-    A2, B2 = np.broadcast_arrays(A, B)
-    cost = np.full((len(groups), q_cap + 1, L + 1, L + 1), np.inf)
-    degree = np.zeros(cost.shape, dtype=np.int8)
-    tau = np.full(cost.shape, np.inf)
-    back = np.ones((L + 1, L + 1))
-    first_f = np.full((len(groups), L + 1, L + 1), np.inf)
-    rgrid = _recompute_grid(L)
-    for gi, g in enumerate(groups):
-        cap = cm.capacity_bytes(g)
-        degs = _degrees(cm, g)
-        exact = np.full((len(degs), q_cap + 1, L + 1, L + 1), np.inf)
-        fast = np.full((q_cap + 1, L + 1, L + 1), np.inf)
-        for ti, t in enumerate(degs):
-            reps = g.size // t
-            spb = min(state_bytes_per_param(REPLICATED, reps),
-                      state_bytes_per_param(SHARDED, reps) if reps > 1 else math.inf)
-            params = np.asarray(cm.shard(t).params)
-            static = (params[B] - params[A]) * spb
-            fixed = np.asarray(cm.shard(t).fixed)
-            fixed_rc = np.asarray(cm.shard(t).fixed_rc)
-            for sp in ([False, True] if cm.sp_allowed(t) else [False]):
-                sh = cm.shard(t, sp)
-                keep, keep_rc = np.asarray(sh.keep), np.asarray(sh.keep_rc)
-                kmax = np.zeros((L + 1, L + 1))
-                for a in range(L):
-                    kmax[a, a + 1:] = sh.keep_max[a]
-                pows = _pow2_upto(gbs)
-                for i, n in enumerate(pows):
-                    if mbs is not None and n > mbs:
-                        break
-                    n_cost = pows[min(i + 1, len(pows) - 1)]
-                    f, b, rf = _layer_times(cm, g, n_cost, t, hide_tp)
-                    F, Bw, RF = (np.concatenate([[0.0], np.cumsum(x)]) for x in (f, b, rf))
-                    if sp:
-                        edge, rg = _sp_terms(cm, g, n_cost, t, hide_tp)
-                        RG = np.concatenate([[0.0], np.cumsum(rg)])
-                    room0 = cap - static - n * kmax
-                    if not np.any(valid & (room0 > 0)):
-                        break  # a larger batch only needs more
-                    for ri, r in enumerate(rgrid):
-                        r_mem = rgrid[ri + 1] - 1 if ri + 1 < len(rgrid) else r
-                        e_c = A if r == 0 else np.minimum(np.maximum(A, 1) + r, B)
-                        e_m = A if r_mem == 0 else np.minimum(np.maximum(A, 1) + r_mem, B)
-                        c = (F[B] - F[A]) + (Bw[B] - Bw[A]) + (RF[e_c] - RF[A])
-                        if sp:
-                            # the edge forward and backward; the regather where not recomputed
-                            c = c + 2 * edge + (RG[B] - RG[e_c])
-                        copies = fixed_rc[e_m] - fixed_rc[A] + fixed[B] - fixed[e_m]
-                        act = n * (keep_rc[e_m] - keep_rc[A] + keep[B] - keep[e_m])
-                        room = room0 - copies
-                        with np.errstate(divide="ignore", invalid="ignore"):
-                            q = np.where(act > 0, np.floor(room / np.where(act > 0, act, 1.0)),
-                                         q_cap)
-                        q = np.where(valid & (room >= 0), np.minimum(q, q_cap), 0).astype(int)
-                        unit = gbs * t * c / n_cost
-                        with np.errstate(divide="ignore", invalid="ignore"):
-                            share_b = np.where(c > 0, (c - (F[B] - F[A]) - (
-                                2 * edge if sp else 0.0) / 2) / np.where(c > 0, c, 1.0), 1.0)
-                        back = np.minimum(back, np.where(valid, share_b, 1.0))
-                        ok = q >= 1
-                        if not ok.any():
-                            continue
-                        np.minimum.at(exact[ti], (q[ok], A2[ok], B2[ok]), unit[ok])
-                        np.minimum.at(fast, (q[ok], A2[ok], B2[ok]), unit[ok] / t)
-                        if n == 1:  # one sample's forward: no replica's is shorter
-                            f1, _, _ = _layer_times(cm, g, 1, t, hide_tp)
-                            F1 = np.concatenate([[0.0], np.cumsum(f1)])
-                            fw = F1[B] - F1[A]
-                            if sp:
-                                fw = fw + _sp_terms(cm, g, 1, t, hide_tp)[0]
-                            first_f[gi] = np.where(ok, np.minimum(first_f[gi], fw), first_f[gi])
-        # holding q or more: the least over every level from q up
-        exact = np.minimum.accumulate(exact[:, ::-1], axis=1)[:, ::-1]
-        pick = exact.argmin(axis=0)
-        cost[gi] = np.take_along_axis(exact, pick[None], axis=0)[0]
-        degree[gi] = np.asarray(degs, dtype=np.int8)[pick]
-        tau[gi] = np.minimum.accumulate(fast[::-1], axis=0)[::-1]
-    return StageMenu(groups, cost, degree, L, model.layer_unit, tau, back, first_f)
-
-
-def path_bound(menu: StageMenu, prices: np.ndarray, sizes: np.ndarray, rho: float, grid: int,
-               d_max: float, beta: float = 0.0, mbs_share: float = 0.0,
-               u_floor: float = 0.0) -> tuple[float, list]:
-    """The shortest path of the module's docstring at group prices ``prices``: the bound in
-    seconds and the path (group index, degree, a, b, share u, micro-batches held), first stage
-    first. With a micro-batch of ``mbs_share`` of the global batch and a target ``T``:
-    ``beta u + load * mbs_share <= 1`` (the backward window) and ``u >= per_sample * u_floor``
-    (``u_floor = 1 / (mbs T)``: at most ``mbs`` replicas)."""
-    L = menu.num_layers
-    q_cap = menu.cost.shape[1] - 1
-    with np.errstate(invalid="ignore"):  # inf times a price of 0
-        priced = menu.cost * prices[:, None, None, None]
-    priced[~np.isfinite(menu.cost)] = np.inf  # a price of 0 keeps nothing-fits out
-    h = 1.0 / grid
-    nd = int(round(d_max * grid))
-    i = np.arange(nd + 1)[:, None]
-    k = np.arange(1, grid + 1)[None, :]
-    # a share in ((k-1)h, kh]: its cost at kh, its load and its memory need at (k-1)h
-    # (level q_cap holds every option holding q_cap or more: above it, the lenient side)
-    q_need = np.minimum(np.floor((i + k - 1) * h).astype(int) + 1, q_cap)
-    nxt = np.minimum(np.floor(i + rho * (k - 1) + 1e-9).astype(int), nd)
-    inv_u = 1.0 / (k * h)
-    kh = np.broadcast_to(k * h, q_need.shape)
-    load = np.broadcast_to(i * h * mbs_share, q_need.shape)
-    back = menu.back_share if menu.back_share is not None else np.zeros((L + 1, L + 1))
-    back = np.maximum(back, beta)
-    floors = None
-    if u_floor > 0 and menu.per_sample is not None:
-        floors = menu.per_sample * u_floor   # (g, q, a, b): the least share with <= mbs replicas
-    G_cols = len(menu.groups)
-    G = np.full((L + 1, nd + 1), np.inf)
-    G[0] = 0.0
-    choice_a = np.zeros((L + 1, nd + 1), dtype=int)
-    choice_k = np.zeros((L + 1, nd + 1), dtype=int)
-    choice_g = np.zeros((L + 1, nd + 1), dtype=int)
-    G_next = [None] * (L + 1)
-    G_next[0] = G[0][nxt]
-    for b in range(1, L + 1):
-        row = np.full(nd + 1, np.inf)
-        ra = np.zeros(nd + 1, dtype=int)
-        rk = np.zeros(nd + 1, dtype=int)
-        rg = np.zeros(nd + 1, dtype=int)
-        for a in range(b):
-            if not np.isfinite(priced[:, 1, a, b]).any():
-                continue
-            # the backward window, at the bin's least share and the state's least load
-            shut = back[a, b] * (kh - h) + load > 1.0 + 1e-12
-            for gi in range(G_cols):
-                col = priced[gi, :, a, b]
-                if not np.isfinite(col[1]):
-                    continue
-                cand = col[q_need] * inv_u + G_next[a]
-                cand[shut] = np.inf
-                if floors is not None:
-                    cand[kh < floors[gi, :, a, b][q_need]] = np.inf
-                kk = cand.argmin(axis=1)
-                v = cand[np.arange(nd + 1), kk]
-                upd = v < row
-                row[upd] = v[upd]
-                ra[upd] = a
-                rk[upd] = kk[upd]
-                rg[upd] = gi
-        G[b] = row
-        choice_a[b], choice_k[b], choice_g[b] = ra, rk, rg
-        G_next[b] = row[nxt]
-    total = G[L, 0]
-    path = []
-    b, s = L, 0
-    while b > 0 and np.isfinite(total):
-        a, kk = choice_a[b, s], choice_k[b, s]
-        q = min(q_need[s, kk], q_cap)
-        gi = int(choice_g[b, s])
-        path.append((gi, int(menu.degree[gi, q, a, b]), int(a), int(b), float((kk + 1) * h),
-                     int(q)))
-        b, s = a, nxt[s, kk]
-    path.reverse()
-    return float(total / float(prices @ sizes)), path
-
-
-def start_path_bound(menu: StageMenu, prices: np.ndarray, sizes: np.ndarray, T: float,
-                     mbs: int, steps: int = 128, s_max: float = 0.5) -> tuple[float, list]:
-    """The second relaxation, a path from the first layer to the last: a stage starts no
-    earlier than one sample's forward through the stages before it (``start``, in shares of
-    ``T`` on a grid of ``1 / steps``, rounded down), so its share ``u <= 1 - start`` and it
-    costs at least ``lambda_g gbs t c / n / (1 - start)``; memory only asks it to hold one
-    micro-batch, and no more than ``mbs`` replicas (``u >= per_sample / (mbs T)``). Returns
-    the bound at ``T`` (feasible where it is at most ``T``) and the path as
-    :func:`path_bound` gives it."""
-    L = menu.num_layers
-    with np.errstate(invalid="ignore"):
-        priced = menu.cost[:, 1] * prices[:, None, None]
-    priced[~np.isfinite(menu.cost[:, 1])] = np.inf
-    ns = int(round(s_max * steps))
-    S = np.arange(ns + 1) / steps
-    room = 1.0 - S                      # the most share a stage starting there can take
-    H = np.full((L + 1, ns + 1), np.inf)
-    H[0, 0] = 0.0
-    back_a = np.zeros((L + 1, ns + 1), dtype=int)
-    back_g = np.zeros((L + 1, ns + 1), dtype=int)
-    back_i = np.zeros((L + 1, ns + 1), dtype=int)
-    floors = menu.per_sample[:, 1] / (mbs * T) if menu.per_sample is not None else None
-    for b in range(1, L + 1):
-        for a in range(b):
-            src = H[a]
-            if not np.isfinite(src).any():
-                continue
-            for gi in range(len(menu.groups)):
-                c = priced[gi, a, b]
-                if not np.isfinite(c):
-                    continue
-                shift = int(math.floor(menu.forward_one[gi, a, b] / T * steps + 1e-9))
-                ok = room > 0
-                if floors is not None:
-                    ok &= room >= floors[gi, a, b]
-                cand = np.where(ok, src + c / np.where(ok, room, 1.0), np.inf)
-                free = ns - shift             # sources below it land on a state of their own
-                if free > 0:
-                    better = cand[:free] < H[b, shift:ns]
-                    tgt = np.nonzero(better)[0]
-                    H[b, tgt + shift] = cand[tgt]
-                    back_a[b, tgt + shift], back_g[b, tgt + shift] = a, gi
-                    back_i[b, tgt + shift] = tgt
-                top = max(free, 0)              # the rest land on the clamped top: the least
-                i = top + int(np.argmin(cand[top:]))
-                if cand[i] < H[b, ns]:
-                    H[b, ns] = cand[i]
-                    back_a[b, ns], back_g[b, ns], back_i[b, ns] = a, gi, i
-    end = int(np.argmin(H[L]))
-    total = H[L, end]
-    path = []
-    b, j = L, end
-    while b > 0 and np.isfinite(total):
-        a, gi, i = back_a[b, j], back_g[b, j], back_i[b, j]
-        path.append((int(gi), int(menu.degree[gi, 1, a, b]), int(a), int(b),
-                     float(room[i]), 1))
-        b, j = a, i
-    path.reverse()
-    return float(total / float(prices @ sizes)), path
-
-
-def _path_use(menu: StageMenu, path) -> np.ndarray:
-    """Per group, the path's ``gbs t c / (n u)`` summed: its GPUs there times ``T``."""
-    use = np.zeros(len(menu.groups))
-    for gi, _t, a, b, u, q in path:
-        use[gi] += menu.cost[gi, q, a, b] / u
-    return use
-
-
 def best_prices(uses: list[np.ndarray], sizes: np.ndarray) -> tuple[np.ndarray, float]:
     """The prices ``lambda >= 0`` (``lambda . sizes = 1``) that maximise the least
     ``lambda . use`` over the paths found so far, by enumerating the vertices of that small
@@ -520,46 +234,242 @@ def best_prices(uses: list[np.ndarray], sizes: np.ndarray) -> tuple[np.ndarray, 
     return np.maximum(arg, 0.0), float(best)
 
 
-def _prices_round(solve, menu: StageMenu, sizes: np.ndarray, speed: np.ndarray, rounds: int,
-                  target: float | None, log=None) -> tuple[float, np.ndarray, list, np.ndarray]:
-    """Column generation over the group prices: the best bound of up to ``rounds`` prices,
-    each round's prices those that best separate the paths found so far. With ``target``,
-    stops once the bound passes it or the paths' mix shows it cannot."""
+
+
+# -- replicas counted: each stage's share follows from its per-replica batch ----------------
+
+N_EXACT = 16
+"""Per-replica batches weighed one by one up to this; above it on a grid of ratio about
+9/8, each grid value ``n_i`` standing for ``[n_i, n_{i+1})``: its memory and share at
+``n_i``, its GPU count at ``n_{i+1} - 1`` samples a replica."""
+
+
+def _batch_grid(mbs: int) -> list[tuple[int, int]]:
+    """(samples for memory and share, samples for the GPU count) of each option."""
+    out = [(n, n) for n in range(1, min(mbs, N_EXACT) + 1)]
+    n = N_EXACT + 1
+    while n <= mbs:
+        nxt = min(mbs + 1, max(n + 1, (n * 9) // 8))
+        out.append((n, nxt - 1))
+        n = nxt
+    return out
+
+
+@dataclass(frozen=True)
+class ReplicaMenu:
+    """For one layer sequence, micro-batch size ``mbs`` and target ``T``: per group, number
+    of micro-batches held ``q`` and share bin ``k`` (share at most ``k / grid``), the fewest
+    GPUs ``t mbs / n`` of a stage of layers ``[a, b)`` whose replicas of ``n`` samples keep
+    its share ``M c(n) / T`` within the bin and whose memory holds ``q`` micro-batches."""
+
+    groups: tuple[GpuGroup, ...]
+    gpus: np.ndarray
+    """Shape (groups, q_cap + 1, grid + 1, L + 1, L + 1); inf where nothing fits."""
+    back_share: np.ndarray
+    num_layers: int
+    layer_unit: str
+
+
+def replica_menu(cm: CostModel, gbs: int, mbs: int, T: float, q_cap: int, grid: int,
+                 hide_tp: bool = False) -> ReplicaMenu:
+    """Every stage option at micro-batch ``mbs`` and target ``T`` (see :class:`ReplicaMenu`):
+    a stage whose largest replica computes ``n`` samples has at least ``mbs / n`` replicas
+    and is busy at least ``M c(n)``; recompute of the first ``r`` blocks at the grid's value
+    below (compute) and above (memory) ``r``."""
+    if cm.profile is not None:
+        raise PlanningError("tp_bound reads the analytic tables only; this job has a profile")
+    L = cm.model.num_layers
+    groups = cm.hardware.groups
+    A = np.arange(L + 1)[:, None]
+    B = np.arange(L + 1)[None, :]
+    valid = A < B
+    A2, B2 = np.broadcast_arrays(A, B)
+    M = gbs // mbs
+    gpus = np.full((len(groups), q_cap + 1, grid + 1, L + 1, L + 1), np.inf)
+    back = np.ones((L + 1, L + 1))
+    rgrid = _recompute_grid(L)
+    for gi, g in enumerate(groups):
+        cap = cm.capacity_bytes(g)
+        for t in _degrees(cm, g):
+            reps = g.size // t
+            spb = min(state_bytes_per_param(REPLICATED, reps),
+                      state_bytes_per_param(SHARDED, reps) if reps > 1 else math.inf)
+            params = np.asarray(cm.shard(t).params)
+            static = (params[B] - params[A]) * spb
+            fixed = np.asarray(cm.shard(t).fixed)
+            fixed_rc = np.asarray(cm.shard(t).fixed_rc)
+            for sp in ([False, True] if cm.sp_allowed(t) else [False]):
+                sh = cm.shard(t, sp)
+                keep, keep_rc = np.asarray(sh.keep), np.asarray(sh.keep_rc)
+                kmax = np.zeros((L + 1, L + 1))
+                for a in range(L):
+                    kmax[a, a + 1:] = sh.keep_max[a]
+                for n, n_gpus in _batch_grid(mbs):
+                    f, b, rf = _layer_times(cm, g, n, t, hide_tp)
+                    F, Bw, RF = (np.concatenate([[0.0], np.cumsum(x)]) for x in (f, b, rf))
+                    edge = 0.0
+                    if sp:
+                        edge, rg = _sp_terms(cm, g, n, t, hide_tp)
+                        RG = np.concatenate([[0.0], np.cumsum(rg)])
+                    room0 = cap - static - n * kmax
+                    if not np.any(valid & (room0 > 0)):
+                        break  # a larger batch only needs more
+                    for ri, r in enumerate(rgrid):
+                        r_mem = rgrid[ri + 1] - 1 if ri + 1 < len(rgrid) else r
+                        e_c = A if r == 0 else np.minimum(np.maximum(A, 1) + r, B)
+                        e_m = A if r_mem == 0 else np.minimum(np.maximum(A, 1) + r_mem, B)
+                        fwd = (F[B] - F[A]) + edge
+                        c = fwd + (Bw[B] - Bw[A]) + (RF[e_c] - RF[A]) + edge
+                        if sp:
+                            c = c + (RG[B] - RG[e_c])
+                        with np.errstate(divide="ignore", invalid="ignore"):
+                            back = np.minimum(back, np.where(valid & (c > 0), (c - fwd) / c, 1.0))
+                        copies = fixed_rc[e_m] - fixed_rc[A] + fixed[B] - fixed[e_m]
+                        act = n * (keep_rc[e_m] - keep_rc[A] + keep[B] - keep[e_m])
+                        room = room0 - copies
+                        with np.errstate(divide="ignore", invalid="ignore"):
+                            q = np.where(act > 0, np.floor(room / np.where(act > 0, act, 1.0)),
+                                         q_cap)
+                        q = np.where(valid & (room >= 0), np.minimum(q, q_cap), 0).astype(int)
+                        # the least share bin the stage fits: share M c / T <= k / grid
+                        k = np.ceil(M * c / T * grid - 1e-9).astype(int)
+                        ok = (q >= 1) & (k <= grid)
+                        if not ok.any():
+                            continue
+                        np.minimum.at(gpus[gi], (q[ok], np.maximum(k[ok], 1), A2[ok], B2[ok]),
+                                      t * mbs / n_gpus)
+    # holding q or more fits a need of q; a share bin k fits every wider bin
+    gpus = np.minimum.accumulate(gpus[:, ::-1], axis=1)[:, ::-1]
+    gpus = np.minimum.accumulate(gpus, axis=2)
+    return ReplicaMenu(groups, gpus, back, L, cm.model.layer_unit)
+
+
+def replica_path(menu: ReplicaMenu, prices: np.ndarray, sizes: np.ndarray, rho: float,
+                 grid: int, d_max: float, mbs_share: float, beta: float = 0.0
+                 ) -> tuple[float, list]:
+    """The shortest path over layer boundaries, back to front, with the state the load after
+    a boundary (on a grid of ``1 / grid``, rounded down): a step is a stage of one group in
+    share bin ``k`` (its share in ``((k - 1) / grid, k / grid]``) that holds
+    ``ceil(load + share)`` micro-batches and keeps its backward window
+    (``back share * share + load * mbs / gbs <= 1``), priced ``lambda_g`` a GPU. Returns the
+    priced GPUs over ``lambda . sizes`` (a plan needs at most 1) and the path (group, 0, a,
+    b, share bin's top, micro-batches held), first stage first."""
+    L = menu.num_layers
+    q_cap = menu.gpus.shape[1] - 1
+    with np.errstate(invalid="ignore"):
+        priced = menu.gpus * prices[:, None, None, None, None]
+    priced[~np.isfinite(menu.gpus)] = np.inf
+    h = 1.0 / grid
+    nd = int(round(d_max * grid))
+    i = np.arange(nd + 1)[:, None]
+    k = np.arange(1, grid + 1)[None, :]
+    q_need = np.minimum(np.floor((i + k - 1) * h).astype(int) + 1, q_cap)
+    nxt = np.minimum(np.floor(i + rho * (k - 1) + 1e-9).astype(int), nd)
+    kk_idx = np.broadcast_to(k, q_need.shape)
+    kh = np.broadcast_to(k * h, q_need.shape)
+    load = np.broadcast_to(i * h * mbs_share, q_need.shape)
+    back = np.maximum(menu.back_share, beta)
+    G = np.full((L + 1, nd + 1), np.inf)
+    G[0] = 0.0
+    ch_a = np.zeros((L + 1, nd + 1), dtype=int)
+    ch_k = np.zeros((L + 1, nd + 1), dtype=int)
+    ch_g = np.zeros((L + 1, nd + 1), dtype=int)
+    G_next = [None] * (L + 1)
+    G_next[0] = G[0][nxt]
+    rows = np.arange(nd + 1)
+    for b in range(1, L + 1):
+        row = np.full(nd + 1, np.inf)
+        ra, rk, rg = (np.zeros(nd + 1, dtype=int) for _ in range(3))
+        for a in range(b):
+            if not np.isfinite(G[a]).any():
+                continue
+            shut = back[a, b] * (kh - h) + load > 1.0 + 1e-12
+            for gi in range(len(menu.groups)):
+                tab = priced[gi, :, :, a, b]
+                if not np.isfinite(tab[1, grid]):
+                    continue
+                cand = tab[q_need, kk_idx] + G_next[a]
+                cand[shut] = np.inf
+                best_k = cand.argmin(axis=1)
+                v = cand[rows, best_k]
+                upd = v < row
+                row[upd] = v[upd]
+                ra[upd], rk[upd], rg[upd] = a, best_k[upd], gi
+        G[b] = row
+        ch_a[b], ch_k[b], ch_g[b] = ra, rk, rg
+        G_next[b] = row[nxt]
+    total = G[L, 0]
+    path = []
+    b, st = L, 0
+    while b > 0 and np.isfinite(total):
+        a, kx, gi = ch_a[b, st], ch_k[b, st], ch_g[b, st]
+        q = int(q_need[st, kx])
+        path.append((int(gi), 0, int(a), int(b), float((kx + 1) * h), q, int(kx + 1)))
+        b, st = a, nxt[st, kx]
+    path.reverse()
+    return float(total / float(prices @ sizes)), path
+
+
+def replica_use(menu: ReplicaMenu, path) -> np.ndarray:
+    """GPUs of each group the path takes."""
+    use = np.zeros(len(menu.groups))
+    for gi, _t, a, b, _u, q, k in path:
+        use[gi] += menu.gpus[gi, q, k, a, b]
+    return use
+
+
+@dataclass(frozen=True)
+class TpBound:
+    """A lower bound and where it comes from."""
+
+    bound_s: float
+    """No plan in scope replays faster (a lower end: the bisection's last interval)."""
+    layer_unit: str
+    """The layer sequence ('block' or 'half') whose bound is the least."""
+    micro_batch_size: int
+    """The micro-batch size whose bound is the least."""
+    per_size: tuple[tuple[str, int, float], ...]
+    """(layer unit, micro-batch size, its bound) of every one weighed (inf: nothing fits)."""
+    stages: tuple[tuple[str, int, int, float, int], ...]
+    """The cheapest path at the bound's end of the interval, first stage first: (group,
+    first layer, end layer, share bin's top, micro-batches held)."""
+    rho: float
+    beta: float
+
+
+def _need(menu: ReplicaMenu, sizes: np.ndarray, speed: np.ndarray, rho: float, beta: float,
+          grid: int, d_max: float, mbs_share: float, rounds: int) -> tuple[bool, float, list]:
+    """Column generation over group prices: (whether some prices rule the target out, the
+    largest fraction of the cluster a path needed, that path)."""
     prices = speed / (speed @ sizes)
-    best, uses = None, []
-    for rnd in range(rounds):
-        val, path = solve(prices)
-        if not path:  # no path at all: nothing fits these constraints
-            return math.inf, prices, [], np.zeros(len(sizes))
-        use = _path_use(menu, path)
-        uses.append(use)
-        if best is None or val > best[0]:
-            best = (val, prices.copy(), path, use)
+    best, best_path, uses = -math.inf, [], []
+    for _ in range(rounds):
+        val, path = replica_path(menu, prices, sizes, rho, grid, d_max, mbs_share, beta)
+        if not path:
+            return True, math.inf, []
+        if val > best:
+            best, best_path = val, path
+        if val > 1.0 + 1e-9:
+            return True, best, best_path
+        uses.append(replica_use(menu, path))
         prices, mix = best_prices(uses, sizes)
-        if log:
-            log(f"    round {rnd}: {val:.3f} s (best {best[0]:.3f}, the paths' mix needs "
-                f"{mix:.3f})")
-        if mix <= best[0] * (1 + 1e-4):
+        if mix <= 1.0 + 1e-9:   # a mix of these paths fits the cluster: not ruled out
             break
-        if target is not None and (best[0] > target or mix <= target):
-            break
-    return best
+    return False, best, best_path
 
 
 def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
-                     grid: int = 16, rounds: int = 10, d_max: float = 32.0,
-                     hide_tp: bool = False, target: float | None = None, hi: float = math.inf,
-                     steps: int = 7, log=None) -> TpBound:
-    """The lower bound of the module's docstring: the least over the whole-block and
-    half-block layer sequences and every micro-batch size of the least ``T`` no plan below
-    which passes the path's test (bisection between the physical limit and ``hi`` in
-    ``steps`` halvings: the lower end of the last interval); with ``target``, only whether
-    ``target`` passes (the bound is then ``target`` where no micro-batch size passes it)."""
+                     target: float, grid: int = 8, d_max: float = 24.0, rounds: int = 25,
+                     steps: int = 5, hide_tp: bool = False, log=None) -> TpBound:
+    """The bound of the module's docstring. Every layer unit and micro-batch size is first
+    tested at ``target``; those it does not rule out are bisected between the physical limit
+    and ``target`` in ``steps`` halvings. ``bound_s`` is the least lower end, ``target``
+    itself where every size is ruled out there (a certificate that no plan reaches it)."""
     from hapt_hf.planner.search import divisors
     gbs = global_batch_size
-    models = [model] + ([model.split_blocks()] if model.can_split_blocks else [])
     sizes = np.array([g.size for g in cluster.groups], dtype=float)
-    out = None
+    models = [model] + ([model.split_blocks()] if model.can_split_blocks else [])
+    per, best = [], None
     for m in models:
         cm = CostModel(m, cluster)
         rho, beta = rho_floor(cm, gbs, hide_tp), beta_floor(cm, gbs, hide_tp)
@@ -568,57 +478,34 @@ def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
         q_cap = int(math.ceil(d_max)) + 1
         for mbs in divisors(gbs):
             c0 = time.process_time()
-            menu = stage_menu(cm, gbs, q_cap, hide_tp, mbs)
 
-            def passes(T: float, menu=menu, speed=speed, rho=rho, beta=beta, mbs=mbs):
-                """Whether both relaxations let a plan of ``mbs`` reach ``T``: the slots
-                path's best (the bound the module describes), or the start path's where
-                that one rules ``T`` out."""
-                def slots(lam, menu=menu, rho=rho, beta=beta, mbs=mbs, T=T):
-                    return path_bound(menu, lam, sizes, rho, grid, d_max, beta=beta,
-                                      mbs_share=mbs / gbs, u_floor=1.0 / (mbs * T))
+            def test(T: float, cm=cm, mbs=mbs, speed=speed, rho=rho, beta=beta, q_cap=q_cap):
+                menu = replica_menu(cm, gbs, mbs, T, q_cap, grid, hide_tp)
+                return _need(menu, sizes, speed, rho, beta, grid, d_max, mbs / gbs, rounds)
 
-                def starts(lam, menu=menu, mbs=mbs, T=T):
-                    return start_path_bound(menu, lam, sizes, T, mbs)
-
-                got = _prices_round(slots, menu, sizes, speed, rounds, T)
-                if got[0] > T:
-                    return False, got
-                other = _prices_round(starts, menu, sizes, speed, rounds, T)
-                if other[0] > T:
-                    return False, other
-                return True, (got if got[0] >= other[0] else other)
-
-            if target is not None:
-                ok, got = passes(target)
-                val = target if not ok else got[0]
-            else:
-                lo, top = limit, hi
-                ok, got = passes(top) if math.isfinite(top) else (True, None)
-                if not ok:
-                    lo = top
-                for _ in range(steps if ok else 0):
-                    mid = 0.5 * (lo + top)
-                    ok_mid, got_mid = passes(mid)
-                    if ok_mid:
-                        top, got = mid, got_mid
-                    else:
-                        lo = mid
-                val = lo
+            out, need, path = test(target)
+            lo, hi = (target, target) if out else (limit, target)
+            for _ in range(0 if out else steps):
+                mid = 0.5 * (lo + hi)
+                out_mid, need_mid, path_mid = test(mid)
+                if out_mid:
+                    lo = mid
+                else:
+                    hi, need, path = mid, need_mid, path_mid
+            if math.isinf(need) and not path:
+                lo = math.inf  # nothing fits at all
+            per.append((m.layer_unit, mbs, lo))
             if log:
-                log(f"  {m.layer_unit} units, micro-batch {mbs}: bound {val:.3f} s "
-                    f"({time.process_time() - c0:.1f} s CPU, rho {rho:.4f}, beta {beta:.4f})")
-            if got is None or not got[2]:
-                continue
-            if out is None or val < out.bound_s:
-                v, pr, path, use = got
-                out = TpBound(val, m.layer_unit,
-                              tuple((g.name, float(p)) for g, p in zip(cluster.groups, pr)),
-                              rho, tuple((cluster.groups[gi].name, t, a, b, u, q)
-                                         for gi, t, a, b, u, q in path),
-                              tuple((g.name, float(x / max(val, 1e-12)))
-                                    for g, x in zip(cluster.groups, use)), mbs)
-    return out
+                log(f"  {m.layer_unit} units, micro-batch {mbs}: "
+                    + (f"ruled out at {target:.3f} s (needs {need:.3f} of the cluster)" if out
+                       else f"bound {lo:.3f} s (a mix of paths fits at {hi:.3f} s)")
+                    + f", {time.process_time() - c0:.1f} s CPU")
+            if best is None or lo < best[0]:
+                best = (lo, m.layer_unit, mbs, path, cluster, rho, beta)
+    lo, unit, mbs, path, cl, rho, beta = best
+    return TpBound(lo, unit, mbs, tuple(per),
+                   tuple((cl.groups[gi].name, a, b, u, q) for gi, _t, a, b, u, q, _k in path),
+                   rho, beta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -631,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=None,
                     help="seconds to test (default: 20%% above the physical limit)")
     ap.add_argument("--grid", type=int, default=8, help="shares and loads in steps of 1/grid")
-    ap.add_argument("--rounds", type=int, default=10, help="price rounds per test")
+    ap.add_argument("--steps", type=int, default=5, help="halvings of each bisection")
     ap.add_argument("--what-if", action="store_true",
                     help="also with the tensor-parallel collectives hidden")
     args = ap.parse_args(argv)
@@ -645,19 +532,17 @@ def main(argv: list[str] | None = None) -> int:
         if hide:
             print("\nwhat-if: the tensor-parallel collectives hidden")
         c0 = time.process_time()
-        got = tp_lower_bound_s(job.model, job.cluster, gbs, args.grid, args.rounds,
-                               hide_tp=hide, target=target, log=print)
+        got = tp_lower_bound_s(job.model, job.cluster, gbs, target, args.grid,
+                               steps=args.steps, hide_tp=hide, log=print)
         verdict = ("no plan in scope reaches it: a certificate" if got.bound_s >= target
                    else "not ruled out")
-        print(f"least over micro-batch sizes and layer units: {got.bound_s:.3f} s "
-              f"({got.bound_s / limit - 1:+.2%} above the limit), micro-batch "
-              f"{got.micro_batch_size}, {got.layer_unit} units: {target:.3f} s {verdict} "
-              f"({time.process_time() - c0:.1f} s CPU)")
-        print(f"its cheapest path ({len(got.stages)} stages; group, degree, layers, share u, "
-              f"micro-batches held):")
-        for g, t, a, b, u, q in got.stages:
-            print(f"    {g} t={t} [{a}, {b}) u={u:.3f} q={q}")
-        print("GPUs it uses: " + ", ".join(f"{g} {x:.1f}" for g, x in got.gpus))
+        print(f"bound {got.bound_s:.3f} s ({got.bound_s / limit - 1:+.2%} above the limit; "
+              f"{got.layer_unit} units, micro-batch {got.micro_batch_size}): {target:.3f} s "
+              f"{verdict}; rho {got.rho:.4f}, beta {got.beta:.4f}, "
+              f"{time.process_time() - c0:.1f} s CPU")
+        print(f"its cheapest path ({len(got.stages)} stages: group [layers) share "
+              "micro-batches held):")
+        print("    " + "; ".join(f"{g} [{a},{b}) {u:.3f} {q}" for g, a, b, u, q in got.stages))
     return 0
 
 

@@ -50,22 +50,27 @@ def test_bound_is_below_the_plan_and_every_replay():
     cluster = _cluster(16.0, 16.0)
     gbs = 8
     res = plan_job(model, cluster, gbs)
-    got = tp_lower_bound_s(model, cluster, gbs, grid=16, hi=res.sim.iteration_s, steps=8)
     limit = physical_limit_s(SearchProblem.build(model, cluster, gbs))
-    assert limit * (1 - 1e-9) <= got.bound_s <= res.sim.iteration_s * (1 + 1e-9)
+    got = tp_lower_bound_s(model, cluster, gbs, res.sim.iteration_s, grid=16, steps=8)
+    # the plan's own time is never ruled out: the bisection's lower end is below it
+    assert limit * (1 - 1e-9) <= got.bound_s < res.sim.iteration_s
     times = list(_replays(CostModel(model, cluster), gbs))
-    assert times and got.bound_s <= min(times) * (1 + 1e-9)
+    assert times
+    got = tp_lower_bound_s(model, cluster, gbs, min(times), grid=16, steps=8)
+    assert got.bound_s < min(times)  # nor the fastest replay's
 
 
 def test_bound_stays_below_replays_where_memory_is_tight():
     """GPUs that hold about one block and one micro-batch of one sample: deep pipelines,
-    recompute; the bound is still no replay's better."""
+    recompute; memory slots lift the bound well above the physical limit (about 18% here),
+    and it is still no replay's better."""
     model = synth_model(4, 512)
     gbs = 8
     cm0 = CostModel(model, _cluster(16.0, 16.0))
     need = cm0.memory_bytes(1, 1, 3, 1) / (cm0.memory_headroom * 1e9) * 1.01
     cluster = _cluster(need, need)
-    got = tp_lower_bound_s(model, cluster, gbs, grid=16, hi=1e3, steps=10)
     limit = physical_limit_s(SearchProblem.build(model, cluster, gbs))
     times = list(_replays(CostModel(model, cluster), gbs))
-    assert times and limit * (1 - 1e-9) <= got.bound_s <= min(times) * (1 + 1e-9)
+    assert times
+    got = tp_lower_bound_s(model, cluster, gbs, min(times), grid=16, steps=8)
+    assert limit * 1.1 <= got.bound_s < min(times)
