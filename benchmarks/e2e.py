@@ -137,12 +137,15 @@ class RaceConfig:
     contenders: str = "abcdefgh"
     """Which contenders race (letters of :data:`CONTENDERS`; (a) always): ``--contenders ab``
     races hapt_hf's plan against torch's Schedule1F1B alone, in a third of the time."""
-    idle_load: str = "burn"
-    """What the ranks of a group the chosen plan leaves idle run during its steps: ``burn``
-    (small matrix products), ``spin`` (a spin on the clock, as the testbed's slow-down pays its
-    debt) or ``rest`` (sleep, as an idle GPU). The ranks share this machine's cores, caches and
-    memory bandwidth, so what the idle ones run changes how fast the kept ones compute
-    (``benchmarks/contention.py``). ``--idle-ranks-rest`` is ``rest``."""
+    idle_load: str = "rest"
+    """What the ranks of a group the chosen plan leaves idle run during its steps: ``rest``
+    (sleep, as an idle GPU does nothing), ``spin`` (a spin on the clock, as the testbed's
+    slow-down pays its debt) or ``burn`` (small matrix products; the default until the races in
+    docs/benchmarks.md, "What the idle ranks run"). The ranks share this machine's two cores:
+    the busy loads kept both cores 85-93% busy during (a)'s steps where the profile had seen
+    them 79% busy, and in the same race (a) ran 6-14% slower beside them than beside ranks
+    asleep (72% busy), which the profile predicted within 1%. ``--idle-ranks-rest`` is
+    ``rest``."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "RaceConfig":
