@@ -94,3 +94,28 @@ def test_every_idle_load_runs_about_a_millisecond():
     t0 = time.perf_counter()
     IDLE_RUNS["spin"]()
     assert time.perf_counter() - t0 >= 0.001
+
+
+def test_core_load_adds_up_the_ticks_of_every_span(monkeypatch):
+    import benchmarks.e2e as e2e
+
+    ticks = iter([[(100, 50, 0), (10, 10, 0)], [(160, 90, 0), (40, 70, 10)],   # span 1
+                  [(160, 90, 0), (40, 70, 10)], [(200, 90, 0), (40, 110, 10)]])  # span 2
+    monkeypatch.setattr(e2e, "_cpu_ticks", lambda: next(ticks))
+    load = e2e.CoreLoad()
+    for _ in range(2):
+        load.start()
+        load.stop()
+    # core 0: 100 busy of 140; core 1: 30 busy, 100 idle, 10 stolen of 140
+    assert load.summary() == {"busy": [round(100 / 140, 3), round(30 / 140, 3)],
+                              "steal": [0.0, round(10 / 140, 3)]}
+    assert e2e.CoreLoad().summary() == {"busy": [], "steal": []}
+
+
+def test_the_idle_variants_race_only_where_asked_for():
+    from benchmarks.e2e import CONTENDERS, IDLE_LOADS, IDLE_VARIANTS
+
+    assert set(IDLE_VARIANTS.values()) == set(IDLE_LOADS)
+    assert all(k in CONTENDERS for k in IDLE_VARIANTS)
+    assert not set(IDLE_VARIANTS) & set(RaceConfig().contenders)
+    assert RaceConfig().idle_load == "rest"

@@ -35,3 +35,18 @@ def test_the_recorder_times_each_call_and_what_runs_inside_it():
     rec.call(lambda: inner(None, 2, 5))()
     (call,) = rec.calls
     assert call["total_s"] >= 0 and [e[:3] for e in call["events"]] == [("F", 2, 5)]
+
+
+def test_only_the_chosen_plans_own_calls_are_read(tmp_path):
+    # (i), (j), (k) run (a)'s step too, tagged with their letter: they are left out
+    one = [["F", 0, 0, 0.0, 0.010]]
+    calls = [{"events": one, "total_s": 0.02, "tag": "a"},
+             {"events": [["F", 0, 0, 0.0, 0.5]], "total_s": 1.0, "tag": "i"},
+             {"events": one, "total_s": 0.02}]  # written before calls had tags: (a)'s
+    (tmp_path / "trace_rank0.json").write_text(json.dumps(calls))
+    got = rank_breakdown(tmp_path, skip=0)[0]
+    assert round(got["total"], 6) == 0.02 and round(got["compute"], 6) == 0.01
+    rec = Recorder()
+    rec.tag = "j"
+    rec.call(lambda: None)()
+    assert rec.calls[0]["tag"] == "j"
