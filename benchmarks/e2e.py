@@ -15,13 +15,15 @@ machine hits them alike:
       (what ``accelerate launch`` runs);
   (f) torch's ScheduleInterleaved1F1B over the uniform split into 2 chunks per rank;
   (g) torch's ScheduleInterleavedZeroBubble over the same chunks;
-  (h) the planner's best plan on every group, raced where its choice (a) leaves a group idle.
+  (h) the planner's best plan on every group, raced where its choice (a) leaves a group idle;
+  (i), (j), (k), only where named in ``--contenders``: (a) again with the idle group's ranks
+      asleep, spinning or burning (``RaceConfig.idle_load`` is what (a) itself runs beside).
 
 (f) and (g) run where the model has at least 2 blocks per rank. Where the planner leaves a
 group idle, (a) and (c) run on the kept groups' ranks alone: each kept rank starts one child
 process, in its own cgroup, namespace and slow-down, and the children form a process group of
-their own (the plan's world, as a user would launch it); the idle ranks wait at the barrier that
-ends the step, as every contender's step ends.
+their own (the plan's world, as a user would launch it); the idle ranks sleep until the barrier
+that ends the step, as every contender's step ends (``--idle-load`` sets what they run instead).
 
 The planner is not told the testbed's settings: it sees groups of equal nominal speed and a
 nominal link, and learns both through the profiler. Every contender runs a full training step
@@ -40,7 +42,8 @@ The last line is JSON with speedup_vs_torch_1f1b_uniform ((a)/(b)), speedup_vs_t
 speedup_vs_all_groups ((a)/(h), where (h) ran), speedup_vs_ddp_equal_share ((e)/(a), where (e)
 ran) and prediction_error (|predicted - measured| / measured for (a)); every contender's median
 under ``contenders``; under ``predictions`` each raced plan of hapt_hf's ((a), (c), (h)) with
-the cost model's iteration time beside its median; the profile's ``step_overheads``.
+the cost model's iteration time beside its median; the profile's ``step_overheads``; under
+``cores``, the share of each core busy during the profile and each contender's timed steps.
 
 ``--unshaped`` leaves the link between the groups at the machine's own speed (the compute gap
 stays): a model that fits every rank and a fast link, where data parallelism with shares by
