@@ -9,7 +9,21 @@
 A test marked neither ``multiproc`` nor ``e2e`` is marked ``unit`` here, and a unit test that
 starts a rank process or a hapt-hf / recipe / accelerate process fails, naming the marker it
 needs, so the tiers stay what they say.
+
+How the suite starts processes, and in what order it runs its files:
+
+* rank processes (``benchmarks.ranks.run_ranks``) fork from one fork server per pytest process,
+  which imports ``ranks.PRELOAD`` once; :data:`TEST_PRELOAD` adds what the tests' rank functions
+  import on top (the integration layer: HaptTrainer, HaptAccelerator, transformers' Trainer), so
+  no rank pays for those imports again. Each rank is still a process of its own, with its own
+  process group, and dies (killed, ``os._exit``) alone;
+* the two xdist workers take whole files (``--dist loadfile``), longest first by the seconds in
+  ``tests/data/file_seconds.json`` (``--no-loadscope-reorder`` keeps that order), so the workers
+  start on the long multi-process files and end on short ones together. A file not listed there
+  counts a few seconds per multi-process test. ``--record-file-seconds PATH`` writes a run's
+  seconds per file, in that file's form.
 """
+import json
 import multiprocessing.process
 import os
 import subprocess
@@ -26,9 +40,44 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import ranks  # noqa: E402
+
+TEST_PRELOAD = ("hapt_hf.integration", "hapt_hf.integration.accelerate_plugin", "hapt_hf.profiling")
+"""Modules the fork server imports once beyond ``ranks.PRELOAD`` (what rank functions of the
+tests import; ``hapt_hf.integration`` alone costs about a second of CPU a process)."""
+ranks.PRELOAD = tuple(dict.fromkeys(ranks.PRELOAD + TEST_PRELOAD))
+
+FILE_SECONDS = Path(__file__).resolve().parent / "data" / "file_seconds.json"
+"""Seconds each test file took in a whole run (setup, call and teardown of all its tests)."""
+UNLISTED_PROCESS_TEST_S = 5.0
+"""What a multiproc or e2e test of a file not in FILE_SECONDS is taken to last (others: 0.05 s)."""
+
 TIERS = ("unit", "multiproc", "e2e")
 _E2E_COMMANDS = ("hapt_hf.cli", "hapt-hf", "accelerate", "torchrun", "recipes/")
 """Words in a command line that make it an end-to-end run."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", metavar="PATH", default=None,
+                     help="write the seconds each test file took (the form of "
+                          "tests/data/file_seconds.json, which orders the files)")
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _longest_files_first(items: list) -> None:
+    """Reorder ``items`` in place: whole files, longest first (stable: ties keep their order)."""
+    known = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    guess: dict[str, float] = {}
+    for item in items:
+        heavy = item.get_closest_marker("multiproc") or item.get_closest_marker("e2e")
+        f = _file_of(item.nodeid)
+        guess[f] = guess.get(f, 0.0) + (UNLISTED_PROCESS_TEST_S if heavy else 0.05)
+    first_seen = {f: i for i, f in reversed(list(enumerate(_file_of(it.nodeid) for it in items)))}
+    items.sort(key=lambda it: (-known.get(_file_of(it.nodeid), guess[_file_of(it.nodeid)]),
+                               first_seen[_file_of(it.nodeid)]))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +87,24 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} is marked {tiers}; give it one tier of {TIERS}")
         if not tiers:
             item.add_marker(pytest.mark.unit)
+    _longest_files_first(items)
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # on the controller under xdist (it sees every worker's reports), or in the one process
+    _file_seconds[_file_of(report.nodeid)] = _file_seconds.get(_file_of(report.nodeid), 0.0) + \
+        report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--record-file-seconds")
+    if path is None or hasattr(session.config, "workerinput"):
+        return
+    ordered = sorted(_file_seconds.items(), key=lambda kv: (-kv[1], kv[0]))
+    Path(path).write_text(json.dumps({f: round(s, 1) for f, s in ordered}, indent=0) + "\n")
 
 
 @pytest.fixture(autouse=True)

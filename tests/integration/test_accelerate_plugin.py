@@ -125,11 +125,18 @@ def loop(rank: int, world: int, tmp: str, procs: int, steps: int, save_at: int |
     return result
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """Plain Accelerate on one process, 3 steps: the reference both loops below are held to
+    (it writes nothing, and the tests only read it)."""
+    return run_ranks(loop, 1, str(tmp_path_factory.mktemp("ref")), 4, 3, timeout_s=240)[0].value
+
+
 @pytest.mark.multiproc
-def test_loop_matches_one_process_and_resumes(tmp_path):
+def test_loop_matches_one_process_and_resumes(tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
-    ref = run_ranks(loop, 1, str(tmp_path / "ref"), 4, 3, timeout_s=240)[0].value
+    ref = one_process
     (tmp_path / "ref").mkdir(exist_ok=True)
     (tmp_path / "run").mkdir()
     out = tmp_path / "model"
@@ -161,11 +168,11 @@ def test_loop_matches_one_process_and_resumes(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_sharded_optimizer_loop_matches_one_process_and_resumes(tmp_path):
+def test_sharded_optimizer_loop_matches_one_process_and_resumes(tmp_path, one_process):
     """The same loop on a plan whose two-replica stage shards its optimizer state: the user's
     AdamW and the scheduler built on it drive the sharded optimizer; save_state writes each
     replica's shard and load_state takes it back exactly."""
-    ref = run_ranks(loop, 1, str(tmp_path / "ref"), 4, 3, timeout_s=240)[0].value
+    ref = one_process
     run = tmp_path / "run"
     run.mkdir()
     full = run_ranks(loop, 4, str(run), 4, 3, 2, None, None, "sharded", timeout_s=240)
