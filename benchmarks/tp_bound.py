@@ -1,78 +1,81 @@
 """A lower bound on the iteration time of every plan of a job, tensor-parallel degrees included.
 
-    python3 benchmarks/tp_bound.py SCENARIO [--target S] [--grid N] [--rounds R] [--what-if]
+    python3 benchmarks/tp_bound.py SCENARIO [--target S] [--grid N] [--steps K] [--what-if]
 
-No plan the planner can return for the job (any group order, any number of stages, any stage
-widths, tensor-parallel degree, sequence parallelism, recompute of all or the first blocks of a
-stage, replicated or sharded optimizer state, micro-batch size, layer partition, whole blocks
-or halves, H-1F1B or zero_bubble warm-ups and deferrals; stages that mix groups or give their
-replicas uneven shares) replays faster than :func:`tp_lower_bound_s`. The planner's
-``interleaved`` kind (a pipeline rank holding several stages) is left out: see *Scope*.
+Tests whether any plan the planner can return for the job could replay in ``--target`` seconds
+(default: 20% above the physical limit) or less, for every micro-batch size and both layer
+sequences (whole blocks, halves), and bisects below the target where it is not ruled out. The
+plans covered: any group order, number of stages, stage widths, tensor-parallel degree per
+stage, sequence parallelism, recompute of all or the first blocks of a stage, replicated or
+sharded optimizer state, layer partition, H-1F1B or zero_bubble warm-ups and deferrals, stages
+that mix groups or give their replicas uneven shares. ``interleaved`` is left out (*Scope*).
 
-**What any replay obeys** (the event simulator's rules, ``hapt_hf/planner/simulate.py``). Take
-a plan of ``M`` micro-batches of ``mbs`` samples replayed in ``T`` seconds. Stage ``s`` runs on
-``w_s`` replicas of ``t_s`` GPUs of one group, each replica computing ``n_s = mbs / w_s``
-samples; ``c_s = f_s + b_s`` is its compute per micro-batch (its forward, backward with any
-recomputed forward, and sequence parallelism's all-gathers, from the cost model's tables).
+**What every replay obeys** (the rules of ``hapt_hf/planner/simulate.py``). A plan of ``M``
+micro-batches of ``mbs`` samples replays in ``T`` seconds. Stage ``s`` runs on ``w_s`` replicas
+of ``t_s`` GPUs of one group; its largest replica computes ``n_s`` samples of each
+micro-batch, so ``w_s >= mbs / n_s``; ``c_s`` is that replica's compute per micro-batch (its
+forward, its backward with any recomputed forward, sequence parallelism's all-gathers: the
+cost model's tables at ``n_s`` samples).
 
-1. *Compute.* A stage runs its ``2M`` (or ``3M``, split) compute actions one after another, so
-   it is busy ``M c_s <= T``; write ``u_s = M c_s / T``, the share of the iteration it computes.
-   Its GPUs number ``w_s t_s = gbs t_s c_s / (n_s u_s T)``.
-2. *GPUs.* A group's stages use at most its ``N_g`` GPUs. For any prices ``lambda_g >= 0``,
-   ``sum_s lambda_{g_s} w_s t_s <= sum_g lambda_g N_g``, hence
-   ``T >= sum_s lambda_{g_s} gbs t_s c_s / (n_s u_s) / sum_g lambda_g N_g``.
+1. *Compute.* A stage runs its compute actions one after another: it is busy at least
+   ``M c_s``, its *share* ``u_s = M c_s / T <= 1``, and it takes ``w_s t_s >= t_s mbs / n_s``
+   GPUs.
+2. *GPUs.* A group's stages take at most its ``N_g`` GPUs. For any prices ``lambda_g >= 0``,
+   ``sum_s lambda_{g_s} t_s mbs / n_s <= sum_g lambda_g N_g``.
 3. *Memory slots.* A micro-batch holds its activations on stage ``s`` from the start of its
-   forward to the end of its backward (the end of its weight gradient ``W`` where split): at
-   least ``c_s`` plus, on every later stage ``j``, its forward and input gradient, which a
-   replay can only run one after another along the pipeline. Where ``q_s`` micro-batches at
-   most are held at once, the held count averaged over ``[0, T]`` is at most ``q_s``, so
-   ``q_s >= u_s + sum_{j>s} rho u_j``, where ``rho`` is the least share of a stage's busy time
-   that its forwards and input gradients take (``1 - share / (1 + min f/b)`` over every
-   layer, degree and micro-batch, the split's weight-gradient share; 1 under H-1F1B, which is
-   never less). ``q_s`` is a whole number, and the stage's GPU must hold its weights and
-   state, its working set, the step's weight copies and ``q_s`` micro-batches' activations
+   forward to the end of its backward (of its weight gradient where split): at least ``c_s``
+   plus its forward and input gradient on every later stage, one after another. With at most
+   ``q_s`` held at once, averaging the held count over ``[0, T]`` gives
+   ``q_s >= u_s + sum_{j>s} rho u_j`` (the *load*), ``rho`` the least share of a stage's
+   compute that is its forward and input gradient (``1 - share / (1 + min f / b)`` over every
+   layer, degree and batch, ``share`` the split's weight-gradient part; H-1F1B holds longer).
+   ``q_s`` is whole, and the stage's GPU must hold its weights and state, its working set,
+   the step's weight copies and ``q_s`` micro-batches of ``n_s`` samples
    (``StageCost.memory_use``), or the replay is infeasible.
+4. *Backward window.* Every backward of stage ``s`` waits for the first micro-batch's forward
+   and input gradient through the later stages, ``sum_{j>s} rho c_j``, which is the load after
+   ``s`` times ``T / M``: ``beta_s u_s + load * mbs / gbs <= 1``, ``beta_s`` the least share
+   of the stage's compute that is its backward (over the options of its layers).
 
-**The relaxations** (each can only lower the bound):
+A plan's stages, last first, are then a path over the layer boundaries whose state is the load
+after a boundary; a step is a stage of layers ``[a, b)`` on one group, of some degree, batch
+``n`` and recompute, allowed where rules 1, 3 and 4 hold, priced ``lambda_g t mbs / n``. If the
+cheapest path at some prices costs more than ``sum_g lambda_g N_g``, no plan of ``mbs`` reaches
+``T``. Prices are found by column generation: each round's are those that best separate the
+paths found so far (a small linear program solved by its vertices); where a mix of the paths
+found fits the cluster the test stops (``T`` is not ruled out).
+
+**The relaxations** (each can only admit more):
 
 * the stage's start (the first micro-batch's forwards before it), the cuts between stages,
-  the exposed gradient all-reduce, the optimizer step and the all-gather of a sharded state,
-  every per-action and per-transfer overhead a profile measures are left out;
-* ``ceil(M / q_s)`` round trips are counted as ``M / q_s``;
-* ``w_s`` is any positive number (not a whole number of replicas, not a divisor of the
-  micro-batch), and the optimizer state's bytes per parameter are the least any width of the
-  group allows (sharded over all of its replicas of that degree, or replicated);
-* a stage's replicas may sit anywhere in the group (one node each is not asked);
-* per-sample compute at ``n`` samples is taken at the next power of two (never less than the
-  tables' time at ``n``: the analytic time of ``n`` samples is linear in ``n`` plus a fixed
-  latency per collective), memory at the power of two below it; recompute of the first ``r``
-  blocks likewise at the grid's value below (compute) and above (memory) ``r``;
+  the exposed gradient all-reduce, the optimizer step and a sharded state's all-gather, the
+  drain after the last backward, and every per-action or per-transfer overhead a profile
+  measures are left out; ``ceil(M / q_s)`` round trips count as ``M / q_s``;
+* the replica count is ``mbs / n`` (not a whole number), replicas may sit anywhere in the
+  group (one node each is not asked), the optimizer state's bytes per parameter are the least
+  any width of the group allows (sharded over all its replicas of that degree, or
+  replicated);
+* per-replica batches above 16 on a grid of ratio 9/8 (memory and share at the grid value,
+  GPUs at the next one less one); recompute of the first ``r`` blocks on a grid (compute at
+  the value below, memory at the one above);
 * a stage that mixes groups or gives uneven shares costs at least its cheapest kind of
-  replica priced alone at the stage's share ``u`` of the iteration, and each of its kinds
-  meets the memory rule on its own: it is bounded as that kind alone;
-* the group prices ``lambda`` are any: the best found by a few subgradient rounds is kept
-  (every round's value is a bound; the largest is reported);
-* loads and shares ``u`` are rounded on a grid of ``1 / grid`` in the direction that lowers the
-  bound (a share in ``((k - 1) / grid, k / grid]`` pays ``c / (k / grid)`` and adds
-  ``rho (k - 1) / grid`` of load).
+  replica priced alone at its batch (its GPUs are a mix of the kinds' ``t mbs / n_k``), and
+  that kind meets rules 1, 3 and 4 on its own: it is bounded as that kind alone;
+* shares and loads on a grid of ``1 / grid``, rounded the lenient way (a stage fits a share
+  bin ``k`` where its share is at most ``k / grid``, and adds ``rho (k - 1) / grid`` to the
+  load, which is rounded down; memory is asked for ``floor(load + (k - 1) / grid) + 1``
+  micro-batches, all of them above ``d_max`` counted as ``d_max + 1``);
+* only up to ``rounds`` price vectors are tried: a target not ruled out by them counts as
+  reached.
 
-What is left is a shortest path over the layer boundaries from the last layer to the first:
-a state is ``(boundary, load after it)``, a step a stage of layers ``[a, b)`` on one group's
-replicas at one degree and share ``u``, allowed where its memory holds ``ceil(load + u)``
-micro-batches, costing ``lambda_g gbs t c / (n u)`` and adding ``rho u`` to the load. The bound
-is the path's cost over ``sum_g lambda_g N_g``, the least over whole-block and half-block
-layer sequences (the planner searches both).
+**Scope.** Under ``interleaved`` a pipeline rank holds several stages whose memory adds up on
+one GPU; the path does not price that, so such plans are not bounded here. The bound reads the
+analytic tables (times linear in the batch plus fixed latencies); a job with a profile is
+refused.
 
-**Scope.** Under ``interleaved`` a pipeline rank holds several stages and their memory adds
-up on one GPU, which this path does not price; such plans are not bounded here (on the
-scenarios of this repository the planner's interleaved replays do not fit or are slower).
-The bound reads the cost model's tables as they are: profiles whose per-sample times grow
-with the micro-batch would break the rounding of ``n``, so a job with a profile is refused.
-
-With ``--what-if`` it also prints the bound with the tensor-parallel collectives (the
-blocks' all-reduces, sequence parallelism's all-gathers, the split head's collectives) taken
-out of the compute: what hiding them behind compute would allow at most. That is a what-if of
-this script, not a cost the cost model prices.
+``--what-if`` also runs the test with the tensor-parallel collectives (the blocks' all-reduces,
+sequence parallelism's all-gathers, the split head's collectives) taken out of the compute: a
+what-if of this script, not a cost the cost model prices.
 """
 from __future__ import annotations
 
