@@ -2,6 +2,7 @@
 own 16-bit weight casts and with the step's shared ones (:class:`SharedWeightCasts`).
 
     python3 benchmarks/weight_casts.py [--hidden 1024 --intermediate 2816 --blocks 2 --seq 512]
+                                       [--lora 16]
 
 Builds a LLaMA stage of ``--blocks`` blocks (hidden states in, no embedding nor head), runs
 ``--in-flight`` forwards under bf16 autocast on the CPU as the runtime runs them (each in its own
@@ -11,6 +12,8 @@ micro-batch in flight adds are ``(kept(N) - kept(1)) / (N - 1)``. Then the same 
 ``--recompute-layers`` of the blocks recomputing (they keep their input only). With ``--time R``,
 also the median seconds of a step (the forwards, then their backwards) with each micro-batch's
 own casts and with the shared ones, alternating, over ``R`` repetitions each (one thread).
+``--lora R``: the stage with LoRA adapters of rank ``R`` on its attention projections, every
+other weight frozen (the casts of the frozen weights count as weight casts).
 ``--survey``: instead, for every model type the stage builder accepts (a tiny config of 2
 blocks, the whole model as one stage), whether one forward under bf16 autocast without its
 cache casts any trained weight twice: where none does, running without the cache (as a
@@ -55,15 +58,30 @@ class Kept:
             return hooks[1](packed) if hooks is not None else packed
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def bytes(self) -> tuple[int, int]:
-        """(bytes of 16-bit weight casts, bytes of everything else), each storage once."""
+    def bytes(self, frozen: list[torch.Tensor] = ()) -> tuple[int, int]:
+        """(bytes of 16-bit weight casts, bytes of everything else), each storage once.
+        ``frozen``: the 16-bit casts of the weights that do not train, which autograd records
+        nothing for (a saved tensor equal to one, or to its transpose, is its cast)."""
         seen: dict[int, tuple[int, bool]] = {}
         for t in self.tensors:
             s = t.untyped_storage()
-            weight = t.dtype in (torch.bfloat16, torch.float16) and cast_parameter(t) is not None
+            weight = t.dtype in (torch.bfloat16, torch.float16) and (
+                cast_parameter(t) is not None or _is_cast_of(t, frozen))
             seen[s.data_ptr()] = (s.nbytes(), weight)
         casts = sum(n for n, w in seen.values() if w)
         return casts, sum(n for n, _ in seen.values()) - casts
+
+
+def _is_cast_of(t: torch.Tensor, casts: list[torch.Tensor]) -> bool:
+    return not t.requires_grad and any(
+        (c.shape == t.shape and torch.equal(c, t)) or (c.t().shape == t.shape and torch.equal(c.t(), t))
+        for c in casts)
+
+
+def frozen_casts(stage) -> list[torch.Tensor]:
+    """bf16 casts of the stage's frozen projection weights (LoRA's base weights)."""
+    return [m.weight.detach().to(torch.bfloat16) for m in stage.modules()
+            if type(m) is torch.nn.Linear and not m.weight.requires_grad]
 
 
 def kept_bytes(stage, xs: list[torch.Tensor], share: bool) -> tuple[int, int]:
@@ -72,7 +90,7 @@ def kept_bytes(stage, xs: list[torch.Tensor], share: bool) -> tuple[int, int]:
     for x in xs:
         with compute_context("bf16", "cpu", casts), kept.hooks():
             outs.append(stage(x.requires_grad_(True)))
-    return kept.bytes()
+    return kept.bytes(frozen_casts(stage))
 
 
 def step_seconds(stage, xs: list[torch.Tensor], share: bool) -> float:
@@ -124,6 +142,14 @@ def survey() -> int:
     return 0
 
 
+def _build(config, a: argparse.Namespace, recompute_layers: int = 0):
+    stage = build_stage(config, (1, 1 + a.blocks), seed=0, recompute_layers=recompute_layers)
+    if a.lora:
+        from hapt_hf.integration.lora import apply_lora
+        apply_lora(stage, r=a.lora)
+    return stage
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -134,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1, help="samples per micro-batch")
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--recompute-layers", type=int, default=1)
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="LoRA of rank R on the attention projections: every other weight frozen")
     ap.add_argument("--time", type=int, default=0, metavar="R",
                     help="also time R steps each way (after 2 untimed)")
     ap.add_argument("--survey", action="store_true",
@@ -155,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for k in (0, a.recompute_layers) if a.recompute_layers else (0,):
         for share in (False, True):
-            stage = build_stage(config, (1, 1 + a.blocks), seed=0, recompute_layers=k)
+            stage = _build(config, a, recompute_layers=k)
             one, many = kept_bytes(stage, xs[:1], share), kept_bytes(stage, xs, share)
             per = [(m - o) / (a.in_flight - 1) for m, o in zip(many, one)]
-            name = (f"{a.blocks} blocks" + (f", first {k} recomputed" if k else "")
+            name = (f"{a.blocks} blocks" + (f", LoRA r={a.lora}" if a.lora else "")
+                    + (f", first {k} recomputed" if k else "")
                     + (", shared casts" if share else ", own casts"))
             print(f"| {name} | {'one per step' if share else 'one per micro-batch'} | "
                   f"{one[0] / 1e6:.1f} + {one[1] / 1e6:.1f} MB | "
@@ -166,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{per[0] / 1e6:.1f} + {per[1] / 1e6:.1f} MB |")
     if a.time:
         torch.set_num_threads(1)
-        stage = build_stage(config, (1, 1 + a.blocks), seed=0)
+        stage = _build(config, a)
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(a.time + 2):
             for share in (False, True):

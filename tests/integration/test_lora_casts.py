@@ -2,20 +2,26 @@
 micro-batches in flight keeps one 16-bit cast of each frozen projection weight for the step
 (not one per micro-batch), as it does for the weights that train, and trains bit for bit as
 with each micro-batch's own casts: every loss, every trainable gradient, and the parameters
-after the steps."""
+after the steps. The same on two Gloo ranks through the runtime's steps (1F1B in bf16, and
+zero_bubble in fp16 with a recomputed block)."""
 from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig
 
+from benchmarks.ranks import run_ranks
 from hapt_hf.compat.torch_api import cast_parameter, saved_tensors_hooks_in_force
 from hapt_hf.integration.lora import apply_lora
 from hapt_hf.pipeline.precision import SharedWeightCasts, compute_context, torch_dtype
 from hapt_hf.pipeline.stage import build_stage
+from tests.pipeline.test_runtime_equivalence import make_batches
+from tests.pipeline.test_runtime_memory import PartialCase
+from tests.pipeline.test_tensor_parallel_runtime import M, tiny_config
 
 VOCAB, SEQ, ROWS, N, STEPS = 97, 8, 2, 3, 2  # N micro-batches in flight
 BLOCKS = 3
@@ -196,3 +202,80 @@ def test_fp32_and_forwards_outside_the_step_leave_frozen_weights_alone():
         stage(x)
     assert [w.dtype for w in seen] == [torch.float32, torch.float32, torch.bfloat16]
     assert type(projection.weight) is nn.Parameter
+
+
+# -- on Gloo ranks: the runtime's steps ---------------------------------------------------------
+
+RUNTIME_CASES = [PartialCase("1|1-lora-bf16", "llama", (3, 2), ((2,), (2,)), (1, 1), partial=(0, 0),
+                             dtype="bf16"),
+                 PartialCase("1|1-lora-zero-bubble-fp16", "llama", (2, 2), ((2,), (2,)), (1, 1),
+                             partial=(1, 0), schedule="zero_bubble", dtype="fp16")]
+
+
+def _own_casts() -> None:
+    return None  # each micro-batch keeps its own casts
+
+
+def _train_lora_runtime(rank: int, case: PartialCase) -> dict:
+    """Two steps of ``case`` with LoRA on each rank's stage, with the step's shared casts, then
+    with each micro-batch's own: losses, parameters, and the casts shared."""
+    from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
+    from hapt_hf.pipeline import runtime as runtime_module
+    config = tiny_config(case.family, case.num_blocks, case.tied)
+    out = {}
+    shared = runtime_module.SharedWeightCasts
+    for how in ("step_casts", "own_casts"):
+        runtime_module.SharedWeightCasts = shared if how == "step_casts" else _own_casts
+        try:
+            rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
+            apply_lora(rt.stage, r=4)
+            with torch.no_grad():  # adapters that change the function from the first step
+                for n, p in rt.stage.named_parameters():
+                    if "lora_B" in n:
+                        p.fill_(0.05)
+            opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3)
+            batches = make_batches(config.vocab_size, seed=11, rows=rt.plan.global_batch_size)
+            losses = [rt.train_step(b, opt, max_grad_norm=0.5).loss for b in batches[:2]]
+            out[how] = {"losses": losses, "step_casts": rt.weight_casts_shared,
+                        "params": {n: p.detach().numpy().copy()
+                                   for n, p in rt.stage.named_parameters()},
+                        "blocks": len(rt.stage.parts)}
+            rt.shutdown()
+        finally:
+            runtime_module.SharedWeightCasts = shared
+    return out
+
+
+def _run_all(rank: int, world_size: int) -> dict:
+    return {c.name: _train_lora_runtime(rank, c) for c in RUNTIME_CASES}
+
+
+@pytest.fixture(scope="module")
+def runtime_results() -> list[dict]:
+    return [o.value for o in run_ranks(_run_all, 2, timeout_s=240)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", RUNTIME_CASES, ids=[c.name for c in RUNTIME_CASES])
+def test_the_runtime_shares_frozen_casts_bit_for_bit(runtime_results, case):
+    counted = 0
+    for rank, per_rank in enumerate(runtime_results):
+        shared, own = per_rank[case.name]["step_casts"], per_rank[case.name]["own_casts"]
+        assert shared["losses"] == own["losses"], rank
+        assert shared["params"].keys() == own["params"].keys()
+        for n, p in shared["params"].items():
+            assert np.array_equal(p, own["params"][n]), f"rank {rank}: {n} differs"
+        assert own["step_casts"] == 0
+        stage = case.plan().stages_of_rank(rank)[0]
+        if stage.warmup < M:  # a stage one micro-batch deep has nothing to share
+            continue
+        kept_blocks = shared["blocks"] - stage.recompute_layers
+        head = 1 if stage.layers[1] == case.plan().num_layers else 0  # the frozen LM head
+        per_micro_batch = kept_blocks * (FROZEN_PER_BLOCK + ADAPTERS_PER_BLOCK) + head
+        if stage.layers[0] == 0 and not stage.recompute_layers:
+            # the first block's input (the frozen embedding's output) needs no gradient: its
+            # q, k, v projections and their lora_A keep no cast of their weight
+            per_micro_batch -= 6
+        assert shared["step_casts"] == (M - 1) * per_micro_batch, rank
+        counted += 1
+    assert counted, "no rank held several micro-batches at once"
