@@ -96,7 +96,7 @@ class SharedWeightCasts:
         self._kept: dict[tuple[Any, ...], weakref.ref[Tensor]] = {}
         self._frozen: dict[tuple[int, torch.dtype], weakref.ref[Tensor]] = {}
         self._swapped: dict[int, list[Tensor]] = {}  # by id(module): the parameters it lent
-        self._modules: dict[int, nn.Module] = {}
+        self._lenders: dict[int, nn.Module] = {}
         self._thread: int | None = None
         self.shared = 0
         """Casts exchanged for an earlier micro-batch's, or frozen weights' casts reused (each
@@ -117,7 +117,7 @@ class SharedWeightCasts:
             after.remove()
             for key in list(self._swapped):  # a forward that raised inside a projection
                 while self._swapped.get(key):
-                    self._give_back(self._modules[key])
+                    self._give_back(self._lenders[key])
             self._thread = None
 
     def pack(self, t: Tensor) -> Tensor:
@@ -160,7 +160,7 @@ class SharedWeightCasts:
         if dtype not in _SIXTEEN_BITS:
             return
         cast = self.frozen_cast(weight, dtype)
-        self._modules[id(module)] = module
+        self._lenders[id(module)] = module
         self._swapped.setdefault(id(module), []).append(swap_parameter(module, "weight", cast))
 
     def _give_back(self, module: nn.Module, *_: Any) -> None:
@@ -169,7 +169,7 @@ class SharedWeightCasts:
         if lent:
             swap_parameter(module, "weight", lent.pop())
             if not lent:
-                del self._swapped[id(module)], self._modules[id(module)]
+                del self._swapped[id(module)], self._lenders[id(module)]
 
 
 def _frozen_projection_weight(module: nn.Module) -> nn.Parameter | None:
