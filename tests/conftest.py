@@ -42,9 +42,11 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import ranks  # noqa: E402
 
-TEST_PRELOAD = ("hapt_hf.integration", "hapt_hf.integration.accelerate_plugin", "hapt_hf.profiling")
-"""Modules the fork server imports once beyond ``ranks.PRELOAD`` (what rank functions of the
-tests import; ``hapt_hf.integration`` alone costs about a second of CPU a process)."""
+TEST_PRELOAD = ("pytest", "hapt_hf.integration", "hapt_hf.integration.accelerate_plugin",
+                "hapt_hf.profiling")
+"""Modules the fork server imports once beyond ``ranks.PRELOAD``: what the tests' rank functions
+import (``hapt_hf.integration`` alone costs about a second of CPU a process), and pytest, which
+every rank imports with the test module its function is found in."""
 ranks.PRELOAD = tuple(dict.fromkeys(ranks.PRELOAD + TEST_PRELOAD))
 
 FILE_SECONDS = Path(__file__).resolve().parent / "data" / "file_seconds.json"
