@@ -143,12 +143,11 @@ class RaceConfig:
     idle_load: str = "rest"
     """What the ranks of a group the chosen plan leaves idle run during its steps: ``rest``
     (sleep, as an idle GPU does nothing), ``spin`` (a spin on the clock, as the testbed's
-    slow-down pays its debt) or ``burn`` (small matrix products; the default until the races in
-    docs/benchmarks.md, "What the idle ranks run"). The ranks share this machine's two cores:
-    the busy loads kept both cores 85-93% busy during (a)'s steps where the profile had seen
-    them 79% busy, and in the same race (a) ran 6-14% slower beside them than beside ranks
-    asleep (72% busy), which the profile predicted within 1%. ``--idle-ranks-rest`` is
-    ``rest``."""
+    slow-down pays its debt) or ``burn`` (small matrix products; the default before). Raced side
+    by side ((i), (j), (k)) in three races, the same plan beside busy idle ranks ran 8-15%
+    slower than beside ranks asleep in one and 0-9% faster in two, within the 9-10% by which
+    two identical contenders of one race differed (docs/benchmarks.md, "What the idle ranks
+    run"). ``--idle-ranks-rest`` is ``rest``."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "RaceConfig":
