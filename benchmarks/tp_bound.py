@@ -53,8 +53,8 @@ found fits the cluster the test stops (``T`` is not ruled out).
   measures are left out; ``ceil(M / q_s)`` round trips count as ``M / q_s``;
 * the replica count is ``mbs / n`` (not a whole number), replicas may sit anywhere in the
   group (one node each is not asked), the optimizer state's bytes per parameter are the least
-  any width of the group allows (sharded over all its replicas of that degree, or
-  replicated);
+  any width allows (sharded over every GPU of the cluster in replicas of that degree, since a
+  stage may mix groups, or replicated);
 * per-replica batches above 16 on a grid of ratio 9/8 (memory and share at the grid value,
   GPUs at the next one less one); recompute of the first ``r`` blocks on a grid (compute at
   the value below, memory at the one above);
@@ -294,7 +294,9 @@ def replica_menu(cm: CostModel, gbs: int, mbs: int, T: float, q_cap: int, grid: 
     for gi, g in enumerate(groups):
         cap = cm.capacity_bytes(g)
         for t in _degrees(cm, g):
-            reps = g.size // t
+            # the widest a stage's optimizer state can be sharded: every GPU of the cluster
+            # (a stage may mix groups) in replicas of t
+            reps = sum(x.size for x in groups) // t
             spb = min(state_bytes_per_param(REPLICATED, reps),
                       state_bytes_per_param(SHARDED, reps) if reps > 1 else math.inf)
             params = np.asarray(cm.shard(t).params)
