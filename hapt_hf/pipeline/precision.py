@@ -49,7 +49,7 @@ from hapt_hf.compat.torch_api import cast_parameter, swap_parameter
 from hapt_hf.core.precision import TORCH_DTYPE_NAMES
 
 __all__ = ["torch_dtype", "compute_context", "autocast_mismatch", "inference_context",
-           "SharedWeightCasts"]
+           "SharedWeightCasts", "lends_frozen"]
 
 _SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
@@ -92,7 +92,11 @@ class SharedWeightCasts:
     saved-tensor hooks entered inside :meth:`saving` replace it unless they pass the tensors
     they leave alone to it (:func:`hapt_hf.compat.torch_api.saved_tensors_hooks_in_force`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lend_frozen: bool = True) -> None:
+        self._lend_frozen = lend_frozen
+        """Whether :meth:`saving` hands projections their frozen weights' casts (the runtime
+        passes :func:`lends_frozen` of its stages: without a frozen projection the module hooks
+        that do it would only slow every module call)."""
         self._kept: dict[tuple[Any, ...], weakref.ref[Tensor]] = {}
         self._frozen: dict[tuple[int, torch.dtype], weakref.ref[Tensor]] = {}
         self._swapped: dict[int, list[Tensor]] = {}  # by id(module): the parameters it lent
@@ -107,14 +111,16 @@ class SharedWeightCasts:
         """The context in which a forward's saved tensors go through :meth:`pack`, and its
         projections read the step's casts of their frozen weights (on this thread)."""
         self._thread = threading.get_ident()
-        before = torch_module.register_module_forward_pre_hook(self._lend)
-        after = torch_module.register_module_forward_hook(self._give_back, always_call=True)
+        hooks = []
+        if self._lend_frozen:
+            hooks = [torch_module.register_module_forward_pre_hook(self._lend),
+                     torch_module.register_module_forward_hook(self._give_back, always_call=True)]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, _same):
                 yield
         finally:
-            before.remove()
-            after.remove()
+            for hook in hooks:
+                hook.remove()
             for key in list(self._swapped):  # a forward that raised inside a projection
                 while self._swapped.get(key):
                     self._give_back(self._lenders[key])
@@ -170,6 +176,12 @@ class SharedWeightCasts:
             swap_parameter(module, "weight", lent.pop())
             if not lent:
                 del self._swapped[id(module)], self._lenders[id(module)]
+
+
+def lends_frozen(module: nn.Module) -> bool:
+    """Whether ``module`` holds a projection whose frozen fp32 weight
+    :class:`SharedWeightCasts` would lend its step cast (LoRA's base weights, a frozen layer)."""
+    return any(_frozen_projection_weight(m) is not None for m in module.modules())
 
 
 def _frozen_projection_weight(module: nn.Module) -> nn.Parameter | None:

@@ -44,7 +44,7 @@ from hapt_hf.pipeline.grad_sync import GradSync
 from hapt_hf.pipeline.loss_scale import DynamicLossScaler
 from hapt_hf.pipeline.placement import Piece, RankWork, max_in_flight, rank_works
 from hapt_hf.pipeline.precision import (SharedWeightCasts, autocast_mismatch, compute_context,
-                                        inference_context, torch_dtype)
+                                        inference_context, lends_frozen, torch_dtype)
 from hapt_hf.pipeline.process_group import init_distributed, local_device, stage_groups, transfer_groups
 from hapt_hf.pipeline.tensor_parallel import (TensorParallelShards, full_state_dict, sequence_parallel_refusal,
                                               shard_stage, tp_plan_refusal)
@@ -364,7 +364,8 @@ class PipelineRuntime:
                   if a.kind in (ActionKind.B, ActionKind.W)}
         final_at = {i: s for s, i in finals.items()}
         # one 16-bit copy of each weight for the step's micro-batches in flight, not one each
-        casts = SharedWeightCasts() if backward and self.plan.dtype != "fp32" else None
+        casts = (SharedWeightCasts(any(lends_frozen(m) for m in self.stages.values()))
+                 if backward and self.plan.dtype != "fp32" else None)
         for i, a in enumerate(actions):
             k, s = a.microbatch, a.stage
             key, work = (s, k), self.works[s]

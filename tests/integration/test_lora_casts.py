@@ -212,7 +212,7 @@ RUNTIME_CASES = [PartialCase("1|1-lora-bf16", "llama", (3, 2), ((2,), (2,)), (1,
                              partial=(1, 0), schedule="zero_bubble", dtype="fp16")]
 
 
-def _own_casts() -> None:
+def _own_casts(lend_frozen: bool = True) -> None:
     return None  # each micro-batch keeps its own casts
 
 
@@ -279,3 +279,23 @@ def test_the_runtime_shares_frozen_casts_bit_for_bit(runtime_results, case):
         assert shared["step_casts"] == (M - 1) * per_micro_batch, rank
         counted += 1
     assert counted, "no rank held several micro-batches at once"
+
+
+def test_lending_only_where_a_stage_has_a_frozen_projection():
+    """The runtime turns on the module hooks that lend frozen casts only for stages that hold a
+    frozen projection: a LoRA stage does, the same stage before LoRA does not, and a step's
+    casts made without lending leave a frozen weight's casts to autocast (one per forward)."""
+    from hapt_hf.pipeline.precision import lends_frozen
+    plain = build_stage(_config(), (1, 1 + BLOCKS), seed=3)
+    assert not lends_frozen(plain)
+    assert lends_frozen(_stage(last=False))
+    stage = _stage(last=False)
+    seen = []
+    projection = next(m for m in stage.modules() if type(m) is nn.Linear
+                      and not m.weight.requires_grad)
+    projection.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    x = torch.randn(ROWS, SEQ, 32, requires_grad=True)
+    for lend in (False, True):
+        with compute_context("bf16", "cpu", SharedWeightCasts(lend_frozen=lend)):
+            stage(x)
+    assert seen == [torch.float32, torch.bfloat16]

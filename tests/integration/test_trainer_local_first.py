@@ -69,7 +69,7 @@ def test_local_copies_are_read_first_and_only_the_lost_file_is_fetched(tmp_path)
     counts = []
     for o in resumed:
         (line,) = [x for x in o["lines"] if "fetched" in x]
-        local_files, fetched_files = map(int, re.search(r"from (\d+) local file\(s\), fetched .* "
+        local_files, fetched_files = map(int, re.search(r"from (\d+) local file\(s\) \(.*\), fetched .* "
                                                         r"from (\d+) remote file", line).groups())
         counts.append((local_files, fetched_files))
     assert all(local_files >= 1 for local_files, _ in counts)

@@ -62,7 +62,7 @@ SHARED = [replace(PARTIAL[0], name="1|1-partial-bf16", dtype="bf16"),
           replace(PARTIAL[2], name="tp2-sp-partial-gpipe-bf16", dtype="bf16", schedule="gpipe")]
 
 
-def _own_casts() -> None:
+def _own_casts(lend_frozen: bool = True) -> None:
     return None  # each micro-batch keeps its own casts, as before they were shared
 
 
