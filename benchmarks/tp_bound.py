@@ -94,11 +94,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from hapt_hf.core.precision import REPLICATED, SHARDED, state_bytes_per_param  # noqa: E402
-from hapt_hf.core.tp import TP_DEGREES  # noqa: E402
 from hapt_hf.errors import PlanningError  # noqa: E402
 from hapt_hf.planner.cluster import Cluster, GpuGroup  # noqa: E402
-from hapt_hf.planner.cost_model import CostModel, tp_unfit  # noqa: E402
+from hapt_hf.planner.cost_model import CostModel  # noqa: E402
 from hapt_hf.planner.model_spec import ModelSpec  # noqa: E402
+from hapt_hf.planner.search.tensor_parallel import node_degrees  # noqa: E402
 from hapt_hf.planner.simulate import WEIGHT_GRADIENT_SHARE  # noqa: E402
 
 __all__ = ["TpBound", "ReplicaMenu", "replica_menu", "replica_path", "rho_floor",
@@ -208,8 +208,7 @@ def beta_floor(cm: CostModel, gbs: int, hide_tp: bool = False) -> float:
 
 
 def _degrees(cm: CostModel, g: GpuGroup) -> list[int]:
-    return [t for t in TP_DEGREES if t <= g.gpus_per_node and g.gpus_per_node % t == 0
-            and tp_unfit(cm.model, t) is None]
+    return node_degrees(cm.model, g)  # every degree the planner may give (any max_tp)
 
 
 def best_prices(uses: list[np.ndarray], sizes: np.ndarray) -> tuple[np.ndarray, float]:

@@ -33,8 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from hapt_hf.core.tp import TP_DEGREES
+
 from ..cluster import GpuGroup
 from ..cost_model import tp_unfit
+from ..model_spec import ModelSpec
 from ..simulate import SimResult
 from .candidates import layout_on
 from .kinds import kept_kind_s
@@ -43,7 +46,7 @@ from .problem import SearchProblem
 from .refine import refine_boundaries
 from .replays import better, simulate_layout
 
-__all__ = ["TpChoice", "group_degrees", "choose_degrees", "degree_mixes",
+__all__ = ["TpChoice", "node_degrees", "group_degrees", "choose_degrees", "degree_mixes",
            "refine_stage_degrees", "STAGE_MIX_REPLAYS"]
 
 Weigh = Callable[[SearchProblem], "tuple[float, object] | None"]
@@ -61,11 +64,17 @@ class TpChoice:
     """The screen's best plan time; None where nothing fits."""
 
 
+def node_degrees(model: ModelSpec, group: GpuGroup, max_tp: int = TP_DEGREES[-1]) -> list[int]:
+    """The degrees a replica of ``group`` may take for ``model``: up to ``max_tp``, dividing
+    its GPUs per node, and allowed by the model (:func:`~hapt_hf.planner.cost_model.tp_unfit`)."""
+    return [t for t in TP_DEGREES if t <= max_tp and group.gpus_per_node % t == 0
+            and tp_unfit(model, t) is None]
+
+
 def group_degrees(problem: SearchProblem, group: GpuGroup) -> list[int]:
-    """The degrees ``group``'s replicas may take: up to ``max_tp``, dividing its GPUs per node,
-    and allowed by the model (:func:`~hapt_hf.planner.cost_model.tp_unfit`)."""
-    return [t for t in (1, 2, 4, 8) if t <= problem.options.max_tp
-            and group.gpus_per_node % t == 0 and tp_unfit(problem.model, t) is None]
+    """The degrees ``group``'s replicas may take in ``problem`` (:func:`node_degrees` up to
+    the options' ``max_tp``)."""
+    return node_degrees(problem.model, group, problem.options.max_tp)
 
 
 def tp_limit_s(problem: SearchProblem) -> float:
