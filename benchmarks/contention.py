@@ -92,15 +92,11 @@ def load(kind: str) -> None:
         stage, x, dy = _stage(1 if kind == "block" else 7)
         while True:
             stage(x).backward(dy)
-    elif kind == "burn":
-        import torch
+    elif kind in ("burn", "spin"):  # the race's own idle loads, run back to back
+        from benchmarks.e2e import IDLE_RUNS
+        run = IDLE_RUNS[kind]
         while True:
-            a = torch.ones(96, 96)
-            for _ in range(4):
-                a = a @ a * 1e-2
-    elif kind == "spin":
-        while True:
-            pass
+            run()
     raise SystemExit(f"unknown load kind {kind!r}")
 
 

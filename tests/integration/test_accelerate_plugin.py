@@ -137,7 +137,6 @@ def test_loop_matches_one_process_and_resumes(tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
     ref = one_process
-    (tmp_path / "ref").mkdir(exist_ok=True)
     (tmp_path / "run").mkdir()
     out = tmp_path / "model"
     full = run_ranks(loop, 4, str(tmp_path / "run"), 4, 3, 2, None, str(out),
