@@ -28,7 +28,19 @@ def _plan(job, **options):
                     options=PlannerOptions(micro_batch_sizes=(1,), **options))
 
 
-def test_zero_bubble_where_the_bubble_is_large_and_memory_allows(job):
+@pytest.fixture(scope="module")
+def h1f1b_search(job):
+    """The search under h1f1b alone (kinds not weighed), and its pipeline replayed: (result,
+    cost model, layout, micro-batches, replay); the tests only read them."""
+    res = _plan(job, weigh_kinds=False)
+    cm = CostModel(job.model.split_blocks() if res.plan.layer_unit == "half" else job.model,
+                   job.cluster, job.profile)
+    lay = layout_of_plan(cm, res.plan)
+    m = res.plan.num_microbatches
+    return res, cm, lay, m, replay_kind(cm, lay, m)
+
+
+def test_zero_bubble_where_the_bubble_is_large_and_memory_allows(job, h1f1b_search):
     res = _plan(job)
     kinds = dict(res.schedule_kinds)
     assert res.plan.schedule == "zero_bubble"
@@ -36,17 +48,12 @@ def test_zero_bubble_where_the_bubble_is_large_and_memory_allows(job):
     assert kinds["zero_bubble"] < kinds["h1f1b"] * 0.9
     assert any(d > 0 for d in res.plan.deferrals())
     # faster than the search under h1f1b alone (which may keep other groups)
-    alone = _plan(job, weigh_kinds=False)
+    alone = h1f1b_search[0]
     assert alone.plan.schedule == "h1f1b" and alone.sim.iteration_s > res.sim.iteration_s
 
 
-def test_h1f1b_where_no_deferral_fits(job, monkeypatch):
-    res = _plan(job, weigh_kinds=False)
-    cm = CostModel(job.model.split_blocks() if res.plan.layer_unit == "half" else job.model,
-                   job.cluster, job.profile)
-    lay = layout_of_plan(cm, res.plan)
-    m = res.plan.num_microbatches
-    sim = replay_kind(cm, lay, m)
+def test_h1f1b_where_no_deferral_fits(h1f1b_search, monkeypatch):
+    res, cm, lay, m, sim = h1f1b_search
     got, _, weighed = best_kind(cm, lay, sim, m, "h1f1b")
     assert got.schedule == "zero_bubble"  # where memory allows
     # GPUs that hold no more than their warm-ups: no stage may defer a weight gradient
@@ -126,14 +133,9 @@ def test_cli_keeps_a_schedule_named_and_chooses_one_left_out(tmp_path, capsys):
     assert '"schedule": "h1f1b"' in capsys.readouterr().out
 
 
-def test_kept_kind_s_is_the_time_at_the_kind_the_plan_keeps(job):
+def test_kept_kind_s_is_the_time_at_the_kind_the_plan_keeps(h1f1b_search):
     # what the degree screens and the degrees per stage compare pipelines by
-    res = _plan(job, weigh_kinds=False)
-    cm = CostModel(job.model.split_blocks() if res.plan.layer_unit == "half" else job.model,
-                   job.cluster, job.profile)
-    lay = layout_of_plan(cm, res.plan)
-    m = res.plan.num_microbatches
-    sim = replay_kind(cm, lay, m)
+    res, cm, lay, m, sim = h1f1b_search
     kept = kinds.kept_kind_s(cm, lay, sim, m, "h1f1b", True)
     assert kept == best_kind(cm, lay, sim, m, "h1f1b")[1].iteration_s < sim.iteration_s
     # the kinds not weighed, or another kind asked for: the pipeline's own replay
