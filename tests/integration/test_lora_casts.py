@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -20,8 +19,8 @@ from hapt_hf.integration.lora import apply_lora
 from hapt_hf.pipeline.precision import SharedWeightCasts, compute_context, torch_dtype
 from hapt_hf.pipeline.stage import build_stage
 from tests.pipeline.test_runtime_equivalence import make_batches
-from tests.pipeline.test_runtime_memory import PartialCase
-from tests.pipeline.test_tensor_parallel_runtime import M, tiny_config
+from tests.pipeline.test_runtime_memory import PartialCase, assert_step_casts_train_as_own
+from tests.pipeline.test_tensor_parallel_runtime import tiny_config
 
 VOCAB, SEQ, ROWS, N, STEPS = 97, 8, 2, 3, 2  # N micro-batches in flight
 BLOCKS = 3
@@ -258,27 +257,16 @@ def runtime_results() -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", RUNTIME_CASES, ids=[c.name for c in RUNTIME_CASES])
 def test_the_runtime_shares_frozen_casts_bit_for_bit(runtime_results, case):
-    counted = 0
-    for rank, per_rank in enumerate(runtime_results):
-        shared, own = per_rank[case.name]["step_casts"], per_rank[case.name]["own_casts"]
-        assert shared["losses"] == own["losses"], rank
-        assert shared["params"].keys() == own["params"].keys()
-        for n, p in shared["params"].items():
-            assert np.array_equal(p, own["params"][n]), f"rank {rank}: {n} differs"
-        assert own["step_casts"] == 0
-        stage = case.plan().stages_of_rank(rank)[0]
-        if stage.warmup < M:  # a stage one micro-batch deep has nothing to share
-            continue
-        kept_blocks = shared["blocks"] - stage.recompute_layers
+    def per_micro_batch(stage, kept_blocks):
         head = 1 if stage.layers[1] == case.plan().num_layers else 0  # the frozen LM head
-        per_micro_batch = kept_blocks * (FROZEN_PER_BLOCK + ADAPTERS_PER_BLOCK) + head
+        n = kept_blocks * (FROZEN_PER_BLOCK + ADAPTERS_PER_BLOCK) + head
         if stage.layers[0] == 0 and not stage.recompute_layers:
             # the first block's input (the frozen embedding's output) needs no gradient: its
             # q, k, v projections and their lora_A keep no cast of their weight
-            per_micro_batch -= 6
-        assert shared["step_casts"] == (M - 1) * per_micro_batch, rank
-        counted += 1
-    assert counted, "no rank held several micro-batches at once"
+            n -= 6
+        return n
+
+    assert_step_casts_train_as_own(runtime_results, case, per_micro_batch)
 
 
 def test_lending_only_where_a_stage_has_a_frozen_projection():

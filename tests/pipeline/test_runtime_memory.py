@@ -109,8 +109,11 @@ def test_partial_recompute_matches_one_process(results, case):
         assert not r["errors"], f"rank {rank}: " + "\n".join(r["errors"])
 
 
-@pytest.mark.parametrize("case", SHARED, ids=[c.name for c in SHARED])
-def test_shared_casts_train_bit_for_bit_as_own_casts(results, case):
+def assert_step_casts_train_as_own(results: list[dict], case: PartialCase, per_micro_batch) -> None:
+    """Every rank of ``results`` (each case's ``step_casts`` and ``own_casts`` runs) trained bit
+    for bit alike both ways; on each rank whose stage holds several micro-batches, the last step
+    shared ``(M - 1) * per_micro_batch(stage, kept_blocks)`` casts (every micro-batch after the
+    first took the first one's casts of the ``kept_blocks`` that keep their activations)."""
     counted = 0
     for rank, per_rank in enumerate(results):
         shared, own = per_rank[case.name]["step_casts"], per_rank[case.name]["own_casts"]
@@ -123,9 +126,15 @@ def test_shared_casts_train_bit_for_bit_as_own_casts(results, case):
         if stage.warmup < M:  # a stage one micro-batch deep has nothing to share
             continue
         kept_blocks = shared["blocks"] - stage.recompute_layers
-        # the last step: every micro-batch after the first took the first one's casts of the
-        # blocks that keep their activations (the head's weight too on the last stage)
-        head = 1 if stage.layers[1] == case.plan().num_layers else 0
-        assert shared["step_casts"] == (M - 1) * (kept_blocks * WEIGHTS_PER_BLOCK + head), rank
+        assert shared["step_casts"] == (M - 1) * per_micro_batch(stage, kept_blocks), rank
         counted += 1
     assert counted, "no rank held several micro-batches at once"
+
+
+@pytest.mark.parametrize("case", SHARED, ids=[c.name for c in SHARED])
+def test_shared_casts_train_bit_for_bit_as_own_casts(results, case):
+    def per_micro_batch(stage, kept_blocks):  # the head's weight too on the last stage
+        head = 1 if stage.layers[1] == case.plan().num_layers else 0
+        return kept_blocks * WEIGHTS_PER_BLOCK + head
+
+    assert_step_casts_train_as_own(results, case, per_micro_batch)
