@@ -28,11 +28,14 @@ A frozen weight (``requires_grad=False``: LoRA's base weights) is cast by autoca
 autograd record of where the cast came from, and torch's cast cache skips it (it caches leaves
 that require grad only), so the saved-tensor hooks cannot tell its cast from an activation.
 :class:`SharedWeightCasts` casts it itself instead: while a forward runs, a projection
-(``nn.Linear``) whose weight is frozen reads the step's one 16-bit cast of that weight in place
-of the fp32 parameter, for the length of its own forward. Autocast leaves a tensor already in
-its dtype as it is, and its own cast is the same ``.to(dtype)``, so the projection computes,
-and saves for the backward, the same values bit for bit: one copy per frozen weight while any
-micro-batch holds it, as for the weights that train.
+(``nn.Linear``, or transformers' ``Conv1D``: GPT-2's ``c_attn``, ``c_proj`` and ``c_fc``, which
+peft's LoRA wraps with ``fan_in_fan_out``) whose weight is frozen reads the step's one 16-bit
+cast of that weight in place of the fp32 parameter, for the length of its own forward. Autocast
+leaves a tensor already in its dtype as it is, and its own cast is the same ``.to(dtype)``, so
+the projection computes, and saves for the backward, the same values bit for bit: one copy per
+frozen weight while any micro-batch holds it, as for the weights that train. (``Conv1D``'s
+``torch.addmm`` also casts its bias on every call; the bias is not saved for the backward, so
+that cast is freed as the op ends and stays autocast's.)
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
+from transformers import Conv1D
 
 from hapt_hf.compat.torch_api import cast_parameter, swap_parameter
 from hapt_hf.core.precision import TORCH_DTYPE_NAMES
@@ -179,16 +183,22 @@ class SharedWeightCasts:
 
 
 def lends_frozen(module: nn.Module) -> bool:
-    """Whether ``module`` holds a projection whose frozen fp32 weight
-    :class:`SharedWeightCasts` would lend its step cast (LoRA's base weights, a frozen layer)."""
+    """Whether ``module`` holds a projection (``nn.Linear``, ``Conv1D``) whose frozen fp32
+    weight :class:`SharedWeightCasts` would lend its step cast (LoRA's base weights, a frozen
+    layer)."""
     return any(_frozen_projection_weight(m) is not None for m in module.modules())
 
 
+_PROJECTION_FORWARDS = (nn.Linear.forward, Conv1D.forward)
+"""Forwards that read their module's weight in one autocast-lowered op only (``F.linear``;
+``Conv1D``'s ``torch.addmm(bias, x, weight)``), and nothing else of it."""
+
+
 def _frozen_projection_weight(module: nn.Module) -> nn.Parameter | None:
-    """The weight of ``module`` if it is a projection (``nn.Linear``'s own forward, which
-    reads it in one autocast-lowered ``F.linear`` only) whose fp32 weight does not train; None
-    otherwise (a distributed tensor's weight included)."""
-    if type(module).forward is not nn.Linear.forward:
+    """The weight of ``module`` if it is a projection (``nn.Linear``'s or transformers'
+    ``Conv1D``'s own forward, which reads it in one autocast-lowered op only) whose fp32 weight
+    does not train; None otherwise (a distributed tensor's weight included)."""
+    if type(module).forward not in _PROJECTION_FORWARDS:
         return None
     weight = module.weight
     if type(weight) is not nn.Parameter or weight.requires_grad or weight.dtype != torch.float32 \

@@ -2,8 +2,11 @@
 micro-batches in flight keeps one 16-bit cast of each frozen projection weight for the step
 (not one per micro-batch), as it does for the weights that train, and trains bit for bit as
 with each micro-batch's own casts: every loss, every trainable gradient, and the parameters
-after the steps. The same on two Gloo ranks through the runtime's steps (1F1B in bf16, and
-zero_bubble in fp16 with a recomputed block)."""
+after the steps. LLaMA's projections are ``nn.Linear``; GPT-2's are transformers' ``Conv1D``
+(``c_attn``, ``c_proj``, ``c_fc``: peft wraps the adapted ones with ``fan_in_fan_out``), and a
+GPT-2 stage whose first block is frozen whole keeps one cast of that block's weights too. The
+same on two Gloo ranks through the runtime's steps (1F1B in bf16, and zero_bubble in fp16 with
+a recomputed block; GPT-2 with LoRA in bf16)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,11 +14,11 @@ import contextlib
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import Conv1D, GPT2Config, LlamaConfig
 
 from benchmarks.ranks import run_ranks
 from hapt_hf.compat.torch_api import cast_parameter, saved_tensors_hooks_in_force
-from hapt_hf.integration.lora import apply_lora
+from hapt_hf.integration.lora import apply_lora, apply_lora_config
 from hapt_hf.pipeline.precision import SharedWeightCasts, compute_context, torch_dtype
 from hapt_hf.pipeline.stage import build_stage
 from tests.pipeline.test_runtime_equivalence import make_batches
@@ -26,20 +29,42 @@ VOCAB, SEQ, ROWS, N, STEPS = 97, 8, 2, 3, 2  # N micro-batches in flight
 BLOCKS = 3
 FROZEN_PER_BLOCK = 7  # the base q, k, v, o (adapted) and gate, up, down
 ADAPTERS_PER_BLOCK = 8  # lora_A and lora_B of q, k, v, o
+GPT2_TARGETS = ("c_attn", "c_proj")  # the attention's c_attn, c_proj and the MLP's c_proj
+GPT2_FROZEN_PER_BLOCK = 4  # the base c_attn, c_proj, c_proj (adapted) and c_fc: all Conv1D
+GPT2_ADAPTERS_PER_BLOCK = 6  # lora_A and lora_B of each adapted one
 
 
-def _config() -> LlamaConfig:
+def _config(family: str = "llama"):
+    if family == "gpt2":
+        return GPT2Config(n_layer=BLOCKS + 1, n_embd=32, n_inner=64, n_head=4, vocab_size=VOCAB,
+                          n_positions=32, tie_word_embeddings=False, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return LlamaConfig(num_hidden_layers=BLOCKS + 1, hidden_size=32, intermediate_size=64,
                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                        max_position_embeddings=32, tie_word_embeddings=False)
 
 
-def _stage(last: bool, recompute_layers: int = 0):
+def gpt2_lora(stage: nn.Module, r: int = 4) -> None:
+    """LoRA of rank ``r`` on a GPT-2 stage's ``GPT2_TARGETS`` as a user's peft ``LoraConfig``
+    for GPT-2 gives it (``fan_in_fan_out``: its ``Conv1D`` holds the weight transposed), every
+    other weight frozen."""
+    from peft import LoraConfig
+    apply_lora_config(stage, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                        target_modules=list(GPT2_TARGETS), fan_in_fan_out=True))
+    for n, p in stage.named_parameters():
+        p.requires_grad = "lora_" in n
+
+
+def _stage(last: bool, recompute_layers: int = 0, family: str = "llama"):
     """Blocks 0..2 fed hidden states (``last``: blocks 1..3, the final norm and the frozen LM
-    head), LoRA of rank 4 on the attention projections, adapters B drawn non-zero."""
+    head), LoRA of rank 4 on the attention projections (GPT-2: ``GPT2_TARGETS``), adapters B
+    drawn non-zero."""
     layers = (2, 3 + BLOCKS) if last else (1, 1 + BLOCKS)
-    stage = build_stage(_config(), layers, seed=3, recompute_layers=recompute_layers)
-    apply_lora(stage, r=4)
+    stage = build_stage(_config(family), layers, seed=3, recompute_layers=recompute_layers)
+    if family == "gpt2":
+        gpt2_lora(stage)
+    else:
+        apply_lora(stage, r=4)
     g = torch.Generator().manual_seed(9)
     with torch.no_grad():
         for n, p in stage.named_parameters():
@@ -48,9 +73,19 @@ def _stage(last: bool, recompute_layers: int = 0):
     return stage
 
 
+def _frozen_first_block_stage():
+    """GPT-2 blocks 0..2 fed hidden states, no adapters: the first block frozen whole (its
+    four ``Conv1D`` and its norms), the rest training."""
+    stage = build_stage(_config("gpt2"), (1, 1 + BLOCKS), seed=3)
+    first = next(m for n, m in stage.named_modules() if n.endswith("h.0"))
+    for p in first.parameters():
+        p.requires_grad = False
+    return stage
+
+
 def _frozen_projections(stage) -> list[nn.Parameter]:
     return [m.weight for m in stage.modules()
-            if type(m) is nn.Linear and not m.weight.requires_grad]
+            if type(m) in (nn.Linear, Conv1D) and not m.weight.requires_grad]
 
 
 class KeptCasts:
@@ -159,6 +194,41 @@ def test_one_cast_of_each_frozen_weight_per_step_bit_for_bit(dtype, last):
     _assert_bit_for_bit(own, shared)
 
 
+@pytest.mark.parametrize("last", [False, True], ids=["blocks", "blocks+head"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_one_cast_of_each_frozen_conv1d_weight_per_step_bit_for_bit(dtype, last):
+    """GPT-2 with peft's LoRA: the frozen ``Conv1D`` weights (adapted or not) are lent the
+    step's one cast as ``nn.Linear``'s are."""
+    stage = _stage(last, family="gpt2")
+    conv = [m for m in stage.modules() if type(m) is Conv1D]
+    assert len(conv) == BLOCKS * GPT2_FROZEN_PER_BLOCK
+    assert all(not m.weight.requires_grad for m in conv)
+    frozen = BLOCKS * GPT2_FROZEN_PER_BLOCK + (1 if last else 0)  # the LM head is nn.Linear
+    trained = BLOCKS * GPT2_ADAPTERS_PER_BLOCK
+    own = _train(stage, dtype, share=False, last=last)
+    shared = _train(_stage(last, family="gpt2"), dtype, share=True, last=last)
+    assert own["frozen"] == [N * frozen] * STEPS  # each micro-batch its own casts
+    assert own["trained"] == [N * trained] * STEPS
+    assert shared["frozen"] == [frozen] * STEPS
+    assert shared["trained"] == [trained] * STEPS
+    assert shared["shared"] == [(N - 1) * (frozen + trained)] * STEPS
+    _assert_bit_for_bit(own, shared)
+
+
+def test_a_frozen_conv1d_block_keeps_one_cast_per_step_bit_for_bit():
+    """A GPT-2 stage with its first block frozen (no adapters): that block's four ``Conv1D``
+    weights kept once for the step, the trained blocks' casts shared as before."""
+    own = _train(_frozen_first_block_stage(), "bf16", share=False, last=False)
+    shared = _train(_frozen_first_block_stage(), "bf16", share=True, last=False)
+    trained = (BLOCKS - 1) * GPT2_FROZEN_PER_BLOCK
+    assert own["frozen"] == [N * GPT2_FROZEN_PER_BLOCK] * STEPS
+    assert own["trained"] == [N * trained] * STEPS
+    assert shared["frozen"] == [GPT2_FROZEN_PER_BLOCK] * STEPS
+    assert shared["trained"] == [trained] * STEPS
+    assert shared["shared"] == [(N - 1) * (GPT2_FROZEN_PER_BLOCK + trained)] * STEPS
+    _assert_bit_for_bit(own, shared)
+
+
 def test_recomputed_blocks_keep_no_cast_of_their_frozen_weights():
     own = _train(_stage(False, recompute_layers=1), "bf16", share=False, last=False)
     shared = _train(_stage(False, recompute_layers=1), "bf16", share=True, last=False)
@@ -208,7 +278,9 @@ def test_fp32_and_forwards_outside_the_step_leave_frozen_weights_alone():
 RUNTIME_CASES = [PartialCase("1|1-lora-bf16", "llama", (3, 2), ((2,), (2,)), (1, 1), partial=(0, 0),
                              dtype="bf16"),
                  PartialCase("1|1-lora-zero-bubble-fp16", "llama", (2, 2), ((2,), (2,)), (1, 1),
-                             partial=(1, 0), schedule="zero_bubble", dtype="fp16")]
+                             partial=(1, 0), schedule="zero_bubble", dtype="fp16"),
+                 PartialCase("1|1-gpt2-lora-bf16", "gpt2", (3, 2), ((2,), (2,)), (1, 1),
+                             partial=(0, 0), dtype="bf16")]
 
 
 def _own_casts(lend_frozen: bool = True) -> None:
@@ -227,7 +299,10 @@ def _train_lora_runtime(rank: int, case: PartialCase) -> dict:
         runtime_module.SharedWeightCasts = shared if how == "step_casts" else _own_casts
         try:
             rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
-            apply_lora(rt.stage, r=4)
+            if case.family == "gpt2":
+                gpt2_lora(rt.stage)
+            else:
+                apply_lora(rt.stage, r=4)
             with torch.no_grad():  # adapters that change the function from the first step
                 for n, p in rt.stage.named_parameters():
                     if "lora_B" in n:
@@ -257,13 +332,18 @@ def runtime_results() -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", RUNTIME_CASES, ids=[c.name for c in RUNTIME_CASES])
 def test_the_runtime_shares_frozen_casts_bit_for_bit(runtime_results, case):
+    gpt2 = case.family == "gpt2"
+    per_block = (GPT2_FROZEN_PER_BLOCK + GPT2_ADAPTERS_PER_BLOCK if gpt2
+                 else FROZEN_PER_BLOCK + ADAPTERS_PER_BLOCK)
+
     def per_micro_batch(stage, kept_blocks):
         head = 1 if stage.layers[1] == case.plan().num_layers else 0  # the frozen LM head
-        n = kept_blocks * (FROZEN_PER_BLOCK + ADAPTERS_PER_BLOCK) + head
+        n = kept_blocks * per_block + head
         if stage.layers[0] == 0 and not stage.recompute_layers:
             # the first block's input (the frozen embedding's output) needs no gradient: its
-            # q, k, v projections and their lora_A keep no cast of their weight
-            n -= 6
+            # q, k, v projections (GPT-2: its c_attn) and their lora_A keep no cast of their
+            # weight
+            n -= 2 if gpt2 else 6
         return n
 
     assert_step_casts_train_as_own(runtime_results, case, per_micro_batch)
@@ -277,6 +357,9 @@ def test_lending_only_where_a_stage_has_a_frozen_projection():
     plain = build_stage(_config(), (1, 1 + BLOCKS), seed=3)
     assert not lends_frozen(plain)
     assert lends_frozen(_stage(last=False))
+    assert not lends_frozen(build_stage(_config("gpt2"), (1, 1 + BLOCKS), seed=3))
+    assert lends_frozen(_stage(last=False, family="gpt2"))
+    assert lends_frozen(_frozen_first_block_stage())  # its Conv1D only
     stage = _stage(last=False)
     seen = []
     projection = next(m for m in stage.modules() if type(m) is nn.Linear
