@@ -2,9 +2,11 @@
 own 16-bit weight casts and with the step's shared ones (:class:`SharedWeightCasts`).
 
     python3 benchmarks/weight_casts.py [--hidden 1024 --intermediate 2816 --blocks 2 --seq 512]
-                                       [--lora 16]
+                                       [--lora 16] [--family gpt2]
 
-Builds a LLaMA stage of ``--blocks`` blocks (hidden states in, no embedding nor head), runs
+Builds a LLaMA stage (``--family gpt2``: GPT-2's, whose projections are transformers' ``Conv1D``,
+``--intermediate`` its MLP width ``n_inner``) of ``--blocks`` blocks (hidden states in, no
+embedding nor head), runs
 ``--in-flight`` forwards under bf16 autocast on the CPU as the runtime runs them (each in its own
 autocast region) and counts what autograd keeps for their backwards: every saved tensor's
 storage once, split into 16-bit casts of the weights and the rest (activations). The bytes a
@@ -12,8 +14,9 @@ micro-batch in flight adds are ``(kept(N) - kept(1)) / (N - 1)``. Then the same 
 ``--recompute-layers`` of the blocks recomputing (they keep their input only). With ``--time R``,
 also the median seconds of a step (the forwards, then their backwards) with each micro-batch's
 own casts and with the shared ones, alternating, over ``R`` repetitions each (one thread).
-``--lora R``: the stage with LoRA adapters of rank ``R`` on its attention projections, every
-other weight frozen (the casts of the frozen weights count as weight casts).
+``--lora R``: the stage with LoRA adapters of rank ``R`` on its attention projections (GPT-2:
+on ``c_attn`` and both ``c_proj``, peft's ``fan_in_fan_out`` for ``Conv1D``), every other weight
+frozen (the casts of the frozen weights count as weight casts).
 ``--survey``: instead, for every model type the stage builder accepts (a tiny config of 2
 blocks, the whole model as one stage), whether one forward under bf16 autocast without its
 cache casts any trained weight twice: where none does, running without the cache (as a
@@ -31,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from transformers import Conv1D  # noqa: E402
 
 from hapt_hf.compat.torch_api import cast_parameter, saved_tensors_hooks_in_force  # noqa: E402
 from hapt_hf.pipeline.precision import SharedWeightCasts, compute_context  # noqa: E402
@@ -81,7 +85,7 @@ def _is_cast_of(t: torch.Tensor, casts: list[torch.Tensor]) -> bool:
 def frozen_casts(stage) -> list[torch.Tensor]:
     """bf16 casts of the stage's frozen projection weights (LoRA's base weights)."""
     return [m.weight.detach().to(torch.bfloat16) for m in stage.modules()
-            if type(m) is torch.nn.Linear and not m.weight.requires_grad]
+            if type(m) in (torch.nn.Linear, Conv1D) and not m.weight.requires_grad]
 
 
 def kept_bytes(stage, xs: list[torch.Tensor], share: bool) -> tuple[int, int]:
@@ -142,16 +146,42 @@ def survey() -> int:
     return 0
 
 
+GPT2_TARGETS = ("c_attn", "c_proj")
+
+
 def _build(config, a: argparse.Namespace, recompute_layers: int = 0):
     stage = build_stage(config, (1, 1 + a.blocks), seed=0, recompute_layers=recompute_layers)
-    if a.lora:
+    if a.lora and a.family == "gpt2":
+        from peft import LoraConfig
+
+        from hapt_hf.integration.lora import apply_lora_config
+        apply_lora_config(stage, LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0,
+                                            target_modules=list(GPT2_TARGETS), fan_in_fan_out=True))
+        for n, p in stage.named_parameters():
+            p.requires_grad = "lora_" in n
+    elif a.lora:
         from hapt_hf.integration.lora import apply_lora
         apply_lora(stage, r=a.lora)
     return stage
 
 
+def _config(a: argparse.Namespace):
+    if a.family == "gpt2":
+        from transformers import GPT2Config
+        return GPT2Config(n_layer=a.blocks + 1, n_embd=a.hidden, n_inner=a.intermediate,
+                          n_head=a.heads, vocab_size=128, n_positions=a.seq,
+                          tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                          attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    from transformers import LlamaConfig
+    return LlamaConfig(num_hidden_layers=a.blocks + 1, hidden_size=a.hidden,
+                       intermediate_size=a.intermediate, num_attention_heads=a.heads,
+                       num_key_value_heads=a.heads, vocab_size=128,
+                       max_position_embeddings=a.seq, tie_word_embeddings=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=("llama", "gpt2"), default="llama")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--heads", type=int, default=8)
@@ -169,14 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.survey:
         return survey()
-    from transformers import LlamaConfig
-    config = LlamaConfig(num_hidden_layers=a.blocks + 1, hidden_size=a.hidden,
-                         intermediate_size=a.intermediate, num_attention_heads=a.heads,
-                         num_key_value_heads=a.heads, vocab_size=128,
-                         max_position_embeddings=a.seq, tie_word_embeddings=False)
+    config = _config(a)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(a.rows, a.seq, a.hidden, generator=g) for _ in range(a.in_flight)]
-    print(f"LLaMA stage: {a.blocks} blocks, hidden {a.hidden}, MLP {a.intermediate}, seq {a.seq}, "
+    family = "GPT-2" if a.family == "gpt2" else "LLaMA"
+    print(f"{family} stage: {a.blocks} blocks, hidden {a.hidden}, MLP {a.intermediate}, seq {a.seq}, "
           f"{a.rows} sample(s) a micro-batch, bf16 autocast on the CPU; MB = 1e6 bytes\n")
     print("| stage | weight casts | kept at 1 in flight (casts + rest) | kept at "
           f"{a.in_flight} in flight | per micro-batch in flight (casts + rest) |")
