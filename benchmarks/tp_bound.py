@@ -1,6 +1,7 @@
 """A lower bound on the iteration time of every plan of a job, tensor-parallel degrees included.
 
-    python3 benchmarks/tp_bound.py SCENARIO [--target S] [--grid N] [--steps K] [--what-if]
+    python3 benchmarks/tp_bound.py SCENARIO [--target S] [--grid N] [--steps K] [--one-path]
+                                   [--what-if]
 
 Tests whether any plan the planner can return for the job could replay in ``--target`` seconds
 (default: 20% above the physical limit) or less, for every micro-batch size and both layer
@@ -21,7 +22,8 @@ cost model's tables at ``n_s`` samples).
    ``M c_s``, its *share* ``u_s = M c_s / T <= 1``, and it takes ``w_s t_s >= t_s mbs / n_s``
    GPUs.
 2. *GPUs.* A group's stages take at most its ``N_g`` GPUs. For any prices ``lambda_g >= 0``,
-   ``sum_s lambda_{g_s} t_s mbs / n_s <= sum_g lambda_g N_g``.
+   ``sum_s lambda_{g_s} t_s ceil(mbs / n_s) <= sum_g lambda_g N_g`` (every replica computes
+   at least one sample: ``Stage.validate``).
 3. *Memory slots.* A micro-batch holds its activations on stage ``s`` from the start of its
    forward to the end of its backward (of its weight gradient where split): at least ``c_s``
    plus its forward and input gradient on every later stage, one after another. With at most
@@ -31,19 +33,40 @@ cost model's tables at ``n_s`` samples).
    layer, degree and batch, ``share`` the split's weight-gradient part; H-1F1B holds longer).
    ``q_s`` is whole, and the stage's GPU must hold its weights and state, its working set,
    the step's weight copies and ``q_s`` micro-batches of ``n_s`` samples
-   (``StageCost.memory_use``), or the replay is infeasible.
+   (``StageCost.memory_use``), or the replay is infeasible. A sharded optimizer state is split
+   over the stage's replicas, at most ``mbs - n_s + 1`` of them (each computes a sample).
 4. *Backward window.* Every backward of stage ``s`` waits for the first micro-batch's forward
    and input gradient through the later stages, ``sum_{j>s} rho c_j``, which is the load after
    ``s`` times ``T / M``: ``beta_s u_s + load * mbs / gbs <= 1``, ``beta_s`` the least share
    of the stage's compute that is its backward (over the options of its layers).
 
+5. *Warm-up chain* (every kind but ``interleaved``: each stage's list is 1F1B's shape with
+   warm-up ``w_s``, forward ``F_j`` right after the backward or input gradient of
+   ``j - w_s``, and under ``zero_bubble`` that one's ``W`` deferred by ``d_s``). With
+   ``delta = w_s - w_{s+1} + 1`` (at least 1, else the lists deadlock), the input gradient
+   ``I_k`` on ``s`` waits for ``I_{k - delta}`` on ``s``, then ``F_{k - delta + w_s}`` on
+   ``s`` and on ``s + 1``, then ``I_k`` on ``s + 1``: a chain of ``(f + i)_s + (f + i)_{s+1}``
+   per ``delta`` micro-batches, for ``k`` up to ``M - w_{s+1}``; so ``rho (u_s + u_{s+1})
+   floor((M - w_{s+1}) / delta) <= M``. Where the stage defers at most ``D``
+   (:data:`CHAIN_DEFERRAL`) weight gradients, the ``W`` after ``I_{k - delta}`` joins the
+   chain: ``(u_s + rho u_{s+1}) floor((M - w_{s+1} - D) / delta) <= M`` (1F1B's shape, whose
+   backward is whole, obeys it too); a stage that defers more holds ``D + 1`` more
+   micro-batches. The stage holds its ``w_s`` warm-up micro-batches. Where the shares are near
+   1, ``delta >= 2``: each stage's warm-up one deeper than the next one's, as in 1F1B
+   (``tests/planner/test_tp_bound.py`` checks the chain on replays of unlike stages).
+
 A plan's stages, last first, are then a path over the layer boundaries whose state is the load
-after a boundary; a step is a stage of layers ``[a, b)`` on one group, of some degree, batch
+after a boundary (rules 1 to 4; or, with rule 5 in place of 3 and 4, the warm-up and share bin
+of the stage after it); a step is a stage of layers ``[a, b)`` on one group, of some degree, batch
 ``n`` and recompute, allowed where rules 1, 3 and 4 hold, priced ``lambda_g t mbs / n``. If the
 cheapest path at some prices costs more than ``sum_g lambda_g N_g``, no plan of ``mbs`` reaches
-``T``. Prices are found by column generation: each round's are those that best separate the
+``T``. The two paths (rules 3 and 4, rule 5) are tested one after the other: either ruling
+``T`` out is enough. Prices are found by column generation: each round's are those that best separate the
 paths found so far (a small linear program solved by its vertices); where a mix of the paths
-found fits the cluster the test stops (``T`` is not ruled out).
+found fits the cluster the test stops (``T`` is not ruled out). With ``--one-path``, a target
+the prices leave is tested again on one path with every group's GPUs counted (a plan is one
+path, not a mix): a best-first search (:func:`one_path`) that drops partial paths by the
+prices' cheapest completions; where it finds none, ``T`` is ruled out.
 
 **The relaxations** (each can only admit more):
 
@@ -51,20 +74,25 @@ found fits the cluster the test stops (``T`` is not ruled out).
   the exposed gradient all-reduce, the optimizer step and a sharded state's all-gather, the
   drain after the last backward, and every per-action or per-transfer overhead a profile
   measures are left out; ``ceil(M / q_s)`` round trips count as ``M / q_s``;
-* the replica count is ``mbs / n`` (not a whole number), replicas may sit anywhere in the
-  group (one node each is not asked), the optimizer state's bytes per parameter are the least
-  any width allows (sharded over every GPU of the cluster in replicas of that degree, since a
-  stage may mix groups, or replicated);
+* the replica count is ``ceil(mbs / n)`` (the fewest whole replicas with at most ``n``
+  samples each), replicas may sit anywhere in the group (one node each is not asked), the
+  optimizer state's bytes per parameter are the least any width allows (sharded over at most
+  ``mbs - n + 1`` replicas, and at most every GPU of the cluster in replicas of that degree,
+  since a stage may mix groups, or replicated);
 * per-replica batches above 16 on a grid of ratio 9/8 (memory and share at the grid value,
   GPUs at the next one less one); recompute of the first ``r`` blocks on a grid (compute at
   the value below, memory at the one above);
 * a stage that mixes groups or gives uneven shares costs at least its cheapest kind of
   replica priced alone at its batch (its GPUs are a mix of the kinds' ``t mbs / n_k``), and
   that kind meets rules 1, 3 and 4 on its own: it is bounded as that kind alone;
+* rule 5 leaves out the transfers in the chain, takes each stage's ``(f + i) / c`` at its
+  least (``rho``), deferrals above ``D`` at ``D + 1`` and warm-ups above ``d_max`` at
+  ``d_max + 1``, and the chain's first ``delta`` micro-batches at none;
 * shares and loads on a grid of ``1 / grid``, rounded the lenient way (a stage fits a share
   bin ``k`` where its share is at most ``k / grid``, and adds ``rho (k - 1) / grid`` to the
   load, which is rounded down; memory is asked for ``floor(load + (k - 1) / grid) + 1``
-  micro-batches, all of them above ``d_max`` counted as ``d_max + 1``);
+  micro-batches, all of them above ``d_max`` counted as ``d_max + 1``; rule 5 takes each
+  share at its bin's lower end);
 * only up to ``rounds`` price vectors are tried: a target not ruled out by them counts as
   reached.
 
@@ -102,7 +130,7 @@ from hapt_hf.planner.search.tensor_parallel import node_degrees  # noqa: E402
 from hapt_hf.planner.simulate import WEIGHT_GRADIENT_SHARE  # noqa: E402
 
 __all__ = ["TpBound", "ReplicaMenu", "replica_menu", "replica_path", "rho_floor",
-           "beta_floor", "tp_lower_bound_s", "main"]
+           "beta_floor", "one_path", "tp_lower_bound_s", "main"]
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -293,13 +321,7 @@ def replica_menu(cm: CostModel, gbs: int, mbs: int, T: float, q_cap: int, grid: 
     for gi, g in enumerate(groups):
         cap = cm.capacity_bytes(g)
         for t in _degrees(cm, g):
-            # the widest a stage's optimizer state can be sharded: every GPU of the cluster
-            # (a stage may mix groups) in replicas of t
-            reps = sum(x.size for x in groups) // t
-            spb = min(state_bytes_per_param(REPLICATED, reps),
-                      state_bytes_per_param(SHARDED, reps) if reps > 1 else math.inf)
             params = np.asarray(cm.shard(t).params)
-            static = (params[B] - params[A]) * spb
             fixed = np.asarray(cm.shard(t).fixed)
             fixed_rc = np.asarray(cm.shard(t).fixed_rc)
             for sp in ([False, True] if cm.sp_allowed(t) else [False]):
@@ -309,6 +331,14 @@ def replica_menu(cm: CostModel, gbs: int, mbs: int, T: float, q_cap: int, grid: 
                 for a in range(L):
                     kmax[a, a + 1:] = sh.keep_max[a]
                 for n, n_gpus in _batch_grid(mbs):
+                    # the widest a stage's optimizer state can be sharded: over its replicas,
+                    # each computing at least one sample (plan.Stage.validate), so at most
+                    # mbs - n + 1 beside one of n, and at most every GPU of the cluster (a
+                    # stage may mix groups) in replicas of t
+                    reps = min(mbs - n + 1, sum(x.size for x in groups) // t)
+                    spb = min(state_bytes_per_param(REPLICATED, reps),
+                              state_bytes_per_param(SHARDED, reps) if reps > 1 else math.inf)
+                    static = (params[B] - params[A]) * spb
                     f, b, rf = _layer_times(cm, g, n, t, hide_tp)
                     F, Bw, RF = (np.concatenate([[0.0], np.cumsum(x)]) for x in (f, b, rf))
                     edge = 0.0
@@ -341,38 +371,94 @@ def replica_menu(cm: CostModel, gbs: int, mbs: int, T: float, q_cap: int, grid: 
                         if not ok.any():
                             continue
                         np.minimum.at(gpus[gi], (q[ok], np.maximum(k[ok], 1), A2[ok], B2[ok]),
-                                      t * mbs / n_gpus)
+                                      t * -(-mbs // n_gpus))
     # holding q or more fits a need of q; a share bin k fits every wider bin
     gpus = np.minimum.accumulate(gpus[:, ::-1], axis=1)[:, ::-1]
     gpus = np.minimum.accumulate(gpus, axis=2)
     return ReplicaMenu(groups, gpus, back, L, cm.model.layer_unit)
 
 
-def replica_path(menu: ReplicaMenu, prices: np.ndarray, sizes: np.ndarray, rho: float,
-                 grid: int, d_max: float, mbs_share: float, beta: float = 0.0
-                 ) -> tuple[float, list]:
-    """The shortest path over layer boundaries, back to front, with the state the load after
-    a boundary (on a grid of ``1 / grid``, rounded down): a step is a stage of one group in
-    share bin ``k`` (its share in ``((k - 1) / grid, k / grid]``) that holds
-    ``ceil(load + share)`` micro-batches and keeps its backward window
-    (``back share * share + load * mbs / gbs <= 1``), priced ``lambda_g`` a GPU. Returns the
-    priced GPUs over ``lambda . sizes`` (a plan needs at most 1) and the path (group, 0, a,
-    b, share bin's top, micro-batches held), first stage first."""
-    L = menu.num_layers
-    q_cap = menu.gpus.shape[1] - 1
-    with np.errstate(invalid="ignore"):
-        priced = menu.gpus * prices[:, None, None, None, None]
-    priced[~np.isfinite(menu.gpus)] = np.inf
+def _steps(menu: ReplicaMenu, grid: int, d_max: float, rho: float, mbs_share: float,
+           beta: float, chain: bool = False):
+    """The path's step rules on a grid of states: for state ``i`` after a boundary and share
+    bin ``k`` (1-based) of the stage before it, the micro-batches that stage holds, the state
+    before it, and whether its backward window shuts the step (per stage ``[a, b)``:
+    ``shut(a, b)``, states x bins). The states: the load on the grid (rule 3), or with
+    ``chain`` the warm-up depth and share bin of the stage after (rule 5; state 0: none)."""
     h = 1.0 / grid
+    q_cap = menu.gpus.shape[1] - 1
+    if chain:
+        return _chain_steps(grid, q_cap, rho, int(round(1.0 / mbs_share)))
     nd = int(round(d_max * grid))
     i = np.arange(nd + 1)[:, None]
     k = np.arange(1, grid + 1)[None, :]
     q_need = np.minimum(np.floor((i + k - 1) * h).astype(int) + 1, q_cap)
     nxt = np.minimum(np.floor(i + rho * (k - 1) + 1e-9).astype(int), nd)
-    kk_idx = np.broadcast_to(k, q_need.shape)
     kh = np.broadcast_to(k * h, q_need.shape)
     load = np.broadcast_to(i * h * mbs_share, q_need.shape)
     back = np.maximum(menu.back_share, beta)
+
+    def shut(a: int, b: int) -> np.ndarray:
+        return back[a, b] * (kh - h) + load > 1.0 + 1e-12
+    return nd, q_need, nxt, shut, np.arange(1, grid + 1)
+
+
+CHAIN_DEFERRAL = 8
+"""Rule 5 weighs a stage's deferred weight gradients up to this many apart (see the module's
+docstring): a stage deferring more holds this many more micro-batches."""
+
+
+def _chain_steps(grid: int, w_cap: int, rho: float, M: int, d_cap: int = CHAIN_DEFERRAL):
+    """Rule 5's steps (see the module's docstring): state ``1 + (w' - 1) grid + k' - 1`` is a
+    stage after of warm-up ``w'`` (``w_cap``: at least it) and share bin ``k'``; state 0
+    none. A step is a share bin ``k`` and whether the stage defers at most ``d_cap`` weight
+    gradients (its chain then counts its own weight gradient) or more (it holds ``d_cap + 1``
+    more micro-batches); the stage takes the least warm-up ``w = w' - 1 + delta`` the rule
+    allows, holds ``min(w, M)`` (plus the deferred), and passes its own state on. Returns the
+    steps' columns as ``(n_states - 1, q_need, nxt, shut, kmap)``, ``kmap`` each column's
+    share bin."""
+    h = 1.0 / grid
+    n_states = 1 + w_cap * grid
+    q_need = np.ones((n_states, 2 * grid), dtype=int)
+    nxt = np.zeros((n_states, 2 * grid), dtype=int)
+    kmap = np.tile(np.arange(1, grid + 1), 2)
+    for col in range(2 * grid):
+        k, deep = kmap[col], col >= grid
+        for w2 in range(0, w_cap + 1):
+            for k2 in range(1, grid + 1) if w2 else (1,):
+                i = 0 if w2 == 0 else 1 + (w2 - 1) * grid + (k2 - 1)
+                if w2 == 0:
+                    w = 1                                     # the last stage
+                else:
+                    u, u2 = (k - 1) * h, (k2 - 1) * h         # lenient: the bins' lower ends
+                    pace = rho * (u + u2) if deep else u + rho * u2
+                    span = max(M - w2 - (0 if deep else d_cap), 0)
+                    delta = 1
+                    if pace > 0:
+                        # the least delta with pace * floor(span / delta) <= M
+                        while pace * (span // delta) > M * (1 + 1e-12):
+                            delta += 1
+                    w = min(w2 - 1 + delta, w_cap, M)
+                q_need[i, col] = min(w + (d_cap + 1 if deep else 0), w_cap, M)
+                nxt[i, col] = 1 + (w - 1) * grid + (k - 1)
+    never = np.zeros((n_states, 2 * grid), dtype=bool)
+
+    def shut(a: int, b: int) -> np.ndarray:
+        return never
+    return n_states - 1, q_need, nxt, shut, kmap
+
+
+def _cover(menu: ReplicaMenu, prices: np.ndarray, grid: int, d_max: float, rho: float,
+           mbs_share: float, beta: float, chain: bool = False):
+    """The dynamic programme under ``replica_path``: ``G[b, i]``, the least priced GPUs of
+    stages covering layers ``[0, b)`` where the stages after ``b`` put load state ``i`` on
+    them, and each entry's last stage (its first layer, share bin index, group)."""
+    L = menu.num_layers
+    with np.errstate(invalid="ignore"):
+        priced = menu.gpus * prices[:, None, None, None, None]
+    priced[~np.isfinite(menu.gpus)] = np.inf
+    nd, q_need, nxt, shut, kmap = _steps(menu, grid, d_max, rho, mbs_share, beta, chain)
+    kk_idx = np.broadcast_to(kmap[None, :], q_need.shape)
     G = np.full((L + 1, nd + 1), np.inf)
     G[0] = 0.0
     ch_a = np.zeros((L + 1, nd + 1), dtype=int)
@@ -387,13 +473,13 @@ def replica_path(menu: ReplicaMenu, prices: np.ndarray, sizes: np.ndarray, rho: 
         for a in range(b):
             if not np.isfinite(G[a]).any():
                 continue
-            shut = back[a, b] * (kh - h) + load > 1.0 + 1e-12
+            closed = shut(a, b)
             for gi in range(len(menu.groups)):
                 tab = priced[gi, :, :, a, b]
                 if not np.isfinite(tab[1, grid]):
                     continue
                 cand = tab[q_need, kk_idx] + G_next[a]
-                cand[shut] = np.inf
+                cand[closed] = np.inf
                 best_k = cand.argmin(axis=1)
                 v = cand[rows, best_k]
                 upd = v < row
@@ -402,16 +488,102 @@ def replica_path(menu: ReplicaMenu, prices: np.ndarray, sizes: np.ndarray, rho: 
         G[b] = row
         ch_a[b], ch_k[b], ch_g[b] = ra, rk, rg
         G_next[b] = row[nxt]
+    return G, ch_a, ch_k, ch_g, q_need, nxt, kmap
+
+
+def replica_path(menu: ReplicaMenu, prices: np.ndarray, sizes: np.ndarray, rho: float,
+                 grid: int, d_max: float, mbs_share: float, beta: float = 0.0,
+                 chain: bool = False) -> tuple[float, list]:
+    """The shortest path over layer boundaries, back to front, with the state the load after
+    a boundary (on a grid of ``1 / grid``, rounded down): a step is a stage of one group in
+    share bin ``k`` (its share in ``((k - 1) / grid, k / grid]``) that holds
+    ``ceil(load + share)`` micro-batches and keeps its backward window
+    (``back share * share + load * mbs / gbs <= 1``), priced ``lambda_g`` a GPU. Returns the
+    priced GPUs over ``lambda . sizes`` (a plan needs at most 1) and the path (group, 0, a,
+    b, share bin's top, micro-batches held), first stage first."""
+    L = menu.num_layers
+    h = 1.0 / grid
+    G, ch_a, ch_k, ch_g, q_need, nxt, kmap = _cover(menu, prices, grid, d_max, rho, mbs_share, beta,
+                                              chain)
     total = G[L, 0]
     path = []
     b, st = L, 0
     while b > 0 and np.isfinite(total):
         a, kx, gi = ch_a[b, st], ch_k[b, st], ch_g[b, st]
         q = int(q_need[st, kx])
-        path.append((int(gi), 0, int(a), int(b), float((kx + 1) * h), q, int(kx + 1)))
+        path.append((int(gi), 0, int(a), int(b), float(kmap[kx] * h), q, int(kmap[kx])))
         b, st = a, nxt[st, kx]
     path.reverse()
     return float(total / float(prices @ sizes)), path
+
+
+LABEL_CAP = 1_000_000
+"""Partial paths the one-path search makes at most before it gives up (undecided)."""
+
+
+def one_path(menu: ReplicaMenu, price_list: list[np.ndarray], sizes: np.ndarray, rho: float,
+             grid: int, d_max: float, mbs_share: float, beta: float = 0.0,
+             cap: int = LABEL_CAP, chain: bool = False) -> tuple[bool | None, list, int]:
+    """Whether one path fits the cluster with every group's GPUs counted (a plan is one path;
+    the prices' test admits mixes of paths). A best-first search from the last layer: each
+    partial path carries the GPUs it takes of each group and is dropped where a group runs
+    out, where its cheapest completion at any of ``price_list`` (``_cover``) passes that
+    price's budget, or where a partial path at the same boundary with no more load and no
+    more GPUs of any group was expanded before; the partial paths are expanded in order of
+    their least total at the last prices. Returns (True: found, with the path as
+    ``replica_path`` gives it; False: none exists; None: more than ``cap`` partial paths made,
+    undecided; the path; partial paths made)."""
+    import heapq
+    L, n_groups = menu.num_layers, len(menu.groups)
+    h = 1.0 / grid
+    _, q_need, nxt, shut, kmap = _steps(menu, grid, d_max, rho, mbs_share, beta, chain)
+    covers = [_cover(menu, p, grid, d_max, rho, mbs_share, beta, chain)[0] for p in price_list]
+    P = np.asarray(price_list)
+    budget = P @ sizes + 1e-9
+
+    def no_worse(j: int, i: int) -> bool:
+        """State ``j`` admits every step state ``i`` does: no more load; under rule 5 a stage
+        after of no deeper warm-up and no larger share bin (or the same state)."""
+        if not chain or j == i:
+            return j <= i
+        if j == 0 or i == 0:
+            return False
+        return (j - 1) // grid <= (i - 1) // grid and (j - 1) % grid <= (i - 1) % grid
+    heap = [(float(covers[-1][L, 0]), 0, L, 0, (0.0,) * n_groups, ())]
+    expanded: dict[int, list] = {}
+    closed_at: dict[int, np.ndarray] = {}
+    made = 0
+    while heap:
+        _, _, b, i, use_t, path = heapq.heappop(heap)
+        if b == 0:
+            return True, [(g, 0, a, bb, u, q, k) for g, a, bb, u, q, k in path], made
+        use = np.asarray(use_t)
+        seen = expanded.setdefault(b, [])
+        if any(no_worse(j, i) and np.all(u <= use) for j, u in seen):
+            continue
+        seen.append((i, use))
+        if b not in closed_at:
+            closed_at[b] = np.stack([shut(a, b) for a in range(b)], axis=-1)
+        c = menu.gpus[:, :, :, :b, b][:, q_need[i], kmap, :]        # (groups, steps, a)
+        gi, ki, ai = np.nonzero(np.isfinite(c) & ~closed_at[b][i][None])
+        if gi.size == 0:
+            continue
+        new = np.repeat(use[None, :], gi.size, axis=0)
+        new[np.arange(gi.size), gi] += c[gi, ki, ai]
+        st = nxt[i, ki]
+        fine = np.all(new <= sizes + 1e-9, axis=1)
+        for pi in range(len(P)):
+            fine &= new @ P[pi] + covers[pi][ai, st] <= budget[pi]
+        est = new @ P[-1] + covers[-1][ai, st]
+        for j in np.nonzero(fine)[0]:
+            made += 1
+            step = (int(gi[j]), int(ai[j]), b, float(kmap[ki[j]] * h), int(q_need[i, ki[j]]),
+                    int(kmap[ki[j]]))
+            heapq.heappush(heap, (float(est[j]), made, int(ai[j]), int(st[j]), tuple(new[j]),
+                                  (step,) + path))
+        if made > cap:
+            return None, [], made
+    return False, [], made
 
 
 def replica_use(menu: ReplicaMenu, path) -> np.ndarray:
@@ -442,13 +614,16 @@ class TpBound:
 
 
 def _need(menu: ReplicaMenu, sizes: np.ndarray, speed: np.ndarray, rho: float, beta: float,
-          grid: int, d_max: float, mbs_share: float, rounds: int) -> tuple[bool, float, list]:
+          grid: int, d_max: float, mbs_share: float, rounds: int, exact: bool = False,
+          chain: bool = False) -> tuple[bool, float, list]:
     """Column generation over group prices: (whether some prices rule the target out, the
     largest fraction of the cluster a path needed, that path)."""
     prices = speed / (speed @ sizes)
-    best, best_path, uses = -math.inf, [], []
+    best, best_path, uses, tried = -math.inf, [], [], []
     for _ in range(rounds):
-        val, path = replica_path(menu, prices, sizes, rho, grid, d_max, mbs_share, beta)
+        val, path = replica_path(menu, prices, sizes, rho, grid, d_max, mbs_share, beta,
+                                 chain)
+        tried.append(prices)
         if not path:
             return True, math.inf, []
         if val > best:
@@ -457,18 +632,29 @@ def _need(menu: ReplicaMenu, sizes: np.ndarray, speed: np.ndarray, rho: float, b
             return True, best, best_path
         uses.append(replica_use(menu, path))
         prices, mix = best_prices(uses, sizes)
-        if mix <= 1.0 + 1e-9:   # a mix of these paths fits the cluster: not ruled out
+        if mix <= 1.0 + 1e-9:   # a mix of these paths fits the cluster
+            tried.append(prices)
             break
+    if exact:
+        found, path, _ = one_path(menu, tried, sizes, rho, grid, d_max, mbs_share, beta,
+                                  chain=chain)
+        if found is False:      # no one path fits: ruled out
+            return True, best, best_path
+        if found:
+            return False, best, path
     return False, best, best_path
 
 
 def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                      target: float, grid: int = 8, d_max: float = 24.0, rounds: int = 25,
-                     steps: int = 5, hide_tp: bool = False, log=None) -> TpBound:
+                     steps: int = 5, hide_tp: bool = False, exact: bool = False,
+                     rules: tuple[str, ...] = ("load", "chain"), log=None) -> TpBound:
     """The bound of the module's docstring. Every layer unit and micro-batch size is first
     tested at ``target``; those it does not rule out are bisected between the physical limit
     and ``target`` in ``steps`` halvings. ``bound_s`` is the least lower end, ``target``
-    itself where every size is ruled out there (a certificate that no plan reaches it)."""
+    itself where every size is ruled out there (a certificate that no plan reaches it). With
+    ``exact``, a target the prices do not rule out is tested again with one path, every
+    group's GPUs counted (:func:`one_path`; undecided counts as reached)."""
     from hapt_hf.planner.search import divisors
     gbs = global_batch_size
     sizes = np.array([g.size for g in cluster.groups], dtype=float)
@@ -485,7 +671,13 @@ def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
 
             def test(T: float, cm=cm, mbs=mbs, speed=speed, rho=rho, beta=beta, q_cap=q_cap):
                 menu = replica_menu(cm, gbs, mbs, T, q_cap, grid, hide_tp)
-                return _need(menu, sizes, speed, rho, beta, grid, d_max, mbs / gbs, rounds)
+                got = None
+                for rule in rules:   # each rule alone is necessary: ruled out by either
+                    got = _need(menu, sizes, speed, rho, beta, grid, d_max, mbs / gbs, rounds,
+                                exact, chain=rule == "chain")
+                    if got[0]:
+                        break
+                return got
 
             out, need, path = test(target)
             lo, hi = (target, target) if out else (limit, target)
@@ -523,6 +715,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to test (default: 20%% above the physical limit)")
     ap.add_argument("--grid", type=int, default=8, help="shares and loads in steps of 1/grid")
     ap.add_argument("--steps", type=int, default=5, help="halvings of each bisection")
+    ap.add_argument("--one-path", action="store_true",
+                    help="where the prices do not rule a target out, search one path with "
+                         "every group's GPUs counted (slower)")
     ap.add_argument("--what-if", action="store_true",
                     help="also with the tensor-parallel collectives hidden")
     args = ap.parse_args(argv)
@@ -537,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\nwhat-if: the tensor-parallel collectives hidden")
         c0 = time.process_time()
         got = tp_lower_bound_s(job.model, job.cluster, gbs, target, args.grid,
-                               steps=args.steps, hide_tp=hide, log=print)
+                               steps=args.steps, hide_tp=hide, exact=args.one_path, log=print)
         verdict = ("no plan in scope reaches it: a certificate" if got.bound_s >= target
                    else "not ruled out")
         print(f"bound {got.bound_s:.3f} s ({got.bound_s / limit - 1:+.2%} above the limit; "
