@@ -108,6 +108,7 @@ what-if of this script, not a cost the cost model prices.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import sys
@@ -408,6 +409,7 @@ CHAIN_DEFERRAL = 8
 docstring): a stage deferring more holds this many more micro-batches."""
 
 
+@functools.lru_cache(maxsize=32)
 def _chain_steps(grid: int, w_cap: int, rho: float, M: int, d_cap: int = CHAIN_DEFERRAL):
     """Rule 5's steps (see the module's docstring): state ``1 + (w' - 1) grid + k' - 1`` is a
     stage after of warm-up ``w'`` (``w_cap``: at least it) and share bin ``k'``; state 0
