@@ -26,19 +26,32 @@ into that tensor's memory (:func:`~hapt_hf.pipeline.direct_read.read_direct`: on
 bytes, where DCP's own path deserialises a copy of them and copies that); the rest goes through
 DCP's own path. After a load, :attr:`LocalFirstReader.stats` says what came from
 where; the reader logs one line of it.
+
+Every request of a copy (each file's upload, each marker's write, rank 0's look for the other
+ranks' markers) is retried where its error is plausibly transient (:func:`transient`: a
+timeout, a reset or refused connection, an object store's "slow down" or 5xx) after a wait of
+``upload_backoff_s`` doubling each time, times a random factor in [0.5, 1], at most
+``upload_attempts`` attempts and ``upload_retry_s`` seconds per request; an error no retry
+can mend (permission denied, no such bucket or path, a local file missing) fails the copy at
+once. fsspec's generic layer does not retry; s3fs and gcsfs retry some errors inside each
+request, and these retries come on top of theirs. A request retried overwrites what its failed
+attempt may have left, and the rule that says a copy is whole (:func:`copy_whole`) reads the
+markers alone, each written only after every file before it is up.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import errno
 import io
 import json
 import logging
 import os
+import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +66,7 @@ from hapt_hf.errors import CheckpointError
 from hapt_hf.pipeline.direct_read import read_direct
 
 __all__ = ["CheckpointStore", "Upload", "LocalFirstReader", "ReadStats", "METADATA_FILE",
-           "COMPLETE_MARKER", "copy_whole", "copy_unfinished"]
+           "COMPLETE_MARKER", "copy_whole", "copy_unfinished", "transient"]
 
 logger = logging.getLogger("hapt_hf.checkpoint")
 
@@ -67,6 +80,35 @@ SAVE_ID_SUFFIX = ".save-id"
 """Beside each local file: the id of the save that wrote it (the remote's marker names it)."""
 FAILED = ".failed-{rank}"
 """Written (if it can be) by a rank whose copy failed, so that rank 0 stops waiting for it."""
+
+
+MAX_BACKOFF_S = 60.0
+"""The longest wait between two attempts of one request, however many attempts are allowed."""
+TRANSIENT_ERRNOS = frozenset({errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO), errno.EBUSY,
+                              errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                              errno.ECONNREFUSED, errno.EPIPE, errno.ENETDOWN, errno.ENETUNREACH,
+                              errno.ENETRESET, errno.EHOSTUNREACH})
+"""An ``OSError``'s codes that a retry may mend (s3fs raises EBUSY for a 503 or "SlowDown",
+EREMOTEIO for a 500, EIO for an error it does not know)."""
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+"""HTTP statuses that a retry may mend (an error of another class that carries one)."""
+_JITTER = random.Random()  # not the global generator: training's Python RNG state is checkpointed
+
+
+def transient(error: BaseException) -> bool:
+    """Whether a request that raised ``error`` may succeed if tried again: a timeout, a
+    connection error, an ``OSError`` whose code is in :data:`TRANSIENT_ERRNOS`, or an error
+    carrying an HTTP status in :data:`TRANSIENT_STATUS`; never a permission error or a path
+    that is not there (nor is, or is not, a directory)."""
+    if isinstance(error, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(error, OSError):
+        return not isinstance(error, (PermissionError, FileNotFoundError, FileExistsError,
+                                      NotADirectoryError, IsADirectoryError)) \
+            and error.errno in TRANSIENT_ERRNOS
+    status = next((s for s in (getattr(error, a, None) for a in ("status", "status_code", "code"))
+                   if isinstance(s, int)), None)
+    return status in TRANSIENT_STATUS
 
 
 def copy_whole(directory: str | os.PathLike, fs: Any = None) -> bool:
@@ -130,6 +172,8 @@ class Upload:
         self.store, self.name, self.files = store, name, files
         self.rank, self.world_size, self.save_id = rank, world_size, save_id
         self.error: BaseException | None = None
+        self.gave_up = ""
+        """Where the copy stopped retrying a transient error: the file, attempts and time."""
         self.seconds = 0.0
         """How long the copy took (set when it ends)."""
         self._thread = threading.Thread(target=self._run, name=f"hapt-upload-{name}", daemon=True)
@@ -153,7 +197,8 @@ class Upload:
         if self.error is not None:
             raise CheckpointError(f"the upload of {self.name!r} to {self.store.remote!r} failed "
                                   f"on rank {self.rank} ({type(self.error).__name__}: "
-                                  f"{self.error}); the local copy in {str(self.store.local_dir)!r} "
+                                  f"{self.error}{'; ' + self.gave_up if self.gave_up else ''}); "
+                                  f"the local copy in {str(self.store.local_dir)!r} "
                                   "is intact, the remote copy is incomplete") from None
 
     def _run(self) -> None:
@@ -161,15 +206,15 @@ class Upload:
         try:
             fs, root = self.store.remote_fs()
             remote = _join(root, self.name)
-            fs.makedirs(remote, exist_ok=True)
+            self._retried(remote, fs.makedirs, remote, exist_ok=True)
             local = self.store.local_path(self.name)
             sizes = {}
             for f in self.files:
                 if f != METADATA_FILE:
-                    fs.put_file(str(local / f), _join(remote, f))
+                    self._retried(f, fs.put_file, str(local / f), _join(remote, f))
                     sizes[f] = (local / f).stat().st_size
-            fs.pipe_file(_join(remote, UPLOADED.format(rank=self.rank)),
-                         json.dumps(sizes).encode())
+            self._write_marker(fs, _join(remote, UPLOADED.format(rank=self.rank)),
+                               json.dumps(sizes).encode())
             if self.rank == 0:
                 self._mark_complete(fs, remote, local)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
@@ -178,22 +223,68 @@ class Upload:
                 self._report_failure(e)
         self.seconds = time.monotonic() - start
 
+    def _retried(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``, a request of this copy about ``what`` (a file, a marker),
+        tried again after an error :func:`transient` says a retry may mend: after
+        ``upload_backoff_s`` doubled at each attempt (at most :data:`MAX_BACKOFF_S`) times a
+        random factor in [0.5, 1], for at most ``upload_attempts`` attempts and
+        ``upload_retry_s`` seconds; each retry logged once (WARNING). Any other error, or the
+        last attempt's, is raised as it came."""
+        store, start = self.store, time.monotonic()
+        for attempt in range(1, store.upload_attempts + 1):
+            try:
+                return call(*args, **kwargs)
+            except Exception as e:
+                if not transient(e):
+                    raise
+                spent = time.monotonic() - start
+                wait = min(store.upload_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) \
+                    * _JITTER.uniform(0.5, 1.0)
+                if attempt == store.upload_attempts or spent + wait > store.upload_retry_s:
+                    self.gave_up = (f"{what}: gave up after {attempt} attempt(s) of "
+                                    f"{store.upload_attempts} in {spent:.1f} s")
+                    raise
+                logger.warning("rank %d: copying %s of %r to %s failed (attempt %d of %d: %s: %s); "
+                               "retrying in %.2f s", self.rank, what, self.name, store.remote,
+                               attempt, store.upload_attempts, type(e).__name__, e, wait)
+                time.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _write_marker(self, fs, path: str, data: bytes) -> None:
+        """Write a marker (retried); one its last attempt may have left in part is removed,
+        so that the marker is there only if it was written."""
+        try:
+            self._retried(path.rsplit("/", 1)[-1], fs.pipe_file, path, data)
+        except Exception:
+            try:
+                if fs.exists(path):
+                    fs.rm_file(path)
+            except Exception:  # noqa: BLE001 - the remote itself may be what failed
+                pass
+            raise
+
     def _report_failure(self, error: BaseException) -> None:
+        note = self.gave_up  # the copy's own, not this report's
         try:
             fs, root = self.store.remote_fs()
-            fs.pipe_file(_join(_join(root, self.name), FAILED.format(rank=self.rank)),
-                         f"{type(error).__name__}: {error}".encode())
+            self._retried(FAILED.format(rank=self.rank), fs.pipe_file,
+                          _join(_join(root, self.name), FAILED.format(rank=self.rank)),
+                          f"{type(error).__name__}: {error}".encode())
         except Exception:  # noqa: BLE001 - the remote itself may be what failed
             pass
+        self.gave_up = note
 
     def _mark_complete(self, fs, remote: str, local: Path) -> None:
         """Once every rank's files are there: the metadata, then the marker (so that a remote
         copy with DCP's ``.metadata`` holds every file it names, as one DCP wrote does)."""
         deadline = time.monotonic() + self.store.upload_timeout_s
         wanted = [_join(remote, UPLOADED.format(rank=r)) for r in range(self.world_size)]
-        while missing := [w for w in wanted if not fs.exists(w)]:
+        def there(path: str) -> bool:
+            return self._retried(path.rsplit("/", 1)[-1], fs.exists, path)
+
+        while missing := [w for w in wanted if not there(w)]:
             failed = [r for r in range(1, self.world_size)
-                      if fs.exists(_join(remote, FAILED.format(rank=r)))]
+                      if there(_join(remote, FAILED.format(rank=r)))]
             if failed:
                 raise RuntimeError(f"the copy of rank(s) {failed} failed (see their "
                                    f"{FAILED.format(rank='N')} in the remote copy)")
@@ -201,9 +292,10 @@ class Upload:
                 raise TimeoutError(f"{len(missing)} rank(s) never finished uploading "
                                    f"(no {', '.join(m.rsplit('/', 1)[1] for m in missing)})")
             time.sleep(self.store.poll_s)
-        fs.put_file(str(local / METADATA_FILE), _join(remote, METADATA_FILE))
-        fs.pipe_file(_join(remote, COMPLETE_MARKER),
-                     json.dumps({"world_size": self.world_size, "save_id": self.save_id}).encode())
+        self._retried(METADATA_FILE, fs.put_file, str(local / METADATA_FILE),
+                      _join(remote, METADATA_FILE))
+        self._write_marker(fs, _join(remote, COMPLETE_MARKER), json.dumps(
+            {"world_size": self.world_size, "save_id": self.save_id}).encode())
 
 
 @dataclass
@@ -523,9 +615,26 @@ class CheckpointStore:
     upload_timeout_s: float = 3600.0
     """How long rank 0's upload waits for the other ranks' before giving up on the marker."""
     poll_s: float = 0.05
+    upload_attempts: int = 5
+    """Most attempts of each request of a copy (a file's upload, a marker's write) whose error
+    may be transient (:func:`transient`); 1: none retried."""
+    upload_backoff_s: float = 1.0
+    """The wait before a request's second attempt, doubled before each next one (at most
+    :data:`MAX_BACKOFF_S`), each wait times a random factor in [0.5, 1]."""
+    upload_retry_s: float = 600.0
+    """Most seconds one request's attempts and waits may take: no retry begins whose wait
+    would end past it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_dir", Path(self.local_dir))
+        if isinstance(self.upload_attempts, bool) or not isinstance(self.upload_attempts, int) \
+                or self.upload_attempts < 1:
+            raise CheckpointError(f"upload_attempts is {self.upload_attempts!r}; give a whole "
+                                  "number of attempts >= 1 (1: no retries)")
+        for name in ("upload_backoff_s", "upload_retry_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise CheckpointError(f"{name} is {value!r}; give a number of seconds >= 0")
         if not isinstance(self.remote, str) or not self.remote:
             raise CheckpointError(f"the remote copy's location must be a path or fsspec URL "
                                   f"(e.g. /shared/run or s3://bucket/run), not {self.remote!r}")
