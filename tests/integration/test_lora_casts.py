@@ -178,6 +178,18 @@ def _assert_bit_for_bit(a: dict, b: dict) -> None:
         assert torch.equal(a["params"][n], b["params"][n]), f"{n} differs after the steps"
 
 
+def _assert_one_cast_per_step(own: dict, shared: dict, frozen: int, trained: int) -> None:
+    """Each micro-batch its own casts without sharing (``frozen`` and ``trained`` per
+    micro-batch); with it one of each for the step, every micro-batch after the first taking
+    the first one's; and the two runs bit for bit alike."""
+    assert own["frozen"] == [N * frozen] * STEPS
+    assert own["trained"] == [N * trained] * STEPS
+    assert shared["frozen"] == [frozen] * STEPS
+    assert shared["trained"] == [trained] * STEPS
+    assert shared["shared"] == [(N - 1) * (frozen + trained)] * STEPS
+    _assert_bit_for_bit(own, shared)
+
+
 @pytest.mark.parametrize("last", [False, True], ids=["blocks", "blocks+head"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_one_cast_of_each_frozen_weight_per_step_bit_for_bit(dtype, last):
@@ -185,13 +197,7 @@ def test_one_cast_of_each_frozen_weight_per_step_bit_for_bit(dtype, last):
     trained = BLOCKS * ADAPTERS_PER_BLOCK
     own = _train(_stage(last), dtype, share=False, last=last)
     shared = _train(_stage(last), dtype, share=True, last=last)
-    assert own["frozen"] == [N * frozen] * STEPS  # each micro-batch its own casts
-    assert own["trained"] == [N * trained] * STEPS
-    assert shared["frozen"] == [frozen] * STEPS
-    assert shared["trained"] == [trained] * STEPS
-    # every micro-batch after the first took the first one's casts
-    assert shared["shared"] == [(N - 1) * (frozen + trained)] * STEPS
-    _assert_bit_for_bit(own, shared)
+    _assert_one_cast_per_step(own, shared, frozen, trained)
 
 
 @pytest.mark.parametrize("last", [False, True], ids=["blocks", "blocks+head"])
@@ -207,12 +213,7 @@ def test_one_cast_of_each_frozen_conv1d_weight_per_step_bit_for_bit(dtype, last)
     trained = BLOCKS * GPT2_ADAPTERS_PER_BLOCK
     own = _train(stage, dtype, share=False, last=last)
     shared = _train(_stage(last, family="gpt2"), dtype, share=True, last=last)
-    assert own["frozen"] == [N * frozen] * STEPS  # each micro-batch its own casts
-    assert own["trained"] == [N * trained] * STEPS
-    assert shared["frozen"] == [frozen] * STEPS
-    assert shared["trained"] == [trained] * STEPS
-    assert shared["shared"] == [(N - 1) * (frozen + trained)] * STEPS
-    _assert_bit_for_bit(own, shared)
+    _assert_one_cast_per_step(own, shared, frozen, trained)
 
 
 def test_a_frozen_conv1d_block_keeps_one_cast_per_step_bit_for_bit():
@@ -220,13 +221,8 @@ def test_a_frozen_conv1d_block_keeps_one_cast_per_step_bit_for_bit():
     weights kept once for the step, the trained blocks' casts shared as before."""
     own = _train(_frozen_first_block_stage(), "bf16", share=False, last=False)
     shared = _train(_frozen_first_block_stage(), "bf16", share=True, last=False)
-    trained = (BLOCKS - 1) * GPT2_FROZEN_PER_BLOCK
-    assert own["frozen"] == [N * GPT2_FROZEN_PER_BLOCK] * STEPS
-    assert own["trained"] == [N * trained] * STEPS
-    assert shared["frozen"] == [GPT2_FROZEN_PER_BLOCK] * STEPS
-    assert shared["trained"] == [trained] * STEPS
-    assert shared["shared"] == [(N - 1) * (GPT2_FROZEN_PER_BLOCK + trained)] * STEPS
-    _assert_bit_for_bit(own, shared)
+    _assert_one_cast_per_step(own, shared, GPT2_FROZEN_PER_BLOCK,
+                              (BLOCKS - 1) * GPT2_FROZEN_PER_BLOCK)
 
 
 def test_recomputed_blocks_keep_no_cast_of_their_frozen_weights():
