@@ -267,25 +267,107 @@ def rescaled_scheduler(saved: dict[str, Any], fresh: dict[str, Any], old: RunSha
     ``num_processes`` steps per update, and its scheduler is built for that count (as
     Accelerate asks: warm-up and total steps times ``num_processes``); then the position
     (``last_epoch``, ``_step_count``) is moved into this run's count and the rest is the
-    scheduler as this run built it (``fresh``). Otherwise the saved state as it is."""
+    scheduler as this run built it (``fresh``). Otherwise the saved state as it is.
+
+    A scheduler of schedulers moves its children too: a ChainedScheduler's each by its own
+    count; a SequentialLR's own count, its milestones being this run's (built times
+    ``num_processes`` as the children's lengths, so they must fall on the saved run's optimizer
+    steps) and each child at the count this run's SequentialLR gives it there (a child not
+    started yet stays as built). Refused, naming what: a count that is not a whole number of
+    optimizer steps, a child that counts its position in other fields too
+    (CosineAnnealingWarmRestarts' ``T_cur``, ReduceLROnPlateau's patience), a child that is
+    itself a scheduler of schedulers, and children or milestones that differ from this run's."""
     p_old = old.num_processes if old.scheduler_per_process else 1
     p_new = new.num_processes if new.scheduler_per_process else 1
     if p_old == p_new:
         return saved
-    if "_schedulers" in saved or "last_epoch" not in saved:
-        raise CheckpointError(f"load_state: the LR scheduler steps {p_old} times per optimizer "
-                              f"step in the saved run and {p_new} times in this one, and its "
-                              "state (a scheduler of schedulers, or not an LRScheduler) cannot "
-                              f"be moved between the two; load it on {old.num_processes} "
-                              "processes, or prepare with split_batches=True")
-    updates, rest = divmod(saved["last_epoch"], p_old)
-    if rest:
-        raise CheckpointError(f"load_state: the saved LR scheduler stands at step "
-                              f"{saved['last_epoch']}, not a whole number of optimizer steps "
-                              f"of {p_old} scheduler steps each (capped at its total_steps?); "
-                              f"load it on {old.num_processes} processes")
-    return {**fresh, "last_epoch": updates * p_new, "_last_lr": saved.get("_last_lr", fresh.get("_last_lr")),
-            "_step_count": saved["_step_count"] + updates * (p_new - p_old)}
+
+    def refused(what: str, why: str) -> CheckpointError:
+        return CheckpointError(f"load_state: the LR scheduler steps {p_old} times per optimizer "
+                               f"step in the saved run and {p_new} times in this one, and {what} "
+                               f"cannot be moved between the two ({why}); load it on "
+                               f"{old.num_processes} processes, or prepare with split_batches=True")
+
+    def updates(state: dict[str, Any], what: str) -> int:
+        whole, rest = divmod(state["last_epoch"], p_old)
+        if rest:
+            raise CheckpointError(f"load_state: {what} stands at step {state['last_epoch']}, "
+                                  f"not a whole number of optimizer steps of {p_old} scheduler "
+                                  "steps each (capped at its total_steps?); load it on "
+                                  f"{old.num_processes} processes")
+        return whole
+
+    if "_schedulers" not in saved:
+        if (why := _unmovable(saved)) is not None:
+            raise refused("its state", why)
+        return _at_count(saved, fresh, updates(saved, "the saved LR scheduler") * p_new)
+    kind = _composite_kind(saved)
+    if kind is None:
+        raise refused("its state", "a scheduler of schedulers other than SequentialLR and "
+                                   "ChainedScheduler")
+    if _composite_kind(fresh) != kind:
+        raise refused(f"the {kind}", f"this run's scheduler is not a {kind}")
+    olds, news = saved["_schedulers"], fresh["_schedulers"]
+    if len(olds) != len(news):
+        raise refused(f"the {kind}", f"it held {len(olds)} schedulers in the saved run, "
+                                     f"{len(news)} in this one")
+    for i, (child, built) in enumerate(zip(olds, news)):
+        why = _unmovable(child, composite_child=True)
+        if why is None and set(child) != set(built):
+            why = "this run's child there is another kind of scheduler"
+        if why is not None:
+            raise refused(f"child {i} of the {kind}", why)
+    if kind == "ChainedScheduler":  # every child steps at every step: each by its own count
+        children = [_at_count(child, built,
+                              updates(child, f"child {i} of the saved ChainedScheduler") * p_new)
+                    for i, (child, built) in enumerate(zip(olds, news))]
+        return {**fresh, "_last_lr": saved["_last_lr"], "_schedulers": children}
+    was, now = list(saved["_milestones"]), list(fresh["_milestones"])
+    if len(was) != len(now) or any(a * p_new != b * p_old for a, b in zip(was, now)):
+        raise refused("the SequentialLR", f"its milestones {was} of the saved run fall at "
+                                          f"other optimizer steps than this run's {now}; build "
+                                          "them, as the children's lengths, times num_processes")
+    count = updates(saved, "the saved SequentialLR") * p_new
+    children = []
+    for i, (child, built) in enumerate(zip(olds, news)):
+        start = now[i - 1] if i else 0
+        if count < start:  # not started yet (as in the saved run): as this run built it
+            children.append(built)
+            continue
+        last = count if i == len(now) else min(count, now[i] - 1)
+        children.append(_at_count(child, built, last - start))
+    return {**fresh, "last_epoch": count, "_last_lr": saved["_last_lr"], "_schedulers": children}
+
+
+def _composite_kind(state: dict[str, Any]) -> str | None:
+    """Which scheduler of schedulers a state is (None: another, or none)."""
+    if "_schedulers" not in state:
+        return None
+    return ("SequentialLR" if "_milestones" in state else
+            "ChainedScheduler" if "last_epoch" not in state else None)
+
+
+def _unmovable(state: dict[str, Any], composite_child: bool = False) -> str | None:
+    """Why a scheduler's state cannot be moved to another count by its ``last_epoch`` (and
+    ``_step_count``) alone; None where it can."""
+    if "_schedulers" in state and composite_child:
+        return "it is itself a scheduler of schedulers"
+    if "last_epoch" not in state:
+        return "its state holds no step count: not an LRScheduler"
+    if "T_cur" in state:
+        return "it counts its place in the cycle in T_cur as well (CosineAnnealingWarmRestarts)"
+    if "num_bad_epochs" in state:
+        return "it counts its patience in steps (ReduceLROnPlateau)"
+    return None
+
+
+def _at_count(saved: dict[str, Any], fresh: dict[str, Any], count: int) -> dict[str, Any]:
+    """The scheduler as this run built it (``fresh``) at step ``count``: ``_step_count`` moved
+    as far as ``last_epoch`` from the saved state, and the saved last LR."""
+    state = {**fresh, "last_epoch": count, "_last_lr": saved.get("_last_lr", fresh.get("_last_lr"))}
+    if "_step_count" in saved:
+        state["_step_count"] = saved["_step_count"] + count - saved["last_epoch"]
+    return state
 
 
 # -- automatic checkpoint naming ------------------------------------------------------------

@@ -245,6 +245,94 @@ def test_the_scheduler_count_moves_to_another_number_of_processes():
         rescaled_scheduler(saved, {}, _shape(5), _shape(2))
 
 
+WARM, TOTAL = 3, 10  # optimizer steps: the composite schedules' warm-up and length
+
+
+def _composite(kind: str, procs: int, steps: int):
+    """A warm-up + cosine schedule built for ``procs`` processes as Accelerate asks (lengths
+    and milestones times ``procs``), stepped ``procs`` times after each of ``steps`` updates.
+    "sequential": LinearLR then CosineAnnealingLR; "chained": the two multiplied
+    (ChainedScheduler); "restarts": LinearLR then CosineAnnealingWarmRestarts; "unscaled": the
+    sequential one with its milestone not times ``procs``."""
+    from torch.optim import lr_scheduler as L
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    warm = L.LinearLR(opt, start_factor=0.1, total_iters=WARM * procs)
+    if kind == "chained":
+        sched = L.ChainedScheduler([warm, L.CosineAnnealingLR(opt, T_max=TOTAL * procs)])
+    else:
+        cosine = (L.CosineAnnealingWarmRestarts(opt, T_0=2 * procs) if kind == "restarts" else
+                  L.CosineAnnealingLR(opt, T_max=(TOTAL - WARM) * procs))
+        sched = L.SequentialLR(opt, [warm, cosine],
+                               milestones=[WARM * (1 if kind == "unscaled" else procs)])
+    for _ in range(steps):
+        opt.step()
+        for _ in range(procs):
+            sched.step()
+    return sched
+
+
+@pytest.mark.parametrize("kind", ["sequential", "chained"])
+@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4), (3, 1)])
+@pytest.mark.parametrize("at", [1, 3, 5])  # in the warm-up, at its end, in the cosine
+def test_a_composite_scheduler_moves_to_another_number_of_processes(kind, saved_on, resumed_on, at):
+    from hapt_hf.integration.accelerate_checkpoint import rescaled_scheduler
+    from hapt_hf.pipeline.portable import apply_group_settings, group_settings
+
+    saved = _composite(kind, saved_on, at)
+    moved = _composite(kind, resumed_on, 0)
+    moved.load_state_dict(rescaled_scheduler(saved.state_dict(), moved.state_dict(),
+                                             _shape(saved_on), _shape(resumed_on)))
+    apply_group_settings(moved.optimizer, group_settings(saved.optimizer))  # as read_portable
+    ref = _composite(kind, resumed_on, at)
+    lrs = []
+    for _ in range(TOTAL - at + 1):  # the same LR now and after each update to the schedule's end
+        assert moved.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12)
+        assert moved.optimizer.param_groups[0]["lr"] == pytest.approx(
+            ref.optimizer.param_groups[0]["lr"], rel=1e-12)
+        lrs.append(moved.optimizer.param_groups[0]["lr"])
+        for s in (moved, ref):
+            s.optimizer.step()
+            for _ in range(resumed_on):
+                s.step()
+    assert len(set(lrs)) == len(lrs)  # the schedule moves at every update (warm-up, cosine)
+    state = moved.state_dict()
+    assert state.get("_milestones", [WARM * resumed_on]) == [WARM * resumed_on]  # this run's
+    assert state["_schedulers"][0]["total_iters"] == WARM * resumed_on
+
+
+def test_a_composite_scheduler_that_cannot_move_is_refused_naming_the_child():
+    from hapt_hf.integration.accelerate_checkpoint import CheckpointError, rescaled_scheduler
+
+    def move(kind: str, saved_kind: str | None = None) -> None:
+        rescaled_scheduler(_composite(saved_kind or kind, 4, 3).state_dict(),
+                           _composite(kind, 2, 0).state_dict(), _shape(4), _shape(2))
+
+    with pytest.raises(CheckpointError, match=r"child 1 of the SequentialLR cannot be moved "
+                                              r"between the two \(it counts its place in the "
+                                              r"cycle in T_cur"):
+        move("restarts")
+    with pytest.raises(CheckpointError, match=r"its state cannot be moved .*T_cur"):
+        rescaled_scheduler(_composite("restarts", 4, 3).state_dict()["_schedulers"][1],
+                           _composite("restarts", 2, 0).state_dict()["_schedulers"][1],
+                           _shape(4), _shape(2))  # the same on its own
+    with pytest.raises(CheckpointError, match=r"the SequentialLR cannot be moved .*its "
+                                              r"milestones \[3\] of the saved run fall at other "
+                                              r"optimizer steps than this run's \[3\]"):
+        move("unscaled")
+    with pytest.raises(CheckpointError, match="child 1 of the SequentialLR .* another kind"):
+        move("restarts", "sequential")
+    with pytest.raises(CheckpointError, match="this run's scheduler is not a SequentialLR"):
+        move("chained", "sequential")
+    with pytest.raises(CheckpointError, match=r"SequentialLR stands at step 6, not a whole number "
+                                              "of optimizer steps of 4"):
+        state = _composite("sequential", 4, 3).state_dict()
+        rescaled_scheduler({**state, "last_epoch": 6}, _composite("sequential", 2, 0).state_dict(),
+                           _shape(4), _shape(2))
+    saved = _composite("sequential", 4, 3).state_dict()
+    assert rescaled_scheduler(saved, {}, _shape(4), _shape(4)) is saved
+
+
 def test_loader_positions_move_by_rows_and_an_uneven_one_is_refused(tmp_path):
     from hapt_hf.integration.accelerate_checkpoint import CheckpointError, moved_loop
 
