@@ -28,15 +28,20 @@ DCP's own path. After a load, :attr:`LocalFirstReader.stats` says what came from
 where; the reader logs one line of it.
 
 Every request of a copy (each file's upload, each marker's write, rank 0's look for the other
-ranks' markers) is retried where its error is plausibly transient (:func:`transient`: a
-timeout, a reset or refused connection, an object store's "slow down" or 5xx) after a wait of
-``upload_backoff_s`` doubling each time, times a random factor in [0.5, 1], at most
-``upload_attempts`` attempts and ``upload_retry_s`` seconds per request; an error no retry
-can mend (permission denied, no such bucket or path, a local file missing) fails the copy at
-once. fsspec's generic layer does not retry; s3fs and gcsfs retry some errors inside each
-request, and these retries come on top of theirs. A request retried overwrites what its failed
-attempt may have left, and the rule that says a copy is whole (:func:`copy_whole`) reads the
-markers alone, each written only after every file before it is up.
+ranks' markers), and every request of a recovery to the remote (the look for the newest whole
+copy, the marker's and the metadata's reads, each ranged fetch: :class:`_RemoteReads`), goes
+through one rule (:func:`retried`): it is retried where its error is plausibly transient
+(:func:`transient`: a timeout, a reset or refused connection, an object store's "slow down" or
+5xx) after a wait of ``upload_backoff_s`` doubling each time, times a random factor in
+[0.5, 1], at most ``upload_attempts`` attempts and ``upload_retry_s`` seconds per request (the
+store's settings, the copy's and the recovery's alike); an error no retry can mend (permission
+denied, no such bucket or path, a local file missing) fails the copy, or the recovery, at once,
+and a read whose retries give up raises a :class:`~hapt_hf.errors.CheckpointError` naming it.
+fsspec's generic layer does not retry; s3fs and gcsfs retry some errors inside each request,
+and these retries come on top of theirs. A request retried overwrites what its failed attempt
+may have left, and the rule that says a copy is whole (:func:`copy_whole`) reads the markers
+alone, each written only after every file before it is up; a ranged fetch keeps only an
+attempt that brought every byte it asked for.
 """
 from __future__ import annotations
 
@@ -109,6 +114,38 @@ def transient(error: BaseException) -> bool:
     status = next((s for s in (getattr(error, a, None) for a in ("status", "status_code", "code"))
                    if isinstance(s, int)), None)
     return status in TRANSIENT_STATUS
+
+
+def retried(request: Callable[[], Any], store: CheckpointStore, doing: str, what: str,
+            gave_up: Callable[[str], None] | None = None) -> Any:
+    """``request()``, one request to ``store``'s remote about ``what`` (a file, a marker, a
+    byte range), tried again after an error :func:`transient` says a retry may mend: after
+    ``store.upload_backoff_s`` doubled at each attempt (at most :data:`MAX_BACKOFF_S`) times a
+    random factor in [0.5, 1], for at most ``store.upload_attempts`` attempts and
+    ``store.upload_retry_s`` seconds. Each retry is logged once (WARNING): ``doing`` (who does
+    what: ``rank 1: copying X of 'checkpoint-5' to s3://...``), then ``failed (attempt 1 of 5:
+    error); retrying in 0.71 s``. Any other error, or the last attempt's, is raised as it came;
+    the last after ``gave_up`` is told where the retries stopped (``X: gave up after 5
+    attempt(s) of 5 in 9.3 s``). The copy (:class:`Upload`) and a recovery's reads
+    (:meth:`CheckpointStore.reader`) both send their requests through it."""
+    attempts, start = store.upload_attempts, time.monotonic()
+    for attempt in range(1, attempts + 1):
+        try:
+            return request()
+        except Exception as e:
+            if not transient(e):
+                raise
+            spent = time.monotonic() - start
+            wait = min(store.upload_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) \
+                * _JITTER.uniform(0.5, 1.0)
+            if attempt == attempts or spent + wait > store.upload_retry_s:
+                if gave_up is not None:
+                    gave_up(f"{what}: gave up after {attempt} attempt(s) of {attempts} in {spent:.1f} s")
+                raise
+            logger.warning("%s failed (attempt %d of %d: %s: %s); retrying in %.2f s",
+                           doing, attempt, attempts, type(e).__name__, e, wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def copy_whole(directory: str | os.PathLike, fs: Any = None) -> bool:
@@ -225,30 +262,14 @@ class Upload:
 
     def _retried(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``call(*args, **kwargs)``, a request of this copy about ``what`` (a file, a marker),
-        tried again after an error :func:`transient` says a retry may mend: after
-        ``upload_backoff_s`` doubled at each attempt (at most :data:`MAX_BACKOFF_S`) times a
-        random factor in [0.5, 1], for at most ``upload_attempts`` attempts and
-        ``upload_retry_s`` seconds; each retry logged once (WARNING). Any other error, or the
-        last attempt's, is raised as it came."""
-        store, start = self.store, time.monotonic()
-        for attempt in range(1, store.upload_attempts + 1):
-            try:
-                return call(*args, **kwargs)
-            except Exception as e:
-                if not transient(e):
-                    raise
-                spent = time.monotonic() - start
-                wait = min(store.upload_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) \
-                    * _JITTER.uniform(0.5, 1.0)
-                if attempt == store.upload_attempts or spent + wait > store.upload_retry_s:
-                    self.gave_up = (f"{what}: gave up after {attempt} attempt(s) of "
-                                    f"{store.upload_attempts} in {spent:.1f} s")
-                    raise
-                logger.warning("rank %d: copying %s of %r to %s failed (attempt %d of %d: %s: %s); "
-                               "retrying in %.2f s", self.rank, what, self.name, store.remote,
-                               attempt, store.upload_attempts, type(e).__name__, e, wait)
-                time.sleep(wait)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        through :func:`retried` with the store's settings; where it gives up, :attr:`gave_up`
+        says so."""
+        return retried(lambda: call(*args, **kwargs), self.store,
+                       f"rank {self.rank}: copying {what} of {self.name!r} to {self.store.remote}",
+                       what, self._gave_up)
+
+    def _gave_up(self, note: str) -> None:
+        self.gave_up = note
 
     def _write_marker(self, fs, path: str, data: bytes) -> None:
         """Write a marker (retried); one its last attempt may have left in part is removed,
@@ -298,6 +319,58 @@ class Upload:
             {"world_size": self.world_size, "save_id": self.save_id}).encode())
 
 
+class _RemoteReads:
+    """The remote's fsspec filesystem as a recovery reads it: each request (a marker's or the
+    metadata's read, a look for a file, a ranged fetch) through :func:`retried` with the store's
+    settings (``store`` None: tried once); one whose retries give up raises a
+    :class:`~hapt_hf.errors.CheckpointError` naming the file, the attempts and the last error.
+    A permanent error (no such file, permission denied) is raised as it came."""
+
+    def __init__(self, fs: Any, root: str, store: CheckpointStore | None) -> None:
+        self.fs, self.root, self.store = fs, root.rstrip("/"), store
+        self.rank = _rank_world()[0]
+
+    def _request(self, path: str, call: Callable[[], Any], part: str = "") -> Any:
+        if self.store is None:
+            return call()
+        what = ((path[len(self.root):].lstrip("/") if path.startswith(self.root) else "") or path) + part
+        notes: list[str] = []
+        try:
+            return retried(call, self.store, f"rank {self.rank}: reading {what} from {self.store.remote}",
+                           what, notes.append)
+        except Exception as e:
+            if not notes:
+                raise
+            raise CheckpointError(f"the remote copy {self.store.remote!r} did not answer a read "
+                                  f"({notes[0]}; last error {type(e).__name__}: {e}); resume again "
+                                  "once it answers, or allow more retries (CheckpointStore's "
+                                  "upload_attempts, upload_retry_s)") from e
+
+    def exists(self, path: str) -> bool:
+        return self._request(path, lambda: self.fs.exists(path))
+
+    def glob(self, pattern: str) -> list[str]:
+        return self._request(pattern, lambda: self.fs.glob(pattern))
+
+    def ls(self, path: str, detail: bool = False) -> list[Any]:
+        return self._request(path, lambda: self.fs.ls(path, detail=detail))
+
+    def cat_file(self, path: str) -> bytes:
+        return self._request(path, lambda: self.fs.cat_file(path))
+
+    def cat_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path``, exactly: an attempt that brings other than
+        ``end - start`` bytes is an error (the file is shorter than asked), and nothing of a
+        failed attempt is kept."""
+        def request() -> bytes:
+            data = self.fs.cat_file(path, start=start, end=end)
+            if len(data) != end - start:
+                raise OSError(f"{path}: bytes {start}..{end} asked, {len(data)} came: the remote "
+                              "file is shorter than the checkpoint's metadata says")
+            return data
+        return self._request(path, request, f" bytes {start}..{end}")
+
+
 @dataclass
 class ReadStats:
     """What one rank's load read, and from where (bytes of the items it asked for)."""
@@ -331,13 +404,17 @@ FETCH_AHEAD = 256 << 20
 (unless a read waits for the next piece: a tensor longer than this is still read)."""
 
 
+class _NotFetched(OSError):
+    """A read of a byte no range of the load covers."""
+
+
 class _Prefetch:
     """One thread fetching the remote files' byte ranges of one load, in the order the reads
     take them (file by file, by offset), in pieces of at most :data:`FETCH_PIECE` bytes (one
     ranged GET each), at most :data:`FETCH_AHEAD` bytes ahead of the reads: the transfer goes on
     while the local files and the pieces already fetched are read."""
 
-    def __init__(self, remote_fs, root: str, files: dict[str, list[tuple[int, int]]]) -> None:
+    def __init__(self, remote_fs: _RemoteReads, root: str, files: dict[str, list[tuple[int, int]]]) -> None:
         self.remote_fs, self.root = remote_fs, root
         self.pieces = {rel: [(a, min(a + FETCH_PIECE, end)) for start, end in _coalesce(spans)
                              for a in range(start, end, FETCH_PIECE)] for rel, spans in files.items()}
@@ -361,10 +438,7 @@ class _Prefetch:
                             self.cond.wait()
                         if self.closed:
                             return
-                    data = self.remote_fs.cat_file(_join(self.root, rel), start=a, end=b)
-                    if len(data) != b - a:
-                        raise OSError(f"{_join(self.root, rel)}: bytes {a}..{b} asked, {len(data)} "
-                                      "came: the remote file is shorter than the checkpoint's metadata says")
+                    data = self.remote_fs.cat_range(_join(self.root, rel), a, b)  # exact, retried
                     with self.cond:
                         self.data[(rel, a)] = data
                         self.held += len(data)
@@ -381,7 +455,7 @@ class _Prefetch:
         pieces = self.pieces.get(rel, [])
         i = bisect.bisect_right(pieces, (pos, float("inf"))) - 1
         if i < 0 or pos >= pieces[i][1]:
-            raise OSError(f"{_join(self.root, rel)}: byte {pos} was not fetched")
+            raise _NotFetched(f"{_join(self.root, rel)}: byte {pos} was not fetched")
         starts = self.item_starts[rel]
         item = starts[max(bisect.bisect_right(starts, pos) - 1, 0)]
         with self.cond:
@@ -445,8 +519,8 @@ class _RangeFile(io.RawIOBase):
         while done < len(out):
             try:
                 start, data = self.prefetch.piece(self.rel, self.pos)
-            except OSError:
-                if done:  # the rest lies beyond the ranges fetched
+            except _NotFetched:
+                if done:  # the rest lies beyond the ranges fetched (a fetch's error is raised)
                     break
                 raise
             n = min(len(out) - done, start + len(data) - self.pos)
@@ -470,9 +544,10 @@ def _coalesce(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class _LocalFirstFileSystem(FileSystemBase):
     """The remote copy's paths, each opened from the local directory where it holds the file
     (at least as long as the reads need), else fetched from the remote through fsspec: the byte
-    ranges the reads need, one ranged request each (``cat_file``), or the whole file."""
+    ranges the reads need, one ranged request each (``cat_file``), or the whole file; each
+    request retried (:class:`_RemoteReads`)."""
 
-    def __init__(self, local: Path | None, remote_fs, remote_root: str, save_id: str) -> None:
+    def __init__(self, local: Path | None, remote_fs: _RemoteReads, remote_root: str, save_id: str) -> None:
         self.local, self.remote_fs, self.root, self.save_id = local, remote_fs, remote_root, save_id
         self.spans: dict[str, list[tuple[int, int]]] = {}
         """Relative path to the (offset, length) of every item a read of it asks for."""
@@ -545,11 +620,14 @@ class _LocalFirstFileSystem(FileSystemBase):
 
 class LocalFirstReader(dcp.FileSystemReader):
     """DCP's file reader over the remote copy of a checkpoint, each file taken from this node's
-    local copy where it holds it (:class:`ReadStats` in :attr:`stats`)."""
+    local copy where it holds it (:class:`ReadStats` in :attr:`stats`). ``store``: whose retry
+    settings the requests to the remote take (:func:`retried`); None: each is tried once."""
 
-    def __init__(self, remote_fs, remote_path: str, local: Path | None, save_id: str = "") -> None:
+    def __init__(self, remote_fs, remote_path: str, local: Path | None, save_id: str = "",
+                 store: CheckpointStore | None = None) -> None:
         super().__init__(remote_path)
-        self.fs = _LocalFirstFileSystem(local, remote_fs, remote_path, save_id)
+        reads = remote_fs if isinstance(remote_fs, _RemoteReads) else _RemoteReads(remote_fs, remote_path, store)
+        self.fs = _LocalFirstFileSystem(local, reads, remote_path, save_id)
         self.path = remote_path
         self.stats = ReadStats()
 
@@ -616,8 +694,9 @@ class CheckpointStore:
     """How long rank 0's upload waits for the other ranks' before giving up on the marker."""
     poll_s: float = 0.05
     upload_attempts: int = 5
-    """Most attempts of each request of a copy (a file's upload, a marker's write) whose error
-    may be transient (:func:`transient`); 1: none retried."""
+    """Most attempts of each request to the remote whose error may be transient
+    (:func:`transient`): a copy's (a file's upload, a marker's write) and a recovery's (a
+    marker's or the metadata's read, a ranged fetch); 1: none retried."""
     upload_backoff_s: float = 1.0
     """The wait before a request's second attempt, doubled before each next one (at most
     :data:`MAX_BACKOFF_S`), each wait times a random factor in [0.5, 1]."""
@@ -682,9 +761,14 @@ class CheckpointStore:
         upload = Upload(self, name, list(writer.written), rank, world, token[0])
         return upload.start() if start else upload
 
+    def _remote_reads(self) -> tuple[_RemoteReads, str]:
+        """The remote's filesystem as a recovery reads it (each request retried) and its root."""
+        fs, root = self.remote_fs()
+        return _RemoteReads(fs, root, self), root
+
     def is_complete(self, name: str) -> bool:
         """Whether the remote copy of ``name`` holds every rank's files and the metadata."""
-        fs, root = self.remote_fs()
+        fs, root = self._remote_reads()
         return copy_whole(_join(root, name), fs)
 
     def require_complete(self, name: str) -> None:
@@ -698,7 +782,7 @@ class CheckpointStore:
 
     def latest_complete(self, prefix: str = "checkpoint-") -> str | None:
         """The name of the newest complete remote checkpoint ``<prefix>N`` (highest N)."""
-        fs, root = self.remote_fs()
+        fs, root = self._remote_reads()
         if not fs.exists(root):
             return None
         steps = []
@@ -714,12 +798,13 @@ class CheckpointStore:
     def reader(self, name: str, local: bool = True) -> LocalFirstReader:
         """A DCP reader of checkpoint ``name`` (refused unless its remote copy is complete):
         each file from this node's local copy where it holds it (``local=False``: every file
-        from the remote), the rest fetched."""
-        fs, root = self.remote_fs()
+        from the remote), the rest fetched. Each request to the remote is retried as a copy's
+        are (:func:`retried`)."""
+        fs, root = self._remote_reads()
         try:  # a copy Upload filled is whole once its marker is there (copy_whole): one request
             marker = json.loads(fs.cat_file(_join(_join(root, name), COMPLETE_MARKER)))
         except FileNotFoundError:  # a DCP-written copy has none, an unfinished copy none yet
             self.require_complete(name)
             marker = {}
         return LocalFirstReader(fs, _join(root, name), self.local_path(name) if local else None,
-                                marker.get("save_id", ""))
+                                marker.get("save_id", ""), self)
