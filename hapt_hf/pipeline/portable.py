@@ -91,6 +91,8 @@ def save_portable(path: str | Path, stage: torch.nn.Module,
 def _metadata(path: Path, reader: StorageReader | None) -> dict[str, Any]:
     try:
         return (reader or dcp.FileSystemReader(str(path))).read_metadata().state_dict_metadata
+    except CheckpointError:  # the reader's own, naming the file (a remote that did not answer)
+        raise
     except Exception as e:  # noqa: BLE001 - one message naming the file
         raise CheckpointError(f"{str(path / METADATA_FILE)!r} cannot be read ({type(e).__name__}: "
                               f"{(str(e).splitlines() or [''])[0][:200]}); use another checkpoint "
