@@ -71,7 +71,7 @@ from hapt_hf.errors import CheckpointError
 from hapt_hf.pipeline.direct_read import read_direct
 
 __all__ = ["CheckpointStore", "Upload", "LocalFirstReader", "ReadStats", "METADATA_FILE",
-           "COMPLETE_MARKER", "copy_whole", "copy_unfinished", "transient"]
+           "COMPLETE_MARKER", "copy_whole", "copy_unfinished", "transient", "retried"]
 
 logger = logging.getLogger("hapt_hf.checkpoint")
 
