@@ -273,10 +273,13 @@ def rescaled_scheduler(saved: dict[str, Any], fresh: dict[str, Any], old: RunSha
     count; a SequentialLR's own count, its milestones being this run's (built times
     ``num_processes`` as the children's lengths, so they must fall on the saved run's optimizer
     steps) and each child at the count this run's SequentialLR gives it there (a child not
-    started yet stays as built). Refused, naming what: a count that is not a whole number of
-    optimizer steps, a child that counts its position in other fields too
-    (CosineAnnealingWarmRestarts' ``T_cur``, ReduceLROnPlateau's patience), a child that is
-    itself a scheduler of schedulers, and children or milestones that differ from this run's."""
+    started yet stays as built). A CosineAnnealingWarmRestarts (alone or as a child) moves its
+    place in the cycle too: ``T_cur`` and ``T_i`` at the moved count from this run's ``T_0`` and
+    ``T_mult``, as stepping it there would leave them. Refused, naming what: a count that is not
+    a whole number of optimizer steps, a ReduceLROnPlateau (it counts its patience in steps), a
+    CosineAnnealingWarmRestarts whose ``T_cur`` does not follow from its count (stepped with an
+    explicit epoch), a child that is itself a scheduler of schedulers, and children or
+    milestones that differ from this run's."""
     p_old = old.num_processes if old.scheduler_per_process else 1
     p_new = new.num_processes if new.scheduler_per_process else 1
     if p_old == p_new:
@@ -354,8 +357,10 @@ def _unmovable(state: dict[str, Any], composite_child: bool = False) -> str | No
         return "it is itself a scheduler of schedulers"
     if "last_epoch" not in state:
         return "its state holds no step count: not an LRScheduler"
-    if "T_cur" in state:
-        return "it counts its place in the cycle in T_cur as well (CosineAnnealingWarmRestarts)"
+    if "T_cur" in state and state["last_epoch"] >= 0 and (state["T_cur"], state["T_i"]) != \
+            _cycle(state["T_0"], state["T_mult"], state["last_epoch"]):
+        return (f"its T_cur {state['T_cur']} and T_i {state['T_i']} are not those of step "
+                f"{state['last_epoch']}: stepped with an explicit epoch (CosineAnnealingWarmRestarts)")
     if "num_bad_epochs" in state:
         return "it counts its patience in steps (ReduceLROnPlateau)"
     return None
@@ -367,7 +372,20 @@ def _at_count(saved: dict[str, Any], fresh: dict[str, Any], count: int) -> dict[
     state = {**fresh, "last_epoch": count, "_last_lr": saved.get("_last_lr", fresh.get("_last_lr"))}
     if "_step_count" in saved:
         state["_step_count"] = saved["_step_count"] + count - saved["last_epoch"]
+    if "T_cur" in fresh:  # CosineAnnealingWarmRestarts: its place in this run's cycles
+        state["T_cur"], state["T_i"] = _cycle(fresh["T_0"], fresh["T_mult"], count)
     return state
+
+
+def _cycle(t_0: int, t_mult: int, count: int) -> tuple[int, int]:
+    """CosineAnnealingWarmRestarts' ``(T_cur, T_i)`` after ``count`` steps (torch's formula of
+    ``step(epoch)`` in integers): the cycles are ``t_0``, ``t_0 * t_mult``, ... steps long."""
+    if t_mult == 1:
+        return count % t_0, t_0
+    t_cur, t_i = count, t_0
+    while t_cur >= t_i:
+        t_cur, t_i = t_cur - t_i, t_i * t_mult
+    return t_cur, t_i
 
 
 # -- automatic checkpoint naming ------------------------------------------------------------

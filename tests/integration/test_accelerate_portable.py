@@ -301,6 +301,56 @@ def test_a_composite_scheduler_moves_to_another_number_of_processes(kind, saved_
     assert state["_schedulers"][0]["total_iters"] == WARM * resumed_on
 
 
+T0 = 3  # optimizer steps: the first cycle of the warm restarts' schedules
+
+
+def _restarts(procs: int, steps: int, t_mult: int, warm: bool):
+    """CosineAnnealingWarmRestarts with cycles of ``T0``, ``T0 * t_mult``, ... updates (``T_0``
+    times ``procs``), after a LinearLR warm-up of ``WARM`` updates in a SequentialLR if ``warm``;
+    stepped ``procs`` times after each of ``steps`` updates."""
+    from torch.optim import lr_scheduler as L
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    sched = L.CosineAnnealingWarmRestarts(opt, T_0=T0 * procs, T_mult=t_mult, eta_min=1e-4)
+    if warm:
+        sched = L.SequentialLR(opt, [L.LinearLR(opt, start_factor=0.1, total_iters=WARM * procs),
+                                     sched], milestones=[WARM * procs])
+    for _ in range(steps):
+        opt.step()
+        for _ in range(procs):
+            sched.step()
+    return sched
+
+
+@pytest.mark.parametrize("t_mult", [1, 2])
+@pytest.mark.parametrize("warm", [False, True])
+@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4)])
+@pytest.mark.parametrize("at", [1, 3, 5, 8])  # updates: in a first cycle, at and after a restart
+def test_warm_restarts_move_to_another_number_of_processes(t_mult, warm, saved_on, resumed_on, at):
+    from hapt_hf.integration.accelerate_checkpoint import rescaled_scheduler
+    from hapt_hf.pipeline.portable import apply_group_settings, group_settings
+
+    saved = _restarts(saved_on, at, t_mult, warm)
+    moved = _restarts(resumed_on, 0, t_mult, warm)
+    moved.load_state_dict(rescaled_scheduler(saved.state_dict(), moved.state_dict(),
+                                             _shape(saved_on), _shape(resumed_on)))
+    apply_group_settings(moved.optimizer, group_settings(saved.optimizer))  # as read_portable
+    ref = _restarts(resumed_on, at, t_mult, warm)
+    lrs = []
+    for _ in range(24):  # the same LR now and after each update, across restarts after the load
+        assert moved.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12)
+        assert moved.optimizer.param_groups[0]["lr"] == pytest.approx(
+            ref.optimizer.param_groups[0]["lr"], rel=1e-12)
+        lrs.append(moved.optimizer.param_groups[0]["lr"])
+        for s in (moved, ref):
+            s.optimizer.step()
+            for _ in range(resumed_on):
+                s.step()
+    assert lrs.count(1e-2) >= 2  # restarted to the top twice after the load (T_mult 2: 3, 6, 12)
+    cosine = moved.state_dict()["_schedulers"][1] if warm else moved.state_dict()
+    assert (cosine["T_0"], cosine["T_mult"]) == (T0 * resumed_on, t_mult)  # this run's cycles
+
+
 def test_a_composite_scheduler_that_cannot_move_is_refused_naming_the_child():
     from hapt_hf.integration.accelerate_checkpoint import CheckpointError, rescaled_scheduler
 
@@ -308,14 +358,20 @@ def test_a_composite_scheduler_that_cannot_move_is_refused_naming_the_child():
         rescaled_scheduler(_composite(saved_kind or kind, 4, 3).state_dict(),
                            _composite(kind, 2, 0).state_dict(), _shape(4), _shape(2))
 
-    with pytest.raises(CheckpointError, match=r"child 1 of the SequentialLR cannot be moved "
-                                              r"between the two \(it counts its place in the "
-                                              r"cycle in T_cur"):
-        move("restarts")
-    with pytest.raises(CheckpointError, match=r"its state cannot be moved .*T_cur"):
-        rescaled_scheduler(_composite("restarts", 4, 3).state_dict()["_schedulers"][1],
-                           _composite("restarts", 2, 0).state_dict()["_schedulers"][1],
-                           _shape(4), _shape(2))  # the same on its own
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2))
+    with pytest.raises(CheckpointError, match=r"its state cannot be moved .*patience in steps "
+                                              r"\(ReduceLROnPlateau\)"):
+        rescaled_scheduler({**plateau.state_dict(), "last_epoch": 8}, plateau.state_dict(),
+                           _shape(4), _shape(2))
+    explicit = _restarts(4, 0, 2, warm=False)
+    for epoch in range(1, 9):  # step(epoch) with fractional epochs: T_cur does not follow the count
+        explicit.step(epoch + 0.5)
+    with pytest.raises(CheckpointError, match=r"its state cannot be moved .*its T_cur 8.5 and T_i "
+                                              r"12 are not those of step 8: stepped with an "
+                                              r"explicit epoch"):
+        rescaled_scheduler(explicit.state_dict(), _restarts(2, 0, 2, warm=False).state_dict(),
+                           _shape(4), _shape(2))
     with pytest.raises(CheckpointError, match=r"the SequentialLR cannot be moved .*its "
                                               r"milestones \[3\] of the saved run fall at other "
                                               r"optimizer steps than this run's \[3\]"):
