@@ -27,8 +27,9 @@ bytes, where DCP's own path deserialises a copy of them and copies that); the re
 DCP's own path. After a load, :attr:`LocalFirstReader.stats` says what came from
 where; the reader logs one line of it.
 
-Every request of a copy (each file's upload, each marker's write, rank 0's look for the other
-ranks' markers), and every request of a recovery to the remote (the look for the newest whole
+Every request of a copy (rank 0's looks for and removals of the markers an earlier save of the
+same name left, each file's upload, each marker's write, rank 0's look for the other ranks'
+markers), and every request of a recovery to the remote (the look for the newest whole
 copy, the marker's and the metadata's reads, each ranged fetch: :class:`_RemoteReads`), goes
 through one rule (:func:`retried`): it is retried where its error is plausibly transient
 (:func:`transient`: a timeout, a reset or refused connection, an object store's "slow down" or
@@ -695,8 +696,8 @@ class CheckpointStore:
     poll_s: float = 0.05
     upload_attempts: int = 5
     """Most attempts of each request to the remote whose error may be transient
-    (:func:`transient`): a copy's (a file's upload, a marker's write) and a recovery's (a
-    marker's or the metadata's read, a ranged fetch); 1: none retried."""
+    (:func:`transient`): a copy's (a stale marker's removal, a file's upload, a marker's write)
+    and a recovery's (a marker's or the metadata's read, a ranged fetch); 1: none retried."""
     upload_backoff_s: float = 1.0
     """The wait before a request's second attempt, doubled before each next one (at most
     :data:`MAX_BACKOFF_S`), each wait times a random factor in [0.5, 1]."""
@@ -745,12 +746,7 @@ class CheckpointStore:
         process exits)."""
         rank, world = _rank_world()
         if rank == 0:  # a marker left by an earlier save of the same name must not count
-            fs, root = self.remote_fs()
-            remote = _join(root, name)
-            for stale in [COMPLETE_MARKER] + [m.format(rank=r) for r in range(world)
-                                              for m in (UPLOADED, FAILED)]:
-                if fs.exists(_join(remote, stale)):
-                    fs.rm_file(_join(remote, stale))
+            self._remove_stale_markers(name, world)
         token = [uuid.uuid4().hex if rank == 0 else ""]
         if world > 1:  # one id for this save on every rank
             dist.broadcast_object_list(token, src=0)
@@ -760,6 +756,24 @@ class CheckpointStore:
             (self.local_path(name) / (f + SAVE_ID_SUFFIX)).write_text(token[0])
         upload = Upload(self, name, list(writer.written), rank, world, token[0])
         return upload.start() if start else upload
+
+    def _remove_stale_markers(self, name: str, world: int) -> None:
+        """Remove from the remote copy of ``name`` the markers an earlier save of that name left
+        (rank 0, before this save writes anything): each look and each removal through
+        :func:`retried`. A marker not there is skipped, and one gone when its removal is retried
+        (an attempt whose answer was lost removed it) is not an error; any other error, or the
+        last attempt's, is raised as it came."""
+        fs, root = self.remote_fs()
+        remote = _join(root, name)
+        for stale in [COMPLETE_MARKER] + [m.format(rank=r) for r in range(world)
+                                          for m in (UPLOADED, FAILED)]:
+            path, doing = _join(remote, stale), f"rank 0: removing {stale} of {name!r} from {self.remote}"
+            if not retried(lambda p=path: fs.exists(p), self, doing, stale):
+                continue
+            try:
+                retried(lambda p=path: fs.rm_file(p), self, doing, stale)
+            except FileNotFoundError:  # removed by an attempt whose answer was lost
+                pass
 
     def _remote_reads(self) -> tuple[_RemoteReads, str]:
         """The remote's filesystem as a recovery reads it (each request retried) and its root."""

@@ -4,7 +4,8 @@ over the copy tests' memory filesystem whose reads also fail as told: a resume w
 fail a few times with transient errors restores the state a resume from a clean remote does,
 byte for byte; one that keeps failing gives up after its attempts with an error naming the
 request; a permanent error, or a file shorter than the metadata says, is not retried; a read
-across a piece whose fetch failed raises that error rather than returning the bytes before it."""
+across a piece whose fetch failed raises that error rather than returning the bytes before it.
+Rank 0's look for the markers an earlier save of the same name left is retried as well."""
 from __future__ import annotations
 
 import errno
@@ -231,3 +232,19 @@ def test_a_read_across_a_piece_whose_fetch_failed_raises_and_counts_no_part_as_r
     finally:
         prefetch.close()
     assert FlakyReads.READS[SHARD] == attempts
+
+
+def test_the_look_for_a_stale_marker_at_a_save_is_retried(tmp_path, caplog):
+    store, _, _ = _saved(tmp_path)
+    _fail(COMPLETE_MARKER, 2, lambda: ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"))
+    with caplog.at_level(logging.WARNING, logger="hapt_hf.checkpoint"):
+        upload = store.save(NAME, portable.portable_state_dict(_model(2), None), start=False)
+    assert FlakyReads.READS[COMPLETE_MARKER] == 3
+    retries = _retries(caplog)
+    assert len(retries) == 2 and all(
+        m.startswith(f"rank 0: removing {COMPLETE_MARKER} of '{NAME}' from flakyreads://run failed (attempt ")
+        and "ConnectionResetError" in m for m in retries), retries
+    fs, root = store.remote_fs()
+    assert not fs.exists(f"{root}/{NAME}/{COMPLETE_MARKER}")  # found, then removed
+    upload.start().wait(timeout_s=60)
+    assert store.is_complete(NAME)

@@ -39,6 +39,11 @@ class FlakyFileSystem(MemoryFileSystem):
     """Base name -> writes tried."""
     GATE: threading.Event | None = None
     """Set: each failing write waits for it first."""
+    REMOVE_FAULTS: dict[str, list] = {}
+    """Base name -> [failures left, a function making the error, whether a failing removal
+    removes the file before it raises (as one whose answer is lost does)]."""
+    REMOVALS: Counter = Counter()
+    """Base name -> removals tried."""
 
     def _attempt(self, path: str, data: bytes) -> None:
         name = path.rsplit("/", 1)[-1]
@@ -59,6 +64,17 @@ class FlakyFileSystem(MemoryFileSystem):
         self._attempt(self._strip_protocol(path), value)
         return super().pipe_file(path, value, *args, **kwargs)
 
+    def rm_file(self, path):
+        name = self._strip_protocol(path).rsplit("/", 1)[-1]
+        self.REMOVALS[name] += 1
+        fault = self.REMOVE_FAULTS.get(name)
+        if fault and fault[0] > 0:
+            fault[0] -= 1
+            if fault[2]:
+                super().rm_file(path)
+            raise fault[1]()
+        return super().rm_file(path)
+
 
 register_implementation("flaky", FlakyFileSystem, clobber=True)
 
@@ -70,9 +86,12 @@ def _fresh():
     FlakyFileSystem.FAULTS.clear()
     FlakyFileSystem.ATTEMPTS.clear()
     FlakyFileSystem.GATE = None
+    FlakyFileSystem.REMOVE_FAULTS.clear()
+    FlakyFileSystem.REMOVALS.clear()
     with warnings.catch_warnings():  # DCP warns that it runs without a process group
         warnings.simplefilter("ignore", UserWarning)
         yield
+    FlakyFileSystem.REMOVE_FAULTS.clear()
 
 
 def _fail(name: str, times: int, error) -> None:
@@ -166,6 +185,59 @@ def test_a_marker_that_keeps_failing_is_not_left_in_part(tmp_path):
     fs, root = store.remote_fs()
     assert fs.exists(f"{root}/{NAME}/{METADATA_FILE}")  # every file is up, the marker is not
     assert not fs.exists(f"{root}/{NAME}/{COMPLETE_MARKER}") and not store.is_complete(NAME)
+
+
+def _saved_before(store: CheckpointStore) -> bytes:
+    """An earlier save of NAME, whole on the remote; its .complete marker."""
+    store.save(NAME, portable.portable_state_dict(_model(), None)).wait(timeout_s=60)
+    fs, root = store.remote_fs()
+    return fs.cat_file(f"{root}/{NAME}/{COMPLETE_MARKER}")
+
+
+def test_a_stale_markers_removal_that_fails_transiently_is_retried_and_the_save_goes_on(tmp_path, caplog):
+    store = _store(tmp_path)
+    before = _saved_before(store)
+    fs, root = store.remote_fs()
+    FlakyFileSystem.REMOVALS.clear()
+    FlakyFileSystem.REMOVE_FAULTS[COMPLETE_MARKER] = [
+        2, lambda: OSError(errno.EBUSY, "SlowDown, HTTP Status code: 503"), False]
+    # its answer lost: the marker is gone when the removal is retried, which is not an error
+    FlakyFileSystem.REMOVE_FAULTS[".uploaded-0"] = [1, lambda: TimeoutError("DELETE timed out"), True]
+    with caplog.at_level(logging.WARNING, logger="hapt_hf.checkpoint"):
+        upload = store.save(NAME, portable.portable_state_dict(_model(), None), start=False)
+    assert FlakyFileSystem.REMOVALS == {COMPLETE_MARKER: 3, ".uploaded-0": 2}
+    for marker in (COMPLETE_MARKER, ".uploaded-0"):  # gone before this save's copy starts
+        assert not fs.exists(f"{root}/{NAME}/{marker}")
+    retries = _retries(caplog)
+    assert len(retries) == 3  # each retry logged once
+    assert any(m.startswith(f"rank 0: removing {COMPLETE_MARKER} of '{NAME}' from flaky://run failed "
+                            "(attempt 2 of 5: OSError: ") and "SlowDown" in m and "retrying in" in m
+               for m in retries), retries
+    assert any(".uploaded-0" in m and "attempt 1 of 5: TimeoutError: DELETE timed out" in m for m in retries)
+    upload.start().wait(timeout_s=60)
+    after = fs.cat_file(f"{root}/{NAME}/{COMPLETE_MARKER}")
+    assert store.is_complete(NAME) and after != before  # this save's marker, of its own id
+    assert upload.save_id.encode() in after
+
+
+@pytest.mark.parametrize("error, attempts", [(lambda: PermissionError(errno.EACCES, "Access Denied"), 1),
+                                             (lambda: TimeoutError("DELETE timed out"), 3)],
+                         ids=["permanent", "gives-up"])
+def test_a_stale_markers_removal_that_fails_for_good_fails_the_save(tmp_path, caplog, error, attempts):
+    store = _store(tmp_path, upload_attempts=3)
+    before = _saved_before(store)
+    FlakyFileSystem.REMOVALS.clear()
+    FlakyFileSystem.REMOVE_FAULTS[COMPLETE_MARKER] = [10**6, error, False]
+    shard = tmp_path / "local" / NAME / SHARD
+    shard.unlink()
+    with caplog.at_level(logging.WARNING, logger="hapt_hf.checkpoint"), \
+            pytest.raises(type(error())) as err:
+        store.save(NAME, portable.portable_state_dict(_model(), None))
+    assert str(err.value) == str(error())  # raised as it came
+    assert FlakyFileSystem.REMOVALS == {COMPLETE_MARKER: attempts} and len(_retries(caplog)) == attempts - 1
+    assert not shard.exists()  # nothing of this save written
+    fs, root = store.remote_fs()
+    assert fs.cat_file(f"{root}/{NAME}/{COMPLETE_MARKER}") == before and store.is_complete(NAME)
 
 
 @pytest.mark.parametrize("error", [lambda: PermissionError(errno.EACCES, "Access Denied"),
