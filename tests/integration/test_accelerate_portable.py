@@ -304,17 +304,20 @@ def test_a_composite_scheduler_moves_to_another_number_of_processes(kind, saved_
 T0 = 3  # optimizer steps: the first cycle of the warm restarts' schedules
 
 
-def _restarts(procs: int, steps: int, t_mult: int, warm: bool):
+def _restarts(procs: int, steps: int, t_mult: int, warm: bool | str):
     """CosineAnnealingWarmRestarts with cycles of ``T0``, ``T0 * t_mult``, ... updates (``T_0``
-    times ``procs``), after a LinearLR warm-up of ``WARM`` updates in a SequentialLR if ``warm``;
+    times ``procs``), after a LinearLR warm-up of ``WARM`` updates in a SequentialLR if ``warm``
+    ("chained": in a ChainedScheduler, times an ExponentialLR's factor: the restarts compute
+    their LR from the base LR at each step, so a chained warm-up's ramp would not carry over);
     stepped ``procs`` times after each of ``steps`` updates."""
     from torch.optim import lr_scheduler as L
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
     sched = L.CosineAnnealingWarmRestarts(opt, T_0=T0 * procs, T_mult=t_mult, eta_min=1e-4)
     if warm:
-        sched = L.SequentialLR(opt, [L.LinearLR(opt, start_factor=0.1, total_iters=WARM * procs),
-                                     sched], milestones=[WARM * procs])
+        sched = L.ChainedScheduler([sched, L.ExponentialLR(opt, gamma=0.9)]) if warm == "chained" \
+            else L.SequentialLR(opt, [L.LinearLR(opt, start_factor=0.1, total_iters=WARM * procs),
+                                      sched], milestones=[WARM * procs])
     for _ in range(steps):
         opt.step()
         for _ in range(procs):
@@ -323,7 +326,7 @@ def _restarts(procs: int, steps: int, t_mult: int, warm: bool):
 
 
 @pytest.mark.parametrize("t_mult", [1, 2])
-@pytest.mark.parametrize("warm", [False, True])
+@pytest.mark.parametrize("warm", [False, True, "chained"])
 @pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4)])
 @pytest.mark.parametrize("at", [1, 3, 5, 8])  # updates: in a first cycle, at and after a restart
 def test_warm_restarts_move_to_another_number_of_processes(t_mult, warm, saved_on, resumed_on, at):
@@ -346,8 +349,10 @@ def test_warm_restarts_move_to_another_number_of_processes(t_mult, warm, saved_o
             s.optimizer.step()
             for _ in range(resumed_on):
                 s.step()
-    assert lrs.count(1e-2) >= 2  # restarted to the top twice after the load (T_mult 2: 3, 6, 12)
-    cosine = moved.state_dict()["_schedulers"][1] if warm else moved.state_dict()
+    top = 1e-2 * (0.9 if warm == "chained" else 1)
+    # restarted to the top twice after the load (T_mult 2: cycles of 3, 6, 12 updates)
+    assert sum(lr == pytest.approx(top, rel=1e-12) for lr in lrs) >= 2
+    cosine = moved.state_dict()["_schedulers"][0 if warm == "chained" else 1] if warm else moved.state_dict()
     assert (cosine["T_0"], cosine["T_mult"]) == (T0 * resumed_on, t_mult)  # this run's cycles
 
 
