@@ -762,11 +762,14 @@ class CheckpointStore:
         (rank 0, before this save writes anything): each look and each removal through
         :func:`retried`. A marker not there is skipped, and one gone when its removal is retried
         (an attempt whose answer was lost removed it) is not an error; any other error, or the
-        last attempt's, is raised as it came."""
+        last attempt's, is raised as it came. The earlier save's DCP metadata goes too, right
+        after its ``.complete`` and before its ``.uploaded-N``: by :func:`copy_whole` a copy
+        with metadata and no rank's marker is whole, and this save is about to overwrite its
+        files."""
         fs, root = self.remote_fs()
         remote = _join(root, name)
-        for stale in [COMPLETE_MARKER] + [m.format(rank=r) for r in range(world)
-                                          for m in (UPLOADED, FAILED)]:
+        for stale in [COMPLETE_MARKER, METADATA_FILE] + [m.format(rank=r) for r in range(world)
+                                                         for m in (UPLOADED, FAILED)]:
             path, doing = _join(remote, stale), f"rank 0: removing {stale} of {name!r} from {self.remote}"
             if not retried(lambda p=path: fs.exists(p), self, doing, stale):
                 continue

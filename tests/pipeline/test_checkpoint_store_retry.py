@@ -205,8 +205,8 @@ def test_a_stale_markers_removal_that_fails_transiently_is_retried_and_the_save_
     FlakyFileSystem.REMOVE_FAULTS[".uploaded-0"] = [1, lambda: TimeoutError("DELETE timed out"), True]
     with caplog.at_level(logging.WARNING, logger="hapt_hf.checkpoint"):
         upload = store.save(NAME, portable.portable_state_dict(_model(), None), start=False)
-    assert FlakyFileSystem.REMOVALS == {COMPLETE_MARKER: 3, ".uploaded-0": 2}
-    for marker in (COMPLETE_MARKER, ".uploaded-0"):  # gone before this save's copy starts
+    assert FlakyFileSystem.REMOVALS == {COMPLETE_MARKER: 3, METADATA_FILE: 1, ".uploaded-0": 2}
+    for marker in (COMPLETE_MARKER, METADATA_FILE, ".uploaded-0"):  # gone before this save's copy starts
         assert not fs.exists(f"{root}/{NAME}/{marker}")
     retries = _retries(caplog)
     assert len(retries) == 3  # each retry logged once
@@ -218,6 +218,22 @@ def test_a_stale_markers_removal_that_fails_transiently_is_retried_and_the_save_
     after = fs.cat_file(f"{root}/{NAME}/{COMPLETE_MARKER}")
     assert store.is_complete(NAME) and after != before  # this save's marker, of its own id
     assert upload.save_id.encode() in after
+
+
+def test_a_save_over_an_earlier_one_is_not_whole_until_its_own_marker(tmp_path):
+    """A save of a name an earlier save left whole: from the moment this one starts overwriting
+    its files until its own ``.complete``, the remote copy is not whole, and after a copy that
+    failed it stays so (the earlier save's metadata no longer says it is)."""
+    store = _store(tmp_path, upload_attempts=2)
+    _saved_before(store)
+    fs, root = store.remote_fs()
+    remote = f"{root}/{NAME}"
+    upload = store.save(NAME, portable.portable_state_dict(_model(), None), start=False)
+    assert not copy_whole(remote, fs) and not store.is_complete(NAME)  # before any file moves
+    _fail(SHARD, 10**6, lambda: PermissionError(errno.EACCES, "Access Denied"))
+    with pytest.raises(CheckpointError, match="the remote copy is incomplete"):
+        upload.start().wait(timeout_s=60)
+    assert not copy_whole(remote, fs) and not store.is_complete(NAME) and store.latest_complete() is None
 
 
 @pytest.mark.parametrize("error, attempts", [(lambda: PermissionError(errno.EACCES, "Access Denied"), 1),
