@@ -272,21 +272,22 @@ def _composite(kind: str, procs: int, steps: int):
     return sched
 
 
-@pytest.mark.parametrize("kind", ["sequential", "chained"])
-@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4), (3, 1)])
-@pytest.mark.parametrize("at", [1, 3, 5])  # in the warm-up, at its end, in the cosine
-def test_a_composite_scheduler_moves_to_another_number_of_processes(kind, saved_on, resumed_on, at):
+def _moved_lrs(build, saved_on: int, resumed_on: int, at: int, updates: int):
+    """A scheduler built by ``build(procs, steps)``, saved on ``saved_on`` processes after ``at``
+    updates, moved onto a fresh one for ``resumed_on`` (``rescaled_scheduler``, the groups' LR
+    as ``read_portable`` sets it): its LR equals an uninterrupted run's on ``resumed_on`` now and
+    after each of ``updates - 1`` more updates. Returns the moved scheduler and its LRs."""
     from hapt_hf.integration.accelerate_checkpoint import rescaled_scheduler
     from hapt_hf.pipeline.portable import apply_group_settings, group_settings
 
-    saved = _composite(kind, saved_on, at)
-    moved = _composite(kind, resumed_on, 0)
+    saved = build(saved_on, at)
+    moved = build(resumed_on, 0)
     moved.load_state_dict(rescaled_scheduler(saved.state_dict(), moved.state_dict(),
                                              _shape(saved_on), _shape(resumed_on)))
-    apply_group_settings(moved.optimizer, group_settings(saved.optimizer))  # as read_portable
-    ref = _composite(kind, resumed_on, at)
+    apply_group_settings(moved.optimizer, group_settings(saved.optimizer))
+    ref = build(resumed_on, at)
     lrs = []
-    for _ in range(TOTAL - at + 1):  # the same LR now and after each update to the schedule's end
+    for _ in range(updates):
         assert moved.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12)
         assert moved.optimizer.param_groups[0]["lr"] == pytest.approx(
             ref.optimizer.param_groups[0]["lr"], rel=1e-12)
@@ -295,6 +296,16 @@ def test_a_composite_scheduler_moves_to_another_number_of_processes(kind, saved_
             s.optimizer.step()
             for _ in range(resumed_on):
                 s.step()
+    return moved, lrs
+
+
+@pytest.mark.parametrize("kind", ["sequential", "chained"])
+@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4), (3, 1)])
+@pytest.mark.parametrize("at", [1, 3, 5])  # in the warm-up, at its end, in the cosine
+def test_a_composite_scheduler_moves_to_another_number_of_processes(kind, saved_on, resumed_on, at):
+    # the same LR now and after each update to the schedule's end
+    moved, lrs = _moved_lrs(lambda procs, steps: _composite(kind, procs, steps),
+                            saved_on, resumed_on, at, TOTAL - at + 1)
     assert len(set(lrs)) == len(lrs)  # the schedule moves at every update (warm-up, cosine)
     state = moved.state_dict()
     assert state.get("_milestones", [WARM * resumed_on]) == [WARM * resumed_on]  # this run's
@@ -330,25 +341,9 @@ def _restarts(procs: int, steps: int, t_mult: int, warm: bool | str):
 @pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4)])
 @pytest.mark.parametrize("at", [1, 3, 5, 8])  # updates: in a first cycle, at and after a restart
 def test_warm_restarts_move_to_another_number_of_processes(t_mult, warm, saved_on, resumed_on, at):
-    from hapt_hf.integration.accelerate_checkpoint import rescaled_scheduler
-    from hapt_hf.pipeline.portable import apply_group_settings, group_settings
-
-    saved = _restarts(saved_on, at, t_mult, warm)
-    moved = _restarts(resumed_on, 0, t_mult, warm)
-    moved.load_state_dict(rescaled_scheduler(saved.state_dict(), moved.state_dict(),
-                                             _shape(saved_on), _shape(resumed_on)))
-    apply_group_settings(moved.optimizer, group_settings(saved.optimizer))  # as read_portable
-    ref = _restarts(resumed_on, at, t_mult, warm)
-    lrs = []
-    for _ in range(24):  # the same LR now and after each update, across restarts after the load
-        assert moved.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12)
-        assert moved.optimizer.param_groups[0]["lr"] == pytest.approx(
-            ref.optimizer.param_groups[0]["lr"], rel=1e-12)
-        lrs.append(moved.optimizer.param_groups[0]["lr"])
-        for s in (moved, ref):
-            s.optimizer.step()
-            for _ in range(resumed_on):
-                s.step()
+    # the same LR now and after each update, across restarts after the load
+    moved, lrs = _moved_lrs(lambda procs, steps: _restarts(procs, steps, t_mult, warm),
+                            saved_on, resumed_on, at, 24)
     top = 1e-2 * (0.9 if warm == "chained" else 1)
     # restarted to the top twice after the load (T_mult 2: cycles of 3, 6, 12 updates)
     assert sum(lr == pytest.approx(top, rel=1e-12) for lr in lrs) >= 2
