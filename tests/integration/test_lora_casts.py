@@ -21,9 +21,8 @@ from hapt_hf.compat.torch_api import cast_parameter, saved_tensors_hooks_in_forc
 from hapt_hf.integration.lora import apply_lora, apply_lora_config
 from hapt_hf.pipeline.precision import SharedWeightCasts, compute_context, torch_dtype
 from hapt_hf.pipeline.stage import build_stage
-from tests.pipeline.test_runtime_equivalence import make_batches
-from tests.pipeline.test_runtime_memory import PartialCase, assert_step_casts_train_as_own
-from tests.pipeline.test_tensor_parallel_runtime import tiny_config
+from tests.pipeline.test_runtime_memory import (PartialCase, assert_step_casts_train_as_own,
+                                              train_shared_and_own)
 
 VOCAB, SEQ, ROWS, N, STEPS = 97, 8, 2, 3, 2  # N micro-batches in flight
 BLOCKS = 3
@@ -279,41 +278,23 @@ RUNTIME_CASES = [PartialCase("1|1-lora-bf16", "llama", (3, 2), ((2,), (2,)), (1,
                              partial=(0, 0), dtype="bf16")]
 
 
-def _own_casts(lend_frozen: bool = True) -> None:
-    return None  # each micro-batch keeps its own casts
+def _with_lora(rt, case: PartialCase) -> None:
+    """LoRA on the rank's stage, adapters that change the function from the first step."""
+    if case.family == "gpt2":
+        gpt2_lora(rt.stage)
+    else:
+        apply_lora(rt.stage, r=4)
+    with torch.no_grad():
+        for n, p in rt.stage.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.05)
 
 
 def _train_lora_runtime(rank: int, case: PartialCase) -> dict:
     """Two steps of ``case`` with LoRA on each rank's stage, with the step's shared casts, then
-    with each micro-batch's own: losses, parameters, and the casts shared."""
-    from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
-    from hapt_hf.pipeline import runtime as runtime_module
-    config = tiny_config(case.family, case.num_blocks, case.tied)
-    out = {}
-    shared = runtime_module.SharedWeightCasts
-    for how in ("step_casts", "own_casts"):
-        runtime_module.SharedWeightCasts = shared if how == "step_casts" else _own_casts
-        try:
-            rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
-            if case.family == "gpt2":
-                gpt2_lora(rt.stage)
-            else:
-                apply_lora(rt.stage, r=4)
-            with torch.no_grad():  # adapters that change the function from the first step
-                for n, p in rt.stage.named_parameters():
-                    if "lora_B" in n:
-                        p.fill_(0.05)
-            opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3)
-            batches = make_batches(config.vocab_size, seed=11, rows=rt.plan.global_batch_size)
-            losses = [rt.train_step(b, opt, max_grad_norm=0.5).loss for b in batches[:2]]
-            out[how] = {"losses": losses, "step_casts": rt.weight_casts_shared,
-                        "params": {n: p.detach().numpy().copy()
-                                   for n, p in rt.stage.named_parameters()},
-                        "blocks": len(rt.stage.parts)}
-            rt.shutdown()
-        finally:
-            runtime_module.SharedWeightCasts = shared
-    return out
+    with each micro-batch's own: losses, parameters, and the casts shared (AdamW's default
+    weight decay)."""
+    return train_shared_and_own(rank, case, prepare=_with_lora, opt_kw={})
 
 
 def _run_all(rank: int, world_size: int) -> dict:

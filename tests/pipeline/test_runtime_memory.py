@@ -66,9 +66,12 @@ def _own_casts(lend_frozen: bool = True) -> None:
     return None  # each micro-batch keeps its own casts, as before they were shared
 
 
-def train_shared_and_own(rank: int, case: PartialCase) -> dict:
+def train_shared_and_own(rank: int, case: PartialCase, prepare=None,
+                         opt_kw: dict | None = None) -> dict:
     """Two steps of ``case`` with the step's shared casts, then the same with each micro-batch's
-    own: losses, parameters, and how many casts each kept as an earlier micro-batch's."""
+    own: losses, parameters, and how many casts each kept as an earlier micro-batch's.
+    ``prepare(runtime, case)`` changes each run's stage before its optimizer is made (LoRA);
+    ``opt_kw``: AdamW's settings besides ``lr`` (default a weight decay of 0.1)."""
     from hapt_hf.pipeline import PipelineRuntime, RuntimeConfig
     from hapt_hf.pipeline import runtime as runtime_module
     config = tiny_config(case.family, case.num_blocks, case.tied)
@@ -78,7 +81,10 @@ def train_shared_and_own(rank: int, case: PartialCase) -> dict:
         runtime_module.SharedWeightCasts = shared if how == "step_casts" else _own_casts
         try:
             rt = PipelineRuntime(case.plan(), config, RuntimeConfig(timeout_s=60, seed=7))
-            opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+            if prepare is not None:
+                prepare(rt, case)
+            opt = rt.make_optimizer(torch.optim.AdamW, lr=1e-3,
+                                    **({"weight_decay": 0.1} if opt_kw is None else opt_kw))
             batches = make_batches(config.vocab_size, seed=11, rows=rt.plan.global_batch_size)
             losses = [rt.train_step(b, opt, max_grad_norm=0.5).loss for b in batches[:2]]
             out[how] = {"losses": losses, "step_casts": rt.weight_casts_shared,
