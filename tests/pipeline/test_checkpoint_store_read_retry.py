@@ -44,6 +44,13 @@ class FlakyReads(FlakyFileSystem):
     RANGES: list = []
     """(base name, start, end, bytes returned) of each ranged read that succeeded."""
 
+    @classmethod
+    def reset(cls) -> None:
+        super().reset()
+        cls.READ_FAULTS.clear()
+        cls.READS.clear()
+        cls.RANGES.clear()
+
     def _read(self, path: str, start: int | None = None) -> None:
         name = self._strip_protocol(path).rstrip("/").rsplit("/", 1)[-1]
         fault = self.READ_FAULTS.get(name)
@@ -75,15 +82,8 @@ register_implementation("flakyreads", FlakyReads, clobber=True)
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     monkeypatch.setattr(checkpoint_store, "FETCH_PIECE", PIECE)
-    for cls in (FlakyReads, FlakyFileSystem):
-        cls.FAULTS.clear()
-        cls.ATTEMPTS.clear()
-        cls.GATE = None
-    FlakyReads.store.clear()
-    FlakyReads.pseudo_dirs[:] = [""]
-    FlakyReads.READ_FAULTS.clear()
-    FlakyReads.READS.clear()
-    FlakyReads.RANGES.clear()
+    FlakyFileSystem.GATE = None
+    FlakyReads.reset()
     with warnings.catch_warnings():  # DCP warns that it runs without a process group
         warnings.simplefilter("ignore", UserWarning)
         yield

@@ -45,6 +45,17 @@ class FlakyFileSystem(MemoryFileSystem):
     REMOVALS: Counter = Counter()
     """Base name -> removals tried."""
 
+    @classmethod
+    def reset(cls) -> None:
+        """No files, no faults, nothing counted."""
+        cls.store.clear()
+        cls.pseudo_dirs[:] = [""]
+        cls.FAULTS.clear()
+        cls.ATTEMPTS.clear()
+        cls.GATE = None
+        cls.REMOVE_FAULTS.clear()
+        cls.REMOVALS.clear()
+
     def _attempt(self, path: str, data: bytes) -> None:
         name = path.rsplit("/", 1)[-1]
         self.ATTEMPTS[name] += 1
@@ -81,13 +92,7 @@ register_implementation("flaky", FlakyFileSystem, clobber=True)
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    FlakyFileSystem.store.clear()
-    FlakyFileSystem.pseudo_dirs[:] = [""]
-    FlakyFileSystem.FAULTS.clear()
-    FlakyFileSystem.ATTEMPTS.clear()
-    FlakyFileSystem.GATE = None
-    FlakyFileSystem.REMOVE_FAULTS.clear()
-    FlakyFileSystem.REMOVALS.clear()
+    FlakyFileSystem.reset()
     with warnings.catch_warnings():  # DCP warns that it runs without a process group
         warnings.simplefilter("ignore", UserWarning)
         yield
