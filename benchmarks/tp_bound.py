@@ -495,18 +495,20 @@ def _cover(menu: ReplicaMenu, prices: np.ndarray, grid: int, d_max: float, rho: 
 
 def replica_path(menu: ReplicaMenu, prices: np.ndarray, sizes: np.ndarray, rho: float,
                  grid: int, d_max: float, mbs_share: float, beta: float = 0.0,
-                 chain: bool = False) -> tuple[float, list]:
+                 chain: bool = False, cover=None) -> tuple[float, list]:
     """The shortest path over layer boundaries, back to front, with the state the load after
     a boundary (on a grid of ``1 / grid``, rounded down): a step is a stage of one group in
     share bin ``k`` (its share in ``((k - 1) / grid, k / grid]``) that holds
     ``ceil(load + share)`` micro-batches and keeps its backward window
     (``back share * share + load * mbs / gbs <= 1``), priced ``lambda_g`` a GPU. Returns the
     priced GPUs over ``lambda . sizes`` (a plan needs at most 1) and the path (group, 0, a,
-    b, share bin's top, micro-batches held), first stage first."""
+    b, share bin's top, micro-batches held), first stage first. ``cover``: ``_cover``'s
+    tables at these prices, where already made."""
     L = menu.num_layers
     h = 1.0 / grid
-    G, ch_a, ch_k, ch_g, q_need, nxt, kmap = _cover(menu, prices, grid, d_max, rho, mbs_share, beta,
-                                              chain)
+    if cover is None:
+        cover = _cover(menu, prices, grid, d_max, rho, mbs_share, beta, chain)
+    G, ch_a, ch_k, ch_g, q_need, nxt, kmap = cover
     total = G[L, 0]
     path = []
     b, st = L, 0
@@ -525,7 +527,8 @@ LABEL_CAP = 1_000_000
 
 def one_path(menu: ReplicaMenu, price_list: list[np.ndarray], sizes: np.ndarray, rho: float,
              grid: int, d_max: float, mbs_share: float, beta: float = 0.0,
-             cap: int = LABEL_CAP, chain: bool = False) -> tuple[bool | None, list, int]:
+             cap: int = LABEL_CAP, chain: bool = False,
+             covers: list | None = None) -> tuple[bool | None, list, int]:
     """Whether one path fits the cluster with every group's GPUs counted (a plan is one path;
     the prices' test admits mixes of paths). A best-first search from the last layer: each
     partial path carries the GPUs it takes of each group and is dropped where a group runs
@@ -534,12 +537,15 @@ def one_path(menu: ReplicaMenu, price_list: list[np.ndarray], sizes: np.ndarray,
     more GPUs of any group was expanded before; the partial paths are expanded in order of
     their least total at the last prices. Returns (True: found, with the path as
     ``replica_path`` gives it; False: none exists; None: more than ``cap`` partial paths made,
-    undecided; the path; partial paths made)."""
+    undecided; the path; partial paths made). ``covers``: ``_cover``'s least costs at each of
+    ``price_list`` where already made (None where not)."""
     import heapq
     L, n_groups = menu.num_layers, len(menu.groups)
     h = 1.0 / grid
     _, q_need, nxt, shut, kmap = _steps(menu, grid, d_max, rho, mbs_share, beta, chain)
-    covers = [_cover(menu, p, grid, d_max, rho, mbs_share, beta, chain)[0] for p in price_list]
+    made_covers = list(covers) if covers is not None else [None] * len(price_list)
+    covers = [c if c is not None else _cover(menu, p, grid, d_max, rho, mbs_share, beta, chain)[0]
+              for c, p in zip(made_covers, price_list)]
     P = np.asarray(price_list)
     budget = P @ sizes + 1e-9
 
@@ -622,10 +628,13 @@ def _need(menu: ReplicaMenu, sizes: np.ndarray, speed: np.ndarray, rho: float, b
     largest fraction of the cluster a path needed, that path)."""
     prices = speed / (speed @ sizes)
     best, best_path, uses, tried = -math.inf, [], [], []
+    covers: list = []           # each tried price's cheapest completions, for one_path
     for _ in range(rounds):
-        val, path = replica_path(menu, prices, sizes, rho, grid, d_max, mbs_share, beta,
-                                 chain)
+        cover = _cover(menu, prices, grid, d_max, rho, mbs_share, beta, chain)
+        val, path = replica_path(menu, prices, sizes, rho, grid, d_max, mbs_share, beta, chain,
+                                 cover)
         tried.append(prices)
+        covers.append(cover[0])
         if not path:
             return True, math.inf, []
         if val > best:
@@ -636,10 +645,11 @@ def _need(menu: ReplicaMenu, sizes: np.ndarray, speed: np.ndarray, rho: float, b
         prices, mix = best_prices(uses, sizes)
         if mix <= 1.0 + 1e-9:   # a mix of these paths fits the cluster
             tried.append(prices)
+            covers.append(None)
             break
     if exact:
         found, path, _ = one_path(menu, tried, sizes, rho, grid, d_max, mbs_share, beta,
-                                  chain=chain)
+                                  chain=chain, covers=covers)
         if found is False:      # no one path fits: ruled out
             return True, best, best_path
         if found:
