@@ -1,7 +1,7 @@
 """A lower bound on the iteration time of every plan of a job, tensor-parallel degrees included.
 
     python3 benchmarks/tp_bound.py SCENARIO [--target S] [--grid N] [--steps K] [--one-path]
-                                   [--what-if]
+                                   [--what-if] [--no-interleaved]
 
 Tests whether any plan the planner can return for the job could replay in ``--target`` seconds
 (default: 20% above the physical limit) or less, for every micro-batch size and both layer
@@ -9,7 +9,8 @@ sequences (whole blocks, halves), and bisects below the target where it is not r
 plans covered: any group order, number of stages, stage widths, tensor-parallel degree per
 stage, sequence parallelism, recompute of all or the first blocks of a stage, replicated or
 sharded optimizer state, layer partition, H-1F1B or zero_bubble warm-ups and deferrals, stages
-that mix groups or give their replicas uneven shares. ``interleaved`` is left out (*Scope*).
+that mix groups or give their replicas uneven shares; and, by rule 6 on its own, every
+``interleaved`` plan of two chunks a rank or more.
 
 **What every replay obeys** (the rules of ``hapt_hf/planner/simulate.py``). A plan of ``M``
 micro-batches of ``mbs`` samples replays in ``T`` seconds. Stage ``s`` runs on ``w_s`` replicas
@@ -96,10 +97,45 @@ prices' cheapest completions; where it finds none, ``T`` is ruled out.
 * only up to ``rounds`` price vectors are tried: a target not ruled out by them counts as
   reached.
 
-**Scope.** Under ``interleaved`` a pipeline rank holds several stages whose memory adds up on
-one GPU; the path does not price that, so such plans are not bounded here. The bound reads the
-analytic tables (times linear in the batch plus fixed latencies); a job with a profile is
-refused.
+**Rule 6, interleaved plans** (``v >= 2`` chunks a rank; ``v = 1`` is 1F1B's shape, under
+rules 1-5). A rank holds several stages on one GPU, so the path above does not price it; rule
+6 bounds such plans alone (:func:`interleaved_lower_bound_s`):
+
+6. *The first round held, and the fill.* Rank ``k`` of ``p`` holds stages ``k, k + p, ...``;
+   the kind's lists run a rank's forwards round by round, chunk by chunk within a round, the
+   first round of ``r = ceil(M / floor(M / p))`` micro-batches (``r = M`` where ``M < p``),
+   and a rank's warm-up is at least ``(v - 1) r + 1`` (``interleaved_bounds``). So before its
+   first backward the rank holds the first round of each of its first ``v - 1`` chunks and
+   one micro-batch of its last, and the replay adds each forward's kept bytes on the rank's
+   GPU until its backward: with the chunks as ``Plan.interleave`` cuts them (the last of
+   ``floor(units / v)`` contiguous units), the GPU holds its weights and state, working set
+   and weight copies, ``r`` times its early chunks' kept bytes and its last chunk's once. The
+   last rank's first forward waits for the first chunk's forward on every rank before it,
+   and the iteration's end for that chunk's backward of the last micro-batch on each of them:
+   ``M c_last + sum_{k < p - 1} c0_k <= T`` (``c0_k``: rank ``k``'s first chunk's forward
+   and backward of one micro-batch), the *fill row*.
+
+   A plan's ``p`` ranks are then kinds of rank (a group, degree, batch a replica, sequence
+   parallelism; the first rank holds the embedding, the last the head) that must cover every
+   middle unit within the groups' GPUs: a linear programme whose ranks may be fractions (a
+   rank of mixed replicas is no cheaper than its kinds' mix, as in rule 2), its units
+   weighed by a price per unit type (halves: attention and MLP; five weightings tried) and
+   its fill row priced into the kinds (eight prices tried). Where at some prices the most the
+   ranks cover (the simplex's value, checked as its dual) falls short of the model, no plan
+   of ``p`` ranks reaches ``T``. ``v`` from 2 to 7 is weighed one by one, every ``v >= 8``
+   together.
+
+   Its relaxations: recompute as a fractional knapsack on each rank's slack (an early
+   chunk's unit relieves ``r`` micro-batches, a last chunk's one), the working set and
+   weight copies once a rank, the chunks' sequence-parallel edges once, transfers and
+   per-action overheads left out, each unit at its type's least figure, a first chunk's
+   compute at the cheapest units a contiguous run of its size can hold (the embedding's
+   left out), at most ``p - 2`` middle ranks (fewer admitted), fractional replica counts
+   (``t mbs / n`` GPUs), and for ``v >= 8`` any split of the last chunk by type.
+
+**Scope.** The bound reads the analytic tables (times linear in the batch plus fixed
+latencies); a job with a profile is refused. Rule 6 needs the middle layers to repeat one
+pattern of at most two kinds (whole blocks; attention and MLP halves).
 
 ``--what-if`` also runs the test with the tensor-parallel collectives (the blocks' all-reduces,
 sequence parallelism's all-gathers, the split head's collectives) taken out of the compute: a
@@ -716,6 +752,316 @@ def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                    rho, beta)
 
 
+# -- interleaved plans: rule 6, the warm-up's first round --------------------------------
+
+INTERLEAVED_LUMP = 8
+"""Rule 6 weighs ``v`` chunks a rank one by one below this; every ``v`` at or above it
+together (a chunk's unit types as uneven as they may be, its last chunk at most
+``floor(units / INTERLEAVED_LUMP)`` units)."""
+
+_ROLES = ("middle", "first", "last")
+"""A rank holding neither end layer, the first (the embedding), the last (the head)."""
+
+
+def unit_types(model: ModelSpec) -> list[list[int]]:
+    """The positions of each kind of middle layer (between the first and the last layer),
+    kinds told apart by signature; PlanningError where they do not repeat one pattern (rule
+    6 counts a contiguous run's units of each kind from the period)."""
+    sigs: list[str] = []
+    for lay in model.layers[1:-1]:
+        if lay.signature in sigs:
+            break
+        sigs.append(lay.signature)
+    k = max(len(sigs), 1)
+    mid = range(1, model.num_layers - 1)
+    if any(model.layers[j].signature != sigs[(j - 1) % k] for j in mid):
+        raise PlanningError("the interleaved rule needs the model's middle layers to repeat "
+                            "one pattern of kinds; this model's do not")
+    return [[j for j in mid if (j - 1) % k == i] for i in range(k)]
+
+
+def _last_chunk_splits(cnt: np.ndarray, u: np.ndarray, exact: bool) -> list[np.ndarray]:
+    """The ways a rank's last chunk of ``u`` middle units may split by unit type (rows as
+    ``cnt``, the rank's units of each type): contiguous (``exact``), each type
+    ``floor(u / types)`` or one more; else any split (at most two types). A way the rank's
+    units cannot give has a negative entry in ``cnt - split`` or in the split."""
+    nty = cnt.shape[1]
+    if nty == 1:
+        return [u[:, None].copy()]
+    if nty != 2:
+        raise PlanningError("the interleaved rule weighs at most two kinds of middle layer; "
+                            f"this model's repeat {nty}")
+    firsts = [np.floor(u / 2), np.ceil(u / 2)] if exact else \
+        [np.minimum(u, k) for k in range(int(u.max(initial=0)) + 1)]
+    return [np.stack([a, u - a], axis=1) for a in firsts]
+
+
+def interleaved_values(cm: CostModel, gbs: int, mbs: int, T: float, firsts: list[int],
+                       pis: np.ndarray, psis: np.ndarray, virtual: int, exact: bool = True,
+                       hide_tp: bool = False) -> dict:
+    """Rule 6's rank kinds at micro-batch ``mbs`` and target ``T`` (see the module's
+    docstring): ``out[role][group][gpus]``, an array over ``firsts`` (the first round's
+    micro-batches), the weights ``pis`` (one per unit type) and the fill prices ``psis`` of
+    the most ``pi . units - psi . fill`` a rank of that role holds in replicas of ``gpus /
+    mbs`` GPUs a sample (-inf: none); ``fill`` is the rank's first chunk's compute of one
+    micro-batch over ``T`` (the last rank: its share ``M c / T``). ``virtual``: chunks a
+    rank; ``exact``: that many, its chunks' unit types as even as contiguous runs make
+    them; else at least that many, the types any (the first chunk then at least a unit)."""
+    L = cm.model.num_layers
+    groups = cm.hardware.groups
+    M = gbs // mbs
+    types = unit_types(cm.model)
+    nty = len(types)
+    rs = np.asarray(firsts, dtype=float)
+    psis = np.asarray(psis, dtype=float)
+    top = len(types[0]) + 2
+    grids = np.meshgrid(*[np.arange(top + 1)] * nty, indexing="ij")
+    cnt = np.stack([g.ravel() for g in grids], axis=1).astype(float)   # units of each type
+    if exact and nty > 1:  # a contiguous chunk's types differ by at most one unit
+        cnt = cnt[cnt.max(axis=1) - cnt.min(axis=1) <= virtual]
+    piv = cnt @ np.asarray(pis, dtype=float).T
+    out: dict = {role: [{} for _ in groups] for role in _ROLES}
+    total_gpus = sum(x.size for x in groups)
+    for gi, g in enumerate(groups):
+        cap = cm.capacity_bytes(g)
+        for t in _degrees(cm, g):
+            P_ = np.diff(np.asarray(cm.shard(t).params))
+            FX = np.diff(np.asarray(cm.shard(t).fixed))
+            for sp in ([False, True] if cm.sp_allowed(t) else [False]):
+                sh = cm.shard(t, sp)
+                K_, KR = np.diff(np.asarray(sh.keep)), np.diff(np.asarray(sh.keep_rc))
+                for n, n_gpus in _batch_grid(mbs):
+                    reps = min(mbs - n + 1, total_gpus // t)
+                    spb = min(state_bytes_per_param(REPLICATED, reps),
+                              state_bytes_per_param(SHARDED, reps) if reps > 1 else math.inf)
+                    f, b, rf = _layer_times(cm, g, n, t, hide_tp)
+                    rg, edge = np.zeros(L), 0.0
+                    if sp:
+                        em, rg = _sp_terms(cm, g, n, t, hide_tp)
+                        edge = min(em[j, j + 1] for j in range(1, L - 1))
+
+                    def least(x):
+                        return np.array([min(x[j] for j in ix) for ix in types])
+                    u_c, u_rc, u_fb = least(f + b + rg), least(rf - rg), least(f + b)
+                    u_p, u_fx = least(P_) * spb, least(FX)
+                    u_k, u_kr = least(K_) * n, least(KR) * n
+                    c0, stat0, act0, fx0 = cnt @ u_c + 2 * edge, cnt @ u_p, cnt @ u_k, cnt @ u_fx
+                    work0 = np.max(np.where(cnt > 0, u_k[None, :], 0.0), axis=1)
+                    for role in _ROLES:
+                        c, stat, act, fx, work = c0, stat0, act0, fx0, work0
+                        units = cnt.sum(axis=1)
+                        end = {"first": 0, "last": L - 1}.get(role)
+                        if end is not None:
+                            c, stat = c + f[end] + b[end], stat + P_[end] * spb
+                            act, fx = act + K_[end] * n, fx + FX[end]
+                            work, units = np.maximum(work, K_[end] * n), units + 1
+                        slack = T / M - c               # what recompute may add
+                        keep = (slack >= -1e-12 * T / M) & (units >= virtual)
+                        if not keep.any():
+                            continue
+                        rows = np.nonzero(keep)[0]
+                        cn, un, sl = cnt[rows], units[rows], slack[rows]
+                        act, c = act[rows], c[rows]
+                        room = cap - stat[rows] - work[rows] - fx[rows]
+                        # the last chunk: floor(units / v) contiguous units (the head one of
+                        # them on the last rank): the ways its middle units split by type
+                        u = np.maximum(np.floor(un / virtual) - (1 if role == "last" else 0), 0)
+                        comps = _last_chunk_splits(cn, u, exact)
+                        end_keep = K_[end] * n if end is not None else 0.0
+                        if role == "last":
+                            fill = M * c / T            # the last rank's share
+                        else:
+                            # the first chunk: ceil(units / v) contiguous units (the embedding
+                            # one of them on the first rank), at least floor(u / types) of a
+                            # type, the rest at the cheapest; its forward and backward of one
+                            # micro-batch
+                            u0 = np.ceil(un / virtual) if exact else np.minimum(un, 1.0)
+                            u0 = u0 - (1 if role == "first" else 0)
+                            each = np.minimum(cn, np.floor(u0 / nty)[:, None])
+                            rest = np.maximum(u0 - each.sum(axis=1), 0.0)
+                            fill = (each @ u_fb + rest * u_fb.min()) / T
+                        gain = piv[rows][:, :, None] - psis[None, None, :] * fill[:, None, None]
+                        res = np.full((len(rs), piv.shape[1], len(psis)), -np.inf)
+                        for ri, r in enumerate(rs):
+                            need = np.full(len(rows), np.inf)
+                            for late in comps:
+                                early = cn - late
+                                base = r * (early @ u_k) + late @ u_k
+                                base = base + (end_keep if role == "last" else r * end_keep)
+                                # recompute's relief at its most, a fractional knapsack on the
+                                # slack: an early unit r micro-batches' kept bytes and its
+                                # weight copies, a last-chunk unit one micro-batch's and copies
+                                items = [(r * (u_k[ty] - u_kr[ty]) + u_fx[ty], ty, early)
+                                         for ty in range(nty)] + \
+                                    [((u_k[ty] - u_kr[ty]) + u_fx[ty], ty, late)
+                                     for ty in range(nty)]
+                                items.sort(key=lambda it: -it[0] / max(u_rc[it[1]], 1e-30))
+                                budget = np.maximum(sl, 0.0)
+                                relief = np.zeros(len(rows))
+                                for gain_unit, ty, held in items:
+                                    if gain_unit <= 0:
+                                        continue
+                                    x = held[:, ty] if u_rc[ty] <= 0 else \
+                                        np.minimum(held[:, ty], budget / u_rc[ty])
+                                    budget = budget - x * max(u_rc[ty], 0.0)
+                                    relief = relief + x * gain_unit
+                                valid = np.all(late >= 0, axis=1) & np.all(early >= 0, axis=1)
+                                need = np.minimum(need, np.where(valid, base - relief, np.inf))
+                            ok = need <= room
+                            if ok.any():
+                                res[ri] = gain[ok].max(axis=0)
+                        if np.isfinite(res).any():
+                            d = out[role][gi]
+                            key = t * mbs / n_gpus
+                            d[key] = np.maximum(d.get(key, -np.inf), res)
+    return out
+
+
+def _simplex_duals(c: np.ndarray, A: np.ndarray, b: np.ndarray, tol: float = 1e-9,
+                   max_pivots: int = 5000) -> np.ndarray:
+    """The dual prices of ``max c . x, A x <= b, x >= 0`` (``b >= 0``) by the tableau simplex
+    (the most negative reduced cost enters, ties to the lowest basis index). The caller
+    checks what it takes from them: any prices make a valid certificate once made
+    feasible."""
+    m, n = A.shape
+    tab = np.zeros((m + 1, n + m + 1))
+    tab[:m, :n], tab[:m, n:n + m], tab[:m, -1] = A, np.eye(m), b
+    tab[m, :n] = -c
+    basis = list(range(n, n + m))
+    for _ in range(max_pivots):
+        j = int(np.argmin(tab[m, :-1]))
+        if tab[m, j] >= -tol:
+            break
+        col = tab[:m, j]
+        pos = col > tol
+        if not pos.any():
+            break   # unbounded: cannot happen with every column priced in GPUs
+        ratio = np.where(pos, tab[:m, -1] / np.where(pos, col, 1.0), np.inf)
+        ties = np.nonzero(ratio <= ratio.min() + tol)[0]
+        i = int(min(ties, key=lambda k: basis[k]))
+        tab[i] /= tab[i, j]
+        for k in range(m + 1):
+            if k != i and tab[k, j] != 0.0:
+                tab[k] -= tab[k, j] * tab[i]
+        basis[i] = j
+    return tab[m, n:n + m].copy()
+
+
+def interleaved_cover(values: dict, sizes: np.ndarray, ranks: int, ri: int, pi_i: int,
+                      psi: float = 0.0, psi_i: int = 0) -> float:
+    """The most ``pi . units`` ``ranks`` ranks of :func:`interleaved_values`'s kinds cover
+    within the groups' GPUs (one first rank, one last, the rest middle; a rank may mix
+    kinds of replicas, so the counts are fractions): the linear programme's value, as the
+    dual objective at the simplex's prices (with each group's price made feasible from the
+    rank prices, so the figure is an upper bound whatever the pivots' rounding); -inf
+    where no first or no last rank fits."""
+    kinds = []      # (role, group, GPUs, value) of every kind that fits
+    for ti, role in enumerate(_ROLES):
+        kinds += [(ti, gi, gpus, float(v[ri, pi_i, psi_i])) for gi, gd in enumerate(values[role])
+                  for gpus, v in gd.items() if np.isfinite(v[ri, pi_i, psi_i])]
+    if not any(k[0] == 1 for k in kinds) or not any(k[0] == 2 for k in kinds):
+        return -math.inf
+    G = len(sizes)
+    role = np.array([k[0] for k in kinds])
+    group = np.array([k[1] for k in kinds])
+    gpus = np.array([k[2] for k in kinds])
+    val = np.array([k[3] for k in kinds])
+    # one first and one last rank: "at most one" each with a reward above anything their
+    # GPUs could earn elsewhere, taken back from the rank prices below
+    big = 10.0 * (float(np.max(gpus)) * float(np.max(np.abs(val) / gpus))
+                  + float(np.max(np.abs(val)))) + 10.0
+    A = np.zeros((G + 3, len(kinds)))
+    A[group, np.arange(len(kinds))] = gpus
+    A[G + role, np.arange(len(kinds))] = 1.0
+    b = np.concatenate([sizes, [max(ranks - 2, 0), 1.0, 1.0]])
+    y = _simplex_duals(val + big * (role > 0), A, b)
+    mu = np.array([max(y[G], 0.0), y[G + 1] - big, y[G + 2] - big])
+    lam = np.zeros(G)
+    np.maximum.at(lam, group, (val - mu[role]) / gpus)
+    return float(max(ranks - 2, 0) * mu[0] + mu[1] + mu[2] + sizes @ lam) + psi
+
+
+FILL_PRICES = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 2.0, 4.0)
+"""Rule 6's prices of the fill row, in units of the model's (any price is a valid
+certificate; these are the ones tried)."""
+
+
+def interleaved_ruled_out(cm: CostModel, gbs: int, mbs: int, T: float, sizes: np.ndarray,
+                          hide_tp: bool = False) -> tuple[bool, tuple]:
+    """Whether rule 6 rules out every interleaved plan of micro-batch ``mbs`` at ``T``:
+    (True, ()) or (False, (chunks a rank, pipeline ranks, units covered beyond the
+    model's)) for the first count of ranks it leaves."""
+    from hapt_hf.core.schedules import interleaved_rounds
+    M = gbs // mbs
+    L = cm.model.num_layers
+    types = unit_types(cm.model)
+    counts = np.array([len(ix) for ix in types], dtype=float)
+    w = np.linspace(0.0, 1.0, 5)
+    pis = np.ones((1, 1)) if len(types) == 1 else \
+        np.stack([w] + [1.0 - w] + [np.zeros_like(w)] * (len(types) - 2), axis=1)
+    psis = float(counts.sum()) * np.asarray(FILL_PRICES)
+    classes = [(v, True) for v in range(2, INTERLEAVED_LUMP)] + [(INTERLEAVED_LUMP, False)]
+    for v, exact in classes:
+        ranks = list(range(2, L // v + 1))
+        if not ranks:
+            continue
+        firsts = [len(interleaved_rounds(p, M)[0]) for p in ranks]
+        rs = sorted(set(firsts))
+        values = interleaved_values(cm, gbs, mbs, T, rs, pis, psis, v, exact, hide_tp)
+        for p, r in zip(ranks, firsts):
+            gap = -math.inf
+            for pi_i, pi in enumerate(pis):
+                need = float(pi @ counts)
+                for psi_i, psi in enumerate(psis):
+                    cover = interleaved_cover(values, sizes, p, rs.index(r), pi_i, psi, psi_i)
+                    if cover < need - 1e-9:
+                        break
+                    if psi_i == 0:
+                        gap = max(gap, cover - need)
+                else:
+                    continue
+                break
+            else:
+                return False, (v, p, gap)
+    return True, ()
+
+
+def interleaved_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
+                              target: float, steps: int = 5, hide_tp: bool = False,
+                              log=None) -> tuple[float, tuple[tuple[str, int, float], ...]]:
+    """Rule 6's bound over every interleaved plan (``v >= 2`` chunks a rank; ``v = 1`` is
+    1F1B's shape, under :func:`tp_lower_bound_s`): each layer unit and micro-batch size tested
+    at ``target``, bisected below it where not ruled out. Returns the least lower end and
+    (layer unit, micro-batch size, its lower end) of each."""
+    from hapt_hf.planner.search import divisors
+    gbs = global_batch_size
+    sizes = np.array([g.size for g in cluster.groups], dtype=float)
+    per = []
+    for m in [model] + ([model.split_blocks()] if model.can_split_blocks else []):
+        cm = CostModel(m, cluster)
+        speed = np.array([1.0 / cm.sample_time_s(g, 1) for g in cluster.groups])
+        limit = gbs / float(speed @ sizes)
+        for mbs in divisors(gbs):
+            c0 = time.process_time()
+            out, why = interleaved_ruled_out(cm, gbs, mbs, target, sizes, hide_tp)
+            lo, hi = (target, target) if out else (limit, target)
+            for _ in range(0 if out else steps):
+                mid = 0.5 * (lo + hi)
+                out_mid, why_mid = interleaved_ruled_out(cm, gbs, mbs, mid, sizes, hide_tp)
+                if out_mid:
+                    lo = mid
+                else:
+                    hi, why = mid, why_mid
+            per.append((m.layer_unit, mbs, lo))
+            if log:
+                log(f"  interleaved, {m.layer_unit} units, micro-batch {mbs}: "
+                    + (f"ruled out at {target:.3f} s" if out else
+                       f"bound {lo:.3f} s (not ruled out at {hi:.3f} s: {why[0]} chunks, "
+                       f"{why[1]} ranks cover {why[2]:.1f} units more than the model's)")
+                    + f", {time.process_time() - c0:.1f} s CPU")
+    return min(lo for _, _, lo in per), tuple(per)
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.inputs import scenario_path
     from hapt_hf.planner.job import load_job
@@ -732,6 +1078,9 @@ def main(argv: list[str] | None = None) -> int:
                          "every group's GPUs counted (slower)")
     ap.add_argument("--what-if", action="store_true",
                     help="also with the tensor-parallel collectives hidden")
+    ap.add_argument("--no-interleaved", action="store_true",
+                    help="leave out rule 6 (interleaved plans): the bound then covers the "
+                         "other kinds only")
     args = ap.parse_args(argv)
     job = load_job(scenario_path(args.scenario))
     gbs = job.global_batch_size
@@ -754,6 +1103,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"its cheapest path ({len(got.stages)} stages: group [layers) share "
               "micro-batches held):")
         print("    " + "; ".join(f"{g} [{a},{b}) {u:.3f} {q}" for g, a, b, u, q in got.stages))
+        if args.no_interleaved:
+            continue
+        c0 = time.process_time()
+        inter, _ = interleaved_lower_bound_s(job.model, job.cluster, gbs, target, args.steps,
+                                             hide_tp=hide, log=print)
+        every = min(got.bound_s, inter)
+        print(f"interleaved plans: bound {inter:.3f} s ({inter / limit - 1:+.2%}), "
+              f"{time.process_time() - c0:.1f} s CPU")
+        print(f"every plan: bound {every:.3f} s ({every / limit - 1:+.2%} above the limit): "
+              f"{target:.3f} s "
+              + ("ruled out for every kind" if every >= target else "not ruled out"))
     return 0
 
 

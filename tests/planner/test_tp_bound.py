@@ -6,20 +6,28 @@ import math
 import random
 from dataclasses import replace
 
-from hapt_hf.core.schedules import warmups_from_steps, zero_bubble_deferrals
+import pytest
+
+from hapt_hf.core.schedules import (ActionKind, ScheduleError, interleaved_bounds,
+                                    interleaved_rounds, warmups_from_steps,
+                                    zero_bubble_deferrals)
+from hapt_hf.errors import PlanningError
 from hapt_hf.planner.cluster import Cluster, GroupLink, LinkSpec
 from hapt_hf.planner.cost_model import CostModel
 from hapt_hf.planner.search import (Layout, SearchProblem, compositions, divisors,
                                     physical_limit_s, plan_job, recompute_flags,
                                     simulate_layout)
-from hapt_hf.planner.search.kinds import replay_kind
+from hapt_hf.planner.schedule import build_schedule
+from hapt_hf.planner.search.kinds import interleaved_layout, replay_kind
 from hapt_hf.planner.simulate import backward_split
 
 from benchmarks.bound import sequence_replicas, stage_sequences
 import numpy as np
 
-from benchmarks.tp_bound import (_need, beta_floor, one_path, replica_menu, replica_use,
-                                 rho_floor, tp_lower_bound_s)
+from benchmarks.tp_bound import (_need, beta_floor, interleaved_cover, interleaved_lower_bound_s,
+                                 interleaved_ruled_out, interleaved_values, one_path,
+                                 replica_menu, replica_use, rho_floor, tp_lower_bound_s,
+                                 unit_types)
 from tests.planner.test_search import make_group, synth_model
 
 
@@ -169,3 +177,134 @@ def test_chain_rule_holds_on_every_replay():
                 assert T >= span // delta * (c_all[0] + fi[1]) * (1 - 1e-9)
             checked += 1
     assert checked > 100
+
+
+def test_interleaved_ranks_hold_their_first_round():
+    """Rule 6's premise on the interleaved kind's own lists: before its first backward a rank
+    has run every forward of its first ``v - 1`` chunks in the first round and one of its last
+    chunk, whatever warm-ups the plan gives within the kind's bounds; so it holds at least the
+    first round's micro-batches of each of those chunks at once."""
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(300):
+        p, v = rng.randint(2, 6), rng.randint(2, 4)
+        m = rng.choice((p, p + 1, 2 * p + 1, 3 * p, 5 * p - 1))
+        lo, hi = interleaved_bounds(p, v, m)
+        # warm-ups not growing along the pipeline, within the kind's bounds
+        warm = sorted((rng.randint(lo, min(hi, lo + 3 * p)) for _ in range(p)), reverse=True)
+        try:
+            sched = build_schedule("interleaved", p * v, m, [warm[s % p] for s in range(p * v)],
+                                   num_ranks=p)
+        except ScheduleError:
+            continue
+        first = len(interleaved_rounds(p, m)[0])
+        for rank, lst in enumerate(sched.actions):
+            held = [0] * (p * v)
+            for a in lst:
+                if a.kind is ActionKind.F:
+                    held[a.stage] += 1
+                elif a.kind is ActionKind.B:
+                    break
+            mine = sched.stages_of(rank)
+            assert all(held[s] >= first for s in mine[:-1]) and held[mine[-1]] >= 1
+            checked += 1
+    assert checked > 500
+
+
+def _interleaved_replays(cm: CostModel, gbs: int):
+    """Every layout of the job of two stages or more as 2 and 3 chunks a rank (recompute all
+    off and all on), under the kind's own warm-ups and deeper ones: (micro-batch, time,
+    stages, pipeline ranks)."""
+    L = cm.model.num_layers
+    for seq in stage_sequences(cm.cluster):
+        n = len(seq)
+        for mbs in divisors(gbs):
+            if n < 2 or mbs % math.lcm(*(w for _, w, _ in seq)):
+                continue
+            m = gbs // mbs
+            shapes = sequence_replicas(cm, seq, mbs)
+            for sizes in compositions(L, n):
+                edges = list(itertools.accumulate(sizes, initial=0))
+                bounds = tuple(zip(edges, edges[1:]))
+                for rc in ((False,) * n, (True,) * n):
+                    one = Layout.build(shapes, bounds, rc, mbs, warmups_from_steps((1,) * (n - 1), m),
+                                       "h1f1b")
+                    for v in (2, 3):
+                        lay = interleaved_layout(one, m, v)
+                        if lay is None:
+                            continue
+                        hi = interleaved_bounds(n, v, m)[1]
+                        for extra in (0, 1, 3):
+                            st = tuple(replace(s, warmup=min(s.warmup + extra, hi))
+                                       for s in lay.stages)
+                            r = replay_kind(cm, Layout(st, mbs, lay.schedule), m)
+                            if r.feasible:
+                                yield mbs, r.iteration_s, st, n
+
+
+def test_interleaved_bound_is_below_every_interleaved_replay():
+    """Rule 6 never rules out an interleaved replay at its own time, on GPUs of ample and of
+    scarce memory; each replay obeys its fill row; and the bound stays below the fastest."""
+    for blocks, factor in ((4, 2.0), (6, 1.5), (6, 16.0)):
+        model = synth_model(blocks, 512)
+        gbs = 8
+        cm0 = CostModel(model, _cluster(16.0, 16.0))
+        mem = cm0.memory_bytes(1, 1, 3, 1) / (cm0.memory_headroom * 1e9) * factor
+        cluster = _cluster(mem, mem)
+        cm = CostModel(model, cluster)
+        sizes = np.array([g.size for g in cluster.groups], dtype=float)
+        runs = list(_interleaved_replays(cm, gbs))
+        assert len(runs) > 50
+        for mbs, t, stages, p in runs:
+            assert not interleaved_ruled_out(cm, gbs, mbs, t * (1 + 1e-9), sizes)[0]
+            # the fill row: the last rank's compute and every earlier rank's first chunk
+            costs = [c.forward_s + c.backward_s for c in cm.stage_costs(stages, mbs).stages]
+            last = sum(costs[s] for s in range(p - 1, len(stages), p))
+            assert t >= (gbs // mbs) * last + sum(costs[:p - 1]) - 1e-12
+        fastest = min(t for _, t, _, _ in runs)
+        limit = physical_limit_s(SearchProblem.build(model, cluster, gbs))
+        bound, per = interleaved_lower_bound_s(model, cluster, gbs, fastest, steps=8)
+        assert limit * (1 - 1e-9) <= bound < fastest
+        assert {u for u, _, _ in per} == {"block"} and len(per) == len(divisors(gbs))
+
+
+def test_interleaved_rule_rules_out_the_70b_jobs_whole_blocks_at_20_percent():
+    """On scale_llama70b_mixed256 every interleaved plan of whole blocks at micro-batch 8 is
+    ruled out at 20% above the physical limit (docs/benchmarks.md); with the first round held
+    once instead (no rule 6's multiple) and no fill row, 13 ranks of 2 chunks are not: the
+    rule is what rules them out."""
+    from benchmarks.inputs import scenario_path
+    from hapt_hf.planner.job import load_job
+    job = load_job(scenario_path("scale_llama70b_mixed256"))
+    cm = CostModel(job.model, job.cluster)
+    gbs = job.global_batch_size
+    sizes = np.array([g.size for g in job.cluster.groups], dtype=float)
+    target = 1.2 * physical_limit_s(SearchProblem.build(job.model, job.cluster, gbs))
+    assert interleaved_ruled_out(cm, gbs, 8, target, sizes)[0]
+    values = interleaved_values(cm, gbs, 8, target, [1], np.ones((1, 1)), np.zeros(1), 2)
+    assert interleaved_cover(values, sizes, 13, 0, 0) >= job.model.num_layers - 2
+
+
+def test_interleaved_rule_refuses_middle_layers_of_no_one_pattern():
+    model = synth_model(4, 512)
+    layers = list(model.layers)
+    layers[2] = replace(layers[2], signature="other")
+    with pytest.raises(PlanningError, match="repeat one pattern"):
+        unit_types(replace(model, layers=tuple(layers)))
+
+
+def test_interleaved_cover_is_the_linear_programmes_value():
+    """The simplex's cover on a programme solved by hand: 10 GPUs, one first rank (1 GPU, 1
+    unit) and one last (1 GPU, 2 units), at most two middle ranks of kinds (2 GPUs, 3 units)
+    and (5 GPUs, 10 units): the middles take 8 GPUs at best as 1.6 ranks of the second kind
+    (16 units), 19 in all; a fill price adds itself; no first rank, no cover."""
+    def kinds(mid: dict, first: dict, last: dict) -> dict:
+        return {role: [{g: np.full((1, 1, 1), float(u)) for g, u in d.items()}]
+                for role, d in (("middle", mid), ("first", first), ("last", last))}
+    values = kinds({2.0: 3, 5.0: 10}, {1.0: 1}, {1.0: 2})
+    sizes = np.array([10.0])
+    assert abs(interleaved_cover(values, sizes, 4, 0, 0) - 19.0) < 1e-9
+    assert abs(interleaved_cover(values, sizes, 4, 0, 0, psi=2.5) - 21.5) < 1e-9
+    # three ranks: one middle at most, the second kind's whole rank (10 units), 13 in all
+    assert abs(interleaved_cover(values, sizes, 3, 0, 0) - 13.0) < 1e-9
+    assert interleaved_cover(kinds({2.0: 3}, {}, {1.0: 2}), sizes, 4, 0, 0) == -math.inf
