@@ -21,6 +21,20 @@ SEQ = 64
 # Small enough for seconds, large enough that a block's backward clearly outweighs its forward.
 CONFIG = dict(n_embd=256, n_layer=6, n_head=4, vocab_size=512, n_positions=128, bos_token_id=0,
               eos_token_id=0)
+# The optimizer step is timed over copies of a layer filling profiler.UPDATE_WORKING_SET_BYTES
+# (test_the_optimizer_step_is_timed_over_the_working_set_and_divided_back checks that); 256 MiB
+# of a tiny layer's copies are tens of thousands of tensors, a minute of CPU a profile. These
+# tests time it over 4 MiB, in this process and in the scripts they launch.
+TEST_WORKING_SET = 4 << 20
+SMALL_WORKING_SET = (f"import hapt_hf.profiling.profiler as _p; "
+                     f"_p.UPDATE_WORKING_SET_BYTES = {TEST_WORKING_SET}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _small_working_set():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(profiler, "UPDATE_WORKING_SET_BYTES", TEST_WORKING_SET)
+        yield
 FAST = ProfilerOptions(micro_batches=(2, 8), warmup=1, repeats=5, min_window_s=0.02,
                        budget_s=0.3)
 
@@ -203,6 +217,7 @@ def test_a_groups_measured_allreduce_replaces_the_link_inside_it():
 LEADERS_SCRIPT = """
 import json, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
+""" + SMALL_WORKING_SET + """
 from transformers import GPT2Config
 from hapt_hf.profiling import ProfilerOptions, profile_group_leaders
 dist.init_process_group("gloo")
@@ -241,6 +256,7 @@ def test_group_leaders_profile_with_busy_peers_and_all_get_the_merged_profile(tm
 INSIDE_SCRIPT = """
 import json, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
+""" + SMALL_WORKING_SET + """
 from transformers import GPT2Config
 from hapt_hf.profiling import ProfilerOptions, profile_group_leaders
 dist.init_process_group("gloo")
