@@ -1022,7 +1022,7 @@ def interleaved_ruled_out(cm: CostModel, gbs: int, mbs: int, T: float, sizes: np
                     continue
                 break
             else:
-                return False, (v, p, gap)
+                return False, (v, p, float(gap))
     return True, ()
 
 
