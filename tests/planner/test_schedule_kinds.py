@@ -141,3 +141,30 @@ def test_kept_kind_s_is_the_time_at_the_kind_the_plan_keeps(h1f1b_search):
     # the kinds not weighed, or another kind asked for: the pipeline's own replay
     assert kinds.kept_kind_s(cm, lay, sim, m, "h1f1b", False) == sim.iteration_s
     assert kinds.kept_kind_s(cm, lay, sim, m, "gpipe", True) == sim.iteration_s
+
+
+def test_an_interleaved_wrap_between_unlinked_groups_is_not_a_candidate():
+    """An interleaved layout sends its last rank's output back to its first rank: where
+    their groups have no link the kind cannot run that pipeline. The search weighs it as
+    not buildable and plans the job (it raised the cost model's missing-link error); asked
+    for interleaved on such a pipeline, it refuses naming the link."""
+    from hapt_hf.core.schedules import warmups_from_steps
+    from hapt_hf.planner.cluster import Cluster, GroupLink, LinkSpec
+    from hapt_hf.planner.search import Layout
+    from tests.planner.test_search import make_group, synth_model
+    groups = (make_group("g0", 50.0, 0.05, 1), make_group("g1", 50.0, 0.05, 1),
+              make_group("g2", 50.0, 0.05, 2))
+    cluster = Cluster("chain", groups, (GroupLink("g0", "g1", LinkSpec(100.0, 10.0)),
+                                        GroupLink("g1", "g2", LinkSpec(100.0, 10.0))))
+    model = synth_model(4, 64)
+    res = plan_job(model, cluster, 6)
+    assert [l for s in res.plan.stages for l in range(*s.layers)] == list(range(6))
+    # g0 -> g1 -> g2: each neighbour linked, the interleaved wrap g2 -> g0 not
+    cm = CostModel(model, cluster)
+    m = 6
+    shapes = tuple(cm.replicas_at(g, 0, 1, 1, 1) for g in groups)
+    lay = Layout.build(shapes, ((0, 2), (2, 4), (4, 6)), (False,) * 3, 1,
+                       warmups_from_steps((1, 1), m), "h1f1b")
+    sim = replay_kind(cm, lay, m)
+    with pytest.raises(PlanningError, match="'g2' and 'g0' are neighbours .* no link"):
+        best_kind(cm, lay, sim, m, "interleaved", virtual_stages=2)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hapt_hf.core.schedules import ScheduleKind, fitting_deferrals
-from hapt_hf.errors import PlanError, PlanningError
+from hapt_hf.errors import CostModelError, PlanError, PlanningError
 
 from ..cost_model import CostModel
 from ..plan import Plan
@@ -115,9 +115,15 @@ def best_kind(cm: CostModel, layout: Layout, sim: SimResult, num_microbatches: i
         cands += [(f"interleaved v={v}", interleaved_layout(layout, m, v)) for v in vs]
     weighed: list[tuple[str, float | None]] = [("h1f1b", sim.iteration_s)] if own else []
     best: tuple[Layout, SimResult] | None = (layout, sim) if own else None
+    unbuilt: dict[str, str] = {}
     for name, lay in cands:
         # with events: the winner's replay is the plan's (a second replay costs as much)
-        r = replay_kind(cm, lay, m, record_events=True) if lay is not None else None
+        try:
+            r = replay_kind(cm, lay, m, record_events=True) if lay is not None else None
+        except CostModelError as e:
+            # e.g. an interleaved layout's wrap from its last rank to its first, between
+            # groups the cluster does not link: this kind cannot run the pipeline
+            r, unbuilt[name] = None, str(e)
         ok = r is not None and r.feasible
         weighed.append((name, r.iteration_s if ok else None))
         if not ok:
@@ -127,9 +133,11 @@ def best_kind(cm: CostModel, layout: Layout, sim: SimResult, num_microbatches: i
         if r.iteration_s < bar:
             best = (lay, r)
     if best is None:
+        why = "".join(f"; {n}: {e}" for n, e in unbuilt.items())
         raise PlanningError(f"schedule {schedule!r} does not fit the search's best pipeline of "
                             f"{layout.num_stages} stages ({', '.join(n for n, _ in weighed)} "
-                            "weighed); plan with schedule 'h1f1b', or more memory headroom")
+                            f"weighed{why}); plan with schedule 'h1f1b', or more memory "
+                            "headroom")
     return best[0], best[1], tuple(weighed)
 
 
