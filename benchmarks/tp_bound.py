@@ -167,7 +167,8 @@ from hapt_hf.planner.search.tensor_parallel import node_degrees  # noqa: E402
 from hapt_hf.planner.simulate import WEIGHT_GRADIENT_SHARE  # noqa: E402
 
 __all__ = ["TpBound", "ReplicaMenu", "replica_menu", "replica_path", "rho_floor",
-           "beta_floor", "one_path", "tp_lower_bound_s", "main"]
+           "beta_floor", "one_path", "tp_lower_bound_s", "unit_types", "interleaved_values",
+           "interleaved_cover", "interleaved_ruled_out", "interleaved_lower_bound_s", "main"]
 
 
 def _pow2_upto(n: int) -> list[int]:
