@@ -694,6 +694,33 @@ def _need(menu: ReplicaMenu, sizes: np.ndarray, speed: np.ndarray, rho: float, b
     return False, best, best_path
 
 
+def _layer_sequences(model: ModelSpec) -> list[ModelSpec]:
+    """The layer sequences a plan may cut: whole blocks, and halves where the model splits."""
+    return [model] + ([model.split_blocks()] if model.can_split_blocks else [])
+
+
+def _speeds(cm: CostModel) -> np.ndarray:
+    """Samples a second of one GPU of each group (the physical limit's speeds: ``gbs /
+    (speeds . sizes)`` is the bisections' floor; the first prices)."""
+    return np.array([1.0 / cm.sample_time_s(g, 1) for g in cm.hardware.groups])
+
+
+def _bisect_below(test, target: float, limit: float, steps: int):
+    """``test(T) -> (ruled out, info)`` at ``target``, then, where not ruled out, ``steps``
+    halvings between ``limit`` and ``target``: (ruled out at ``target``, the lower end, the
+    upper end, the info of the target or of the last time not ruled out)."""
+    out, info = test(target)
+    lo, hi = (target, target) if out else (limit, target)
+    for _ in range(0 if out else steps):
+        mid = 0.5 * (lo + hi)
+        out_mid, info_mid = test(mid)
+        if out_mid:
+            lo = mid
+        else:
+            hi, info = mid, info_mid
+    return out, lo, hi, info
+
+
 def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                      target: float, grid: int = 8, d_max: float = 24.0, rounds: int = 25,
                      steps: int = 5, hide_tp: bool = False, exact: bool = False,
@@ -707,12 +734,11 @@ def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     from hapt_hf.planner.search import divisors
     gbs = global_batch_size
     sizes = np.array([g.size for g in cluster.groups], dtype=float)
-    models = [model] + ([model.split_blocks()] if model.can_split_blocks else [])
     per, best = [], None
-    for m in models:
+    for m in _layer_sequences(model):
         cm = CostModel(m, cluster)
         rho, beta = rho_floor(cm, gbs, hide_tp), beta_floor(cm, gbs, hide_tp)
-        speed = np.array([1.0 / cm.sample_time_s(g, 1) for g in cluster.groups])
+        speed = _speeds(cm)
         limit = gbs / float(speed @ sizes)
         q_cap = int(math.ceil(d_max)) + 1
         for mbs in divisors(gbs):
@@ -726,17 +752,9 @@ def tp_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_size: int,
                                 exact, chain=rule == "chain")
                     if got[0]:
                         break
-                return got
+                return got[0], got[1:]
 
-            out, need, path = test(target)
-            lo, hi = (target, target) if out else (limit, target)
-            for _ in range(0 if out else steps):
-                mid = 0.5 * (lo + hi)
-                out_mid, need_mid, path_mid = test(mid)
-                if out_mid:
-                    lo = mid
-                else:
-                    hi, need, path = mid, need_mid, path_mid
+            out, lo, hi, (need, path) = _bisect_below(test, target, limit, steps)
             if math.isinf(need) and not path:
                 lo = math.inf  # nothing fits at all
             per.append((m.layer_unit, mbs, lo))
@@ -1038,21 +1056,14 @@ def interleaved_lower_bound_s(model: ModelSpec, cluster: Cluster, global_batch_s
     gbs = global_batch_size
     sizes = np.array([g.size for g in cluster.groups], dtype=float)
     per = []
-    for m in [model] + ([model.split_blocks()] if model.can_split_blocks else []):
+    for m in _layer_sequences(model):
         cm = CostModel(m, cluster)
-        speed = np.array([1.0 / cm.sample_time_s(g, 1) for g in cluster.groups])
-        limit = gbs / float(speed @ sizes)
+        limit = gbs / float(_speeds(cm) @ sizes)
         for mbs in divisors(gbs):
             c0 = time.process_time()
-            out, why = interleaved_ruled_out(cm, gbs, mbs, target, sizes, hide_tp)
-            lo, hi = (target, target) if out else (limit, target)
-            for _ in range(0 if out else steps):
-                mid = 0.5 * (lo + hi)
-                out_mid, why_mid = interleaved_ruled_out(cm, gbs, mbs, mid, sizes, hide_tp)
-                if out_mid:
-                    lo = mid
-                else:
-                    hi, why = mid, why_mid
+            out, lo, hi, why = _bisect_below(
+                lambda T, cm=cm, mbs=mbs: interleaved_ruled_out(cm, gbs, mbs, T, sizes, hide_tp),
+                target, limit, steps)
             per.append((m.layer_unit, mbs, lo))
             if log:
                 log(f"  interleaved, {m.layer_unit} units, micro-batch {mbs}: "

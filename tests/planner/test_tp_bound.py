@@ -36,28 +36,34 @@ def _cluster(mem_a: float, mem_b: float) -> Cluster:
                    (GroupLink("a", "b", LinkSpec(100.0, 10.0)),))
 
 
-def _replays(cm: CostModel, gbs: int):
-    """Every layout of the job (one group after the other, any widths) under warm-up steps
-    1..2, an even-ish layer split and recompute where needed, all off and all on."""
+def _pipelines(cm: CostModel, gbs: int):
+    """Every pipeline of the job (one group after the other, any widths, any layer split):
+    (micro-batch size, stages' replicas, layer bounds)."""
     L = cm.model.num_layers
     for seq in stage_sequences(cm.cluster):
-        n = len(seq)
         for mbs in divisors(gbs):
             if mbs % math.lcm(*(w for _, w, _ in seq)):
                 continue
             shapes = sequence_replicas(cm, seq, mbs)
-            for sizes in compositions(L, n):
+            for sizes in compositions(L, len(seq)):
                 edges = list(itertools.accumulate(sizes, initial=0))
-                bounds = tuple(zip(edges, edges[1:]))
-                for steps in itertools.product((1, 2), repeat=n - 1):
-                    warm = warmups_from_steps(steps, gbs // mbs)
-                    for rc in {recompute_flags(cm, shapes, bounds, mbs, warm, True),
-                               (False,) * n, (True,) * n} - {None}:
-                        for kind in ("h1f1b", "zero_bubble"):
-                            lay = Layout.build(shapes, bounds, rc, mbs, warm, kind)
-                            r = simulate_layout(cm, lay, gbs // mbs, exact=True)
-                            if r.feasible:
-                                yield r.iteration_s
+                yield mbs, shapes, tuple(zip(edges, edges[1:]))
+
+
+def _replays(cm: CostModel, gbs: int):
+    """Every layout of the job (:func:`_pipelines`) under warm-up steps 1..2 and recompute
+    where needed, all off and all on."""
+    for mbs, shapes, bounds in _pipelines(cm, gbs):
+        n = len(shapes)
+        for steps in itertools.product((1, 2), repeat=n - 1):
+            warm = warmups_from_steps(steps, gbs // mbs)
+            for rc in {recompute_flags(cm, shapes, bounds, mbs, warm, True),
+                       (False,) * n, (True,) * n} - {None}:
+                for kind in ("h1f1b", "zero_bubble"):
+                    lay = Layout.build(shapes, bounds, rc, mbs, warm, kind)
+                    r = simulate_layout(cm, lay, gbs // mbs, exact=True)
+                    if r.feasible:
+                        yield r.iteration_s
 
 
 def test_bound_is_below_the_plan_and_every_replay():
@@ -212,34 +218,26 @@ def test_interleaved_ranks_hold_their_first_round():
 
 
 def _interleaved_replays(cm: CostModel, gbs: int):
-    """Every layout of the job of two stages or more as 2 and 3 chunks a rank (recompute all
-    off and all on), under the kind's own warm-ups and deeper ones: (micro-batch, time,
-    stages, pipeline ranks)."""
-    L = cm.model.num_layers
-    for seq in stage_sequences(cm.cluster):
-        n = len(seq)
-        for mbs in divisors(gbs):
-            if n < 2 or mbs % math.lcm(*(w for _, w, _ in seq)):
-                continue
-            m = gbs // mbs
-            shapes = sequence_replicas(cm, seq, mbs)
-            for sizes in compositions(L, n):
-                edges = list(itertools.accumulate(sizes, initial=0))
-                bounds = tuple(zip(edges, edges[1:]))
-                for rc in ((False,) * n, (True,) * n):
-                    one = Layout.build(shapes, bounds, rc, mbs, warmups_from_steps((1,) * (n - 1), m),
-                                       "h1f1b")
-                    for v in (2, 3):
-                        lay = interleaved_layout(one, m, v)
-                        if lay is None:
-                            continue
-                        hi = interleaved_bounds(n, v, m)[1]
-                        for extra in (0, 1, 3):
-                            st = tuple(replace(s, warmup=min(s.warmup + extra, hi))
-                                       for s in lay.stages)
-                            r = replay_kind(cm, Layout(st, mbs, lay.schedule), m)
-                            if r.feasible:
-                                yield mbs, r.iteration_s, st, n
+    """Every pipeline of the job of two stages or more (:func:`_pipelines`) as 2 and 3 chunks
+    a rank (recompute all off and all on), under the kind's own warm-ups and deeper ones:
+    (micro-batch, time, stages, pipeline ranks)."""
+    for mbs, shapes, bounds in _pipelines(cm, gbs):
+        n, m = len(shapes), gbs // mbs
+        if n < 2:
+            continue
+        for rc in ((False,) * n, (True,) * n):
+            one = Layout.build(shapes, bounds, rc, mbs, warmups_from_steps((1,) * (n - 1), m),
+                               "h1f1b")
+            for v in (2, 3):
+                lay = interleaved_layout(one, m, v)
+                if lay is None:
+                    continue
+                hi = interleaved_bounds(n, v, m)[1]
+                for extra in (0, 1, 3):
+                    st = tuple(replace(s, warmup=min(s.warmup + extra, hi)) for s in lay.stages)
+                    r = replay_kind(cm, Layout(st, mbs, lay.schedule), m)
+                    if r.feasible:
+                        yield mbs, r.iteration_s, st, n
 
 
 def test_interleaved_bound_is_below_every_interleaved_replay():
