@@ -27,34 +27,77 @@ class Partition:
     """Each stage's sequence parallelism (on only where it lets the stage reach farther)."""
 
 
-def _stage_reach(cm: CostModel, sh: Placement, samples: int, in_flight: int, a: int, cap: float,
-                 limit: int, allow_rc: bool, mem_pre: dict) -> tuple[int, bool, str, bool]:
+def _stage_reach(cm: CostModel, sh: Placement, samples: int, a: int, cap: float, limit: int,
+                 allow_rc: bool, mem_pre: dict, memo: dict,
+                 record: list | None = None) -> tuple[int, bool, str, bool]:
     """Farthest end b (<= limit) of a stage of alike replicas starting at a, with its recompute
     flag, optimizer state and sequence parallelism (the least recompute, then no sequence
     parallelism, then the faster step, among those reaching as far); (a, _, _, _) when nothing
-    fits. ``mem_pre`` maps (recompute, state, sequence parallel) to memory prefixes."""
+    fits. ``mem_pre`` maps (recompute, state, sequence parallel) to memory prefixes.
+
+    The cap enters only through how far the compute reaches under it: memory's reach from
+    ``a`` (the same for every cap of a bisection) is kept in ``memo``, one per stage and
+    partition (:func:`_memory_reach`). ``record`` gets, per recompute setting, what another
+    cap must keep for the same answer (:func:`_same_reach`)."""
     t = cm.table(sh.group, samples, sh.tp)
-    capacity = cm.capacity_bytes(sh.group)
+    by_rc = memo.get(a)
+    if by_rc is None:
+        by_rc = memo[a] = _memory_reach(cm, sh, samples, a, limit, allow_rc, mem_pre)
     best = (a, False, REPLICATED, False)
-    for rc in ((False, True) if allow_rc else (False,)):
-        pre_t = t.fb_rc if rc else t.fb
-        reach = []
-        for opt, sp in ((o, p) for r, o, p in mem_pre if r == rc):
-            mp = mem_pre[rc, opt, sp]
-            b = min(limit, cm.max_layers_fitting(pre_t, a, cap),
-                    cm.max_layers_fitting(mp, a, capacity))
-            while b > a and \
-                    mp[b] - mp[a] + cm.working_bytes(samples, a, b, sh.tp, sp) > capacity:
-                b -= 1
-            reach.append((b, sp, opt))
+    for rc, options in by_rc:
+        pre = t.fb_rc if rc else t.fb
+        reach_t = cm.max_layers_fitting(pre, a, cap)
+        if record is not None:
+            most = max(b for b, _, _ in options)
+            # a compute reach past every state's memory reach ends the stage where memory does
+            record.append((pre, a, most, None) if reach_t >= most else
+                          (pre, a, reach_t, reach_t + 1))
+        reach = [(min(reach_t, b), sp, opt) for b, sp, opt in options]
         b = max(r for r, _, _ in reach)
         if b > best[0]:
             sp = min(p for r, p, _ in reach if r == b)
             ties = [o for r, p, o in reach if r == b and p == sp]
-            opt = ties[0] if len(ties) == 1 else faster_state(cm, sh.replicas, samples, a, b,
-                                                                  ties)
+            if len(ties) == 1:
+                opt = ties[0]
+            else:
+                key = (a, b, tuple(ties))
+                opt = memo.get(key)
+                if opt is None:
+                    opt = memo[key] = faster_state(cm, sh.replicas, samples, a, b, ties)
             best = (b, rc, opt, sp)
     return best
+
+
+def _same_reach(record: list, cap: float) -> bool:
+    """Whether ``cap`` gives every stage of a greedy pass the compute reach (or, past what
+    memory holds, the memory reach) that ``record`` kept: for each, its compute prefix, its
+    start, the end ``cap`` must reach and the first end it must not (None: any)."""
+    for pre, a, lo, hi in record:
+        x = pre[a] + cap  # as :meth:`~hapt_hf.planner.cost_model.CostModel.max_layers_fitting`
+        if pre[lo] > x or (hi is not None and pre[hi] <= x):
+            return False
+    return True
+
+
+def _memory_reach(cm: CostModel, sh: Placement, samples: int, a: int, limit: int,
+                  allow_rc: bool, mem_pre: dict) -> list[tuple[bool, list[tuple[int, bool, str]]]]:
+    """Per recompute setting, each (state, sequence parallel)'s farthest end from ``a`` (at
+    most ``limit``) that memory holds, as ``(b, sp, state)``: weights, state and micro-batches
+    (the prefix) plus the working set. Both grow with ``b``, so every end short of it fits
+    too, and a compute reach ``r`` ends such a stage at ``min(r, b)``."""
+    capacity = cm.capacity_bytes(sh.group)
+    out = []
+    for rc in ((False, True) if allow_rc else (False,)):
+        options = []
+        for opt, sp in ((o, p) for r, o, p in mem_pre if r == rc):
+            mp = mem_pre[rc, opt, sp]
+            b = min(limit, cm.max_layers_fitting(mp, a, capacity))
+            while b > a and \
+                    mp[b] - mp[a] + cm.working_bytes(samples, a, b, sh.tp, sp) > capacity:
+                b -= 1
+            options.append((b, sp, opt))
+        out.append((rc, options))
+    return out
 
 
 def _mem_prefixes(cm: CostModel, sh: Placement, samples: int, in_flight: int, allow_rc: bool,
@@ -98,14 +141,15 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
     for reps, k in zip(shapes, in_flight):
         sh = cm.placement(reps)
         s = mbs // sh.width
-        info.append((sh, s, k, _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded,
-                                              allow_sp)))
+        info.append((sh, s, _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded,
+                                           allow_sp), {}))
 
-    def greedy(cap: float):
+    def reached(cap: float, record: list):
         a, bounds, rcs, opts, sps = 0, [], [], [], []
-        for i, (sh, s, k, mp) in enumerate(info):
+        for i, (sh, s, mp, memo) in enumerate(info):
             limit = L - (n - i - 1)
-            b, rc, opt, sp = _stage_reach(cm, sh, s, k, a, cap, limit, allow_recompute, mp)
+            b, rc, opt, sp = _stage_reach(cm, sh, s, a, cap, limit, allow_recompute, mp, memo,
+                                          record)
             if b <= a:
                 return None
             bounds.append((a, b))
@@ -114,6 +158,19 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
             sps.append(sp)
             a = b
         return (tuple(bounds), tuple(rcs), tuple(opts), tuple(sps)) if a == L else None
+
+    # a bisection's caps often leave every stage's reach as the last cap on the same side left
+    # it: then its answer stands (exactly), and the greedy is not run again
+    last: dict[bool, tuple[list, object]] = {}
+
+    def greedy(cap: float):
+        for record, got in last.values():
+            if _same_reach(record, cap):
+                return got
+        record: list = []
+        got = reached(cap, record)
+        last[got is not None] = (record, got)
+        return got
 
     # no partition beats the perfectly balanced step, so start there and double until it fits
     top = max(cm.table(sh.group, s, sh.tp).fb_rc[-1] for sh, s, *_ in info) * 1.001
