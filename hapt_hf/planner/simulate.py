@@ -112,6 +112,8 @@ _CODE = {ActionKind.F: _F, ActionKind.B: _B, ActionKind.SEND_F: _SF, ActionKind.
          ActionKind.RECV_F: _RECV, ActionKind.RECV_B: _RECV, ActionKind.I: _I,
          ActionKind.W: _W}
 _NAME = {_F: "F", _B: "B", _SF: "SEND_F", _SB: "SEND_B", _RECV: "RECV", _I: "I", _W: "W"}
+_COMPUTES = tuple(c in (_F, _B, _I, _W) for c in range(max(_NAME) + 1))
+"""Indexed by code: whether the action computes (``F``, ``B``, ``I``, ``W``)."""
 
 
 def _encode(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
@@ -200,9 +202,10 @@ def replay(lists, placement: Sequence[int], costs: StageCosts,
         for r in range(ranks):
             lst, p = lists[r], pos[r]
             t = clock[r]
-            while p < len(lst):
+            stop = len(lst)
+            while p < stop:
                 code, s, mb = lst[p]
-                if code == _F or code == _B or code == _I or code == _W:
+                if _COMPUTES[code]:
                     if code == _F:
                         ready = act_arr[s].get(mb) if s > 0 else 0.0
                         dur = fwd_s[s]

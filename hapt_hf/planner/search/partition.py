@@ -1,6 +1,7 @@
 """Layer ranges: the min-max partition under memory, and HAPT's formula that scores it."""
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -27,32 +28,36 @@ class Partition:
     """Each stage's sequence parallelism (on only where it lets the stage reach farther)."""
 
 
-def _stage_reach(cm: CostModel, sh: Placement, samples: int, a: int, cap: float, limit: int,
-                 allow_rc: bool, mem_pre: dict, memo: dict,
+def _stage_reach(cm: CostModel, sh: Placement, samples: int, t, a: int, cap: float,
+                 limit: int, allow_rc: bool, mem_pre: dict, memo: dict,
                  record: list | None = None) -> tuple[int, bool, str, bool]:
     """Farthest end b (<= limit) of a stage of alike replicas starting at a, with its recompute
     flag, optimizer state and sequence parallelism (the least recompute, then no sequence
     parallelism, then the faster step, among those reaching as far); (a, _, _, _) when nothing
-    fits. ``mem_pre`` maps (recompute, state, sequence parallel) to memory prefixes.
+    fits. ``t`` is the replicas' layer table, ``mem_pre`` maps (recompute, state, sequence
+    parallel) to memory prefixes.
 
     The cap enters only through how far the compute reaches under it: memory's reach from
     ``a`` (the same for every cap of a bisection) is kept in ``memo``, one per stage and
     partition (:func:`_memory_reach`). ``record`` gets, per recompute setting, what another
     cap must keep for the same answer (:func:`_same_reach`)."""
-    t = cm.table(sh.group, samples, sh.tp)
     by_rc = memo.get(a)
     if by_rc is None:
-        by_rc = memo[a] = _memory_reach(cm, sh, samples, a, limit, allow_rc, mem_pre)
+        by_rc = memo[a] = [(rc, t.fb_rc if rc else t.fb, options, max(b for b, _, _ in options))
+                           for rc, options in _memory_reach(cm, sh, samples, a, limit, allow_rc,
+                                                            mem_pre)]
     best = (a, False, REPLICATED, False)
-    for rc, options in by_rc:
-        pre = t.fb_rc if rc else t.fb
-        reach_t = cm.max_layers_fitting(pre, a, cap)
-        if record is not None:
-            most = max(b for b, _, _ in options)
-            # a compute reach past every state's memory reach ends the stage where memory does
-            record.append((pre, a, most, None) if reach_t >= most else
-                          (pre, a, reach_t, reach_t + 1))
-        reach = [(min(reach_t, b), sp, opt) for b, sp, opt in options]
+    for rc, pre, options, most in by_rc:
+        # as CostModel.max_layers_fitting: the largest b with pre[b] <= pre[a] + cap
+        reach_t = bisect_right(pre, pre[a] + cap) - 1
+        if reach_t >= most:  # past every state's memory reach: the stage ends where memory does
+            if record is not None:
+                record.append((pre, a, most, None))
+            reach = options
+        else:
+            if record is not None:
+                record.append((pre, a, reach_t, reach_t + 1))
+            reach = [(min(reach_t, b), sp, opt) for b, sp, opt in options]
         b = max(r for r, _, _ in reach)
         if b > best[0]:
             sp = min(p for r, p, _ in reach if r == b)
@@ -141,15 +146,15 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
     for reps, k in zip(shapes, in_flight):
         sh = cm.placement(reps)
         s = mbs // sh.width
-        info.append((sh, s, _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded,
-                                           allow_sp), {}))
+        info.append((sh, s, cm.table(sh.group, s, sh.tp),
+                     _mem_prefixes(cm, sh, s, k, allow_recompute, allow_sharded, allow_sp), {}))
 
     def reached(cap: float, record: list):
         a, bounds, rcs, opts, sps = 0, [], [], [], []
-        for i, (sh, s, mp, memo) in enumerate(info):
+        for i, (sh, s, t, mp, memo) in enumerate(info):
             limit = L - (n - i - 1)
-            b, rc, opt, sp = _stage_reach(cm, sh, s, a, cap, limit, allow_recompute, mp, memo,
-                                          record)
+            b, rc, opt, sp = _stage_reach(cm, sh, s, t, a, cap, limit, allow_recompute, mp,
+                                          memo, record)
             if b <= a:
                 return None
             bounds.append((a, b))
