@@ -1,0 +1,151 @@
+"""What more search effort, the other layer unit, or a local search under zero_bubble find.
+
+    python3 benchmarks/search_effort.py [SCENARIO] [--only NAME...]
+
+Plans one scenario (default ``scale_llama70b_mixed256``) several ways and prints each plan's
+simulated iteration time, its CPU seconds, its stages and degrees:
+
+* ``default``: ``plan_job`` as ``benchmarks/planner.py`` runs it;
+* ``full``: every degree assignment searched in full (``weigh_groups_max_gpus`` above the
+  cluster, so the screen's shortened search is not the one kept);
+* ``budget``: ``full`` with every search budget raised (expansions x4, patience x4, replays x2,
+  boundary refinements x4, degree screens x2, stage-degree rounds x2);
+* ``half``: stages cut between half blocks only (``layer_unit="half"``);
+* ``sp_half`` (a what-if, not a plan the runtime runs): ``half`` with sequence parallelism
+  allowed on half-block stages, which the runtime refuses (``core/tp.sp_refusal``); the rule
+  is lifted in this process only;
+* ``local``: from the default plan, every one-layer move of one boundary or of a whole stage
+  and every warm-up one deeper or shallower, each with its ``zero_bubble`` deferrals refit to
+  memory (``fitting_deferrals``) and replayed in full, kept while the replay improves.
+
+Plans with no baselines (they do not change the plan).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from benchmarks.inputs import SCENARIOS_DIR  # noqa: E402
+from hapt_hf.planner.job import load_job  # noqa: E402
+from hapt_hf.planner.search import PlannerOptions, plan_job  # noqa: E402
+
+VARIANTS = ("default", "full", "budget", "half", "sp_half", "local")
+
+
+def _options(name: str, world: int) -> PlannerOptions:
+    base = PlannerOptions(include_baselines=False)
+    full = dict(weigh_groups_max_gpus=world + 1)
+    if name == "full":
+        return replace(base, **full)
+    if name == "budget":
+        o = base
+        return replace(o, **full, max_expansions=4 * o.max_expansions, patience=4 * o.patience,
+                       simulate_top=2 * o.simulate_top,
+                       max_refine_simulations=4 * o.max_refine_simulations,
+                       tp_screens=2 * o.tp_screens, tp_stage_rounds=2 * o.tp_stage_rounds)
+    if name in ("half", "sp_half"):
+        return replace(base, layer_unit="half")
+    return base
+
+
+def _lift_sp_rule() -> None:
+    """Let the cost model price sequence parallelism on half-block stages (a what-if)."""
+    import hapt_hf.planner.cost_model as cost_model
+    from hapt_hf.core.layers import BLOCK
+    from hapt_hf.core.tp import sp_refusal
+
+    def whole_blocks(model_type, tp_plan, t, layer_unit=BLOCK):
+        return sp_refusal(model_type, tp_plan, t, BLOCK)
+    cost_model.sp_refusal = whole_blocks
+
+
+def local_search(job, plan, budget: int = 400):
+    """(first, best) replay times of the local search from ``plan`` (see the module's doc),
+    the layout kept and the replays run."""
+    from hapt_hf.planner.cost_model import CostModel
+    from hapt_hf.planner.search.kinds import replay_kind, zero_bubble_layout
+    from hapt_hf.planner.search.plans import layout_of_plan
+    from hapt_hf.planner.search.problem import SearchProblem
+    from hapt_hf.planner.search.refine import _moved, _moves, stage_setting
+
+    cm = CostModel(job.model, job.cluster, job.profile)
+    problem = SearchProblem(cm, job.global_batch_size, PlannerOptions())
+    m = plan.num_microbatches
+    best = layout_of_plan(cm, plan)
+    best_r = replay_kind(cm, best, m)
+    first, runs, improved = best_r.iteration_s, 0, True
+    while improved and runs < budget:
+        improved = False
+        moves = [("bounds", idx, d) for idx, d in _moves(best.num_stages)]
+        moves += [("warmup", i, d) for i in range(best.num_stages) for d in (-1, 1)]
+        for what, idx, d in moves:
+            if runs >= budget:
+                break
+            held = best_r.peak_in_flight or best.warmups
+            if what == "bounds":
+                bounds = _moved(best, idx, d)
+                if bounds is None:
+                    continue
+                states = [stage_setting(problem, best.stages[j].replicas,
+                                        best.micro_batch_size, a, b, held[j])
+                          for j, (a, b) in enumerate(bounds)]
+                if any(s is None for s in states):
+                    continue
+                cand = best.with_layers(bounds, *[[s[k] for s in states] for k in range(4)])
+            else:
+                warm = list(best.warmups)
+                warm[idx] += d
+                if warm[idx] < 1:
+                    continue
+                cand = best.with_warmups(tuple(warm))
+            cand = zero_bubble_layout(cm, replace(cand, schedule="h1f1b"), m)
+            runs += 1
+            r = replay_kind(cm, cand, m)
+            if r.feasible and r.iteration_s < best_r.iteration_s * (1 - 1e-9):
+                best, best_r, improved = cand, r, True
+    return first, best_r.iteration_s, best, runs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("scenario", nargs="?", default="scale_llama70b_mixed256")
+    ap.add_argument("--only", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    args = ap.parse_args(argv)
+    job = load_job(SCENARIOS_DIR / f"{args.scenario}.yaml")
+    default_plan = None
+    for name in args.only:
+        c0 = time.process_time()
+        if name == "local":
+            if default_plan is None:
+                default_plan = plan_job(job.model, job.cluster, job.global_batch_size,
+                                        job.profile, _options("default", 0)).plan
+                c0 = time.process_time()
+            first, best, lay, runs = local_search(job, default_plan)
+            print(f"local: {first:.3f} s -> {best:.3f} s after {runs} replays "
+                  f"({time.process_time() - c0:.1f} s CPU); layers "
+                  f"{[s.layers for s in lay.stages]}, warm-ups {list(lay.warmups)}", flush=True)
+            continue
+        if name == "sp_half":
+            _lift_sp_rule()
+        res = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
+                       _options(name, job.cluster.world_size))
+        p = res.plan
+        if name == "default":
+            default_plan = p
+        stages = ", ".join(f"{s.replicas[0].group} t{s.tp}{' sp' if s.sequence_parallel else ''}"
+                           f" {s.layers[1] - s.layers[0]}" for s in p.stages)
+        print(f"{name}: {res.sim.iteration_s:.3f} s ({time.process_time() - c0:.1f} s CPU), "
+              f"{p.num_stages} stages, micro-batch {p.micro_batch_size}, {p.schedule}, "
+              f"layer unit {p.layer_unit}: {stages}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
