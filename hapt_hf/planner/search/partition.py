@@ -133,12 +133,14 @@ def smallest_feasible_cap(feasible: Callable[[float], _R | None], lo: float, hi:
 def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
                      allow_recompute: bool, rel_tol: float = 1e-3,
                      lower_bound_s: float = 0.0, allow_sharded: bool = False,
-                     allow_sp: bool = False) -> Partition | None:
+                     allow_sp: bool = False, reuse: bool = True) -> Partition | None:
     """Min-max contiguous partition of the layers over ``shapes`` (each stage's replicas, alike
     in each stage; no empty stage) under every stage's memory; None if no partition fits.
     ``allow_sharded``: a stage of several replicas may shard its optimizer state to hold more
     layers; ``allow_sp``: a stage of replicas of several GPUs may run sequence parallel
-    (where the model allows it) to hold more."""
+    (where the model allows it) to hold more. ``reuse``: a greedy pass whose every reach a cap
+    leaves as the last pass on its side did gives that pass's answer without running (the
+    same partition; False runs every pass, for the tests)."""
     n, L = len(shapes), cm.model.num_layers
     if n > L:
         return None
@@ -169,7 +171,7 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
     last: dict[bool, tuple[list, object]] = {}
 
     def greedy(cap: float):
-        for record, got in last.values():
+        for record, got in last.values() if reuse else ():
             if _same_reach(record, cap):
                 return got
         record: list = []
