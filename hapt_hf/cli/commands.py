@@ -78,6 +78,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     report = build_report(plan, sim, title=f"{job.model.name} on {job.cluster.name}",
                           capacity_gb=capacities_gb(job.cluster),
                           physical_limit_s=result.physical_limit_s,
+                          used_limit_s=_used_limit(plan, job),
                           search_time_s=result.search_time_s, baselines=result.baselines,
                           all_groups_s=result.all_groups_s, sharding=result.sharding,
                           attention_reason=job.model.attn_reason)
@@ -96,11 +97,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _physical_limit(plan: Plan, job: JobInputs) -> float:
-    """No plan of this job can beat this: total work over the sum of every GPU's speed."""
+def _physical_limit(plan: Plan, job: JobInputs, cluster: Cluster | None = None) -> float:
+    """No plan of this job can beat this: total work over the sum of every GPU's speed (of
+    ``cluster``, default the job's)."""
     from hapt_hf.planner.cost_model import CostModel
     from hapt_hf.planner.search import SearchProblem, physical_limit_s
-    return physical_limit_s(SearchProblem(CostModel(job.model, job.cluster, job.profile), plan.global_batch_size))
+    cm = CostModel(job.model, cluster or job.cluster, job.profile)
+    return physical_limit_s(SearchProblem(cm, plan.global_batch_size))
+
+
+def _used_limit(plan: Plan, job: JobInputs) -> float | None:
+    """The physical limit over the groups ``plan`` uses, where it leaves some idle."""
+    if not plan.idle_groups:
+        return None
+    kept = [g for g in job.cluster.group_names if g not in set(plan.idle_groups)]
+    return _physical_limit(plan, job, job.cluster.subset(kept))
 
 
 def _check_devices(plan: Plan, cluster: Cluster, where: str) -> None:
@@ -199,7 +210,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     sim = simulate_plan(plan, model, job.cluster, job.profile, record_events=True)
     report = build_report(plan, sim, title=f"{args.plan} on {job.cluster.name}",
                           capacity_gb=capacities_gb(job.cluster),
-                          physical_limit_s=_physical_limit(plan, job))
+                          physical_limit_s=_physical_limit(plan, job),
+                          used_limit_s=_used_limit(plan, job))
     if args.timeline:
         from hapt_hf.planner.timeline import draw_timeline
         draw_timeline(sim, args.timeline, title=report.title, plan=plan)

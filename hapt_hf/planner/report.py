@@ -87,6 +87,9 @@ class PlanReport:
     reason: str = ""
     physical_limit_s: float | None = None
     """Total work over the sum of every GPU's speed; no plan can be faster."""
+    used_limit_s: float | None = None
+    """The same over the GPUs of the groups the plan uses, where it leaves some idle (None
+    where it uses every group): how far the plan is from what its own GPUs could do."""
     search_time_s: float | None = None
     baselines: tuple[BaselineRow, ...] = ()
     idle_groups: tuple[str, ...] = ()
@@ -117,6 +120,13 @@ class PlanReport:
         if not self.physical_limit_s or self.physical_limit_s <= 0:
             return None
         return (self.iteration_s - self.physical_limit_s) / self.physical_limit_s
+
+    @property
+    def used_limit_distance(self) -> float | None:
+        """(iteration - used_limit_s) / used_limit_s, where groups are idle."""
+        if not self.used_limit_s or self.used_limit_s <= 0:
+            return None
+        return (self.iteration_s - self.used_limit_s) / self.used_limit_s
 
 
 # -- building ---------------------------------------------------------------------------------
@@ -188,6 +198,7 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
                  capacity_gb: Mapping[str, float] | None = None,
                  physical_limit_s: float | None = None, search_time_s: float | None = None,
                  baselines: Mapping[str, Any] | None = None,
+                 used_limit_s: float | None = None,
                  all_groups_s: float | None = None,
                  sharding: Mapping[int, str] | None = None,
                  attention_reason: str = "") -> PlanReport:
@@ -195,9 +206,10 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
 
     ``capacity_gb`` maps a group name to the memory of one of its GPUs; ``baselines`` maps a
     name to an object with ``plan``, ``sim`` and ``reason`` (the search's BaselineResult);
-    ``all_groups_s`` is the best time the search found on every group (for a plan that leaves
-    groups idle); ``sharding`` maps a stage index to why it shards its optimizer state;
-    ``attention_reason`` says why the plan's attention (the ModelSpec's ``attn_reason``).
+    ``all_groups_s`` is the best time the search found on every group and ``used_limit_s``
+    the physical limit of the groups the plan uses (for a plan that leaves groups idle);
+    ``sharding`` maps a stage index to why it shards its optimizer state; ``attention_reason``
+    says why the plan's attention (the ModelSpec's ``attn_reason``).
     """
     if sim is not None:
         iteration, bubble = sim.iteration_s, sim.bubble_fraction
@@ -213,7 +225,8 @@ def build_report(plan: Plan, sim: "SimResult | None", *, title: str = "",
         num_microbatches=plan.num_microbatches,
         stages=_stage_rows(plan, sim, capacity_gb), iteration_s=iteration,
         tokens_per_s=tokens, bubble_fraction=bubble, feasible=feasible, reason=reason,
-        physical_limit_s=physical_limit_s, search_time_s=search_time_s,
+        physical_limit_s=physical_limit_s, used_limit_s=used_limit_s,
+        search_time_s=search_time_s,
         baselines=_baseline_rows(baselines, iteration), idle_groups=tuple(plan.idle_groups),
         all_groups_s=all_groups_s, sharding=_sharding_lines(plan, sharding or {}),
         data_parallel=_data_parallel(plan, sim if feasible else None),
@@ -360,6 +373,9 @@ def format_report(rep: PlanReport) -> str:
     if rep.limit_distance is not None:
         out.append(f"physical limit   {_fmt_s(rep.physical_limit_s)} "
                    f"(plan is {100 * rep.limit_distance:.1f}% above it)")
+        if rep.used_limit_distance is not None:
+            out.append(f"                 {_fmt_s(rep.used_limit_s)} on the groups it uses "
+                       f"(plan is {100 * rep.used_limit_distance:.1f}% above it)")
     if rep.search_time_s is not None:
         out.append(f"search time      {rep.search_time_s:.2f} s")
     if rep.attention:
@@ -405,6 +421,7 @@ def report_to_dict(rep: PlanReport) -> dict[str, Any]:
     """JSON-ready form of the report (``hapt-hf plan --json``)."""
     d = asdict(rep)
     d["limit_distance"] = rep.limit_distance
+    d["used_limit_distance"] = rep.used_limit_distance
     for row, src in zip(d["stages"], rep.stages):
         row["fits"] = src.fits
         row["ranks"] = list(src.ranks)

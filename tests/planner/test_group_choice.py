@@ -154,6 +154,37 @@ def test_hapt_hf_plan_prints_the_idle_groups_and_both_times(capsys):
     assert "launch only the 8 ranks" in line
 
 
+def test_plan_and_simulate_print_the_limit_of_the_groups_the_plan_uses(two_site, tmp_path, capsys):
+    """A plan that idles groups is also measured against what its own GPUs could do: the
+    physical limit over the groups it uses, in both commands' reports and their JSON."""
+    from hapt_hf.cli import main
+    from hapt_hf.planner.cost_model import CostModel
+    from hapt_hf.planner.search import SearchProblem, physical_limit_s
+    job, res = two_site
+    used = physical_limit_s(SearchProblem(CostModel(job.model, job.cluster.subset(["a100"])),
+                                          job.global_batch_size))
+    whole = res.physical_limit_s
+    assert used > whole  # fewer GPUs, a later limit
+    distance = (res.sim.iteration_s - used) / used
+    cluster = str(scenario_path(TWO_SITE))
+    out_plan = tmp_path / "plan.json"
+    assert main(["plan", "--cluster", cluster, "-o", str(out_plan)]) == 0
+    assert main(["simulate", str(out_plan), "--cluster", cluster]) == 0
+    out = capsys.readouterr().out
+    lines = [l for l in out.splitlines() if "on the groups it uses" in l]
+    assert len(lines) == 2, out
+    for line in lines:
+        assert f"{used:.3f} s on the groups it uses (plan is {100 * distance:.1f}% above it)" \
+            in line
+    assert main(["simulate", str(out_plan), "--cluster", cluster, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["report"]
+    assert got["used_limit_s"] == pytest.approx(used)
+    assert got["used_limit_distance"] == pytest.approx(distance)
+    # a plan using every group prints no such line
+    rep = build_report(res.plan, res.sim, physical_limit_s=whole)
+    assert "on the groups it uses" not in format_report(rep)
+
+
 def test_launch_accepts_a_plan_that_leaves_groups_idle_beside_its_cluster(two_site, tmp_path):
     from types import SimpleNamespace
 
