@@ -380,7 +380,7 @@ def _one_stage_per_rank(num_stages: int, num_microbatches: int, warmups: Sequenc
     return tuple(lists), placement
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _compute_list(stage: int, num_stages: int, warmup: int, deferral: int | None,
                   num_microbatches: int, tokens: tuple | None) -> tuple:
     """Stage ``stage``'s list without receives (:func:`_rank_list`) in the 1F1B shape with
