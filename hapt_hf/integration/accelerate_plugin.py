@@ -82,10 +82,12 @@ class HaptAccelerator(Accelerator):
         check_accelerator_arguments(args, kwargs)
         self.hapt_config = hapt_plugin if isinstance(hapt_plugin, HaptConfig) \
             else HaptConfig.from_args_or_env(None if hapt_plugin is None else str(hapt_plugin))
-        if self.hapt_config.checkpoint_local_dir is not None:
-            raise HaptConfigError(f"{self.hapt_config.source}: 'checkpoint_local_dir' is kept by "
-                                  "HaptTrainer's checkpoints only; HaptAccelerator's save_state "
-                                  "writes into its output directory: leave the key out")
+        for key in ("checkpoint_local_dir", "checkpoint_retries"):
+            if getattr(self.hapt_config, key) is not None:
+                raise HaptConfigError(f"{self.hapt_config.source}: '{key}' is kept by "
+                                      "HaptTrainer's checkpoints only; HaptAccelerator's "
+                                      "save_state writes into its output directory: leave the "
+                                      "key out")
         self.launch = read_launch_env()  # refuses accelerate's one-process MULTI_CPU start
         init_process_group(self.launch, self.hapt_config.timeout_s)
         if "cpu" not in kwargs:  # accelerate launch's use_cpu, or a machine without CUDA

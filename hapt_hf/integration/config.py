@@ -83,6 +83,12 @@ class HaptConfig:
             a resume on another plan reads this node's copy first and fetches only what it
             lacks (:mod:`hapt_hf.pipeline.checkpoint_store`). None: written into the output
             directory directly.
+        checkpoint_retries: How that background copy and a recovery's reads retry an error a
+            retry may mend (a busy or briefly unreachable shared store): a mapping of
+            ``attempts`` (most attempts of one request, 1: none retried; default 5),
+            ``backoff_s`` (the wait before the second, doubled before each next; default 1)
+            and ``retry_s`` (most seconds one request's attempts and waits may take; default
+            600), any of them left out taking its default. Only with ``checkpoint_local_dir``.
         source: Where this config was read from (for messages); not a YAML key.
     """
 
@@ -106,6 +112,9 @@ class HaptConfig:
     checkpoint_local_dir: Path | None = field(
         default=None, metadata={"help": "Node-local directory for checkpoints' shards (copied "
                                         "to the output directory in the background)."})
+    checkpoint_retries: dict[str, float] | None = field(
+        default=None, metadata={"help": "How the background copy and a recovery's reads retry "
+                                        "(attempts, backoff_s, retry_s)."})
     source: str = field(default="<arguments>", metadata={"help": "Where the config came from."})
 
     def __post_init__(self) -> None:
@@ -159,6 +168,9 @@ class HaptConfig:
                                       "nodes' own disks (e.g. /local_nvme/run)")
             object.__setattr__(self, "checkpoint_local_dir",
                                Path(os.path.expanduser(str(self.checkpoint_local_dir))))
+        if self.checkpoint_retries is not None:
+            object.__setattr__(self, "checkpoint_retries",
+                               checkpoint_retries(self.checkpoint_retries, where))
 
     def load_cluster(self) -> "Cluster":
         """The cluster to plan on: read from the file named, or the one given in memory."""
@@ -300,3 +312,32 @@ def resolve_hapt_config_path(path: str | None = None) -> Path:
         raise HaptConfigError(f"no hapt config given; pass --hapt_config hapt.yaml or set "
                               f"{HAPT_CONFIG_ENV} (see recipes/configs/hapt_cpu_demo.yaml)")
     return Path(chosen)
+
+
+RETRY_KEYS = {"attempts": "upload_attempts", "backoff_s": "upload_backoff_s",
+              "retry_s": "upload_retry_s"}
+"""``checkpoint_retries``' keys and the :class:`~hapt_hf.pipeline.checkpoint_store.CheckpointStore`
+fields they set."""
+
+
+def checkpoint_retries(given: Any, where: str) -> dict[str, float]:
+    """``checkpoint_retries`` checked key by key: a mapping of :data:`RETRY_KEYS` (``attempts`` a
+    whole number >= 1, the two others seconds >= 0), returned as given."""
+    if not isinstance(given, dict):
+        raise HaptConfigError(f"{where}: 'checkpoint_retries' is {given!r}; give a mapping such as "
+                              "{attempts: 8, backoff_s: 2, retry_s: 900}")
+    unknown = sorted(set(given) - set(RETRY_KEYS))
+    if unknown:
+        raise HaptConfigError(f"{where}: 'checkpoint_retries' has unknown key(s) "
+                              f"{', '.join(map(repr, unknown))}; its keys are "
+                              f"{', '.join(RETRY_KEYS)}")
+    for key, value in given.items():
+        if key == "attempts":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            need = "a whole number of attempts >= 1 (1: no retries)"
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+            need = "a number of seconds >= 0"
+        if not ok:
+            raise HaptConfigError(f"{where}: 'checkpoint_retries.{key}' is {value!r}; give {need}")
+    return dict(given)

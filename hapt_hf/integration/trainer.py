@@ -30,6 +30,7 @@ from hapt_hf.compat.trainer_api import TrainerHooks
 from hapt_hf.errors import DataError, TrainingArgsError
 from hapt_hf.integration import elastic
 from hapt_hf.integration import trainer_checkpoint as ckpt_io
+from hapt_hf.integration.config import checkpoint_retries as checkpoint_retries_of
 from hapt_hf.integration.launch import read_launch_env
 from hapt_hf.integration.plan_resolution import write_plan
 from hapt_hf.integration.lora import peft_parts, write_adapter
@@ -87,6 +88,9 @@ class HaptTrainer(TrainerHooks, Trainer):
         checkpoint_local_dir: A directory on each node's own disk for the checkpoints' portable
             part, copied into the output directory in the background (default: the hapt
             config's ``checkpoint_local_dir``; None: written into the output directory).
+        checkpoint_retries: How that copy and a recovery's reads retry (``attempts``,
+            ``backoff_s``, ``retry_s``; default: the hapt config's ``checkpoint_retries``, else
+            the store's defaults); only with ``checkpoint_local_dir``.
     """
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
@@ -95,7 +99,8 @@ class HaptTrainer(TrainerHooks, Trainer):
                  optimizers=(None, None), optimizer_cls_and_kwargs=None,
                  preprocess_logits_for_metrics=None, *, hapt_config=None,
                  runtime: PipelineRuntime | None = None,
-                 checkpoint_local_dir: str | os.PathLike | None = None) -> None:
+                 checkpoint_local_dir: str | os.PathLike | None = None,
+                 checkpoint_retries: dict[str, float] | None = None) -> None:
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         if compute_loss_func is not None:
@@ -115,6 +120,8 @@ class HaptTrainer(TrainerHooks, Trainer):
             config = hapt_config_of(hapt_config)
             if checkpoint_local_dir is None:
                 checkpoint_local_dir = config.checkpoint_local_dir
+            if checkpoint_retries is None:
+                checkpoint_retries = config.checkpoint_retries
             seq_len = seq_len_of(config, train_dataset, eval_dataset)
             runtime = pipeline_for_model(model, args, config, seq_len)
         elif model is not None or hapt_config is not None:
@@ -135,6 +142,15 @@ class HaptTrainer(TrainerHooks, Trainer):
         self.runtime = runtime
         self.plan = plan
         self.checkpoint_local_dir = None if checkpoint_local_dir is None else Path(checkpoint_local_dir)
+        if checkpoint_retries is not None:
+            if self.checkpoint_local_dir is None:
+                raise TrainingArgsError(
+                    "checkpoint_retries is set but checkpoint_local_dir is not: the retries are "
+                    "those of the background copy from each node's checkpoint_local_dir (and of "
+                    "a recovery's reads of it); set checkpoint_local_dir or leave "
+                    "checkpoint_retries out")
+            checkpoint_retries = checkpoint_retries_of(checkpoint_retries, "HaptTrainer")
+        self.checkpoint_retries = checkpoint_retries
         self._upload: Upload | None = None  # the last checkpoint's background copy
         # packed rows given as a tensor become a dataset of {'input_ids', 'labels'} items
         train_dataset, eval_dataset = as_dataset(train_dataset), as_dataset(eval_dataset)
@@ -386,7 +402,8 @@ class HaptTrainer(TrainerHooks, Trainer):
         ckpt_io.save_rank_state(tmp, rank, self.optimizer, self.lr_scheduler,
                                 self.runtime.loss_scaler)
         upload = ckpt_io.save_portable_state(tmp, self.runtime, self.optimizer,
-                                             self.lr_scheduler, self.checkpoint_local_dir)
+                                             self.lr_scheduler, self.checkpoint_local_dir,
+                                             self.checkpoint_retries)
         self._track_best_checkpoint(run_dir)
         if rank == 0:
             self.plan.save(tmp / "plan.json")
@@ -429,5 +446,6 @@ class HaptTrainer(TrainerHooks, Trainer):
     def _load_checkpoint(self, ckpt: Path) -> None:
         """Stage weights, this rank's optimizer/scheduler/RNG, and the trainer state."""
         self.state = ckpt_io.load_checkpoint(ckpt, self.runtime, self.optimizer,
-                                             self.lr_scheduler, self.checkpoint_local_dir)
+                                             self.lr_scheduler, self.checkpoint_local_dir,
+                                             self.checkpoint_retries)
         trainer_api.load_callback_state(self)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hapt_hf.integration.config import RETRY_KEYS
 from hapt_hf.pipeline import checkpoint_io, portable
 from hapt_hf.pipeline.checkpoint_io import CheckpointError, damaged_file
 from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore, Upload, copy_unfinished
@@ -172,14 +173,19 @@ def save_rank_state(tmp: Path, rank: int, optimizer, scheduler, loss_scaler=None
     fsync_path(path)
 
 
-def portable_store(local_dir: Path, run_dir: Path) -> CheckpointStore:
+def portable_store(local_dir: Path, run_dir: Path,
+                   retries: dict[str, float] | None = None) -> CheckpointStore:
     """Checkpoints' portable parts on this node's ``local_dir`` (``checkpoint-N/portable``),
-    their copy in the run's output directory (the same path inside each checkpoint)."""
-    return CheckpointStore(Path(local_dir), str(Path(run_dir).resolve()))
+    their copy in the run's output directory (the same path inside each checkpoint); the copy
+    and the reads retry as ``retries`` says (the hapt config's ``checkpoint_retries``; None:
+    the store's defaults)."""
+    settings = {RETRY_KEYS[k]: v for k, v in (retries or {}).items()}
+    return CheckpointStore(Path(local_dir), str(Path(run_dir).resolve()), **settings)
 
 
 def save_portable_state(tmp: Path, runtime, optimizer, scheduler,
-                        local_dir: Path | None = None) -> Upload | None:
+                        local_dir: Path | None = None,
+                        retries: dict[str, float] | None = None) -> Upload | None:
     """The part of the checkpoint any plan resumes from (collective): every rank's model and
     optimizer tensors under their parameter names (``portable/``), and on rank 0 what is not a
     parameter's tensor (``hapt_portable.pt``). The step and the data position are the trainer
@@ -192,7 +198,7 @@ def save_portable_state(tmp: Path, runtime, optimizer, scheduler,
         portable.save_portable(Path(tmp) / PORTABLE_DIR, runtime.stage, optimizer)
     else:
         name = f"{Path(tmp).name[len(TMP_PREFIX):]}/{PORTABLE_DIR}"
-        upload = portable_store(local_dir, Path(tmp).parent).save(
+        upload = portable_store(local_dir, Path(tmp).parent, retries).save(
             name, portable.portable_state_dict(runtime.stage, optimizer), start=False)
     if runtime.rank == 0:
         path = Path(tmp) / PORTABLE_STATE
@@ -322,7 +328,8 @@ def check_portable(ckpt: Path, plan: Plan) -> None:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} lacks {missing}; it is damaged")
 
 
-def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler, local_dir: Path | None = None):
+def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler, local_dir: Path | None = None,
+                    retries: dict[str, float] | None = None):
     """Resume every rank from ``ckpt``; returns the checkpoint's ``TrainerState``.
 
     Under the plan it was written under, each rank reads its own part (stage tensors, its
@@ -339,7 +346,7 @@ def load_checkpoint(ckpt: Path, runtime, optimizer, scheduler, local_dir: Path |
             check_portable(ckpt, runtime.plan)
             reader = None
             if local_dir is not None and (Path(ckpt) / PORTABLE_DIR / COMPLETE_MARKER).is_file():
-                reader = portable_store(local_dir, Path(ckpt).parent).reader(
+                reader = portable_store(local_dir, Path(ckpt).parent, retries).reader(
                     f"{Path(ckpt).name}/{PORTABLE_DIR}")
             reads = portable.prepare_load(Path(ckpt) / PORTABLE_DIR, runtime.stage, optimizer,
                                           reader)

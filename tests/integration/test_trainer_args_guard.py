@@ -82,6 +82,46 @@ def test_trainer_honours_checkpointing_and_refuses_label_smoothing(tmp_path):
     assert "label_smoothing_factor=0.1" in off[0].value
 
 
+def retries_worker(rank: int, world: int, out: str, kw: dict):
+    from transformers import GPT2Config, TrainingArguments
+
+    from hapt_hf.integration.config import HaptConfigError
+    from hapt_hf.integration.trainer import HaptTrainer
+    from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+    from hapt_hf.planner.plan import Plan, Stage
+
+    plan = Plan("t", 4, 8, 2, 1, 2, "1f1b", (Stage.even(0, (0, 4), "cpu", "cpu", (0,), 1, micro_batch_size=1),))
+    runtime = PipelineRuntime(plan, GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50),
+                              RuntimeConfig(timeout_s=60))
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=2, report_to=[])
+    try:
+        return HaptTrainer(args=args, runtime=runtime, **kw).checkpoint_retries
+    except (TrainingArgsError, HaptConfigError) as e:
+        return str(e)
+
+
+@pytest.mark.multiproc
+def test_checkpoint_retries_need_the_local_copy_and_are_checked(tmp_path):
+    """Retries that nothing would retry (no checkpoint_local_dir) are refused by name, as are
+    bad values; good ones are kept as given."""
+    from benchmarks.ranks import run_ranks
+    local = str(tmp_path / "local")
+    cases = [({"checkpoint_retries": {"attempts": 3}},
+              "checkpoint_retries is set but checkpoint_local_dir is not"),
+             ({"checkpoint_retries": {"attempts": 0}, "checkpoint_local_dir": local},
+              "'checkpoint_retries.attempts' is 0; give a whole number of attempts >= 1"),
+             ({"checkpoint_retries": {"attempts": 3, "retry_s": 5}, "checkpoint_local_dir": local},
+              {"attempts": 3, "retry_s": 5}),
+             ({"checkpoint_local_dir": local}, None)]
+    for kw, want in cases:
+        got = run_ranks(retries_worker, 1, str(tmp_path / "out"), kw)[0].value
+        if isinstance(want, str):
+            assert want in got, (kw, got)
+        else:
+            assert got == want, (kw, got)
+
+
 def test_model_and_model_init_together_are_refused(tmp_path):
     """Trainer would re-make the model with model_init at train(); the stages are built once."""
     from torch import nn

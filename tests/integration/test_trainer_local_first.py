@@ -22,12 +22,24 @@ from tests.integration.test_trainer_portable_resume import (ACCUMULATION, ATOL, 
 
 pytestmark = pytest.mark.multiproc
 
+RETRIES = {"attempts": 7, "backoff_s": 0.25, "retry_s": 45}
+"""The runs' checkpoint_retries: every store of their copies and reads takes them."""
+
 
 def _train(world: int, root: str, resume: str | None = None) -> dict:
     from transformers import TrainingArguments
 
+    from hapt_hf.integration import trainer_checkpoint
     from hapt_hf.integration.trainer import HaptTrainer
     from hapt_hf.pipeline.runtime import PipelineRuntime, RuntimeConfig
+    stores = []  # every store the checkpoints' copy and reads used: their retry settings
+    made = trainer_checkpoint.portable_store
+
+    def spied(*a, **k):
+        store = made(*a, **k)
+        stores.append((store.upload_attempts, store.upload_backoff_s, store.upload_retry_s))
+        return store
+    trainer_checkpoint.portable_store = spied
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
@@ -41,11 +53,11 @@ def _train(world: int, root: str, resume: str | None = None) -> dict:
                              learning_rate=1e-3, lr_scheduler_type="linear", max_grad_norm=1.0,
                              save_strategy="steps", save_steps=SAVE_AT)
     trainer = HaptTrainer(args=args, runtime=runtime, train_dataset=_rows(),
-                          checkpoint_local_dir=f"{root}/local")
+                          checkpoint_local_dir=f"{root}/local", checkpoint_retries=RETRIES)
     trainer.train(resume_from_checkpoint=resume)
     history = [h for h in trainer.state.log_history if "loss" in h]
     runtime.shutdown()
-    return {"losses": {h["step"]: h["loss"] for h in history}, "lines": lines,
+    return {"losses": {h["step"]: h["loss"] for h in history}, "lines": lines, "stores": stores,
             "weights": {k: v.detach().numpy().copy() for k, v in runtime.stage.named_parameters()}}
 
 
@@ -66,6 +78,9 @@ def test_local_copies_are_read_first_and_only_the_lost_file_is_fetched(tmp_path)
         assert sorted(p.name for p in local.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
     (tmp_path / "local" / f"checkpoint-{SAVE_AT}" / "portable" / "__2_0.distcp").unlink()
     resumed = [o.value for o in run_ranks(_resumed, 2, str(tmp_path), timeout_s=240)]
+    for o in full + resumed:  # both checkpoints' copies on every rank, the resume's reads
+        assert o["stores"] and set(o["stores"]) == {(7, 0.25, 45)}, o["stores"]
+    assert all(len(o["stores"]) >= 2 for o in full)
     counts = []
     for o in resumed:
         (line,) = [x for x in o["lines"] if "fetched" in x]

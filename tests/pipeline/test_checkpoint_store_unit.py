@@ -10,9 +10,11 @@ import warnings
 
 import pytest
 import torch
+import yaml
 
 from benchmarks import slow_store
 from hapt_hf.errors import CheckpointError
+from hapt_hf.planner.cluster import builtin_cluster_path
 from hapt_hf.pipeline import portable
 from hapt_hf.pipeline.checkpoint_store import COMPLETE_MARKER, CheckpointStore, Upload
 
@@ -121,6 +123,55 @@ def test_haptaccelerator_refuses_checkpoint_local_dir_it_would_not_honour(tmp_pa
     with pytest.raises(HaptConfigError, match="'checkpoint_local_dir' is kept by HaptTrainer's "
                                               "checkpoints only"):
         HaptAccelerator(hapt_plugin=config)
+
+
+def test_haptaccelerator_refuses_checkpoint_retries_it_would_not_honour():
+    from hapt_hf.integration.accelerate_plugin import HaptAccelerator
+    from hapt_hf.integration.config import HaptConfig, HaptConfigError
+    from hapt_hf.planner.cluster import Cluster
+    config = HaptConfig(cluster=Cluster.load("cpu_demo_4"), checkpoint_retries={"attempts": 3})
+    with pytest.raises(HaptConfigError, match="'checkpoint_retries' is kept by HaptTrainer's "
+                                              "checkpoints only"):
+        HaptAccelerator(hapt_plugin=config)
+
+
+@pytest.mark.parametrize("given, match", [
+    ([3], r"'checkpoint_retries' is \[3\]; give a mapping"),
+    ({"tries": 3}, r"unknown key\(s\) 'tries'; its keys are attempts, backoff_s, retry_s"),
+    ({"attempts": 0}, r"'checkpoint_retries.attempts' is 0; give a whole number of attempts >= 1"),
+    ({"attempts": 2.5}, r"'checkpoint_retries.attempts' is 2.5; give a whole number"),
+    ({"attempts": True}, r"'checkpoint_retries.attempts' is True; give a whole number"),
+    ({"backoff_s": -1}, r"'checkpoint_retries.backoff_s' is -1; give a number of seconds >= 0"),
+    ({"retry_s": "10"}, r"'checkpoint_retries.retry_s' is '10'; give a number of seconds >= 0"),
+])
+def test_checkpoint_retries_are_checked_key_by_key(tmp_path, given, match):
+    from hapt_hf.integration.config import HaptConfig, HaptConfigError
+    path = tmp_path / "hapt.yaml"
+    path.write_text(yaml.safe_dump({"cluster": str(builtin_cluster_path("cpu_demo_4")),
+                                    "checkpoint_local_dir": str(tmp_path),
+                                    "checkpoint_retries": given}))
+    with pytest.raises(HaptConfigError, match=match):
+        HaptConfig.from_yaml(path)
+
+
+def test_checkpoint_retries_reach_the_store_of_the_copy_and_the_reads(tmp_path):
+    """What the hapt config's checkpoint_retries set is what the checkpoints' store retries by;
+    left out, the store's defaults."""
+    from hapt_hf.integration.config import HaptConfig
+    from hapt_hf.integration.trainer_checkpoint import portable_store
+    from hapt_hf.pipeline.checkpoint_store import CheckpointStore
+    path = tmp_path / "hapt.yaml"
+    path.write_text(yaml.safe_dump({"cluster": str(builtin_cluster_path("cpu_demo_4")),
+                                    "checkpoint_local_dir": str(tmp_path),
+                                    "checkpoint_retries": {"attempts": 9, "retry_s": 30}}))
+    config = HaptConfig.from_yaml(path)
+    store = portable_store(config.checkpoint_local_dir, tmp_path / "run", config.checkpoint_retries)
+    default = CheckpointStore(tmp_path, str(tmp_path / "run"))
+    assert (store.upload_attempts, store.upload_retry_s) == (9, 30)
+    assert store.upload_backoff_s == default.upload_backoff_s
+    plain = portable_store(tmp_path, tmp_path / "run")
+    assert (plain.upload_attempts, plain.upload_backoff_s, plain.upload_retry_s) == \
+        (default.upload_attempts, default.upload_backoff_s, default.upload_retry_s)
 
 
 def test_one_rule_says_whether_a_copy_is_whole(tmp_path):
