@@ -331,13 +331,9 @@ def checkpoint_retries(given: Any, where: str) -> dict[str, float]:
         raise HaptConfigError(f"{where}: 'checkpoint_retries' has unknown key(s) "
                               f"{', '.join(map(repr, unknown))}; its keys are "
                               f"{', '.join(RETRY_KEYS)}")
+    from hapt_hf.pipeline.checkpoint_store import retry_setting_problem  # the store's own rule
     for key, value in given.items():
-        if key == "attempts":
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            need = "a whole number of attempts >= 1 (1: no retries)"
-        else:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-            need = "a number of seconds >= 0"
-        if not ok:
+        need = retry_setting_problem(RETRY_KEYS[key], value)
+        if need:
             raise HaptConfigError(f"{where}: 'checkpoint_retries.{key}' is {value!r}; give {need}")
     return dict(given)

@@ -72,7 +72,8 @@ from hapt_hf.errors import CheckpointError
 from hapt_hf.pipeline.direct_read import read_direct
 
 __all__ = ["CheckpointStore", "Upload", "LocalFirstReader", "ReadStats", "METADATA_FILE",
-           "COMPLETE_MARKER", "copy_whole", "copy_unfinished", "transient", "retried"]
+           "COMPLETE_MARKER", "copy_whole", "copy_unfinished", "transient", "retried",
+           "retry_setting_problem"]
 
 logger = logging.getLogger("hapt_hf.checkpoint")
 
@@ -682,6 +683,16 @@ class LocalFirstReader(dcp.FileSystemReader):
         return fut
 
 
+
+def retry_setting_problem(name: str, value: object) -> str | None:
+    """What a retry setting of :class:`CheckpointStore` (``upload_attempts``,
+    ``upload_backoff_s``, ``upload_retry_s``) must be where ``value`` is not it, else None."""
+    if name == "upload_attempts":
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        return None if ok else "a whole number of attempts >= 1 (1: no retries)"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+    return None if ok else "a number of seconds >= 0"
+
 @dataclass(frozen=True)
 class CheckpointStore:
     """Where a run's checkpoints go: ``local_dir`` (this node's disk) and ``remote`` (an fsspec
@@ -707,14 +718,11 @@ class CheckpointStore:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_dir", Path(self.local_dir))
-        if isinstance(self.upload_attempts, bool) or not isinstance(self.upload_attempts, int) \
-                or self.upload_attempts < 1:
-            raise CheckpointError(f"upload_attempts is {self.upload_attempts!r}; give a whole "
-                                  "number of attempts >= 1 (1: no retries)")
-        for name in ("upload_backoff_s", "upload_retry_s"):
+        for name in ("upload_attempts", "upload_backoff_s", "upload_retry_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise CheckpointError(f"{name} is {value!r}; give a number of seconds >= 0")
+            need = retry_setting_problem(name, value)
+            if need:
+                raise CheckpointError(f"{name} is {value!r}; give {need}")
         if not isinstance(self.remote, str) or not self.remote:
             raise CheckpointError(f"the remote copy's location must be a path or fsspec URL "
                                   f"(e.g. /shared/run or s3://bucket/run), not {self.remote!r}")

@@ -154,6 +154,17 @@ def test_checkpoint_retries_are_checked_key_by_key(tmp_path, given, match):
         HaptConfig.from_yaml(path)
 
 
+@pytest.mark.parametrize("field, value, need", [
+    ("upload_attempts", 0, "a whole number of attempts >= 1"),
+    ("upload_attempts", True, "a whole number of attempts >= 1"),
+    ("upload_backoff_s", -0.5, "a number of seconds >= 0"),
+    ("upload_retry_s", None, "a number of seconds >= 0"),
+])
+def test_the_store_refuses_retry_settings_by_the_same_rule(tmp_path, field, value, need):
+    with pytest.raises(CheckpointError, match=rf"{field} is {value!r}; give {need}"):
+        CheckpointStore(tmp_path, str(tmp_path / "remote"), **{field: value})
+
+
 def test_checkpoint_retries_reach_the_store_of_the_copy_and_the_reads(tmp_path):
     """What the hapt config's checkpoint_retries set is what the checkpoints' store retries by;
     left out, the store's defaults."""
