@@ -69,13 +69,15 @@ def _lift_sp_rule() -> None:
 def local_search(job, plan, budget: int = 400):
     """(first, best) replay times of the local search from ``plan`` (see the module's doc),
     the layout kept and the replays run."""
+    from hapt_hf.core.layers import HALF
     from hapt_hf.planner.cost_model import CostModel
     from hapt_hf.planner.search.kinds import replay_kind, zero_bubble_layout
     from hapt_hf.planner.search.plans import layout_of_plan
     from hapt_hf.planner.search.problem import SearchProblem
     from hapt_hf.planner.search.refine import _moved, _moves, stage_setting
 
-    cm = CostModel(job.model, job.cluster, job.profile)
+    model = job.model.split_blocks() if plan.layer_unit == HALF else job.model
+    cm = CostModel(model, job.cluster, job.profile)
     problem = SearchProblem(cm, job.global_batch_size, PlannerOptions())
     m = plan.num_microbatches
     best = layout_of_plan(cm, plan)

@@ -1,0 +1,44 @@
+"""benchmarks/search_effort.py's local search: from a plan with a boundary moved off, the moves
+under zero_bubble find their way back to a plan no slower than the planner's own; plans cut
+between half blocks are replayed on the model's halves."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.inputs import scenario_path
+from benchmarks.search_effort import local_search
+from hapt_hf.planner.cost_model import CostModel
+from hapt_hf.planner.job import load_job
+from hapt_hf.planner.search import PlannerOptions, plan_job
+from hapt_hf.planner.search.kinds import replay_kind
+
+
+def _plan(name: str):
+    job = load_job(scenario_path(name))
+    return job, plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
+                         PlannerOptions(include_baselines=False))
+
+
+def _moved(plan, by: int):
+    """``plan`` with its first boundary ``by`` layers earlier."""
+    st = list(plan.stages)
+    (a0, b0), (_, b1) = st[0].layers, st[1].layers
+    st[0], st[1] = replace(st[0], layers=(a0, b0 - by)), replace(st[1], layers=(b0 - by, b1))
+    return replace(plan, stages=tuple(st))
+
+
+@pytest.mark.parametrize("name", ["harp_v100x2_a100x1", "consumer_rtx4080x4_rtx4090x4"])
+def test_local_search_recovers_from_a_moved_boundary(name):
+    job, res = _plan(name)
+    first, best, lay, runs = local_search(job, _moved(res.plan, 2), budget=60)
+    assert first > res.sim.iteration_s * 1.01  # the moved boundary costs time
+    assert best <= res.sim.iteration_s * (1 + 1e-9) and 0 < runs <= 60
+    # what it reports is the full replay of the layout it returns, which covers every layer
+    model = job.model.split_blocks() if res.plan.layer_unit == "half" else job.model
+    assert replay_kind(CostModel(model, job.cluster, job.profile), lay,
+                       res.plan.num_microbatches).iteration_s == pytest.approx(best)
+    edges = [a for a, _ in lay.bounds] + [lay.bounds[-1][1]]
+    assert edges[0] == 0 and edges[-1] == model.num_layers and edges == sorted(set(edges))
+    assert lay.schedule == "zero_bubble"
