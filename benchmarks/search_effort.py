@@ -69,15 +69,13 @@ def _lift_sp_rule() -> None:
 def local_search(job, plan, budget: int = 400):
     """(first, best) replay times of the local search from ``plan`` (see the module's doc),
     the layout kept and the replays run."""
-    from hapt_hf.core.layers import HALF
     from hapt_hf.planner.cost_model import CostModel
     from hapt_hf.planner.search.kinds import replay_kind, zero_bubble_layout
     from hapt_hf.planner.search.plans import layout_of_plan
     from hapt_hf.planner.search.problem import SearchProblem
-    from hapt_hf.planner.search.refine import _moved, _moves, stage_setting
+    from hapt_hf.planner.search.refine import _moves, moved_layout
 
-    model = job.model.split_blocks() if plan.layer_unit == HALF else job.model
-    cm = CostModel(model, job.cluster, job.profile)
+    cm = CostModel(job.model.with_layer_unit(plan.layer_unit), job.cluster, job.profile)
     problem = SearchProblem(cm, job.global_batch_size, PlannerOptions())
     m = plan.num_microbatches
     best = layout_of_plan(cm, plan)
@@ -90,17 +88,10 @@ def local_search(job, plan, budget: int = 400):
         for what, idx, d in moves:
             if runs >= budget:
                 break
-            held = best_r.peak_in_flight or best.warmups
             if what == "bounds":
-                bounds = _moved(best, idx, d)
-                if bounds is None:
+                cand = moved_layout(problem, best, idx, d, best_r.peak_in_flight or best.warmups)
+                if cand is None:
                     continue
-                states = [stage_setting(problem, best.stages[j].replicas,
-                                        best.micro_batch_size, a, b, held[j])
-                          for j, (a, b) in enumerate(bounds)]
-                if any(s is None for s in states):
-                    continue
-                cand = best.with_layers(bounds, *[[s[k] for s in states] for k in range(4)])
             else:
                 warm = list(best.warmups)
                 warm[idx] += d

@@ -110,7 +110,7 @@ def _used_limit(plan: Plan, job: JobInputs) -> float | None:
     """The physical limit over the groups ``plan`` uses, where it leaves some idle."""
     if not plan.idle_groups:
         return None
-    kept = [g for g in job.cluster.group_names if g not in set(plan.idle_groups)]
+    kept = [g for g in job.cluster.group_names if g not in plan.idle_groups]
     return _physical_limit(plan, job, job.cluster.subset(kept))
 
 

@@ -367,14 +367,14 @@ def _one_stage_per_rank(num_stages: int, num_microbatches: int, warmups: Sequenc
     defer = zero_bubble_deferrals(warm, m, deferrals) if split_backward else ()
     lists = []
     for s in range(n):
+        deferral = defer[s] if split_backward else None
         if not receives:  # the simulator's lists: the same few over a search's replays
-            lists.append(_compute_list(s, n, warm[s], defer[s] if split_backward else None, m,
+            lists.append(_compute_list(s, n, warm[s], deferral, m,
                                        None if tokens is None else tuple(tokens.items())))
             continue
         nb = (warm[s - 1] if s > 0 else 1, warm[s + 1] if s < n - 1 else 1) \
             if early_receives else None
-        steps = _zero_bubble_order(warm[s], defer[s], m) if split_backward \
-            else _forward_order(warm[s], m)
+        steps = _stage_order(warm[s], deferral, m)
         lists.append(tuple(_rank_list([(k, s, mb) for k, mb in steps], n, receives, tokens,
                                       nb, m)))
     return tuple(lists), placement
@@ -386,10 +386,18 @@ def _compute_list(stage: int, num_stages: int, warmup: int, deferral: int | None
     """Stage ``stage``'s list without receives (:func:`_rank_list`) in the 1F1B shape with
     ``warmup``, its backward split with ``deferral`` where that is not None; ``tokens`` as
     :func:`_rank_list`'s, as pairs. Kept: the planner replays the same lists many times."""
-    steps = _forward_order(warmup, num_microbatches) if deferral is None \
-        else _zero_bubble_order(warmup, deferral, num_microbatches)
+    steps = _stage_order(warmup, deferral, num_microbatches)
     return tuple(_rank_list([(k, stage, mb) for k, mb in steps], num_stages, False,
                             None if tokens is None else dict(tokens), None, num_microbatches))
+
+
+def _stage_order(warmup: int, deferral: int | None,
+                 num_microbatches: int) -> list[tuple[ActionKind, int]]:
+    """A stage's compute order in the 1F1B shape: its backward whole (``deferral`` None) or
+    split with the weight gradients ``deferral`` micro-batches behind."""
+    if deferral is None:
+        return _forward_order(warmup, num_microbatches)
+    return _zero_bubble_order(warmup, deferral, num_microbatches)
 
 
 def _zero_bubble(*args, **kw) -> RankLists:

@@ -117,16 +117,19 @@ class PlanReport:
     @property
     def limit_distance(self) -> float | None:
         """(iteration - limit) / limit: 0.05 means 5% slower than the physical limit."""
-        if not self.physical_limit_s or self.physical_limit_s <= 0:
-            return None
-        return (self.iteration_s - self.physical_limit_s) / self.physical_limit_s
+        return _above(self.iteration_s, self.physical_limit_s)
 
     @property
     def used_limit_distance(self) -> float | None:
         """(iteration - used_limit_s) / used_limit_s, where groups are idle."""
-        if not self.used_limit_s or self.used_limit_s <= 0:
-            return None
-        return (self.iteration_s - self.used_limit_s) / self.used_limit_s
+        return _above(self.iteration_s, self.used_limit_s)
+
+
+def _above(iteration_s: float, limit_s: float | None) -> float | None:
+    """How far ``iteration_s`` is above ``limit_s``, as a fraction of it; None without one."""
+    if not limit_s or limit_s <= 0:
+        return None
+    return (iteration_s - limit_s) / limit_s
 
 
 # -- building ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def test_local_search_recovers_from_a_moved_boundary(name):
     assert first > res.sim.iteration_s * 1.01  # the moved boundary costs time
     assert best <= res.sim.iteration_s * (1 + 1e-9) and 0 < runs <= 60
     # what it reports is the full replay of the layout it returns, which covers every layer
-    model = job.model.split_blocks() if res.plan.layer_unit == "half" else job.model
+    model = job.model.with_layer_unit(res.plan.layer_unit)
     assert replay_kind(CostModel(model, job.cluster, job.profile), lay,
                        res.plan.num_microbatches).iteration_s == pytest.approx(best)
     edges = [a for a, _ in lay.bounds] + [lay.bounds[-1][1]]

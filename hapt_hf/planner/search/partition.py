@@ -1,7 +1,6 @@
 """Layer ranges: the min-max partition under memory, and HAPT's formula that scores it."""
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -48,8 +47,7 @@ def _stage_reach(cm: CostModel, sh: Placement, samples: int, t, a: int, cap: flo
                                                             mem_pre)]
     best = (a, False, REPLICATED, False)
     for rc, pre, options, most in by_rc:
-        # as CostModel.max_layers_fitting: the largest b with pre[b] <= pre[a] + cap
-        reach_t = bisect_right(pre, pre[a] + cap) - 1
+        reach_t = cm.max_layers_fitting(pre, a, cap)
         if reach_t >= most:  # past every state's memory reach: the stage ends where memory does
             if record is not None:
                 record.append((pre, a, most, None))
@@ -180,7 +178,7 @@ def partition_layers(cm: CostModel, shapes, mbs: int, in_flight: list[int],
         return got
 
     # no partition beats the perfectly balanced step, so start there and double until it fits
-    top = max(cm.table(sh.group, s, sh.tp).fb_rc[-1] for sh, s, *_ in info) * 1.001
+    top = max(t.fb_rc[-1] for _, _, t, *_ in info) * 1.001
     lo = min(lower_bound_s, top) if lower_bound_s > 0 else 0.0
     hi = max(lo * 1.25, top * 1e-3)
     got = greedy(hi)

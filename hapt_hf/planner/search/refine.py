@@ -17,7 +17,7 @@ from .replays import better, simulate_layout
 from .state import partial_recompute, stage_state
 from .warmups import hapt_warmups
 
-__all__ = ["as_schedule", "refine_boundaries", "stage_setting", "trim_recompute"]
+__all__ = ["as_schedule", "moved_layout", "refine_boundaries", "stage_setting", "trim_recompute"]
 
 
 def as_schedule(layout: Layout, schedule: str, m: int) -> Layout:
@@ -87,6 +87,25 @@ def trim_recompute(problem: SearchProblem, layout: Layout, in_flight) -> Layout 
     return replace(layout, stages=tuple(stages)) if changed else None
 
 
+def moved_layout(problem: SearchProblem, layout: Layout, idx: tuple[int, ...], d: int,
+                 in_flight) -> Layout | None:
+    """``layout`` with boundaries ``idx`` moved by ``d`` layers (one move of :func:`_moves`),
+    each stage set to hold ``in_flight[j]`` micro-batches (:func:`stage_setting`); None where
+    the move empties a stage or a stage then fits no setting."""
+    bounds = _moved(layout, idx, d)
+    if bounds is None:
+        return None
+    states = []
+    for j, (a, b) in enumerate(bounds):
+        got = stage_setting(problem, layout.stages[j].replicas, layout.micro_batch_size, a, b,
+                            in_flight[j])
+        if got is None:
+            return None
+        states.append(got)
+    return layout.with_layers(bounds, [s[0] for s in states], [s[1] for s in states],
+                              [s[2] for s in states], [s[3] for s in states])
+
+
 def refine_boundaries(problem: SearchProblem, layout: Layout, sim: SimResult,
                       budget: int) -> tuple[Layout, SimResult]:
     """Move layer boundaries of ``layout`` (replayed as ``sim``) by one while the replay
@@ -105,21 +124,9 @@ def refine_boundaries(problem: SearchProblem, layout: Layout, sim: SimResult,
         for idx, d in _moves(layout.num_stages):
             if budget <= 0:
                 break
-            bounds = _moved(layout, idx, d)
-            if bounds is None:
+            cand = moved_layout(problem, layout, idx, d, sim.peak_in_flight or layout.warmups)
+            if cand is None:
                 continue
-            inflight = sim.peak_in_flight or layout.warmups
-            states = []
-            for j, (a, b) in enumerate(bounds):
-                got = stage_setting(problem, layout.stages[j].replicas,
-                                    layout.micro_batch_size, a, b, inflight[j])
-                if got is None:
-                    break
-                states.append(got)
-            if len(states) != len(bounds):
-                continue
-            cand = layout.with_layers(bounds, [s[0] for s in states], [s[1] for s in states],
-                                      [s[2] for s in states], [s[3] for s in states])
             budget -= 1
             r = simulate_layout(cm, cand, m)
             if better(r, sim):
