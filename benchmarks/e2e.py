@@ -294,7 +294,7 @@ def _predictions(cfg: RaceConfig, spec, cluster, profile, plan, every) -> dict[s
     from hapt_hf.planner.simulate import simulate_plan
     out = {"a": plan.predicted.iteration_s}
     if plan.virtual_stages == 1:
-        model = spec.split_blocks() if plan.layer_unit == "half" else spec
+        model = spec.with_layer_unit(plan.layer_unit)
         out["c"] = simulate_plan(plan.with_schedule(ScheduleKind.ONE_F_ONE_B), model, cluster,
                                  profile, record_events=False).iteration_s
     if every is not None:

@@ -168,7 +168,7 @@ def simulated(trace_dir: Path) -> tuple[dict, float]:
     profile = Profile.load(trace_dir / "profile.json")
     plan = Plan.from_dict(json.loads((trace_dir / "plan.json").read_text()))
     spec = ModelSpec.from_config(_model_config(cfg), cfg.seq, "fp32", name="gpt2-race")
-    model = spec.split_blocks() if plan.layer_unit == "half" else spec
+    model = spec.with_layer_unit(plan.layer_unit)
     cluster = cluster_with_links(_nominal_cluster(cfg), profile)
     res = simulate_plan(plan, model, cluster, profile)
     per: dict = defaultdict(lambda: defaultdict(list))

@@ -43,7 +43,7 @@ def zero_bubble_rows(path: Path) -> str:
     # the search's pipeline under H-1F1B (by default the search itself may keep zero_bubble)
     plan = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
                     PlannerOptions(weigh_kinds=False)).plan
-    model = job.model.split_blocks() if plan.layer_unit == "half" else job.model
+    model = job.model.with_layer_unit(plan.layer_unit)
     tp = {rep.group: rep.tp for s in plan.stages for rep in s.replicas}
     cm = CostModel(model, job.cluster, job.profile, tp=tp)
 

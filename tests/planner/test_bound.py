@@ -127,7 +127,7 @@ def test_consumer_plan_meets_its_own_bound():
     its compute and its exposed all-reduce (docs/planner.md); no warm-up can do better."""
     job = load_job(scenario_path("consumer_rtx4080x4_rtx4090x4"))
     res = plan_job(job.model, job.cluster, job.global_batch_size)
-    model = job.model.split_blocks() if res.plan.layer_unit == "half" else job.model
+    model = job.model.with_layer_unit(res.plan.layer_unit)
     cm = CostModel(model, job.cluster)
     lay = layout_of_plan(cm, res.plan)
     lb = lower_bound_s(cm, lay.stages, lay.micro_batch_size, res.plan.num_microbatches)

@@ -123,7 +123,7 @@ def test_tensor_parallelism_beats_the_recorded_plan(name):
     assert any(len(d) > 1 for d in degrees.values())
     assert any(s.sequence_parallel for s in res.plan.stages)
     h1f1b = res.plan.with_schedule("h1f1b")
-    model = job.model.split_blocks() if h1f1b.layer_unit == "half" else job.model
+    model = job.model.with_layer_unit(h1f1b.layer_unit)
     tp = {rep.group: rep.tp for s in h1f1b.stages for rep in s.replicas}
     again = simulate_plan(h1f1b, model, job.cluster, job.profile, record_events=False,
                           cost_model=CostModel(model, job.cluster, job.profile, tp=tp))

@@ -113,7 +113,7 @@ def test_a_plan_with_idle_groups_round_trips_and_replays(two_site, tmp_path):
     back = Plan.load(path)
     assert back == res.plan
     # the ranks are numbered over the groups it uses; the replay on the whole cluster agrees
-    model = job.model.split_blocks() if back.layer_unit == "half" else job.model
+    model = job.model.with_layer_unit(back.layer_unit)
     assert simulate_plan(back, model, job.cluster).iteration_s == \
         pytest.approx(res.sim.iteration_s)
     rep = build_report(back, res.sim, all_groups_s=res.all_groups_s)

@@ -33,7 +33,7 @@ def h1f1b_search(job):
     """The search under h1f1b alone (kinds not weighed), and its pipeline replayed: (result,
     cost model, layout, micro-batches, replay); the tests only read them."""
     res = _plan(job, weigh_kinds=False)
-    cm = CostModel(job.model.split_blocks() if res.plan.layer_unit == "half" else job.model,
+    cm = CostModel(job.model.with_layer_unit(res.plan.layer_unit),
                    job.cluster, job.profile)
     lay = layout_of_plan(cm, res.plan)
     m = res.plan.num_microbatches
@@ -81,7 +81,7 @@ def test_interleaved_is_priced_with_its_extra_transfers():
     job = load_job(scenario_path("harp_v100x2_a100x1"))
     plan = plan_job(job.model, job.cluster, 16, profile=job.profile,
                     options=PlannerOptions(micro_batch_sizes=(1,), weigh_kinds=False)).plan
-    cm = CostModel(job.model.split_blocks() if plan.layer_unit == "half" else job.model,
+    cm = CostModel(job.model.with_layer_unit(plan.layer_unit),
                    job.cluster, job.profile)
     lay = layout_of_plan(cm, plan)
     m = plan.num_microbatches
