@@ -93,7 +93,9 @@ HEAD_MODULE = "lm_head"
 ``LlamaForCausalLM._tp_plan == {"lm_head": "colwise_gather_output"}``)."""
 
 HEAD_STYLE = "colwise_gather_output"
-"""The head style hapt_hf runs: the weight split by vocabulary rows, the logits gathered."""
+"""The head style a class's plan must name for hapt_hf to split the head: the weight split by
+vocabulary rows (transformers then gathers the logits; hapt_hf takes the loss on them split,
+``hapt_hf.pipeline.vocab_parallel``, and gathers them only where they are asked for)."""
 
 
 def sp_refusal(model_type: str, tp_plan: dict[str, str] | None, t: int = 2,
@@ -195,10 +197,11 @@ def head_sharded(t: int, head_tp_plan: dict[str, str] | None, tied: bool) -> boo
     replica, ``e`` bytes an element of the compute dtype): the head's weight, gradient and
     optimizer state are ``V/t·h`` per rank (``V`` a multiple of ``t``; else torch's uneven
     chunks: ``ceil(V/t)`` rows on the first ranks), its matmul ``2·b·s·h·V/t`` FLOPs forward
-    (twice that backward). Forward: the logits are all-gathered on the vocabulary
-    (``b·s·V·e`` bytes gathered, each rank contributing ``1/t``) and every rank then holds the
-    whole logits and computes the loss on them as before (the loss's memory and time are
-    unchanged). Backward: no all-gather (each rank slices its vocabulary columns of the logits'
-    gradient) and one all-reduce of the head input's gradient (``b·s·h·e`` bytes) over the
-    ``t`` ranks. The final norm stays whole on each rank."""
+    (twice that backward). The logits stay split: each rank takes the loss on its columns
+    (``hapt_hf.pipeline.vocab_parallel``), keeping a ``b·s·ceil(V/t)`` fp32 softmax instead
+    of the whole vocabulary's, with two all-reduces of fp32 numbers a token forward (the
+    largest logit; the sum of the exponentials and the target's logit) and none of its own
+    backward. Backward: one all-reduce of the head input's gradient (``b·s·h·e`` bytes) over
+    the ``t`` ranks. The final norm stays whole on each rank. Logits asked for whole
+    (prediction) are all-gathered on the vocabulary."""
     return t > 1 and head_refusal(head_tp_plan, tied) is None

@@ -31,6 +31,7 @@ from hapt_hf.pipeline import checkpoint_io, init_replay
 from hapt_hf.pipeline.config_checks import refusal
 from hapt_hf.pipeline.generic import GenericAdapter, bind_shells, fill_module_buffers, generic_adapter
 from hapt_hf.pipeline.families import FamilyAdapter, adapter_for, num_blocks, supported_families
+from hapt_hf.pipeline.vocab_parallel import is_vocab_sharded, vocab_parallel_loss_sum
 
 __all__ = ["BlockPart", "PipelineStage", "RankStages", "StageBuildError", "StageInputError",
            "build_stage", "supported_families"]
@@ -99,12 +100,16 @@ class PipelineStage(nn.Module):
         if not self.is_last:
             return hidden
         logits = self.adapter.head(self, hidden)
-        return logits if labels is None else self.loss_sum(logits, labels)
+        if labels is None:  # a head split by vocabulary rows: its logits gathered whole
+            return logits.full_tensor() if is_vocab_sharded(logits) else logits
+        return self.loss_sum(logits, labels)
 
     def loss_sum(self, logits: Tensor, labels: Tensor) -> Tensor:
         """The last stage's loss: the SUM of the per-token cross-entropy over tokens whose shifted
-        label is not -100 (0-dim), from its logits and the un-shifted `labels`."""
-        return causal_lm_loss_sum(logits, labels, self.config.vocab_size)
+        label is not -100 (0-dim), from its logits and the un-shifted `labels`; logits split on
+        the vocabulary over a replica's ranks (:mod:`~hapt_hf.pipeline.vocab_parallel`) are
+        never gathered."""
+        return _loss_sum(logits, labels, self.config.vocab_size)
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """Parameters tied across the first and last stage, when they sit on different stages.
@@ -219,7 +224,13 @@ class RankStages(nn.Module):
         return dict(self.state_dict())
 
     def loss_sum(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return causal_lm_loss_sum(logits, labels, self.config.vocab_size)
+        return _loss_sum(logits, labels, self.config.vocab_size)
+
+
+def _loss_sum(logits: Tensor, labels: Tensor, vocab_size: int) -> Tensor:
+    if is_vocab_sharded(logits):
+        return vocab_parallel_loss_sum(logits, labels)
+    return causal_lm_loss_sum(logits, labels, vocab_size)
 
 
 def _leaves(path: str, module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -34,10 +34,13 @@ Two options on top (:mod:`hapt_hf.core.tp` holds their rules, which the planner 
   slice and gathered again in the backward (:class:`_GatheredInput`, as Megatron-LM does), so
   a rank keeps ``34/t`` of a block's activations (:func:`~hapt_hf.core.tp.block_activation_parts`).
 * **A vocabulary-split LM head** (:func:`~hapt_hf.core.tp.head_sharded`: the model class's
-  own plan names ``lm_head``, untied): ``ColwiseParallel(output_layouts=Replicate())``, the
-  weight split by vocabulary rows and the logits all-gathered, so the loss is taken whole as
-  before. The weight is a DTensor like a block projection's: checkpoints, the gathered state
-  dict and ZeRO-1 treat it as they treat those.
+  own plan names ``lm_head``, untied): ``ColwiseParallel(output_layouts=Shard(-1),
+  use_local_output=False)``, the weight split by vocabulary rows and the logits left split,
+  so each rank takes the loss on its columns (:mod:`~hapt_hf.pipeline.vocab_parallel`, as
+  torch's ``loss_parallel`` and Megatron-LM's vocabulary-parallel cross-entropy do) and no
+  rank holds the whole logits; where the logits themselves are asked for (prediction) the
+  stage gathers them. The weight is a DTensor like a block projection's: checkpoints, the
+  gathered state dict and ZeRO-1 treat it as they treat those.
 
 Every rank of the replica builds the same seeded (or loaded) weights, so each keeps its own
 slice locally (no scatter from one rank).
@@ -114,7 +117,7 @@ class TensorParallelShards:
     sequence_parallel: bool = False
     """The blocks run sequence parallel (their residual stream split on the sequence)."""
     head: bool = False
-    """The LM head is split by vocabulary rows (its logits gathered)."""
+    """The LM head is split by vocabulary rows (its logits left split for the loss)."""
 
 
 def stage_tp_plan(stage: nn.Module, config: PretrainedConfig) -> dict[str, str]:
@@ -161,7 +164,8 @@ def shard_stage(stage: nn.Module, config: PretrainedConfig, group: Any,
     head = bool(getattr(stage, "is_last", False)) and head_is_sharded(config, t) \
         and _holds(stage, HEAD_MODULE)
     if head:
-        style = ColwiseParallel(output_layouts=Replicate())
+        # the logits stay split on the vocabulary: the loss is taken on each rank's columns
+        style = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         style.src_data_rank = None  # every rank holds the same weights
         styles[HEAD_MODULE] = style
     if styles:

@@ -238,6 +238,8 @@ def _shard(model: ModelSpec, t: int, sp: bool = False) -> _Shard:
             params[-1] = head_rank_params(model, t)
         keep = [l.act_keep_bytes * kept if b else l.act_keep_bytes
                 for l, b in zip(layers, is_block)]
+        if head_split(model, t):
+            keep[-1] = head_rank_keep_bytes(model, t)
         fixed = [l.act_keep_fixed_bytes / t if b else l.act_keep_fixed_bytes
                  for l, b in zip(layers, is_block)]
     # a recomputed block keeps only its input (whole on every rank; split on the sequence
@@ -262,6 +264,16 @@ def head_rank_params(model: ModelSpec, t: int) -> float:
     head = model.layers[-1]
     matrix = model.vocab_size * model.hidden_size
     return head.params - matrix + -(-model.vocab_size // t) * model.hidden_size
+
+
+def head_rank_keep_bytes(model: ModelSpec, t: int) -> float:
+    """What the LM head keeps a sample on each of ``t`` ranks that split it by vocabulary rows:
+    the loss is taken on each rank's ``ceil(V / t)`` columns of the logits
+    (:mod:`hapt_hf.pipeline.vocab_parallel`), so its fp32 softmax is that many columns wide;
+    the head's input, the final norm's and the labels stay whole."""
+    head = model.layers[-1]
+    whole = MASTER_BYTES * model.seq_len * model.vocab_size
+    return head.act_keep_bytes - whole + whole * -(-model.vocab_size // t) / model.vocab_size
 
 
 def _fat_cluster(cluster: Cluster, tp: Mapping[str, int]) -> Cluster:
@@ -715,16 +727,19 @@ class CostModel:
 
     def head_comm_s(self, group: GpuGroup, samples: int, tp: int) -> tuple[float, float]:
         """(forward, backward) collectives of an LM head split by vocabulary rows over a
-        replica of ``tp`` ranks: the logits all-gathered on the vocabulary (``samples x seq x
-        vocab`` at the compute dtype), and the all-reduce of the head input's gradient
-        (``samples x seq x hidden``)."""
+        replica of ``tp`` ranks: the loss's two all-reduces of fp32 numbers a token (the
+        largest logit; the sum of the exponentials with the target's logit) on the logits
+        left split (:mod:`hapt_hf.pipeline.vocab_parallel`), and the all-reduce of the head
+        input's gradient (``samples x seq x hidden`` at the compute dtype)."""
         m = self.model
-        logits = samples * m.seq_len * m.vocab_size * DTYPE_BYTES[m.dtype]
-        grad = samples * m.seq_len * m.hidden_size * DTYPE_BYTES[m.dtype]
+        tokens = samples * m.seq_len
+        grad = tokens * m.hidden_size * DTYPE_BYTES[m.dtype]
         link = self._tp_link(group, tp)
-        ring = (2 * (tp - 1) / tp * grad * 8 / (link.bandwidth_gbps * 1e9)
-                + 2 * (tp - 1) * link.latency_us * 1e-6)
-        return self.tp_allgather_s(group, tp, logits), ring
+
+        def ring(nbytes: float) -> float:
+            return (2 * (tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
+                    + 2 * (tp - 1) * link.latency_us * 1e-6)
+        return ring(tokens * MASTER_BYTES) + ring(2 * tokens * MASTER_BYTES), ring(grad)
 
     def _build_table(self, group: GpuGroup, samples: int, tp: int = 1) -> _LayerTable:
         m = self.model
@@ -752,7 +767,7 @@ class CostModel:
                                          per_rank[j + 1] - per_rank[j])
             elif tp > 1 and split_head and j == len(m.layers) - 1:
                 # the head's matmul split by vocabulary rows at the blocks' efficiency, plus
-                # its collectives; its norm and the loss on the gathered logits stay whole
+                # its collectives (the loss on each rank's columns); its norm stays whole
                 hf, hb = self.head_comm_s(group, samples, tp)
                 u = u * (per_rank[j + 1] - per_rank[j]) / layer.params if layer.params else u
                 f, b = f / (tp * eff) + hf, b / (tp * eff) + hb

@@ -10,8 +10,8 @@ import pytest
 
 from hapt_hf.core.precision import REPLICATED
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, LinkSpec
-from hapt_hf.planner.cost_model import (CostModel, CostModelError, head_rank_params, head_split,
-                                        sp_unfit, tp_efficiency)
+from hapt_hf.planner.cost_model import (CostModel, CostModelError, head_rank_keep_bytes,
+                                        head_rank_params, head_split, sp_unfit, tp_efficiency)
 from hapt_hf.planner.model_spec import ModelSpec
 from hapt_hf.planner.plan import Replica, Stage
 from hapt_hf.planner.search import PlannerOptions, SearchProblem
@@ -149,21 +149,25 @@ def test_the_head_splits_by_vocabulary_rows_where_the_runtime_splits_it():
         assert cm.static_bytes(L - 1, L, tp=t) == pytest.approx(head_rank_params(m, t) * 16)
         samples, eff = 2, tp_efficiency(t, HIDDEN)
         f1, b1 = cm.compute_s(g, samples, L - 1, L)
-        # forward: the matmul's 1/t, then the logits gathered on the vocabulary
-        # (samples x seq x V at 2 bytes); backward: 1/t, then the head input's gradient
-        # all-reduced (samples x seq x hidden)
-        gather = allgather_s(t, samples * SEQ * VOCAB * 2)
+        # forward: the matmul's 1/t, then the loss on the logits left split: an all-reduce
+        # of one fp32 number a token (the largest logit), one of two (the sum of the
+        # exponentials, the target's logit); backward: 1/t, then the head input's gradient
+        # all-reduced (samples x seq x hidden at 2 bytes)
+        loss = allreduce_s(t, samples * SEQ * 4) + allreduce_s(t, 2 * samples * SEQ * 4)
         reduce = allreduce_s(t, samples * SEQ * HIDDEN * 2)
-        assert cm.head_comm_s(g, samples, t) == pytest.approx((gather, reduce))
+        assert cm.head_comm_s(g, samples, t) == pytest.approx((loss, reduce))
         f, b = cm.compute_s(g, samples, L - 1, L, tp=t)
-        assert f == pytest.approx(f1 / (t * eff) + gather)
+        assert f == pytest.approx(f1 / (t * eff) + loss)
         assert b == pytest.approx(b1 / (t * eff) + reduce)
         # the optimizer step updates the rank's rows
         assert cm.update_s(g, samples, L - 1, L, tp=t) == pytest.approx(
             cm.update_s(g, samples, L - 1, L) * head_rank_params(m, t) / head.params)
-        # the logits stay whole on every rank: what the head keeps does not change
-        assert cm.activation_bytes(samples, L - 1, L, tp=t) == \
-            cm.activation_bytes(samples, L - 1, L)
+        # the head keeps its rank's ceil(V/t) columns of the loss's fp32 softmax, not V
+        # (tests/pipeline/test_vocab_parallel.py: what the runtime's loss saves); the rest whole
+        assert cm.activation_bytes(samples, L - 1, L, tp=t) == pytest.approx(
+            cm.activation_bytes(samples, L - 1, L) - samples * SEQ * 4 * (VOCAB - rows))
+        assert head_rank_keep_bytes(m, t) == pytest.approx(
+            head.act_keep_bytes - SEQ * 4 * (VOCAB - rows))
     tied = CostModel(llama(tied=True), one_group())
     assert tied.compute_s(g, 2, L - 1, L, tp=4) == tied.compute_s(g, 2, L - 1, L)
     assert tied.static_bytes(L - 1, L, tp=4) == tied.static_bytes(L - 1, L)
