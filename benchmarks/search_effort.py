@@ -16,7 +16,11 @@ simulated iteration time, its CPU seconds, its stages and degrees:
   is lifted in this process only;
 * ``local``: from the default plan, every one-layer move of one boundary or of a whole stage
   and every warm-up one deeper or shallower, each with its ``zero_bubble`` deferrals refit to
-  memory (``fitting_deferrals``) and replayed in full, kept while the replay improves.
+  memory (``fitting_deferrals``) and replayed in full, kept while the replay improves;
+* ``interleaved``: the default plan's pipeline ranks interleaved at 2 and 3 chunks a rank,
+  each rank's first chunk 20% to 80% of its layers (``Plan.interleave(chunk_layers=...)``,
+  where the planner weighs even cuts only), its early chunks recomputing or not, each
+  replayed in full; the fastest that fits and the fastest whether or not memory holds it.
 
 Plans with no baselines (they do not change the plan).
 """
@@ -36,7 +40,7 @@ from benchmarks.inputs import SCENARIOS_DIR  # noqa: E402
 from hapt_hf.planner.job import load_job  # noqa: E402
 from hapt_hf.planner.search import PlannerOptions, plan_job  # noqa: E402
 
-VARIANTS = ("default", "full", "budget", "half", "sp_half", "local")
+VARIANTS = ("default", "full", "budget", "half", "sp_half", "local", "interleaved")
 
 
 def _options(name: str, world: int) -> PlannerOptions:
@@ -106,6 +110,42 @@ def local_search(job, plan, budget: int = 400):
     return first, best_r.iteration_s, best, runs
 
 
+FRACTIONS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+
+
+def interleaved_splits(job, plan, virtuals=(2, 3), fractions=FRACTIONS):
+    """The plan's pipeline ranks (one stage each) interleaved at each of ``virtuals`` chunks,
+    each rank's first chunk ``fraction`` of its layers (the rest cut evenly), its early chunks
+    recomputing or not; each replayed in full. Rows ``(v, fraction, recompute, fits, s)``:
+    ``s`` the replay's iteration time whether or not the ranks' memory holds it (``fits``)."""
+    from hapt_hf.errors import PlanError
+    from hapt_hf.planner.cost_model import CostModel
+    from hapt_hf.planner.search.kinds import replay_kind
+    from hapt_hf.planner.search.options import Layout
+
+    cm = CostModel(job.model.with_layer_unit(plan.layer_unit), job.cluster, job.profile)
+    m, rows = plan.num_microbatches, []
+    for v in virtuals:
+        for fr in fractions:
+            chunks = []
+            for s in plan.stages:
+                n = s.num_layers
+                first = min(max(1, round(n * fr)), n - (v - 1))
+                rest = [(n - first) // (v - 1) + (1 if c < (n - first) % (v - 1) else 0)
+                        for c in range(v - 1)]
+                chunks.append([first, *rest])
+            try:
+                inter = plan.interleave(v, chunk_layers=chunks)
+            except PlanError:
+                continue  # a rank holds fewer layers than chunks
+            for rc in (False, True):
+                stages = tuple(replace(st, recompute=rc and st.index < (v - 1) * plan.num_stages,
+                                       recompute_layers=0) for st in inter.stages)
+                r = replay_kind(cm, Layout(stages, plan.micro_batch_size, inter.schedule), m)
+                rows.append((v, fr, rc, r.feasible, r.iteration_s))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("scenario", nargs="?", default="scale_llama70b_mixed256")
@@ -115,11 +155,23 @@ def main(argv=None) -> int:
     default_plan = None
     for name in args.only:
         c0 = time.process_time()
-        if name == "local":
+        if name in ("local", "interleaved"):
             if default_plan is None:
                 default_plan = plan_job(job.model, job.cluster, job.global_batch_size,
                                         job.profile, _options("default", 0)).plan
                 c0 = time.process_time()
+        if name == "interleaved":
+            rows = interleaved_splits(job, default_plan)
+            fit = [r for r in rows if r[3]]
+            best_fit = min(fit, key=lambda r: r[4]) if fit else None
+            best_any = min(rows, key=lambda r: r[4]) if rows else None
+            print(f"interleaved: {len(rows)} replays ({time.process_time() - c0:.1f} s CPU), "
+                  f"{len(fit)} fit; fastest that fits: {_row(best_fit)}; fastest whether or not "
+                  f"memory holds it: {_row(best_any)}", flush=True)
+            for r in rows:
+                print(f"  {_row(r)}", flush=True)
+            continue
+        if name == "local":
             first, best, lay, runs = local_search(job, default_plan)
             print(f"local: {first:.3f} s -> {best:.3f} s after {runs} replays "
                   f"({time.process_time() - c0:.1f} s CPU); layers "
@@ -138,6 +190,14 @@ def main(argv=None) -> int:
               f"{p.num_stages} stages, micro-batch {p.micro_batch_size}, {p.schedule}, "
               f"layer unit {p.layer_unit}: {stages}", flush=True)
     return 0
+
+
+def _row(r) -> str:
+    if r is None:
+        return "none"
+    v, fr, rc, fits, t = r
+    return (f"{t:.3f} s (v={v}, first chunk {fr:.0%}, early chunks "
+            f"{'recomputing' if rc else 'kept'}{'' if fits else ', does not fit'})")
 
 
 if __name__ == "__main__":

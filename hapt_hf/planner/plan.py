@@ -464,14 +464,17 @@ class Plan:
                        for s, w in zip(self.stages, warmups))
         return replace(self, schedule=schedule, stages=stages)
 
-    def interleave(self, virtual: int, warmups: Sequence[int] | None = None) -> "Plan":
+    def interleave(self, virtual: int, warmups: Sequence[int] | None = None,
+                   chunk_layers: Sequence[Sequence[int]] | None = None) -> "Plan":
         """This plan (one stage per pipeline rank) as an interleaved one of ``virtual`` chunks
         per rank: every rank keeps its replicas and its number of layers, split into
-        ``virtual`` chunks as evenly as they go (the first chunks one layer larger), and the
-        chunks tile the model in the order ``rank 0 chunk 0, rank 1 chunk 0, ..., rank 0
-        chunk 1...`` (stage ``c p + k`` on rank ``k``). ``warmups``: one per rank (default:
-        the interleaved schedule's own). A stage's ``recompute_layers`` go to its chunks in
-        chunk order (a chunk given all its block units recomputes them all)."""
+        ``virtual`` chunks as evenly as they go (the first chunks one layer larger) or as
+        ``chunk_layers`` says (one list of ``virtual`` layer counts per rank, each at least 1
+        and summing to the rank's layers), and the chunks tile the model in the order ``rank
+        0 chunk 0, rank 1 chunk 0, ..., rank 0 chunk 1...`` (stage ``c p + k`` on rank
+        ``k``). ``warmups``: one per rank (default: the interleaved schedule's own). A stage's
+        ``recompute_layers`` go to its chunks in chunk order (a chunk given all its block
+        units recomputes them all)."""
         p, v = self.num_stages, int(virtual)
         if self.virtual_stages != 1:
             raise PlanError(f"the plan already holds {self.virtual_stages} stages per rank; "
@@ -484,6 +487,14 @@ class Plan:
                             f"{v} chunks; interleave fewer chunks or give them more layers")
         chunks = [[s.num_layers // v + (1 if c < s.num_layers % v else 0) for c in range(v)]
                   for s in self.stages]
+        if chunk_layers is not None:
+            chunks = [[int(n) for n in row] for row in chunk_layers]
+            bad = [s.index for s, row in zip(self.stages, chunks)
+                   if len(row) != v or min(row) < 1 or sum(row) != s.num_layers]
+            if len(chunks) != p or bad:
+                raise PlanError(f"chunk_layers must give each of the {p} pipeline ranks {v} "
+                                "layer counts of at least 1 that sum to its stage's layers; "
+                                f"they do not for stage(s) {bad or list(range(len(chunks), p))}")
         if warmups is None:
             warmups = default_warmups(ScheduleKind.INTERLEAVED, p * v, self.num_microbatches,
                                       p)[:p]

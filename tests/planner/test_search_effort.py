@@ -42,3 +42,23 @@ def test_local_search_recovers_from_a_moved_boundary(name):
     edges = [a for a, _ in lay.bounds] + [lay.bounds[-1][1]]
     assert edges[0] == 0 and edges[-1] == model.num_layers and edges == sorted(set(edges))
     assert lay.schedule == "zero_bubble"
+
+
+def test_interleaved_splits_replay_each_cut_and_the_even_one_as_the_planner_weighs_it():
+    from benchmarks.search_effort import interleaved_splits
+    from hapt_hf.planner.search.kinds import interleaved_layout
+    from hapt_hf.planner.search.plans import layout_of_plan
+
+    job, res = _plan("consumer_rtx4080x4_rtx4090x4")
+    plan = res.plan.with_schedule("h1f1b")
+    rows = interleaved_splits(job, plan, virtuals=(2,), fractions=(0.2, 0.5))
+    assert [(v, fr, rc) for v, fr, rc, _, _ in rows] == [
+        (2, 0.2, False), (2, 0.2, True), (2, 0.5, False), (2, 0.5, True)]
+    # every rank holds an even number of layers here: the 50% cut is the planner's even one
+    assert all(s.num_layers % 2 == 0 for s in plan.stages)
+    cm = CostModel(job.model.with_layer_unit(plan.layer_unit), job.cluster, job.profile)
+    even = interleaved_layout(layout_of_plan(cm, plan), plan.num_microbatches, 2)
+    assert rows[2][4] == pytest.approx(replay_kind(cm, even, plan.num_microbatches).iteration_s)
+    # recomputing the early chunks only adds their forwards again: never faster
+    assert rows[3][4] >= rows[2][4] and rows[1][4] >= rows[0][4]
+    assert rows[0][4] != pytest.approx(rows[2][4])  # another cut, another replay

@@ -3,6 +3,8 @@ lists against torch's, validity and NCCL safety for any sizes and warm-ups, the 
 closed forms and memory, the plan format for several stages per rank, and the timeline."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 
 import pytest
@@ -268,6 +270,22 @@ def test_interleave_keeps_each_ranks_layers_and_replicas():
         _one_per_rank().interleave(4)
     with pytest.raises(PlanError, match="already holds 2"):
         plan.interleave(2)
+
+
+def test_interleave_cuts_each_ranks_chunks_as_given():
+    # rank 0 (5 layers) as 1 + 4, rank 1 (3 layers) as 2 + 1
+    plan = _one_per_rank().interleave(2, chunk_layers=[[1, 4], [2, 1]]).validate()
+    assert [s.layers for s in plan.stages] == [(0, 1), (1, 3), (3, 7), (7, 8)]
+    assert [s.ranks for s in plan.stages] == [(0, 1), (2,), (0, 1), (2,)]
+    assert Plan.from_dict(plan.to_dict()).validate() == plan
+    # the even cut, given, is the default
+    assert _one_per_rank().interleave(2, chunk_layers=[[3, 2], [2, 1]]) == \
+        _one_per_rank().interleave(2)
+    for bad, which in (([[1, 4]], "[1]"), ([[0, 5], [2, 1]], "[0]"), ([[1, 4], [1, 1]], "[1]"),
+                       ([[1, 2, 2], [2, 1]], "[0]")):
+        with pytest.raises(PlanError, match="sum to its stage's layers; they do not for "
+                                            f"stage\\(s\\) {re.escape(which)}"):
+            _one_per_rank().interleave(2, chunk_layers=bad)
 
 
 def test_validate_takes_several_stages_per_rank_only_where_interleaving_places_them():
