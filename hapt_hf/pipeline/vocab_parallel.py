@@ -91,8 +91,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         softmax, index, mine, valid = ctx.saved_tensors
         out = softmax.clone()  # a backward run twice (retain_graph) finds the softmax as saved
-        if out.shape[-1]:
-            rows = mine.nonzero().squeeze(1)
-            out[rows, index[rows, 0]] -= 1.0
+        if out.shape[-1]:  # the target's column, where this rank holds it (no host sync)
+            out.scatter_add_(1, index, -mine.to(out.dtype)[:, None])
         out.mul_((valid.to(out.dtype) * grad)[:, None])
         return out, None, None, None
