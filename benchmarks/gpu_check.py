@@ -4,7 +4,7 @@
     python3 benchmarks/gpu_check.py --device cpu        # tiny sizes, 2 Gloo ranks, 10 steps
 
 For each model size (LLaMA-shaped configs built from their fields, random weights, nothing
-downloaded) and each 16-bit dtype it prints three markdown tables:
+downloaded) and each 16-bit dtype it prints these markdown tables:
 
 1. **Memory.** The model cut into ``--stages`` stages (blocks spread evenly). Each stage is built
    on the device as the runtime builds it (fp32 weights, AdamW state created by a first step),
@@ -35,6 +35,14 @@ downloaded) and each 16-bit dtype it prints three markdown tables:
    devices; the table gives what the cost model prices them at on the check's nominal
    intra-node link, and says that timing them needs ``t`` GPUs
    (``hapt_hf.profiling.profile_group_leaders`` with ``ProfilerOptions.tp_degrees``).
+5. **The loss on logits split by vocabulary columns.** One micro-batch of 16-bit logits, its
+   loss and backward taken by transformers' ``ForCausalLMLoss`` and by
+   ``hapt_hf.pipeline.vocab_parallel.vocab_parallel_loss_sum`` on a one-rank mesh (NCCL on a
+   GPU): the two losses, the largest gradient difference, the bytes autograd saves for the
+   backward, the peak allocated over forward and backward (CUDA only) and the median time,
+   beside what the planner prices for the fp32 softmax the loss keeps. One device runs it at
+   ``t = 1`` only: each rank keeping ``ceil(V/t)`` columns, and the all-reduces among ``t``
+   ranks, need ``t`` GPUs.
 """
 from __future__ import annotations
 
@@ -347,6 +355,94 @@ def tp_table(size_name: str, dtype: str, args, gpu: str) -> list[str]:
     return lines
 
 
+# -- 5. the loss on logits split by vocabulary columns -------------------------------------------
+
+LOSS_GPUS_NEEDED = ("one device runs it at t = 1 only (a one-rank group): the saving, each "
+                    "rank keeping ceil(V/t) columns, and the all-reduces among t ranks need t GPUs")
+
+
+def _loss_on_one_rank(rank: int, world_size: int, args_dict: dict) -> dict:
+    """transformers' loss and ``vocab_parallel_loss_sum`` (logits a DTensor of one rank) on the
+    same 16-bit logits: their losses, gradients, peak bytes and times."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hapt_hf.compat.transformers_api import causal_lm_loss_sum
+    from hapt_hf.pipeline.precision import torch_dtype
+    from hapt_hf.pipeline.vocab_parallel import vocab_parallel_loss_sum
+    from hapt_hf.profiling.memory import saved_tensor_bytes
+    a = argparse.Namespace(**args_dict)
+    size, device = SIZES[a.size], torch.device(a.device)
+    cuda = device.type == "cuda"
+    if cuda and dist.get_backend() != "nccl":  # run_ranks set up Gloo; the loss runs on NCCL
+        dist.destroy_process_group()
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    mesh = init_device_mesh(device.type, (1,))
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(a.micro_batch, a.seq, size.vocab, generator=g)).to(
+        torch_dtype(a.dtype)).to(device)
+    labels = torch.randint(0, size.vocab, (a.micro_batch, a.seq), generator=g).to(device)
+    out, none = {}, torch.nn.Module()  # no weights to leave out of the saved bytes
+    for name in ("transformers", "vocab_parallel"):
+        times, peak, saved = [], 0.0, 0.0
+        for _ in range(a.repeats + 1):  # the first is a warm-up, not counted
+            src = logits.clone()
+            if name == "vocab_parallel":
+                src = distribute_tensor(src, mesh, [Shard(-1)], src_data_rank=None)
+            src.requires_grad_(True)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            if name == "vocab_parallel":
+                saved, loss = saved_tensor_bytes(none, lambda s=src: vocab_parallel_loss_sum(s, labels))
+            else:
+                saved, loss = saved_tensor_bytes(
+                    none, lambda s=src: causal_lm_loss_sum(s, labels, size.vocab))
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize(device)
+                peak = float(torch.cuda.max_memory_allocated(device) - base)
+            times.append(time.perf_counter() - t0)
+        grad = src.grad.to_local() if name == "vocab_parallel" else src.grad
+        out[name] = {"loss": float(loss.detach()), "grad": grad.float().cpu(), "saved": float(saved),
+                     "peak": peak, "ms": sorted(times[1:])[len(times[1:]) // 2] * 1e3}
+    diff = float((out["vocab_parallel"]["grad"] - out["transformers"]["grad"]).abs().max())
+    scale = float(out["transformers"]["grad"].abs().max())
+    return {k: {f: v for f, v in d.items() if f != "grad"} for k, d in out.items()} | {
+        "grad_rel": diff / scale, "tokens": a.micro_batch * a.seq}
+
+
+def loss_table(size_name: str, dtype: str, args, gpu: str) -> list[str]:
+    from benchmarks.ranks import run_ranks
+    from hapt_hf.planner.cost_model import head_rank_keep_bytes
+    size = SIZES[size_name]
+    r = run_ranks(_loss_on_one_rank, 1, {**vars(args), "size": size_name, "dtype": dtype},
+                  timeout_s=600)[0].value
+    model = _cost_model(size, args.seq, dtype, gpu, 1).model
+    vocab_part = head_rank_keep_bytes(model, 1) - head_rank_keep_bytes(model, size.vocab)
+    clock = "CUDA events" if args.device != "cpu" else "wall clock"
+    lines = [f"| {size_name} | {dtype} | loss | value | saved for backward MB | peak MB "
+             f"(forward + backward) | ms, median ({clock}) |", "|---|---|---|---:|---:|---:|---:|"]
+    for name in ("transformers", "vocab_parallel"):
+        d = r[name]
+        peak = f"{d['peak'] / 1e6:.1f}" if args.device != "cpu" else "-"
+        lines.append(f"| | | {name} | {d['loss']:.6f} | {d['saved'] / 1e6:.1f} | {peak} | "
+                     f"{d['ms']:.2f} |")
+    planned = vocab_part * r["tokens"] / args.seq / 1e6
+    lines += ["", f"{size_name} {dtype}: loss difference "
+              f"{abs(r['vocab_parallel']['loss'] - r['transformers']['loss']):.2e}, largest gradient "
+              f"difference {r['grad_rel']:.2e} of the largest gradient; the planner prices the "
+              f"fp32 softmax the loss keeps at {planned:.1f} MB for these {r['tokens']} tokens at "
+              f"t = 1 (ceil(V/t) columns at t); {LOSS_GPUS_NEEDED}."]
+    return lines
+
+
 # -- command line ------------------------------------------------------------------------------
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -363,8 +459,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--repeats", type=int, default=5, help="timed windows per layer")
     p.add_argument("--gpu", help="catalogue name of the device (default: from its name)")
-    p.add_argument("--parts", nargs="+", default=["memory", "times", "curves", "tp"],
-                   choices=["memory", "times", "curves", "tp"])
+    p.add_argument("--parts", nargs="+", default=["memory", "times", "curves", "tp", "loss"],
+                   choices=["memory", "times", "curves", "tp", "loss"])
     args = p.parse_args(argv)
     defaults = CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS
     for k, v in defaults.items():
@@ -399,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             if part == "curves":
                 print("\n".join(curves_table(size_name, args)) + "\n", flush=True)
                 continue
-            table = {"memory": memory_table, "times": times_table, "tp": tp_table}[part]
+            table = {"memory": memory_table, "times": times_table, "tp": tp_table,
+                     "loss": loss_table}[part]
             for dtype in args.dtypes:
                 print("\n".join(table(size_name, dtype, args, gpu)) + "\n", flush=True)
     return 0

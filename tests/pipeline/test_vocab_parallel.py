@@ -176,3 +176,18 @@ def test_a_split_head_trains_in_16_bits_as_one_process_under_autocast(sixteen_bi
         assert r["head"], "the head is not split: the test would not take this loss"
         for i, (got, want) in enumerate(zip(r["losses"], r["ref"])):
             assert abs(got - want) <= tol, (rank, dtype, i, got, want)
+
+
+def test_the_gpu_checks_loss_part_runs_on_one_cpu_rank():
+    # benchmarks/gpu_check.py's part 5 as `--device cpu` runs it: one rank, both losses
+    from benchmarks.gpu_check import SIZES, _loss_on_one_rank
+    args = {"size": "tiny", "dtype": "bf16", "device": "cpu", "micro_batch": 2, "seq": 16,
+            "repeats": 2}
+    r = run_ranks(_loss_on_one_rank, 1, args, timeout_s=120)[0].value
+    tokens, vocab = 2 * 16, SIZES["tiny"].vocab
+    assert r["tokens"] == tokens
+    assert abs(r["vocab_parallel"]["loss"] - r["transformers"]["loss"]) <= 1e-5 * r["transformers"]["loss"]
+    assert r["grad_rel"] <= 1e-6
+    # what the loss keeps: its softmax over the whole vocabulary at t = 1, 10 bytes a token
+    assert r["vocab_parallel"]["saved"] == 4 * tokens * vocab + 10 * tokens
+    assert r["vocab_parallel"]["ms"] > 0 and r["transformers"]["ms"] > 0
