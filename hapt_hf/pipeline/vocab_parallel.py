@@ -52,7 +52,7 @@ def vocab_parallel_loss_sum(logits: DTensor, labels: Tensor) -> Tensor:
     vocab = logits.shape[-1]
     chunk = -(-vocab // mesh.size())  # torch.chunk's split: the first ranks take ceil(V / t)
     offset = min(mesh.get_local_rank() * chunk, vocab)
-    local = logits.to_local().float()  # as transformers' loss upcasts the logits
+    local = logits.to_local()
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     rows = shifted.numel()  # a rank may hold no column (a vocabulary smaller than t)
     return _VocabParallelCrossEntropy.apply(local.reshape(rows, local.shape[-1]),
@@ -62,22 +62,27 @@ def vocab_parallel_loss_sum(logits: DTensor, labels: Tensor) -> Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of rows whose columns are split over ``group`` (this rank's columns
-    start at ``offset``); targets of -100 count nothing."""
+    start at ``offset``); targets of -100 count nothing. ``x`` in any float dtype: the loss is
+    taken on its fp32 copy, as transformers upcasts the logits, and that one copy is worked in
+    place (the forward holds the logits and one fp32 copy, which becomes the saved softmax);
+    the gradient comes back in ``x``'s dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, target: Tensor, offset: int, group: Any) -> Tensor:
         width = x.shape[-1]
+        ctx.dtype = x.dtype
         with torch.no_grad():
-            top = x.max(dim=-1).values if width else x.new_full((x.shape[0],), -torch.inf)
+            z = x.float() if x.dtype != torch.float32 else x.clone()
+            top = z.max(dim=-1).values if width else z.new_full((z.shape[0],), -torch.inf)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            z = x - top[:, None]
+            z.sub_(top[:, None])
             valid = target != IGNORE_INDEX
             local = target - offset
             mine = valid & (local >= 0) & (local < width)
             index = local.clamp(0, max(width - 1, 0))[:, None]
             picked = torch.where(mine, z.gather(1, index).squeeze(1), 0.0) if width \
                 else torch.zeros_like(top)
-            torch.exp(z, out=z)  # z is ours: the exponentials in place, then the softmax
+            z.exp_()  # the exponentials in place, then the softmax
             total = z.sum(dim=-1)
             sums = torch.stack([picked, total])
             dist.all_reduce(sums, group=group)  # one call for the target's logit and the sum
@@ -94,4 +99,4 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if out.shape[-1]:  # the target's column, where this rank holds it (no host sync)
             out.scatter_add_(1, index, -mine.to(out.dtype)[:, None])
         out.mul_((valid.to(out.dtype) * grad)[:, None])
-        return out, None, None, None
+        return out.to(ctx.dtype), None, None, None
