@@ -316,8 +316,9 @@ def _tp_lines(plan: Plan) -> tuple[str, ...]:
                  "projections" + (f" and, sequence parallel, 1/{t} of its activations"
                                   if sp else "")
                  + "; the embedding and norms whole on each"
-                 + ("; the LM head split by vocabulary rows where the model's class plan "
-                    "allows it, else whole" if b == last else "")
+                 + ("; the LM head split by vocabulary rows, its loss taken on each GPU's "
+                    "columns, where the model's class plan allows it, else whole"
+                    if b == last else "")
                  for a, b, g, t, sp in runs)
 
 
