@@ -420,12 +420,11 @@ def _loss_on_one_rank(rank: int, world_size: int, args_dict: dict) -> dict:
 
 def loss_table(size_name: str, dtype: str, args, gpu: str) -> list[str]:
     from benchmarks.ranks import run_ranks
-    from hapt_hf.planner.cost_model import head_rank_keep_bytes
+    from hapt_hf.planner.cost_model import loss_softmax_bytes
     size = SIZES[size_name]
     r = run_ranks(_loss_on_one_rank, 1, {**vars(args), "size": size_name, "dtype": dtype},
                   timeout_s=600)[0].value
     model = _cost_model(size, args.seq, dtype, gpu, 1).model
-    vocab_part = head_rank_keep_bytes(model, 1) - head_rank_keep_bytes(model, size.vocab)
     clock = "CUDA events" if args.device != "cpu" else "wall clock"
     lines = [f"| {size_name} | {dtype} | loss | value | saved for backward MB | peak MB "
              f"(forward + backward) | ms, median ({clock}) |", "|---|---|---|---:|---:|---:|---:|"]
@@ -434,7 +433,7 @@ def loss_table(size_name: str, dtype: str, args, gpu: str) -> list[str]:
         peak = f"{d['peak'] / 1e6:.1f}" if args.device != "cpu" else "-"
         lines.append(f"| | | {name} | {d['loss']:.6f} | {d['saved'] / 1e6:.1f} | {peak} | "
                      f"{d['ms']:.2f} |")
-    planned = vocab_part * r["tokens"] / args.seq / 1e6
+    planned = loss_softmax_bytes(model) * r["tokens"] / args.seq / 1e6
     lines += ["", f"{size_name} {dtype}: loss difference "
               f"{abs(r['vocab_parallel']['loss'] - r['transformers']['loss']):.2e}, largest gradient "
               f"difference {r['grad_rel']:.2e} of the largest gradient; the planner prices the "

@@ -5,8 +5,8 @@ leaves its logits as a ``DTensor`` sharded on the vocabulary (``ColwiseParallel(
 Shard(-1), use_local_output=False)``). Gathering them whole on every rank would keep ``t``
 times the logits and their fp32 log-softmax on each; instead each rank takes the loss of its
 columns, as Megatron-LM's vocabulary-parallel cross-entropy and torch's ``loss_parallel`` do:
-three all-reduces over the replica of one number a token (the largest logit, the sum of the
-exponentials, the target's logit, which one rank holds), and the backward is each rank's
+two all-reduces over the replica, of one number a token (the largest logit) and of two (the
+sum of the exponentials, the target's logit, which one rank holds), and the backward is each rank's
 columns of ``softmax - one_hot(target)``, with no collective of its own (the head input's
 gradient is summed over the replica by the head's ``ColwiseParallel``).
 

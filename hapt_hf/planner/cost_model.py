@@ -234,12 +234,10 @@ def _shard(model: ModelSpec, t: int, sp: bool = False) -> _Shard:
     else:
         params = [(w := model.tp_whole_params(l)) + (l.params - w) / t if b else l.params
                   for l, b in zip(layers, is_block)]
-        if head_split(model, t):
-            params[-1] = head_rank_params(model, t)
         keep = [l.act_keep_bytes * kept if b else l.act_keep_bytes
                 for l, b in zip(layers, is_block)]
         if head_split(model, t):
-            keep[-1] = head_rank_keep_bytes(model, t)
+            params[-1], keep[-1] = head_rank_params(model, t), head_rank_keep_bytes(model, t)
         fixed = [l.act_keep_fixed_bytes / t if b else l.act_keep_fixed_bytes
                  for l, b in zip(layers, is_block)]
     # a recomputed block keeps only its input (whole on every rank; split on the sequence
@@ -266,14 +264,20 @@ def head_rank_params(model: ModelSpec, t: int) -> float:
     return head.params - matrix + -(-model.vocab_size // t) * model.hidden_size
 
 
+def loss_softmax_bytes(model: ModelSpec, t: int = 1) -> float:
+    """The fp32 softmax the loss keeps a sample on each of ``t`` ranks: ``ceil(V / t)``
+    columns of the logits (:mod:`hapt_hf.pipeline.vocab_parallel`; ``t = 1``: the whole
+    vocabulary, the part of the head's ``act_keep_bytes`` that is the loss's)."""
+    return MASTER_BYTES * model.seq_len * -(-model.vocab_size // t)
+
+
 def head_rank_keep_bytes(model: ModelSpec, t: int) -> float:
     """What the LM head keeps a sample on each of ``t`` ranks that split it by vocabulary rows:
-    the loss is taken on each rank's ``ceil(V / t)`` columns of the logits
-    (:mod:`hapt_hf.pipeline.vocab_parallel`), so its fp32 softmax is that many columns wide;
-    the head's input, the final norm's and the labels stay whole."""
-    head = model.layers[-1]
-    whole = MASTER_BYTES * model.seq_len * model.vocab_size
-    return head.act_keep_bytes - whole + whole * -(-model.vocab_size // t) / model.vocab_size
+    the loss is taken on each rank's ``ceil(V / t)`` columns of the logits, so its fp32
+    softmax is that many columns wide (:func:`loss_softmax_bytes`); the head's input, the
+    final norm's and the labels stay whole."""
+    return model.layers[-1].act_keep_bytes - loss_softmax_bytes(model) \
+        + loss_softmax_bytes(model, t)
 
 
 def _fat_cluster(cluster: Cluster, tp: Mapping[str, int]) -> Cluster:
@@ -683,10 +687,14 @@ class CostModel:
         n = self.model.tp_allreduces(spec)
         if tp == 1 or not n:
             return 0.0
+        return n * self._tp_ring_allreduce_s(group, tp, samples * spec.act_out_bytes)
+
+    def _tp_ring_allreduce_s(self, group: GpuGroup, tp: int, nbytes: float) -> float:
+        """One ring all-reduce of ``nbytes`` over a replica's ``tp`` ranks:
+        ``2 (t-1)/t * bytes / bw + 2 (t-1) * lat``."""
         link = self._tp_link(group, tp)
-        nbytes = samples * spec.act_out_bytes
-        return n * (2 * (tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
-                    + 2 * (tp - 1) * link.latency_us * 1e-6)
+        return (2 * (tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
+                + 2 * (tp - 1) * link.latency_us * 1e-6)
 
     def _tp_link(self, group: GpuGroup, tp: int) -> LinkSpec:
         """The link a replica's collectives run on: the group's intra-node link, or what the
@@ -733,13 +741,9 @@ class CostModel:
         input's gradient (``samples x seq x hidden`` at the compute dtype)."""
         m = self.model
         tokens = samples * m.seq_len
-        grad = tokens * m.hidden_size * DTYPE_BYTES[m.dtype]
-        link = self._tp_link(group, tp)
-
-        def ring(nbytes: float) -> float:
-            return (2 * (tp - 1) / tp * nbytes * 8 / (link.bandwidth_gbps * 1e9)
-                    + 2 * (tp - 1) * link.latency_us * 1e-6)
-        return ring(tokens * MASTER_BYTES) + ring(2 * tokens * MASTER_BYTES), ring(grad)
+        ring = lambda nbytes: self._tp_ring_allreduce_s(group, tp, nbytes)  # noqa: E731
+        return (ring(tokens * MASTER_BYTES) + ring(2 * tokens * MASTER_BYTES),
+                ring(tokens * m.hidden_size * DTYPE_BYTES[m.dtype]))
 
     def _build_table(self, group: GpuGroup, samples: int, tp: int = 1) -> _LayerTable:
         m = self.model
