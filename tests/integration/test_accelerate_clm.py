@@ -99,7 +99,7 @@ def clm(rank: int, world: int, tmp: str, kind: str, procs: int, resume: str | No
         completed_steps = resume_step // GA
         resume_step -= starting_epoch * len(train_dataloader)
     got = {"len": len(train_dataloader), "updates": [], "lr": [], "eval": []}
-    micro = []
+    micro, lr_sum = [], 0.0
     for epoch in range(starting_epoch, num_train_epochs):
         model.train()
         if resume and epoch == starting_epoch and resume_step is not None:
@@ -114,6 +114,7 @@ def clm(rank: int, world: int, tmp: str, kind: str, procs: int, resume: str | No
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    lr_sum += optimizer.param_groups[0]["lr"]  # the tests' own figure
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad()
@@ -142,6 +143,12 @@ def clm(rank: int, world: int, tmp: str, kind: str, procs: int, resume: str | No
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         got["weights"] = {k: _np(v) for k, v in state.items()}
+    if not hapt:  # the reference's Adam second moments: which gradients stayed below its eps
+        got["adam_rms"] = {n: _np(optimizer.state[p]["exp_avg_sq"].sqrt())
+                           for n, p in accelerator.unwrap_model(model).named_parameters()
+                           if p in optimizer.state}
+        got["adam"] = {k: optimizer.param_groups[0][k] for k in ("eps", "betas")}
+        got["lr_sum"] = lr_sum
     return got
 
 
