@@ -17,6 +17,18 @@ simulated iteration time, its CPU seconds, its stages and degrees:
 * ``local``: from the default plan, every one-layer move of one boundary or of a whole stage
   and every warm-up one deeper or shallower, each with its ``zero_bubble`` deferrals refit to
   memory (``fitting_deferrals``) and replayed in full, kept while the replay improves;
+* ``tp_comm`` (what-ifs, not costs the runtime has: its tensor-parallel collectives are not
+  overlapped with compute): the default search with a fraction of every tensor-parallel
+  collective's time left exposed (the blocks' all-reduces, sequence parallelism's
+  all-gathers, the split head's loss collectives; ``--comm-fractions``, the rest taken as
+  hidden behind compute, as an overlapped all-gather/reduce-scatter with the projections
+  would hide it), and all of it hidden on the NVLink-class groups only (an intra-node link of
+  at least ``NVLINK_GBPS``), the others' exposed;
+* ``dist_optimizer`` (a what-if): the default search with Megatron-LM's distributed
+  optimizer's memory, where the runtime keeps fp32 weights and gradients on every replica and
+  autocast's 16-bit copies once a step: 16-bit weights and gradients, the fp32 master weights
+  and Adam's moments sharded over the stage's replicas where its state is sharded (whole where
+  replicated), no 16-bit copies; alone and with every tensor-parallel collective hidden;
 * ``interleaved``: the default plan's pipeline ranks interleaved at 2 and 3 chunks a rank,
   each rank's first chunk 20% to 80% of its layers (``Plan.interleave(chunk_layers=...)``,
   where the planner weighs even cuts only), its early chunks recomputing or not, each
@@ -29,6 +41,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,7 +53,14 @@ from benchmarks.inputs import SCENARIOS_DIR  # noqa: E402
 from hapt_hf.planner.job import load_job  # noqa: E402
 from hapt_hf.planner.search import PlannerOptions, plan_job  # noqa: E402
 
-VARIANTS = ("default", "full", "budget", "half", "sp_half", "local", "interleaved")
+VARIANTS = ("default", "full", "budget", "half", "sp_half", "local", "interleaved", "tp_comm",
+            "dist_optimizer")
+COMM_FRACTIONS = (0.75, 0.5, 0.25, 0.0)
+NVLINK_GBPS = 1000.0
+"""An intra-node link from this bandwidth up counts as NVLink-class in the ``tp_comm`` rows."""
+TP_COMM = ("tp_allreduce_s", "sp_edge_s", "sp_regather_s", "head_comm_s")
+"""The cost model's methods that price a tensor-parallel collective (each group's own; the
+all-gathers of sequence parallelism come through the two ``sp_`` ones)."""
 
 
 def _options(name: str, world: int) -> PlannerOptions:
@@ -68,6 +88,51 @@ def _lift_sp_rule() -> None:
     def whole_blocks(model_type, tp_plan, t, layer_unit=BLOCK):
         return sp_refusal(model_type, tp_plan, t, BLOCK)
     cost_model.sp_refusal = whole_blocks
+
+
+@contextmanager
+def tp_comm_exposed(fraction: float, only_below_gbps: float | None = None):
+    """In this block, every tensor-parallel collective the cost model prices takes
+    ``fraction`` of its time (a what-if: the rest hidden behind compute); with
+    ``only_below_gbps``, the groups whose intra-node link is at least that fast take
+    ``fraction``, the others all of it."""
+    from hapt_hf.planner.cost_model import CostModel
+
+    saved = {n: getattr(CostModel, n) for n in TP_COMM}
+
+    def scaled(orig):
+        def priced(self, group, *args):
+            t = orig(self, group, *args)
+            if only_below_gbps is not None and group.intra_node.bandwidth_gbps < only_below_gbps:
+                return t
+            return tuple(x * fraction for x in t) if isinstance(t, tuple) else t * fraction
+        return priced
+    try:
+        for n, orig in saved.items():
+            setattr(CostModel, n, scaled(orig))
+        yield
+    finally:
+        for n, orig in saved.items():
+            setattr(CostModel, n, orig)
+
+
+@contextmanager
+def distributed_optimizer_memory():
+    """In this block the cost model prices a stage's training state as Megatron-LM's
+    distributed optimizer keeps it (a what-if; see the module's doc)."""
+    import hapt_hf.planner.cost_model as cost_model
+    from hapt_hf.core.precision import ADAM_STATE_BYTES, MASTER_BYTES, SHARDED
+
+    def per_param(optimizer: str, replicas: int) -> float:
+        fp32 = MASTER_BYTES + ADAM_STATE_BYTES
+        return 2 + 2 + (fp32 / max(1, replicas) if optimizer == SHARDED else fp32)
+    saved = cost_model.state_bytes_per_param, cost_model.CostModel.weight_copy_bytes
+    try:
+        cost_model.state_bytes_per_param = per_param
+        cost_model.CostModel.weight_copy_bytes = lambda self, *args, **kw: 0.0
+        yield
+    finally:
+        cost_model.state_bytes_per_param, cost_model.CostModel.weight_copy_bytes = saved
 
 
 def local_search(job, plan, budget: int = 400):
@@ -150,6 +215,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("scenario", nargs="?", default="scale_llama70b_mixed256")
     ap.add_argument("--only", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--comm-fractions", nargs="*", type=float, default=list(COMM_FRACTIONS),
+                    help="the tp_comm rows' exposed fractions of the collectives' time")
     args = ap.parse_args(argv)
     job = load_job(SCENARIOS_DIR / f"{args.scenario}.yaml")
     default_plan = None
@@ -177,6 +244,31 @@ def main(argv=None) -> int:
                   f"({time.process_time() - c0:.1f} s CPU); layers "
                   f"{[s.layers for s in lay.stages]}, warm-ups {list(lay.warmups)}", flush=True)
             continue
+        if name == "tp_comm":
+            rows = [(f"{f:g} of it exposed on every group", f, None) for f in args.comm_fractions]
+            rows.append((f"hidden on the groups of an intra-node link from {NVLINK_GBPS:g} Gb/s, "
+                         "exposed on the others", 0.0, NVLINK_GBPS))
+            limit = None
+            for label, f, below in rows:
+                c0 = time.process_time()
+                with tp_comm_exposed(f, below):
+                    res = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
+                                   _options("default", 0))
+                limit = res.physical_limit_s
+                print(f"tp_comm, {label}: {res.sim.iteration_s:.3f} s, "
+                      f"{res.sim.iteration_s / limit - 1:.1%} above the limit "
+                      f"({time.process_time() - c0:.1f} s CPU); {_stages(res.plan)}", flush=True)
+            continue
+        if name == "dist_optimizer":
+            for label, f in (("alone", 1.0), ("with every tensor-parallel collective hidden", 0.0)):
+                c0 = time.process_time()
+                with distributed_optimizer_memory(), tp_comm_exposed(f):
+                    res = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
+                                   _options("default", 0))
+                print(f"dist_optimizer, {label}: {res.sim.iteration_s:.3f} s, "
+                      f"{res.sim.iteration_s / res.physical_limit_s - 1:.1%} above the limit "
+                      f"({time.process_time() - c0:.1f} s CPU); {_stages(res.plan)}", flush=True)
+            continue
         if name == "sp_half":
             _lift_sp_rule()
         res = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
@@ -184,12 +276,16 @@ def main(argv=None) -> int:
         p = res.plan
         if name == "default":
             default_plan = p
-        stages = ", ".join(f"{s.replicas[0].group} t{s.tp}{' sp' if s.sequence_parallel else ''}"
-                           f" {s.layers[1] - s.layers[0]}" for s in p.stages)
         print(f"{name}: {res.sim.iteration_s:.3f} s ({time.process_time() - c0:.1f} s CPU), "
-              f"{p.num_stages} stages, micro-batch {p.micro_batch_size}, {p.schedule}, "
-              f"layer unit {p.layer_unit}: {stages}", flush=True)
+              f"{_stages(p)}", flush=True)
     return 0
+
+
+def _stages(p) -> str:
+    stages = ", ".join(f"{s.replicas[0].group} t{s.tp}{' sp' if s.sequence_parallel else ''}"
+                       f" {s.layers[1] - s.layers[0]}" for s in p.stages)
+    return (f"{p.num_stages} stages, micro-batch {p.micro_batch_size}, {p.schedule}, "
+            f"layer unit {p.layer_unit}: {stages}")
 
 
 def _row(r) -> str:

@@ -62,3 +62,47 @@ def test_interleaved_splits_replay_each_cut_and_the_even_one_as_the_planner_weig
     # recomputing the early chunks only adds their forwards again: never faster
     assert rows[3][4] >= rows[2][4] and rows[1][4] >= rows[0][4]
     assert rows[0][4] != pytest.approx(rows[2][4])  # another cut, another replay
+
+
+def test_what_ifs_scale_the_collectives_and_the_state_and_restore_them():
+    from benchmarks.search_effort import distributed_optimizer_memory, tp_comm_exposed
+    from hapt_hf.core.precision import REPLICATED, SHARDED
+
+    job = load_job(scenario_path("scale_llama70b_mixed256"))
+    fast = next(g for g in job.cluster.groups if g.intra_node.bandwidth_gbps >= 1000)
+    slow = next(g for g in job.cluster.groups if g.intra_node.bandwidth_gbps < 1000)
+
+    def prices():
+        cm = CostModel(job.model, job.cluster, job.profile)
+        return {g.name: (cm.tp_allreduce_s(g, 2, 4, 3), cm.head_comm_s(g, 2, 4),
+                         cm.sp_edge_s(g, 2, 4, 1, 5), cm.sp_regather_s(g, 2, 4, 1, 5))
+                for g in (fast, slow)}
+
+    def flat(p):
+        return [p[0], *p[1], p[2], p[3]]
+
+    before = prices()
+    assert all(x > 0 for p in before.values() for x in flat(p))
+    with tp_comm_exposed(0.25):
+        quarter = prices()
+    with tp_comm_exposed(0.0, only_below_gbps=1000):
+        fast_hidden = prices()
+    for g in (fast.name, slow.name):
+        assert flat(quarter[g]) == pytest.approx([0.25 * x for x in flat(before[g])])
+    assert flat(fast_hidden[fast.name]) == [0.0] * 5
+    assert flat(fast_hidden[slow.name]) == flat(before[slow.name])
+    assert prices() == before  # restored
+
+    cm = CostModel(job.model, job.cluster, job.profile)
+    params = cm.shard(4).params[9] - cm.shard(4).params[1]
+    state = (cm.static_bytes(1, 9, SHARDED, 4, 4), cm.static_bytes(1, 9, REPLICATED, 4, 4),
+             cm.weight_copy_bytes(1, 9, tp=4))
+    assert state[0] == pytest.approx(params * (4 + 4 + 8 / 4)) and state[2] > 0
+    with distributed_optimizer_memory():
+        cm2 = CostModel(job.model, job.cluster, job.profile)
+        assert cm2.static_bytes(1, 9, SHARDED, 4, 4) == pytest.approx(params * (2 + 2 + 12 / 4))
+        assert cm2.static_bytes(1, 9, REPLICATED, 4, 4) == pytest.approx(params * 16)
+        assert cm2.weight_copy_bytes(1, 9, tp=4) == 0.0
+    cm3 = CostModel(job.model, job.cluster, job.profile)
+    assert (cm3.static_bytes(1, 9, SHARDED, 4, 4), cm3.static_bytes(1, 9, REPLICATED, 4, 4),
+            cm3.weight_copy_bytes(1, 9, tp=4)) == state
