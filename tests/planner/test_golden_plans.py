@@ -118,7 +118,7 @@ def test_tensor_parallelism_beats_the_recorded_plan(name):
     # differ (KIND_FASTER): its stages, replicas and warm-ups are the search's
     job = load_job(scenario_path(name))
     res = plan_job(job.model, job.cluster, job.global_batch_size, profile=job.profile,
-                   options=PlannerOptions(tp_screens=2))
+                   options=PlannerOptions(tp_screens=2, include_baselines=False))
     recorded, now = TP_FASTER[name]
     assert res.sim.feasible and any(s.tp > 1 for s in res.plan.stages)
     # a group's stages at degrees of their own, sequence parallel where memory needs it
