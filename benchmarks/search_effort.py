@@ -41,7 +41,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -121,11 +121,12 @@ def distributed_optimizer_memory():
     """In this block the cost model prices a stage's training state as Megatron-LM's
     distributed optimizer keeps it (a what-if; see the module's doc)."""
     import hapt_hf.planner.cost_model as cost_model
-    from hapt_hf.core.precision import ADAM_STATE_BYTES, MASTER_BYTES, SHARDED
+    from hapt_hf.core.precision import ADAM_STATE_BYTES, DTYPE_BYTES, MASTER_BYTES, SHARDED
 
     def per_param(optimizer: str, replicas: int) -> float:
-        fp32 = MASTER_BYTES + ADAM_STATE_BYTES
-        return 2 + 2 + (fp32 / max(1, replicas) if optimizer == SHARDED else fp32)
+        fp32 = MASTER_BYTES + ADAM_STATE_BYTES  # the master weights and Adam's moments
+        weight_and_grad = 2 * DTYPE_BYTES["bf16"]
+        return weight_and_grad + (fp32 / max(1, replicas) if optimizer == SHARDED else fp32)
     saved = cost_model.state_bytes_per_param, cost_model.CostModel.weight_copy_bytes
     try:
         cost_model.state_bytes_per_param = per_param
@@ -245,29 +246,16 @@ def main(argv=None) -> int:
                   f"{[s.layers for s in lay.stages]}, warm-ups {list(lay.warmups)}", flush=True)
             continue
         if name == "tp_comm":
-            rows = [(f"{f:g} of it exposed on every group", f, None) for f in args.comm_fractions]
-            rows.append((f"hidden on the groups of an intra-node link from {NVLINK_GBPS:g} Gb/s, "
-                         "exposed on the others", 0.0, NVLINK_GBPS))
-            limit = None
-            for label, f, below in rows:
-                c0 = time.process_time()
-                with tp_comm_exposed(f, below):
-                    res = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
-                                   _options("default", 0))
-                limit = res.physical_limit_s
-                print(f"tp_comm, {label}: {res.sim.iteration_s:.3f} s, "
-                      f"{res.sim.iteration_s / limit - 1:.1%} above the limit "
-                      f"({time.process_time() - c0:.1f} s CPU); {_stages(res.plan)}", flush=True)
+            for f in args.comm_fractions:
+                _what_if(job, f"tp_comm, {f:g} of it exposed on every group", tp_comm_exposed(f))
+            _what_if(job, f"tp_comm, hidden on the groups of an intra-node link from "
+                     f"{NVLINK_GBPS:g} Gb/s, exposed on the others",
+                     tp_comm_exposed(0.0, NVLINK_GBPS))
             continue
         if name == "dist_optimizer":
-            for label, f in (("alone", 1.0), ("with every tensor-parallel collective hidden", 0.0)):
-                c0 = time.process_time()
-                with distributed_optimizer_memory(), tp_comm_exposed(f):
-                    res = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
-                                   _options("default", 0))
-                print(f"dist_optimizer, {label}: {res.sim.iteration_s:.3f} s, "
-                      f"{res.sim.iteration_s / res.physical_limit_s - 1:.1%} above the limit "
-                      f"({time.process_time() - c0:.1f} s CPU); {_stages(res.plan)}", flush=True)
+            _what_if(job, "dist_optimizer, alone", distributed_optimizer_memory())
+            _what_if(job, "dist_optimizer, with every tensor-parallel collective hidden",
+                     distributed_optimizer_memory(), tp_comm_exposed(0.0))
             continue
         if name == "sp_half":
             _lift_sp_rule()
@@ -279,6 +267,20 @@ def main(argv=None) -> int:
         print(f"{name}: {res.sim.iteration_s:.3f} s ({time.process_time() - c0:.1f} s CPU), "
               f"{_stages(p)}", flush=True)
     return 0
+
+
+def _what_if(job, label: str, *what_ifs) -> None:
+    """Plan ``job`` with the default options inside every context of ``what_ifs`` and print
+    its line."""
+    c0 = time.process_time()
+    with ExitStack() as stack:
+        for w in what_ifs:
+            stack.enter_context(w)
+        res = plan_job(job.model, job.cluster, job.global_batch_size, job.profile,
+                       _options("default", 0))
+    print(f"{label}: {res.sim.iteration_s:.3f} s, "
+          f"{res.sim.iteration_s / res.physical_limit_s - 1:.1%} above the limit "
+          f"({time.process_time() - c0:.1f} s CPU); {_stages(res.plan)}", flush=True)
 
 
 def _stages(p) -> str:

@@ -485,9 +485,10 @@ class Plan:
         if short:
             raise PlanError(f"stage(s) {short} hold fewer than {v} layers and cannot be cut into "
                             f"{v} chunks; interleave fewer chunks or give them more layers")
-        chunks = [[s.num_layers // v + (1 if c < s.num_layers % v else 0) for c in range(v)]
-                  for s in self.stages]
-        if chunk_layers is not None:
+        if chunk_layers is None:
+            chunks = [[s.num_layers // v + (1 if c < s.num_layers % v else 0) for c in range(v)]
+                      for s in self.stages]
+        else:
             chunks = [[int(n) for n in row] for row in chunk_layers]
             bad = [s.index for s, row in zip(self.stages, chunks)
                    if len(row) != v or min(row) < 1 or sum(row) != s.num_layers]
