@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hapt_hf.planner.cluster import Cluster, GpuGroup, GpuType, GroupLink, LinkSpec
@@ -58,6 +58,10 @@ def jobs(draw, max_groups=3, max_gpus=3, max_blocks=6):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs())
+@example(job=(synth_model(1, 512),  # one data-parallel stage, its replicas from all three groups
+              Cluster("rand", tuple(make_group(f"g{i}", 20.0, 0.05, 1) for i in range(3)),
+                      (GroupLink("g0", "g1", LinkSpec(1.0, 10.0)),
+                       GroupLink("g1", "g2", LinkSpec(1.0, 10.0)))), 6))
 def test_plans_cover_every_layer_fit_memory_and_never_lose_to_a_baseline(job):
     model, cluster, gbs = job
     try:
@@ -68,7 +72,8 @@ def test_plans_cover_every_layer_fit_memory_and_never_lose_to_a_baseline(job):
         return
     plan = res.plan
     # the plan may leave groups idle: its ranks cover the groups it uses, each group whole
-    used = {s.group for s in plan.stages}
+    # (a stage's replicas may come from several groups: one data-parallel stage on all of them)
+    used = {g for s in plan.stages for g in s.groups}
     assert used.isdisjoint(plan.idle_groups) and used | set(plan.idle_groups) == \
         set(cluster.group_names)
     plan.validate(world_size=sum(cluster.group(g).size for g in used))
